@@ -1,0 +1,277 @@
+"""Reverse-mode expansion of ``ai.onnx.preview.training.Gradient`` nodes.
+
+``Gradient(xs=[...], zs=[...], y=name)(x values..., z values...)`` computes
+d sum(y) / d x for each x in xs at the point given by its inputs.  The engine
+replaces each such node by standard ONNX ops:
+
+1. If an input value differs from the tensor it stands for, the part of the
+   forward graph that depends on it is cloned with the value substituted, and
+   the Gradient node is rewritten to refer to the clone.
+2. The differentiated subgraph is every node on a path from a name in xs to y.
+   Names in xs and zs are leaves: the graph is cut there, so an intermediate
+   tensor in xs acts as an independent variable.
+3. Starting from ones shaped like y, each node's rule turns output gradients
+   into input gradients, which accumulate with Add/Sum.  Forward activations
+   are read directly: nothing of the forward pass is computed twice.
+
+Gradient nodes are expanded in topological order, so a Gradient that
+differentiates the output of another (higher order) sees only standard ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import onnx
+from onnx import helper
+
+from ..emitter import FLOAT_TYPES, Emitter
+from ..errors import GradientError
+from ..graph import PREVIEW_DOMAIN, constant_values, infer_types, node_inputs, toposort
+from ..names import NameGen
+from . import rules as _rules  # noqa: F401  (registers every rule)
+from .registry import REGISTRY, VJPContext
+
+
+def is_gradient(node: onnx.NodeProto) -> bool:
+    return node.op_type == "Gradient" and node.domain == PREVIEW_DOMAIN
+
+
+def _gradient_attrs(node: onnx.NodeProto) -> tuple[list[str], list[str], str]:
+    xs: list[str] = []
+    zs: list[str] = []
+    y = ""
+    for a in node.attribute:
+        if a.name == "xs":
+            xs = [s.decode() for s in a.strings]
+        elif a.name == "zs":
+            zs = [s.decode() for s in a.strings]
+        elif a.name == "y":
+            y = a.s.decode()
+    where = f"Gradient node {node.name!r}"
+    if not y:
+        raise GradientError(f"{where}: attribute 'y' is missing")
+    if not xs:
+        raise GradientError(f"{where}: attribute 'xs' is missing or empty")
+    if len(node.input) != len(xs) + len(zs):
+        raise GradientError(
+            f"{where}: has {len(node.input)} inputs but xs and zs name "
+            f"{len(xs) + len(zs)} tensors; the inputs are the values of xs then zs"
+        )
+    if len(node.output) > len(xs):
+        raise GradientError(
+            f"{where}: has {len(node.output)} outputs but only {len(xs)} names in xs"
+        )
+    for i, v in enumerate(node.input):
+        if not v:
+            raise GradientError(f"{where}: input {i} is empty; every x and z needs a value")
+    return xs, zs, y
+
+
+def expand_gradients(
+    graph: onnx.GraphProto,
+    opset_imports: Sequence[onnx.OperatorSetIdProto],
+    names: NameGen,
+    available: Sequence[str],
+) -> None:
+    """Replace every Gradient node of ``graph`` (in place) by standard ops.
+
+    ``available`` lists the names defined outside the nodes (inputs,
+    initializers).  The node list ends topologically sorted."""
+    opset = _default_opset(opset_imports)
+    nodes = toposort([_copy(n) for n in graph.node], available)
+    while True:
+        idx = next((i for i, n in enumerate(nodes) if is_gradient(n)), None)
+        if idx is None:
+            break
+        _set_nodes(graph, nodes)
+        dtypes, shapes = infer_types(graph, opset_imports)
+        constants = constant_values(graph)
+        replacement = _expand_one(nodes, idx, opset, names, dtypes, shapes, constants)
+        nodes = nodes[:idx] + replacement + nodes[idx + 1 :]
+        nodes = toposort(nodes, available)
+    _set_nodes(graph, nodes)
+
+
+def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
+    c = onnx.NodeProto()
+    c.CopyFrom(node)
+    return c
+
+
+def _default_opset(opset_imports: Sequence[onnx.OperatorSetIdProto]) -> int:
+    for o in opset_imports:
+        if o.domain in ("", "ai.onnx"):
+            return int(o.version)
+    return 1
+
+
+def _set_nodes(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def _expand_one(
+    nodes: list[onnx.NodeProto],
+    idx: int,
+    opset: int,
+    names: NameGen,
+    dtypes: dict[str, int],
+    shapes: dict[str, tuple | None],
+    constants: dict,
+) -> list[onnx.NodeProto]:
+    gnode = nodes[idx]
+    xs, zs, y = _gradient_attrs(gnode)
+    producer = {o: n for n in nodes for o in n.output if o}
+    position = {id(n): i for i, n in enumerate(nodes)}
+    values = list(gnode.input)
+    sources = list(xs) + list(zs)
+
+    # 1. Substitution: inputs that are not the named tensors themselves.
+    rename = {s: v for s, v in zip(sources, values) if v != s}
+    if rename:
+        return _substitute(gnode, nodes, producer, position, xs, zs, y, rename, names)
+
+    # 2. The subgraph between the sources and y (sources are leaves).
+    leaves = set(sources)
+    relevant: list[onnx.NodeProto] = []
+    seen: set[int] = set()
+    stack = [y]
+    while stack:
+        name = stack.pop()
+        if name in leaves or name not in producer:
+            continue
+        n = producer[name]
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        relevant.append(n)
+        stack.extend(node_inputs(n))
+    relevant.sort(key=lambda n: position[id(n)])
+
+    active: set[str] = {x for x in xs}
+    for n in relevant:
+        rule = REGISTRY.get(n.domain, n.op_type)
+        if rule is not None and rule.kind == "zero":
+            continue
+        if any(i in active for i in node_inputs(n)):
+            for o in n.output:
+                if o and (dtypes.get(o) in FLOAT_TYPES or o not in dtypes):
+                    active.add(o)
+
+    emit = Emitter(opset, names, dtypes, hint=gnode.name or "grad", constants=constants)
+    grads: dict[str, list[str]] = {}
+    if y in active:
+        grads[y] = [emit.ones_like(y)]
+
+    def fresh(hint: str) -> str:
+        return names.fresh(hint)
+
+    for n in reversed(relevant):
+        dys = [emit.sum_all(grads[o]) if o and o in grads else None for o in n.output]
+        if all(d is None for d in dys):
+            continue
+        rule = REGISTRY.get(n.domain, n.op_type)
+        where = f"node {n.name!r} ({n.domain + '.' if n.domain else ''}{n.op_type})"
+        if rule is None:
+            raise GradientError(
+                f"no gradient rule for op {n.op_type!r}"
+                f"{' in domain ' + repr(n.domain) if n.domain else ''}, needed by {where} "
+                f"on the path from {xs} to {y!r}"
+            )
+        if rule.kind == "zero":
+            continue
+        if rule.kind == "refused":
+            raise GradientError(f"{where} is not differentiable: {rule.reason}")
+        needs = [bool(i) and i in active for i in n.input]
+        ctx = VJPContext(n, emit, shapes, needs, fresh)
+        for o, d in zip(n.output, dys):
+            if d is not None:
+                grads[o] = [d]
+        result = rule.fn(ctx, *dys)
+        if isinstance(result, str):
+            result = (result,)
+        result = list(result)
+        if len(result) > len(n.input):
+            raise GradientError(
+                f"gradient rule of {n.op_type} returned {len(result)} gradients for "
+                f"{len(n.input)} inputs ({where})"
+            )
+        for i, dx in enumerate(result):
+            if dx is not None and needs[i]:
+                grads.setdefault(n.input[i], []).append(dx)
+
+    for k, out in enumerate(gnode.output):
+        if not out:
+            continue
+        x = xs[k]
+        contributions = grads.get(x)
+        total = emit.sum_all(contributions) if contributions else emit.zeros_like(values[k])
+        emit.op("Identity", [total], outputs=[out])
+    return emit.nodes
+
+
+def _substitute(
+    gnode: onnx.NodeProto,
+    nodes: list[onnx.NodeProto],
+    producer: dict[str, onnx.NodeProto],
+    position: dict[int, int],
+    xs: list[str],
+    zs: list[str],
+    y: str,
+    rename: dict[str, str],
+    names: NameGen,
+) -> list[onnx.NodeProto]:
+    """Clone the forward nodes between the substituted sources and y, reading
+    the Gradient's input values, and point a rewritten Gradient at the clone."""
+    leaves = set(xs) | set(zs)
+    upstream: list[onnx.NodeProto] = []
+    seen: set[int] = set()
+    stack = [y]
+    while stack:
+        name = stack.pop()
+        if name in leaves or name not in producer:
+            continue
+        n = producer[name]
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        upstream.append(n)
+        stack.extend(node_inputs(n))
+    upstream.sort(key=lambda n: position[id(n)])
+
+    mapping = dict(rename)
+    clones: list[onnx.NodeProto] = []
+    for n in upstream:
+        if not any(i in mapping for i in node_inputs(n)):
+            continue
+        if any(i in mapping for i in node_inputs(n) if i not in n.input):
+            raise GradientError(
+                f"Gradient node {gnode.name!r}: cannot substitute a value read inside the "
+                f"subgraph of node {n.name!r} ({n.op_type})"
+            )
+        c = onnx.NodeProto()
+        c.CopyFrom(n)
+        c.name = names.fresh((n.name or n.op_type) + "/at_point")
+        del c.input[:]
+        c.input.extend(mapping.get(i, i) if i else i for i in n.input)
+        del c.output[:]
+        for o in n.output:
+            if o:
+                mapping[o] = names.fresh(o + "/at_point")
+                c.output.append(mapping[o])
+            else:
+                c.output.append("")
+        clones.append(c)
+
+    g = helper.make_node(
+        "Gradient",
+        list(gnode.input),
+        list(gnode.output),
+        name=gnode.name,
+        domain=PREVIEW_DOMAIN,
+        xs=[mapping.get(x, x) for x in xs],
+        y=mapping.get(y, y),
+        **({"zs": [mapping.get(z, z) for z in zs]} if zs else {}),
+    )
+    return clones + [g]

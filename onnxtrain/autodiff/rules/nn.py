@@ -1,0 +1,5 @@
+"""Gradient rules: nn."""
+
+from __future__ import annotations
+
+from ..registry import no_grad, vjp  # noqa: F401

@@ -1,0 +1,325 @@
+"""Emit ONNX nodes that are valid in one opset.
+
+The emitter is the only place that knows how an op's signature changed across
+opsets (ReduceSum's axes moved from an attribute to an input at opset 13,
+Unsqueeze/Squeeze likewise, Split's sizes too, the other reductions at 18, ...).
+Gradient rules and optimizer lowerings call it and never build NodeProtos by hand.
+
+Every emitted node gets a fresh output name from the program's ``NameGen``.
+The emitter also keeps a table of element types, seeded from shape inference of
+the forward graph and extended for each emitted value where the type follows
+from the op, so that rules can ask ``emit.dtype(name)``.
+
+>>> from onnxtrain.names import NameGen
+>>> e = Emitter(opset=17, names=NameGen(["x"]), dtypes={"x": 1})
+>>> y = e.reduce_sum("x", axes=[0], keepdims=False)
+>>> [n.op_type for n in e.nodes]
+['Constant', 'ReduceSum']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .errors import TrainingModelError
+from .names import NameGen
+
+FLOAT_TYPES = frozenset(
+    {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
+)
+
+# Ops whose output element type differs from their first input's.
+_FIXED_OUTPUT_TYPE = {
+    "Shape": TensorProto.INT64,
+    "Size": TensorProto.INT64,
+    "ArgMax": TensorProto.INT64,
+    "ArgMin": TensorProto.INT64,
+    "NonZero": TensorProto.INT64,
+    "Equal": TensorProto.BOOL,
+    "Less": TensorProto.BOOL,
+    "LessOrEqual": TensorProto.BOOL,
+    "Greater": TensorProto.BOOL,
+    "GreaterOrEqual": TensorProto.BOOL,
+    "Not": TensorProto.BOOL,
+    "And": TensorProto.BOOL,
+    "Or": TensorProto.BOOL,
+    "Xor": TensorProto.BOOL,
+    "IsNaN": TensorProto.BOOL,
+    "IsInf": TensorProto.BOOL,
+}
+
+
+def np_dtype(elem_type: int) -> np.dtype:
+    """The numpy dtype of an ONNX element type."""
+    return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+
+
+def elem_type(dtype: Any) -> int:
+    """The ONNX element type of a numpy dtype."""
+    return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+
+class Emitter:
+    """Appends nodes for one opset of the default domain.
+
+    ``emit.Op(a, b, attr=...)`` emits any op by name and returns its output name;
+    ``outputs=k`` asks for k outputs (returned as a list).  The helper methods
+    (``reduce_sum``, ``unsqueeze``, ``const`` ...) pick the right signature for
+    ``self.opset``.
+    """
+
+    def __init__(
+        self,
+        opset: int,
+        names: NameGen,
+        dtypes: dict[str, int] | None = None,
+        hint: str = "t",
+        constants: dict[str, np.ndarray] | None = None,
+    ) -> None:
+        self.opset = opset
+        #: Values known at build time (Constant outputs, small initializers).
+        self.constants: dict[str, np.ndarray] = dict(constants or {})
+        self.names = names
+        self.dtypes: dict[str, int] = dict(dtypes or {})
+        self.nodes: list[onnx.NodeProto] = []
+        self.hint = hint
+
+    # ------------------------------------------------------------------ core
+    def op(
+        self,
+        op_type: str,
+        inputs: Sequence[str | None],
+        outputs: int | Sequence[str] = 1,
+        domain: str = "",
+        **attrs: Any,
+    ) -> Any:
+        """Emit one node. Missing optional inputs are given as '' or None."""
+        ins = ["" if i is None else i for i in inputs]
+        while ins and ins[-1] == "":
+            ins.pop()
+        if isinstance(outputs, int):
+            outs = [self.names.fresh(f"{self.hint}/{op_type}") for _ in range(outputs)]
+            single = outputs == 1
+        else:
+            outs = list(outputs)
+            single = False
+        attrs = {k: v for k, v in attrs.items() if v is not None}
+        node = helper.make_node(
+            op_type,
+            ins,
+            outs,
+            name=self.names.fresh(f"{self.hint}/{op_type}_node"),
+            domain=domain,
+            **attrs,
+        )
+        self.nodes.append(node)
+        self._propagate_dtype(op_type, ins, outs, attrs)
+        return outs[0] if single else outs
+
+    def __getattr__(self, op_type: str) -> Any:
+        if not op_type[:1].isupper():
+            raise AttributeError(op_type)
+
+        def emit(*inputs: str | None, outputs: int = 1, **attrs: Any) -> Any:
+            return self.op(op_type, inputs, outputs=outputs, **attrs)
+
+        return emit
+
+    def _propagate_dtype(
+        self, op_type: str, ins: list[str], outs: list[str], attrs: dict[str, Any]
+    ) -> None:
+        if op_type in _FIXED_OUTPUT_TYPE:
+            t = _FIXED_OUTPUT_TYPE[op_type]
+        elif op_type == "Cast":
+            t = int(attrs["to"])
+        elif op_type == "CastLike":
+            t = self.dtypes.get(ins[1])
+        elif op_type in ("Constant", "ConstantOfShape"):
+            value = attrs.get("value")
+            t = value.data_type if value is not None else TensorProto.FLOAT
+        elif op_type == "Where":
+            t = self.dtypes.get(ins[1])
+        elif op_type in ("MaxPool",) and len(outs) > 1:
+            if ins and ins[0] in self.dtypes:
+                self.dtypes[outs[0]] = self.dtypes[ins[0]]
+            self.dtypes[outs[1]] = TensorProto.INT64
+            return
+        else:
+            t = self.dtypes.get(ins[0]) if ins and ins[0] else None
+        if t is not None:
+            for o in outs:
+                self.dtypes.setdefault(o, t)
+
+    def dtype(self, name: str) -> int:
+        """Element type of ``name``; raises if nothing is known about it."""
+        try:
+            return self.dtypes[name]
+        except KeyError:
+            raise TrainingModelError(
+                f"cannot determine the element type of tensor {name!r}"
+            ) from None
+
+    # ------------------------------------------------------------ constants
+    def const(self, value: Any, dtype: Any = None, like: str | None = None) -> str:
+        """A Constant holding ``value`` with ``dtype`` (an ONNX or numpy type) or
+        the element type of the tensor ``like``."""
+        if like is not None:
+            et = self.dtype(like)
+        elif dtype is None:
+            et = elem_type(np.asarray(value).dtype)
+        elif isinstance(dtype, int):
+            et = dtype
+        else:
+            et = elem_type(dtype)
+        arr = np.asarray(value, dtype=np_dtype(et))
+        tensor = numpy_helper.from_array(arr, name=self.names.fresh(f"{self.hint}/c"))
+        out = self.op("Constant", [], value=tensor)
+        self.constants[out] = arr
+        return out
+
+    def ints(self, values: Sequence[int]) -> str:
+        """A 1-D int64 Constant."""
+        return self.const(np.asarray(list(values), dtype=np.int64))
+
+    def scalar_int(self, value: int) -> str:
+        """A 0-D int64 Constant."""
+        return self.const(np.asarray(value, dtype=np.int64))
+
+    def fill_like(self, x: str, value: float, dtype: int | None = None) -> str:
+        """A tensor of x's shape filled with ``value`` (x's element type by default)."""
+        et = self.dtype(x) if dtype is None else dtype
+        if self.opset >= 9:
+            fill = numpy_helper.from_array(np.asarray([value], dtype=np_dtype(et)))
+            return self.op("ConstantOfShape", [self.Shape(x)], value=fill)
+        if dtype is not None and dtype != self.dtype(x):
+            base = self.Cast(x, to=dtype)
+        else:
+            base = x
+        # Opsets 7-8 lack ConstantOfShape: broadcast a scalar through Mul by zero.
+        zero = self.Mul(base, self.const(0.0, dtype=et))
+        return self.Add(zero, self.const(value, dtype=et)) if value else zero
+
+    def zeros_like(self, x: str, dtype: int | None = None) -> str:
+        return self.fill_like(x, 0.0, dtype)
+
+    def ones_like(self, x: str, dtype: int | None = None) -> str:
+        return self.fill_like(x, 1.0, dtype)
+
+    def cast_to(self, x: str, et: int) -> str:
+        """Cast unless x already has element type ``et``."""
+        if self.dtypes.get(x) == et:
+            return x
+        return self.Cast(x, to=et)
+
+    # ------------------------------------------------------------ reductions
+    def reduce(
+        self,
+        op_type: str,
+        x: str,
+        axes: Sequence[int] | str | None,
+        keepdims: bool = True,
+    ) -> str:
+        """Reduce* over ``axes``: a list of ints, a runtime int64 tensor name, or
+        None for every axis.  An empty list reduces nothing (returns x)."""
+        if axes is not None and not isinstance(axes, str) and len(axes) == 0:
+            return x
+        axes_as_input = self.opset >= (13 if op_type == "ReduceSum" else 18)
+        kd = 1 if keepdims else 0
+        if axes is None:
+            return self.op(op_type, [x], keepdims=kd)
+        if isinstance(axes, str):
+            if not axes_as_input:
+                raise TrainingModelError(
+                    f"{op_type} over runtime axes needs opset >= "
+                    f"{13 if op_type == 'ReduceSum' else 18}, model has {self.opset}"
+                )
+            return self.op(op_type, [x, axes], keepdims=kd, noop_with_empty_axes=1)
+        if axes_as_input:
+            return self.op(op_type, [x, self.ints(axes)], keepdims=kd)
+        return self.op(op_type, [x], axes=list(axes), keepdims=kd)
+
+    def reduce_sum(self, x: str, axes: Sequence[int] | str | None, keepdims: bool = True) -> str:
+        return self.reduce("ReduceSum", x, axes, keepdims)
+
+    def reduce_mean(self, x: str, axes: Sequence[int] | str | None, keepdims: bool = True) -> str:
+        return self.reduce("ReduceMean", x, axes, keepdims)
+
+    # ---------------------------------------------------------------- shapes
+    def unsqueeze(self, x: str, axes: Sequence[int]) -> str:
+        if self.opset >= 13:
+            return self.Unsqueeze(x, self.ints(axes))
+        return self.Unsqueeze(x, axes=list(axes))
+
+    def squeeze(self, x: str, axes: Sequence[int]) -> str:
+        if self.opset >= 13:
+            return self.Squeeze(x, self.ints(axes))
+        return self.Squeeze(x, axes=list(axes))
+
+    def slice(
+        self,
+        x: str,
+        starts: Sequence[int] | str,
+        ends: Sequence[int] | str,
+        axes: Sequence[int] | None = None,
+        steps: Sequence[int] | None = None,
+    ) -> str:
+        """Slice with static or runtime starts/ends (runtime needs opset >= 10)."""
+        if self.opset >= 10:
+            s = starts if isinstance(starts, str) else self.ints(starts)
+            e = ends if isinstance(ends, str) else self.ints(ends)
+            a = None if axes is None else self.ints(axes)
+            st = None if steps is None else self.ints(steps)
+            return self.Slice(x, s, e, a, st)
+        if isinstance(starts, str) or isinstance(ends, str) or steps is not None:
+            raise TrainingModelError(
+                f"Slice with runtime bounds or steps needs opset >= 10, model has {self.opset}"
+            )
+        return self.Slice(
+            x, starts=list(starts), ends=list(ends), axes=None if axes is None else list(axes)
+        )
+
+    def shape_of(self, x: str, start: int = 0, end: int | None = None) -> str:
+        """Shape(x)[start:end] as a 1-D int64 tensor."""
+        if start == 0 and end is None:
+            return self.Shape(x)
+        if self.opset >= 15:
+            return self.Shape(x, start=start, end=end)
+        big = 2**62
+        return self.slice(self.Shape(x), [start], [big if end is None else end], [0])
+
+    def dim(self, x: str, axis: int) -> str:
+        """Shape(x)[axis] as a 1-D int64 tensor of length 1 (axis may be negative)."""
+        end = None if axis == -1 else axis + 1
+        return self.shape_of(x, axis, end)
+
+    def concat(self, items: Sequence[str], axis: int = 0) -> str:
+        if len(items) == 1:
+            return items[0]
+        return self.Concat(*items, axis=axis)
+
+    def reshape(self, x: str, shape: Sequence[int] | str) -> str:
+        s = shape if isinstance(shape, str) else self.ints(shape)
+        return self.Reshape(x, s)
+
+    def split(self, x: str, sizes: Sequence[int] | str, axis: int = 0) -> list[str]:
+        """Split into pieces of the given sizes (a list, or a runtime int64 tensor
+        name with a static number of pieces given by ``len`` of a list)."""
+        if isinstance(sizes, str):
+            raise TrainingModelError("split needs a static number of pieces")
+        n = len(sizes)
+        if self.opset >= 13:
+            return self.op("Split", [x, self.ints(sizes)], outputs=n, axis=axis)
+        return self.op("Split", [x], outputs=n, axis=axis, split=list(sizes))
+
+    def sum_all(self, items: Sequence[str]) -> str:
+        """Add up gradient contributions of equal shape."""
+        if len(items) == 1:
+            return items[0]
+        if len(items) == 2:
+            return self.Add(items[0], items[1])
+        return self.Sum(*items)

@@ -1,0 +1,16 @@
+"""Exceptions raised by onnxtrain."""
+
+from __future__ import annotations
+
+
+class TrainingModelError(ValueError):
+    """A model breaks a rule of the ONNX training spec or cannot be executed.
+
+    The message names where the problem is, for example
+    ``training_info[0].update_binding[2]: key 'W9' is not an initializer of the
+    main graph or of training_info[0].algorithm``.
+    """
+
+
+class GradientError(TrainingModelError):
+    """A Gradient node cannot be expanded (missing rule, non-differentiable op, ...)."""

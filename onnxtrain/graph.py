@@ -1,0 +1,218 @@
+"""Small graph passes over GraphProtos: dependencies, topological order, pruning,
+type and shape inference.  Each function has one job."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .errors import TrainingModelError
+
+PREVIEW_DOMAIN = "ai.onnx.preview.training"
+DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """Graph-valued attributes of a node (If branches, Loop/Scan bodies)."""
+    out: list[onnx.GraphProto] = []
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            out.append(a.g)
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            out.extend(a.graphs)
+    return out
+
+
+def outer_references(graph: onnx.GraphProto) -> set[str]:
+    """Names a subgraph reads from enclosing scopes."""
+    defined = {i.name for i in graph.input}
+    defined |= {t.name for t in graph.initializer}
+    defined |= {t.values.name for t in graph.sparse_initializer}
+    used: set[str] = set()
+    for node in graph.node:
+        for name in node_inputs(node):
+            if name not in defined:
+                used.add(name)
+        defined.update(o for o in node.output if o)
+    used |= {o.name for o in graph.output if o.name not in defined}
+    return used
+
+
+def node_inputs(node: onnx.NodeProto) -> list[str]:
+    """Every tensor a node reads: its inputs, the outer-scope names its subgraphs
+    read, and, for a Gradient node, its y (it differentiates the graph up to y)."""
+    names = [i for i in node.input if i]
+    for g in subgraphs(node):
+        names.extend(sorted(outer_references(g)))
+    if node.op_type == "Gradient" and node.domain == PREVIEW_DOMAIN:
+        for a in node.attribute:
+            if a.name == "y":
+                names.append(a.s.decode())
+    return names
+
+
+def toposort(
+    nodes: Sequence[onnx.NodeProto], available: Iterable[str], where: str = "graph"
+) -> list[onnx.NodeProto]:
+    """Stable topological order (Kahn).  Raises on cycles and undefined inputs."""
+    producer: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        for o in n.output:
+            if o:
+                producer[o] = i
+    avail = set(available)
+    deps: list[set[int]] = []
+    users: list[list[int]] = [[] for _ in nodes]
+    for i, n in enumerate(nodes):
+        d: set[int] = set()
+        for name in node_inputs(n):
+            if name in producer:
+                if producer[name] != i:
+                    d.add(producer[name])
+            elif name not in avail:
+                raise TrainingModelError(
+                    f"{where}: node {n.name or n.op_type!r} ({n.op_type}) reads {name!r}, "
+                    "which no node, input or initializer defines"
+                )
+        deps.append(d)
+        for j in d:
+            users[j].append(i)
+    ready = [i for i, d in enumerate(deps) if not d]
+    heapq.heapify(ready)
+    order: list[int] = []
+    remaining = [len(d) for d in deps]
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for u in users[i]:
+            remaining[u] -= 1
+            if remaining[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) != len(nodes):
+        stuck = [nodes[i].name or nodes[i].op_type for i in range(len(nodes)) if remaining[i]]
+        raise TrainingModelError(f"{where}: the nodes form a cycle (involving {stuck[:5]})")
+    return [nodes[i] for i in order]
+
+
+def prune(nodes: Sequence[onnx.NodeProto], outputs: Iterable[str]) -> list[onnx.NodeProto]:
+    """Drop nodes that no requested output depends on (keeps order)."""
+    producer = {o: n for n in nodes for o in n.output if o}
+    live: set[int] = set()
+    stack = [producer[o] for o in outputs if o in producer]
+    while stack:
+        n = stack.pop()
+        if id(n) in live:
+            continue
+        live.add(id(n))
+        for name in node_inputs(n):
+            p = producer.get(name)
+            if p is not None and id(p) not in live:
+                stack.append(p)
+    return [n for n in nodes if id(n) in live]
+
+
+def shape_of_type(tp: onnx.TypeProto) -> tuple | None:
+    if not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
+        return None
+    dims = []
+    for d in tp.tensor_type.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(int(d.dim_value))
+        elif d.HasField("dim_param") and d.dim_param:
+            dims.append(d.dim_param)
+        else:
+            dims.append(None)
+    return tuple(dims)
+
+
+def infer_types(
+    graph: onnx.GraphProto,
+    opset_imports: Sequence[onnx.OperatorSetIdProto],
+    ir_version: int = 8,
+) -> tuple[dict[str, int], dict[str, tuple | None]]:
+    """Element types and static shapes of every value shape inference can reach.
+
+    Large initializers are replaced by their type before inference, so this
+    costs time proportional to the node count, not to the weights."""
+    g = onnx.GraphProto()
+    g.name = graph.name or "g"
+    g.node.extend(graph.node)
+    g.input.extend(graph.input)
+    g.output.extend(graph.output)
+    g.value_info.extend(graph.value_info)
+    known = {v.name for v in graph.input}
+    for t in graph.initializer:
+        if t.data_type in (TensorProto.INT64, TensorProto.INT32) and len(t.dims) <= 1:
+            g.initializer.append(t)  # small shape-like constants help inference
+        if t.name not in known:
+            g.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+            known.add(t.name)
+    for st in graph.sparse_initializer:
+        if st.values.name not in known:
+            g.input.append(
+                helper.make_tensor_value_info(st.values.name, st.values.data_type, list(st.dims))
+            )
+    model = helper.make_model(g, opset_imports=list(opset_imports))
+    model.ir_version = max(ir_version, 4)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+        ig = inferred.graph
+    except Exception:  # inference is best effort; rules fall back to runtime shapes
+        ig = g
+    dtypes: dict[str, int] = {}
+    shapes: dict[str, tuple | None] = {}
+    for vi in list(ig.input) + list(ig.value_info) + list(ig.output):
+        tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+        if tt is None:
+            continue
+        if tt.elem_type:
+            dtypes.setdefault(vi.name, tt.elem_type)
+        shapes.setdefault(vi.name, shape_of_type(vi.type))
+    for t in graph.initializer:
+        dtypes[t.name] = t.data_type
+        shapes[t.name] = tuple(int(d) for d in t.dims)
+    for node in ig.node:
+        if node.op_type == "Constant":
+            for a in node.attribute:
+                if a.name == "value":
+                    dtypes[node.output[0]] = a.t.data_type
+                    shapes[node.output[0]] = tuple(int(d) for d in a.t.dims)
+    return dtypes, shapes
+
+
+def constant_values(graph: onnx.GraphProto, max_size: int = 1024) -> dict[str, np.ndarray]:
+    """Values of small Constant outputs and initializers, known when building."""
+    out: dict[str, np.ndarray] = {}
+    for t in graph.initializer:
+        if _numel(t.dims) <= max_size:
+            out[t.name] = numpy_helper.to_array(t)
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS:
+            for a in node.attribute:
+                if a.name == "value" and _numel(a.t.dims) <= max_size:
+                    out[node.output[0]] = numpy_helper.to_array(a.t)
+                elif a.name == "value_ints":
+                    out[node.output[0]] = np.asarray(list(a.ints), dtype=np.int64)
+                elif a.name == "value_int":
+                    out[node.output[0]] = np.asarray(a.i, dtype=np.int64)
+    return out
+
+
+def _numel(dims) -> int:
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
+
+
+def opset_version(opset_imports: Iterable[onnx.OperatorSetIdProto], domain: str = "") -> int:
+    """The imported version of a domain (default domain: '' or 'ai.onnx')."""
+    domains = DEFAULT_DOMAINS if domain in DEFAULT_DOMAINS else (domain,)
+    for o in opset_imports:
+        if o.domain in domains:
+            return int(o.version)
+    return 0
