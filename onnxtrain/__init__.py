@@ -1,6 +1,12 @@
-"""onnxtrain: run ONNX training models end to end on onnxruntime."""
+"""onnxtrain: run ONNX training models end to end on onnxruntime.
+
+>>> import onnxtrain
+>>> sorted(onnxtrain.__all__)[:2]
+['GradientError', 'TrainingModelError']
+"""
 
 from .errors import GradientError, TrainingModelError
+from .session import TrainingSession
 
-__all__ = ["GradientError", "TrainingModelError"]
+__all__ = ["GradientError", "TrainingModelError", "TrainingSession"]
 __version__ = "0.1.0"

@@ -1,0 +1,300 @@
+"""Lower ``ai.onnx.preview.training`` Adam, Momentum and Adagrad to standard ONNX ops.
+
+onnxruntime has no kernels for these ops, so each node is replaced, where it
+stands, by default-domain ops (Cast, Greater, Where, Pow, Sqrt and arithmetic,
+all valid from opset 9 on) that write the node's own output names.  Each
+lowering mirrors the function of the same name in ``reference.py``, line by
+line; the pseudo-code of the spec is quoted in the comments.
+
+The attributes are Python values, folded into Constants of X's element type.
+T is a runtime tensor, so ``T > 0 ? a : b`` becomes ``Where(Greater(T, 0), a, b)``;
+both branches are computed, and at T = 0 the unused Adam branch divides 0 by
+0: Where discards that NaN.
+
+>>> from onnx import TensorProto, helper
+>>> from onnxtrain.names import NameGen
+>>> from onnxtrain.graph import PREVIEW_DOMAIN
+>>> vi = helper.make_tensor_value_info
+>>> node = helper.make_node("Adagrad", ["R", "T", "X", "G", "H"], ["X2", "H2"],
+...                         domain=PREVIEW_DOMAIN)
+>>> graph = helper.make_graph(
+...     [node], "g",
+...     [vi("R", TensorProto.FLOAT, []), vi("T", TensorProto.INT64, [])]
+...     + [vi(v, TensorProto.FLOAT, [3]) for v in "XGH"],
+...     [vi("X2", TensorProto.FLOAT, [3]), vi("H2", TensorProto.FLOAT, [3])])
+>>> imports = [helper.make_opsetid("", 17), helper.make_opsetid(PREVIEW_DOMAIN, 1)]
+>>> lower_optimizers(graph, imports, NameGen())
+>>> any(n.domain == PREVIEW_DOMAIN for n in graph.node), sorted({"X2", "H2"} & {o for n in graph.node for o in n.output})
+(False, ['H2', 'X2'])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import onnx
+from onnx import TensorProto
+
+from ..emitter import Emitter, np_dtype
+from ..errors import TrainingModelError
+from ..graph import PREVIEW_DOMAIN, infer_types, opset_version, subgraphs
+from ..names import NameGen
+from .common import SIGNATURES, OptimizerCall, constant, describe, split_node
+
+#: Where (opset 9) is the newest op the lowerings need.
+MIN_OPSET = 9
+
+_X_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE)
+
+
+def is_optimizer(node: onnx.NodeProto) -> bool:
+    """Whether ``node`` is an Adam, Momentum or Adagrad node of the preview domain."""
+    return node.domain == PREVIEW_DOMAIN and node.op_type in SIGNATURES
+
+
+def lower_optimizers(
+    graph: onnx.GraphProto,
+    opset_imports: Sequence[onnx.OperatorSetIdProto],
+    names: NameGen,
+) -> None:
+    """Replace every optimizer node of ``graph`` (in place) by standard ops.
+
+    The replacement nodes take the optimizer node's place in the node list and
+    write its output names, so the order stays topological and downstream
+    nodes and graph outputs are untouched.  Element types come from shape
+    inference; the default domain must be imported at opset 9 or newer."""
+    _refuse_nested(graph, "graph")
+    if not any(is_optimizer(n) for n in graph.node):
+        return
+    opset = opset_version(opset_imports, "")
+    if opset < MIN_OPSET:
+        found = f"opset {opset}" if opset else "no import of the default domain"
+        raise TrainingModelError(
+            f"graph {graph.name!r}: lowering Adam/Momentum/Adagrad needs the default "
+            f"ONNX domain at opset >= {MIN_OPSET}, found {found}"
+        )
+    names.reserve(_names_in(graph))
+    dtypes, _ = infer_types(graph, opset_imports)
+
+    lowered: list[onnx.NodeProto] = []
+    for node in graph.node:
+        if not is_optimizer(node):
+            lowered.append(_copy(node))
+            continue
+        call = split_node(node, SIGNATURES[node.op_type])
+        et = _element_type(call, dtypes)
+        emit = Emitter(opset, names, dtypes, hint=node.name or node.op_type)
+        _LOWERINGS[node.op_type](emit, call, et)
+        lowered.extend(emit.nodes)
+    del graph.node[:]
+    graph.node.extend(lowered)
+
+
+# ------------------------------------------------------------------ lowerings
+def _lower_adam(emit: Emitter, call: OptimizerCall, et: int) -> None:
+    d = np_dtype(et)
+    a = call.attrs
+    one = constant(1, d)
+    alpha = constant(a["alpha"], d)
+    beta = constant(a["beta"], d)
+
+    R = emit.cast_to(call.r, et)
+    T = emit.Cast(call.t, to=et)
+    # R_adjusted = T > 0 ? R * Sqrt(1 - beta**T) / (1 - alpha**T) : R
+    # (one scalar for all tensors of the node)
+    one_c = emit.const(one)
+    sqrt_h_correction = emit.Sqrt(emit.Sub(one_c, emit.Pow(emit.const(beta), T)))
+    v_correction = emit.Sub(one_c, emit.Pow(emit.const(alpha), T))
+    r_adjusted = emit.Where(
+        _t_positive(emit, call), emit.Div(emit.Mul(R, sqrt_h_correction), v_correction), R
+    )
+
+    alpha_c = emit.const(alpha)
+    one_minus_alpha = emit.const(one - alpha)
+    beta_c = emit.const(beta)
+    one_minus_beta = emit.const(one - beta)
+    epsilon = emit.const(constant(a["epsilon"], d))
+    for i in range(call.n):
+        ins, outs = call.tensor_inputs(i), call.tensor_outputs(i)
+        if not any(outs.values()):
+            continue
+        X, G, V, H = ins["X"], ins["G"], ins["V"], ins["H"]
+        # G_regularized = norm_coefficient * X + G
+        g_reg = _regularized_gradient(emit, X, G, a["norm_coefficient"], d)
+        # V_new = alpha * V + (1 - alpha) * G_regularized
+        v_new = _into(
+            emit, "Add", emit.Mul(alpha_c, V), emit.Mul(one_minus_alpha, g_reg), outs["V"]
+        )
+        # H_new = beta * H + (1 - beta) * G_regularized * G_regularized
+        h_new = _into(
+            emit,
+            "Add",
+            emit.Mul(beta_c, H),
+            emit.Mul(emit.Mul(one_minus_beta, g_reg), g_reg),
+            outs["H"],
+        )
+        # H_sqrt = Sqrt(H_new) + epsilon
+        h_sqrt = emit.Add(emit.Sqrt(h_new), epsilon)
+        # X_new = X - R_adjusted * V_new / H_sqrt
+        step = emit.Div(emit.Mul(r_adjusted, v_new), h_sqrt)
+        # X_final = (1 - norm_coefficient_post) * X_new
+        # (with norm_coefficient_post = 0 the factor is exactly 1: X_new is final)
+        ncp = a["norm_coefficient_post"]
+        if ncp == 0:
+            _into(emit, "Sub", X, step, outs["X"])
+        else:
+            x_new = emit.Sub(X, step)
+            _into(emit, "Mul", emit.const(one - constant(ncp, d)), x_new, outs["X"])
+
+
+def _lower_momentum(emit: Emitter, call: OptimizerCall, et: int) -> None:
+    d = np_dtype(et)
+    a = call.attrs
+    R = emit.cast_to(call.r, et)
+    alpha = emit.const(constant(a["alpha"], d))
+    # beta_adjusted = T > 0 ? beta : 1
+    beta_adjusted = emit.Where(
+        _t_positive(emit, call), emit.const(constant(a["beta"], d)), emit.const(constant(1, d))
+    )
+    for i in range(call.n):
+        ins, outs = call.tensor_inputs(i), call.tensor_outputs(i)
+        if not any(outs.values()):
+            continue
+        X, G, V = ins["X"], ins["G"], ins["V"]
+        # G_regularized = norm_coefficient * X + G
+        g_reg = _regularized_gradient(emit, X, G, a["norm_coefficient"], d)
+        # V_new = alpha * V + beta_adjusted * G_regularized
+        v_new = _into(emit, "Add", emit.Mul(alpha, V), emit.Mul(beta_adjusted, g_reg), outs["V"])
+        if a["mode"] == "standard":
+            # X_new = X - R * V_new
+            direction = v_new
+        else:
+            # X_new = X - R * (G_regularized + alpha * V_new)
+            direction = emit.Add(g_reg, emit.Mul(alpha, v_new))
+        _into(emit, "Sub", X, emit.Mul(R, direction), outs["X"])
+
+
+def _lower_adagrad(emit: Emitter, call: OptimizerCall, et: int) -> None:
+    d = np_dtype(et)
+    a = call.attrs
+    R = emit.cast_to(call.r, et)
+    T = emit.Cast(call.t, to=et)
+    # r = R / (1 + T * decay_factor)
+    decay = emit.Mul(T, emit.const(constant(a["decay_factor"], d)))
+    r = emit.Div(R, emit.Add(emit.const(constant(1, d)), decay))
+    epsilon = emit.const(constant(a["epsilon"], d))
+    for i in range(call.n):
+        ins, outs = call.tensor_inputs(i), call.tensor_outputs(i)
+        if not any(outs.values()):
+            continue
+        X, G, H = ins["X"], ins["G"], ins["H"]
+        # G_regularized = norm_coefficient * X + G
+        g_reg = _regularized_gradient(emit, X, G, a["norm_coefficient"], d)
+        # H_new = H + G_regularized * G_regularized
+        h_new = _into(emit, "Add", H, emit.Mul(g_reg, g_reg), outs["H"])
+        # H_adaptive = Sqrt(H_new) + epsilon
+        h_adaptive = emit.Add(emit.Sqrt(h_new), epsilon)
+        # X_new = X - r * G_regularized / H_adaptive
+        _into(emit, "Sub", X, emit.Div(emit.Mul(r, g_reg), h_adaptive), outs["X"])
+
+
+_LOWERINGS = {"Adam": _lower_adam, "Momentum": _lower_momentum, "Adagrad": _lower_adagrad}
+
+
+# -------------------------------------------------------------------- helpers
+def _regularized_gradient(emit: Emitter, x: str, g: str, coefficient: float, d) -> str:
+    """norm_coefficient * X + G, the gradient of the loss plus 0.5 * c * ||X||^2.
+
+    With c = 0 this is G (for finite X), so no pass over X is spent on it."""
+    if coefficient == 0:
+        return g
+    return emit.Add(emit.Mul(emit.const(constant(coefficient, d)), x), g)
+
+
+def _t_positive(emit: Emitter, call: OptimizerCall) -> str:
+    """T > 0, decided on the int64 T itself."""
+    return emit.Greater(call.t, emit.scalar_int(0))
+
+
+def _into(emit: Emitter, op_type: str, a: str, b: str, out: str) -> str:
+    """Emit a binary op that writes the optimizer's output ``out`` (fresh if '')."""
+    if out:
+        return emit.op(op_type, [a, b], outputs=[out])[0]
+    return emit.op(op_type, [a, b])
+
+
+def _element_type(call: OptimizerCall, dtypes: dict[str, int]) -> int:
+    """The common element type (float or double) of every X, G, V, H and output.
+
+    The spec gives them one type constraint; R (float or double) is cast to
+    it and T must be int64."""
+    where = call.where
+    found = {
+        name: dtypes[name]
+        for group in (*call.inputs.values(), *call.outputs.values())
+        for name in group
+        if name and name in dtypes
+    }
+    kinds = sorted({onnx.TensorProto.DataType.Name(t) for t in found.values()})
+    if not found:
+        raise TrainingModelError(
+            f"{where}: cannot determine the element type of the optimized tensors "
+            f"{call.inputs['X']}; declare the types of the graph inputs"
+        )
+    if len(kinds) > 1:
+        detail = ", ".join(f"{k}: {onnx.TensorProto.DataType.Name(t)}" for k, t in found.items())
+        raise TrainingModelError(
+            f"{where}: X, G and the optimizer state must share one element type, found {detail}"
+        )
+    et = next(iter(found.values()))
+    if et not in _X_TYPES:
+        raise TrainingModelError(
+            f"{where}: optimized tensors must be FLOAT or DOUBLE, found {kinds[0]}"
+        )
+    r_type = dtypes.get(call.r)
+    if r_type is not None and r_type not in _X_TYPES:
+        raise TrainingModelError(
+            f"{where}: learning rate R {call.r!r} must be FLOAT or DOUBLE, found "
+            f"{onnx.TensorProto.DataType.Name(r_type)}"
+        )
+    t_type = dtypes.get(call.t)
+    if t_type is not None and t_type != TensorProto.INT64:
+        raise TrainingModelError(
+            f"{where}: iteration count T {call.t!r} must be INT64, found "
+            f"{onnx.TensorProto.DataType.Name(t_type)}"
+        )
+    return et
+
+
+def _refuse_nested(graph: onnx.GraphProto, where: str) -> None:
+    """Optimizer nodes inside If/Loop/Scan bodies are not lowered: say so."""
+    for node in graph.node:
+        for sub in subgraphs(node):
+            for inner in sub.node:
+                if is_optimizer(inner):
+                    raise TrainingModelError(
+                        f"{where}: {describe(inner)} sits inside a subgraph of "
+                        f"{node.op_type} node {node.name!r}; optimizer ops are only "
+                        "lowered at the top level of a graph"
+                    )
+            _refuse_nested(sub, f"{where} > {node.op_type} {node.name!r}")
+
+
+def _names_in(graph: onnx.GraphProto) -> set[str]:
+    used = {v.name for v in graph.input} | {v.name for v in graph.output}
+    used |= {t.name for t in graph.initializer}
+    for node in graph.node:
+        used.update(node.input)
+        used.update(node.output)
+        if node.name:
+            used.add(node.name)
+    return used
+
+
+def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
+    c = onnx.NodeProto()
+    c.CopyFrom(node)
+    return c
+
+
+__all__ = ["MIN_OPSET", "is_optimizer", "lower_optimizers"]

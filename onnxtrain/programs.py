@@ -1,0 +1,168 @@
+"""Build the executable programs of a training model.
+
+One program per use: ``inference`` (M), ``algorithm i`` (M ⊕ A_i) and
+``initialization i`` (I_i).  Each is a plain ONNX model of standard ops:
+
+1. take the graph (combining M and A_i for an algorithm),
+2. turn every state variable it holds into a graph input (fed from the state),
+3. expand Gradient nodes into backward graphs (autodiff),
+4. lower Adam / Momentum / Adagrad to standard ops (optim),
+5. prune nodes no output needs and sort topologically,
+6. drop the ai.onnx.preview.training import; the executor caps the IR version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import onnx
+from onnx import helper
+
+from .autodiff import expand_gradients
+from .errors import TrainingModelError
+from .graph import PREVIEW_DOMAIN, node_inputs, prune, toposort
+from .model import TrainingModel, combined_graph, uses_preview_ops
+from .names import NameGen
+from .optim import lower_optimizers
+
+
+@dataclass
+class Program:
+    """A standard-op ONNX model plus how the session feeds and reads it."""
+
+    label: str
+    model: onnx.ModelProto
+    #: Inputs the caller must feed: name -> ValueInfoProto.
+    feeds: dict[str, onnx.ValueInfoProto] = field(default_factory=dict)
+    #: Inputs that have a default (an initializer) and may be fed to override it.
+    optional_feeds: dict[str, onnx.ValueInfoProto] = field(default_factory=dict)
+    #: State variables read by the program (fed from the session's state).
+    state_inputs: list[str] = field(default_factory=list)
+    #: Output names in the order the program produces them.
+    outputs: list[str] = field(default_factory=list)
+    #: (state variable, output) pairs applied after a run.
+    bindings: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _all_names(graph: onnx.GraphProto) -> set[str]:
+    names = {i.name for i in graph.input} | {o.name for o in graph.output}
+    names |= {t.name for t in graph.initializer} | {v.name for v in graph.value_info}
+    names |= {t.values.name for t in graph.sparse_initializer}
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        for n in g.node:
+            names.update(n.input)
+            names.update(n.output)
+            names.add(n.name)
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    stack.append(a.g)
+                elif a.type == onnx.AttributeProto.GRAPHS:
+                    stack.extend(a.graphs)
+    return names
+
+
+def build_program(
+    tm: TrainingModel,
+    label: str,
+    graph: onnx.GraphProto,
+    bindings: list[tuple[str, str]] | None = None,
+) -> Program:
+    """Lower one graph (already combined where needed) into a Program."""
+    proto = tm.proto
+    g = onnx.GraphProto()
+    g.CopyFrom(graph)
+    state_here = [
+        name
+        for name in [t.name for t in g.initializer] + [t.values.name for t in g.sparse_initializer]
+        if name in tm.state
+    ]
+    _state_to_inputs(g, tm, set(state_here))
+
+    names = NameGen(_all_names(g))
+    available = [i.name for i in g.input] + [t.name for t in g.initializer]
+    available += [t.values.name for t in g.sparse_initializer]
+    opset_imports = list(proto.opset_import)
+    try:
+        if uses_preview_ops(g):
+            expand_gradients(g, opset_imports, names, available)
+            lower_optimizers(g, opset_imports, names)
+        outputs = [o.name for o in g.output]
+        nodes = prune(toposort(list(g.node), available, where=label), outputs)
+    except TrainingModelError as exc:
+        raise type(exc)(f"{label}: {exc}") from exc
+    del g.node[:]
+    g.node.extend(nodes)
+    if uses_preview_ops(g):
+        left = sorted({n.op_type for n in g.node if n.domain == PREVIEW_DOMAIN})
+        raise TrainingModelError(f"{label}: unsupported ai.onnx.preview.training ops {left}")
+    _prune_unused_initializers(g)
+
+    imports = [o for o in opset_imports if o.domain != PREVIEW_DOMAIN]
+    model = helper.make_model(g, opset_imports=imports, producer_name="onnxtrain")
+    model.ir_version = max(proto.ir_version, 4) if proto.ir_version else 8
+    model.functions.extend(proto.functions)
+
+    init_names = {t.name for t in g.initializer}
+    program = Program(label=label, model=model, bindings=list(bindings or []))
+    for vi in g.input:
+        if vi.name in tm.state:
+            program.state_inputs.append(vi.name)
+        elif vi.name in init_names:
+            program.optional_feeds[vi.name] = vi
+        else:
+            program.feeds[vi.name] = vi
+    program.outputs = [o.name for o in g.output]
+    return program
+
+
+def _state_to_inputs(g: onnx.GraphProto, tm: TrainingModel, state_here: set[str]) -> None:
+    """Replace state initializers by graph inputs of the same type and shape."""
+    declared = {i.name for i in g.input}
+    kept = [t for t in g.initializer if t.name not in state_here]
+    kept_sparse = [t for t in g.sparse_initializer if t.values.name not in state_here]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    del g.sparse_initializer[:]
+    g.sparse_initializer.extend(kept_sparse)
+    for name in sorted(state_here, key=list(tm.state).index):
+        var = tm.state[name]
+        vi = helper.make_tensor_value_info(name, var.elem_type, list(var.shape))
+        if name in declared:
+            for existing in g.input:
+                if existing.name == name:
+                    existing.CopyFrom(vi)
+        else:
+            g.input.append(vi)
+
+
+def _prune_unused_initializers(g: onnx.GraphProto) -> None:
+    used: set[str] = {o.name for o in g.output}
+    for n in g.node:
+        used.update(node_inputs(n))
+    declared = {i.name for i in g.input}
+    kept = [t for t in g.initializer if t.name in used or t.name in declared]
+    if len(kept) != len(g.initializer):
+        del g.initializer[:]
+        g.initializer.extend(kept)
+
+
+def inference_program(tm: TrainingModel) -> Program:
+    return build_program(tm, "inference", tm.proto.graph)
+
+
+def algorithm_program(tm: TrainingModel, index: int) -> Program:
+    ti = tm.proto.training_info[index]
+    bindings = [(e.key, e.value) for e in ti.update_binding]
+    return build_program(
+        tm, f"training_info[{index}].algorithm", combined_graph(tm.proto, index), bindings
+    )
+
+
+def initialization_program(tm: TrainingModel, index: int) -> Program | None:
+    ti = tm.proto.training_info[index]
+    if not ti.HasField("initialization"):
+        return None
+    bindings = [(e.key, e.value) for e in ti.initialization_binding]
+    return build_program(tm, f"training_info[{index}].initialization", ti.initialization, bindings)
