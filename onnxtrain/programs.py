@@ -26,6 +26,10 @@ from .names import NameGen
 from .optim import lower_optimizers
 
 
+#: Default-domain opset given to programs of models that import none.
+DEFAULT_OPSET = 17
+
+
 @dataclass
 class Program:
     """A standard-op ONNX model plus how the session feeds and reads it."""
@@ -84,6 +88,10 @@ def build_program(
     available = [i.name for i in g.input] + [t.name for t in g.initializer]
     available += [t.values.name for t in g.sparse_initializer]
     opset_imports = list(proto.opset_import)
+    if not any(o.domain in ("", "ai.onnx") for o in opset_imports):
+        # Lowered Gradient/optimizer ops are default-domain ops; models that
+        # import only ai.onnx.preview.training (ONNX's own test cases) get one.
+        opset_imports.append(helper.make_opsetid("", DEFAULT_OPSET))
     try:
         if uses_preview_ops(g):
             expand_gradients(g, opset_imports, names, available)

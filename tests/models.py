@@ -70,121 +70,107 @@ def model(
     return m
 
 
-# ----------------------------------------------------------------- regressors
-def linear_regression(
-    optimizer: str = "sgd",
-    n_in: int = 3,
-    lr: float = 0.05,
-    dtype=np.float32,
-    seed: int = 0,
-    opset: int = 17,
-) -> onnx.ModelProto:
-    """Y = X W + B; loss = mean((Y - T)^2); Gradient; an optimizer update.
+# ------------------------------------------------------------ training models
+OPTIMIZER_STATE = {"sgd": (), "momentum": ("v",), "nesterov": ("v",), "adagrad": ("h",),
+                   "adam": ("v", "h")}
 
-    optimizer: 'sgd' (arithmetic), 'momentum', 'nesterov', 'adam', 'adagrad'."""
+
+def trainable_model(
+    main_nodes: Sequence[onnx.NodeProto],
+    inputs: Sequence[onnx.ValueInfoProto],
+    outputs: Sequence[onnx.ValueInfoProto],
+    params: dict[str, np.ndarray],
+    loss_nodes: Sequence[onnx.NodeProto],
+    target: onnx.ValueInfoProto,
+    optimizer: str = "sgd",
+    lr: float = 0.05,
+    groups: Sequence[Sequence[str]] | None = None,
+    opset: int = 17,
+    consts: dict[str, np.ndarray] | None = None,
+) -> onnx.ModelProto:
+    """A training model: main graph; per group of params one TrainingInfoProto
+    with loss_nodes (producing 'loss') -> Gradient -> optimizer -> step counter,
+    and an initialization graph that resets the group's params and state."""
+    groups = [list(params)] if groups is None else [list(g) for g in groups]
+    dtype = next(iter(params.values())).dtype
+    et = helper.np_dtype_to_tensor_dtype(dtype)
+    zs = [i.name for i in inputs] + [target.name]
+    infos = []
+    for gi, group in enumerate(groups):
+        step = f"step{gi}"
+        nodes = list(loss_nodes)
+        grads = [f"d_{p}" for p in group]
+        nodes.append(helper.make_node("Gradient", group + zs, grads, domain=PREVIEW, xs=group, zs=zs,
+                                      y="loss", name=f"gradient{gi}"))
+        inits = [tensor("lr", np.asarray(lr, dtype=dtype)), tensor(step, np.asarray(0, np.int64)),
+                 tensor("one", np.asarray(1, np.int64))]
+        states = {k: [f"{p}_{k}" for p in group] for k in OPTIMIZER_STATE[optimizer]}
+        for k, names in states.items():
+            inits += [tensor(n, np.zeros_like(params[p])) for n, p in zip(names, group)]
+        new = [f"{p}_new" for p in group]
+        flat_state = [n for names in states.values() for n in names]
+        flat_new = [n + "_new" for n in flat_state]
+        if optimizer == "sgd":
+            for p, g, n in zip(group, grads, new):
+                nodes += [helper.make_node("Mul", ["lr", g], [g + "_lr"]),
+                          helper.make_node("Sub", [p, g + "_lr"], [n])]
+        else:
+            op, attrs = {
+                "momentum": ("Momentum", dict(alpha=0.9, beta=1.0, mode="standard", norm_coefficient=0.0)),
+                "nesterov": ("Momentum", dict(alpha=0.9, beta=1.0, mode="nesterov", norm_coefficient=0.001)),
+                "adagrad": ("Adagrad", dict(epsilon=1e-6, decay_factor=0.1, norm_coefficient=0.0)),
+                "adam": ("Adam", dict(alpha=0.9, beta=0.999, epsilon=1e-6, norm_coefficient=0.0)),
+            }[optimizer]
+            nodes.append(helper.make_node(op, ["lr", step] + group + grads + flat_state, new + flat_new,
+                                          domain=PREVIEW, name=f"opt{gi}", **attrs))
+        nodes.append(helper.make_node("Add", [step, "one"], [step + "_new"]))
+        shapes = [params[p].shape for p in group] + [params[p].shape for _ in states for p in group]
+        algo_outputs = [vi("loss", et, [])] + [
+            vi(n, et, list(shp)) for n, shp in zip(new + flat_new, shapes)
+        ] + [vi(step + "_new", TensorProto.INT64, [])]
+        update = list(zip(group + flat_state, new + flat_new)) + [(step, step + "_new")]
+        init_nodes, init_outputs, init_binding = [], [], []
+        for name, value in [(p, params[p]) for p in group] + [
+            (n, np.zeros_like(params[p])) for names in states.values() for n, p in zip(names, group)
+        ] + [(step, np.asarray(0, np.int64))]:
+            init_nodes.append(helper.make_node("Constant", [], [name + "_init"], value=tensor(name + "_v", value)))
+            init_outputs.append(vi(name + "_init", helper.np_dtype_to_tensor_dtype(value.dtype), list(value.shape)))
+            init_binding.append((name, name + "_init"))
+        algo_consts = [tensor(k, v) for k, v in (consts or {}).items()]
+        infos.append(training_info(nodes, inits + algo_consts, [target], algo_outputs, update,
+                                   init_nodes=init_nodes, init_outputs=init_outputs,
+                                   init_binding=init_binding))
+    return model(main_nodes, inputs, outputs, [tensor(k, v) for k, v in params.items()], infos,
+                 opset=opset)
+
+
+def linear_regression(optimizer="sgd", n_in=3, lr=0.05, dtype=np.float32, seed=0, opset=17):
+    """Y = X W + B, loss = mean((Y - T)^2)."""
     rng = np.random.default_rng(seed)
     et = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    W = rng.standard_normal((n_in, 1)).astype(dtype) * 0.1
-    B = np.zeros((1,), dtype=dtype)
-    main_nodes = [
-        helper.make_node("MatMul", ["X", "W"], ["XW"]),
-        helper.make_node("Add", ["XW", "B"], ["Y"]),
-    ]
-    algo_nodes = [
-        helper.make_node("Sub", ["Y", "T"], ["diff"]),
-        helper.make_node("Mul", ["diff", "diff"], ["sq"]),
-        helper.make_node("ReduceMean", ["sq"], ["loss"], keepdims=0),
-        helper.make_node("Gradient", ["W", "B", "X", "T"], ["dW", "dB"], domain=PREVIEW,
-                         xs=["W", "B"], zs=["X", "T"], y="loss"),
-    ]
-    algo_inits = [tensor("lr", np.asarray(lr, dtype=dtype)), tensor("step", np.asarray(0, np.int64)),
-                  tensor("one", np.asarray(1, np.int64))]
-    update, extra_outputs = _optimizer(optimizer, algo_nodes, algo_inits, ["W", "B"], ["dW", "dB"],
-                                       [W, B], dtype)
-    algo_nodes.append(helper.make_node("Add", ["step", "one"], ["step_new"]))
-    update.append(("step", "step_new"))
-    algo_outputs = [vi("loss", et, [])] + extra_outputs + [vi("step_new", TensorProto.INT64, [])]
-    ti = training_info(
-        algo_nodes, algo_inits, [vi("T", et, ["N", 1])], algo_outputs, update,
-        init_nodes=[helper.make_node("Constant", [], ["W0"], value=tensor("w0", W)),
-                    helper.make_node("Constant", [], ["B0"], value=tensor("b0", B)),
-                    helper.make_node("Constant", [], ["S0"], value=tensor("s0", np.asarray(0, np.int64)))]
-        + _zero_state_nodes(optimizer, [W, B]),
-        init_outputs=[vi("W0", et, list(W.shape)), vi("B0", et, [1]),
-                      vi("S0", TensorProto.INT64, [])] + _zero_state_outputs(optimizer, [W, B], et),
-        init_binding=[("W", "W0"), ("B", "B0"), ("step", "S0")] + _zero_state_binding(optimizer, [W, B]),
-    )
-    return model(main_nodes, [vi("X", et, ["N", n_in])], [vi("Y", et, ["N", 1])],
-                 [tensor("W", W), tensor("B", B)], [ti], opset=opset)
+    params = {"W": (rng.standard_normal((n_in, 1)) * 0.1).astype(dtype), "B": np.zeros((1,), dtype)}
+    main = [helper.make_node("MatMul", ["X", "W"], ["XW"]), helper.make_node("Add", ["XW", "B"], ["Y"])]
+    loss = [helper.make_node("Sub", ["Y", "T"], ["diff"]), helper.make_node("Mul", ["diff", "diff"], ["sq"]),
+            helper.make_node("ReduceMean", ["sq"], ["loss"], keepdims=0)]
+    return trainable_model(main, [vi("X", et, ["N", n_in])], [vi("Y", et, ["N", 1])], params, loss,
+                           vi("T", et, ["N", 1]), optimizer, lr, opset=opset)
 
 
-def _state_names(optimizer: str, params: Sequence[str]) -> list[list[str]]:
-    if optimizer in ("momentum", "nesterov"):
-        return [[f"{p}_v" for p in params]]
-    if optimizer == "adagrad":
-        return [[f"{p}_h" for p in params]]
-    if optimizer == "adam":
-        return [[f"{p}_v" for p in params], [f"{p}_h" for p in params]]
-    return []
-
-
-def _zero_state_nodes(optimizer, values):
-    nodes = []
-    for group in _state_names(optimizer, [f"p{i}" for i in range(len(values))]):
-        for name, v in zip(group, values):
-            nodes.append(helper.make_node("Constant", [], [name + "_0"], value=tensor(name + "_z", np.zeros_like(v))))
-    return nodes
-
-
-def _zero_state_outputs(optimizer, values, et):
-    outs = []
-    for group in _state_names(optimizer, [f"p{i}" for i in range(len(values))]):
-        for name, v in zip(group, values):
-            outs.append(vi(name + "_0", et, list(v.shape)))
-    return outs
-
-
-def _zero_state_binding(optimizer, values):
-    binding = []
-    groups_p = _state_names(optimizer, [f"p{i}" for i in range(len(values))])
-    groups_n = _state_names(optimizer, ["W", "B"][: len(values)])
-    for gp, gn in zip(groups_p, groups_n):
-        for p, n in zip(gp, gn):
-            binding.append((n, p + "_0"))
-    return binding
-
-
-def _optimizer(optimizer, nodes, inits, params, grads, values, dtype):
-    """Append the optimizer update; return (update bindings, extra outputs)."""
+def mlp_classifier(optimizer="sgd", sizes=(4, 8, 3), lr=0.1, dtype=np.float32, seed=0, opset=17,
+                   groups=None):
+    """logits = relu(X W1 + b1) W2 + b2 (Gemm), loss = SoftmaxCrossEntropyLoss(mean)."""
+    rng = np.random.default_rng(seed)
     et = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    new = [p + "_new" for p in params]
-    if optimizer == "sgd":
-        for p, g, n in zip(params, grads, new):
-            nodes.append(helper.make_node("Mul", ["lr", g], [g + "_scaled"]))
-            nodes.append(helper.make_node("Sub", [p, g + "_scaled"], [n]))
-        outs = [vi(n, et, list(v.shape)) for n, v in zip(new, values)]
-        return list(zip(params, new)), outs
-    state = _state_names(optimizer, params)
-    for group in state:
-        for name, v in zip(group, values):
-            inits.append(tensor(name, np.zeros_like(v)))
-    state_new = [[s + "_new" for s in group] for group in state]
-    flat_state = [s for g in state for s in g]
-    flat_state_new = [s for g in state_new for s in g]
-    ins = ["lr", "step"] + params + grads + flat_state
-    outs_names = new + flat_state_new
-    if optimizer in ("momentum", "nesterov"):
-        nodes.append(helper.make_node("Momentum", ins, outs_names, domain=PREVIEW, alpha=0.9, beta=1.0,
-                                      mode="standard" if optimizer == "momentum" else "nesterov",
-                                      norm_coefficient=0.0))
-    elif optimizer == "adagrad":
-        nodes.append(helper.make_node("Adagrad", ins, outs_names, domain=PREVIEW, epsilon=1e-6,
-                                      decay_factor=0.1, norm_coefficient=0.0))
-    elif optimizer == "adam":
-        nodes.append(helper.make_node("Adam", ins, outs_names, domain=PREVIEW, alpha=0.9, beta=0.999,
-                                      epsilon=1e-6, norm_coefficient=0.0))
-    else:
-        raise ValueError(optimizer)
-    all_values = values * (1 + len(state))
-    outs = [vi(n, et, list(v.shape)) for n, v in zip(outs_names, all_values)]
-    return list(zip(params + flat_state, outs_names)), outs
+    n_in, n_hidden, n_out = sizes
+    params = {
+        "W1": (rng.standard_normal((n_in, n_hidden)) / np.sqrt(n_in)).astype(dtype),
+        "b1": np.zeros((n_hidden,), dtype),
+        "W2": (rng.standard_normal((n_hidden, n_out)) / np.sqrt(n_hidden)).astype(dtype),
+        "b2": np.zeros((n_out,), dtype),
+    }
+    main = [helper.make_node("Gemm", ["X", "W1", "b1"], ["h_pre"]),
+            helper.make_node("Relu", ["h_pre"], ["h"]),
+            helper.make_node("Gemm", ["h", "W2", "b2"], ["logits"])]
+    loss = [helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "label"], ["loss"], reduction="mean")]
+    return trainable_model(main, [vi("X", et, ["N", n_in])], [vi("logits", et, ["N", n_out])], params,
+                           loss, vi("label", TensorProto.INT64, ["N"]), optimizer, lr, groups, opset)

@@ -1,5 +1,282 @@
-"""Gradient rules: linalg."""
+"""Gradient rules: matrix products (MatMul, Gemm, Einsum).
+
+Batched products broadcast their batch dimensions; ``sum_to`` sums a gradient
+back to an operand's shape, deciding statically where the shapes allow it and
+at run time otherwise, so symbolic batch dimensions work."""
 
 from __future__ import annotations
 
-from ..registry import no_grad, vjp  # noqa: F401
+from collections.abc import Sequence
+
+import numpy as np
+from onnx import numpy_helper
+
+from ...errors import TrainingModelError
+from ..registry import Dim, VJPContext, vjp
+
+
+# ----------------------------------------------------------------- helpers
+def dims_of(ctx: VJPContext, name: str, rank: int) -> tuple[Dim, ...]:
+    """Static dims of ``name`` (None where unknown), padded to ``rank`` entries."""
+    s = ctx.shape(name)
+    if s is None or len(s) != rank:
+        return (None,) * rank
+    return tuple(s)
+
+
+def sum_to(
+    ctx: VJPContext,
+    dx: str,
+    like: str,
+    out_dims: Sequence[Dim],
+    like_dims: Sequence[Dim],
+    like_shape: str | None = None,
+) -> str:
+    """Sum ``dx`` (dims ``out_dims``, a broadcast of ``like``) down to ``like``'s shape.
+
+    Axes that ``like`` lacks are summed away; axes where ``like`` has size 1
+    are summed with keepdims.  Where static dims cannot tell whether ``like``
+    was broadcast, the axes are found at run time: ReduceSum over runtime axes
+    (opset >= 13), or per axis ``Slice(Where(dim == 1, sum, dx), 0, dim)``
+    (opsets 10-12).  ``like_shape`` is like's runtime shape when ``like`` is
+    not laid out as ``like_dims`` (default: Shape(like))."""
+    e = ctx.emit
+    lead = len(out_dims) - len(like_dims)
+    if lead < 0:
+        raise TrainingModelError(
+            f"gradient of {ctx.node.op_type} node {ctx.node.name!r}: {like!r} has more "
+            "dimensions than the gradient flowing into it"
+        )
+    static_axes = list(range(lead))
+    unsure: list[int] = []
+    for i, d in enumerate(like_dims):
+        o = out_dims[lead + i]
+        if d == 1:
+            if o != 1:
+                static_axes.append(lead + i)
+        elif d is not None and d == o:
+            continue
+        elif isinstance(d, int):
+            continue  # a known size > 1 is never broadcast
+        elif isinstance(o, int) and o == 1:
+            continue  # the result has size 1, so like has size 1 too
+        else:
+            unsure.append(lead + i)
+    if unsure and like_shape is None:
+        like_shape = e.Shape(like)
+    if unsure and e.opset >= 13:
+        return _sum_to_runtime(ctx, dx, like_shape)
+    if unsure:
+        if e.opset < 10:
+            raise TrainingModelError(
+                f"gradient of {ctx.node.op_type} node {ctx.node.name!r}: cannot tell "
+                f"statically whether {like!r} was broadcast, and opset {e.opset} < 10 "
+                "has no Slice with runtime bounds"
+            )
+        for axis in unsure:
+            size = e.slice(like_shape, [axis - lead], [axis - lead + 1], axes=[0])
+            summed = e.reduce_sum(dx, [axis], keepdims=True)
+            pick = e.Where(e.Equal(size, e.ints([1])), summed, dx)
+            dx = e.slice(pick, e.ints([0]), size, axes=[axis])
+    if static_axes:
+        dx = e.reduce_sum(dx, static_axes, keepdims=True)
+    if lead:
+        dx = e.squeeze(dx, list(range(lead)))
+    return dx
+
+
+def _sum_to_runtime(ctx: VJPContext, dx: str, shape_like: str) -> str:
+    """``sum_to`` with every axis decided at run time (opset >= 13)."""
+    e = ctx.emit
+    pad = e.Sub(e.Size(e.Shape(dx)), e.Size(shape_like))
+    ones = e.op(
+        "ConstantOfShape",
+        [e.reshape(pad, [1])],
+        value=numpy_helper.from_array(np.ones(1, dtype=np.int64)),
+    )
+    padded = e.Concat(ones, shape_like, axis=0)
+    # Summing an axis where both sides have size 1 changes nothing, so every
+    # axis where `like` has size 1 (or is missing) can be summed.
+    axes = e.reshape(e.NonZero(e.Equal(padded, e.ints([1]))), [-1])
+    return e.Reshape(e.reduce_sum(dx, axes, keepdims=True), shape_like)
+
+
+def _swap_last(ctx: VJPContext, x: str, rank: int) -> str:
+    """Transpose the last two axes."""
+    perm = list(range(rank - 2)) + [rank - 1, rank - 2]
+    return ctx.emit.Transpose(x, perm=perm)
+
+
+def _gemm(ctx: VJPContext, a: str, b: str, trans_a: int, trans_b: int, alpha: float) -> str:
+    """alpha * op(a) @ op(b) as one Gemm (C is required before opset 11)."""
+    e = ctx.emit
+    c = None if e.opset >= 11 else ctx.const(0.0, like=a)
+    return e.Gemm(
+        a,
+        b,
+        c,
+        transA=trans_a or None,
+        transB=trans_b or None,
+        alpha=None if alpha == 1.0 else float(alpha),
+        beta=None if c is None else 0.0,
+    )
+
+
+# -------------------------------------------------------------------- MatMul
+@vjp("MatMul")
+def matmul_vjp(ctx, dy):
+    """y = a @ b (numpy semantics: 1-D operands, broadcast batch dims)
+    ->  da = sum_batch(dy @ b^T), db = sum_batch(a^T @ dy)
+
+    A 1-D a is a row (1, k) and a 1-D b a column (k, 1) whose added axis is
+    absent from y; dy gets that axis back before the products.  2-D operands
+    use one Gemm per gradient."""
+    e = ctx.emit
+    a, b = ctx.inputs
+    y = ctx.outputs[0]
+    ra, rb = ctx.require_rank(a), ctx.require_rank(b)
+    want_a, want_b = ctx.needs(0), ctx.needs(1)
+
+    if ra == 1 and rb == 1:  # dot product: y is a scalar
+        return (
+            e.Mul(dy, b) if want_a else None,
+            e.Mul(dy, a) if want_b else None,
+        )
+    if ra == 2 and rb == 2:
+        return (
+            _gemm(ctx, dy, b, 0, 1, 1.0) if want_a else None,
+            _gemm(ctx, a, dy, 1, 0, 1.0) if want_b else None,
+        )
+
+    # Bring everything to rank >= 2 with a matrix core.
+    a2 = e.unsqueeze(a, [0]) if ra == 1 else a
+    b2 = e.unsqueeze(b, [1]) if rb == 1 else b
+    ra2, rb2 = max(ra, 2), max(rb, 2)
+    r = max(ra2, rb2)
+    y_dims = dims_of(ctx, y, r - (ra == 1) - (rb == 1))
+    if ra == 1:
+        dy2 = e.unsqueeze(dy, [r - 2])
+        y_dims = y_dims[: r - 2] + (1,) + y_dims[r - 2 :]
+    elif rb == 1:
+        dy2 = e.unsqueeze(dy, [r - 1])
+        y_dims = y_dims + (1,)
+    else:
+        dy2 = dy
+    batch = y_dims[: r - 2]
+
+    da = db = None
+    if want_a:
+        g = e.MatMul(dy2, _swap_last(ctx, b2, rb2))
+        a_dims = (1,) + dims_of(ctx, a, 1) if ra == 1 else dims_of(ctx, a, ra)
+        g = sum_to(ctx, g, a2, batch + a_dims[-2:], a_dims)
+        da = e.squeeze(g, [0]) if ra == 1 else g
+    if want_b:
+        g = e.MatMul(_swap_last(ctx, a2, ra2), dy2)
+        b_dims = dims_of(ctx, b, 1) + (1,) if rb == 1 else dims_of(ctx, b, rb)
+        g = sum_to(ctx, g, b2, batch + b_dims[-2:], b_dims)
+        db = e.squeeze(g, [1]) if rb == 1 else g
+    return da, db
+
+
+# ---------------------------------------------------------------------- Gemm
+@vjp("Gemm")
+def gemm_vjp(ctx, dy):
+    """y = alpha * op(A) @ op(B) + beta * C,  op = transpose when transA/transB
+    ->  dA = alpha * dy @ op(B)^T   (transposed back when transA)
+        dB = alpha * op(A)^T @ dy   (transposed back when transB)
+        dC = beta * sum_broadcast(dy)
+
+    Each of dA and dB is a single Gemm with the transposes as attributes:
+    transA=0: dA = Gemm(dy, B, transB=1-transB); transA=1: dA = Gemm(B, dy,
+    transA=transB, transB=1); transB=0: dB = Gemm(A, dy, transA=1-transA);
+    transB=1: dB = Gemm(dy, A, transA=1, transB=transA)."""
+    e = ctx.emit
+    a, b = ctx.inputs[0], ctx.inputs[1]
+    c = ctx.input(2)
+    ta, tb = int(ctx.attr("transA", 0)), int(ctx.attr("transB", 0))
+    alpha, beta = float(ctx.attr("alpha", 1.0)), float(ctx.attr("beta", 1.0))
+
+    da = db = dc = None
+    if ctx.needs(0):
+        da = _gemm(ctx, dy, b, 0, 1 - tb, alpha) if not ta else _gemm(ctx, b, dy, tb, 1, alpha)
+    if ctx.needs(1):
+        db = _gemm(ctx, a, dy, 1 - ta, 0, alpha) if not tb else _gemm(ctx, dy, a, 1, ta, alpha)
+    if c is not None and ctx.needs(2):
+        rc = ctx.require_rank(c)
+        g = dy if beta == 1.0 else e.Mul(dy, ctx.const(beta, like=dy))
+        dc = sum_to(ctx, g, c, dims_of(ctx, ctx.outputs[0], 2), dims_of(ctx, c, rc))
+    return (da, db, dc)[: len(ctx.inputs)]
+
+
+# -------------------------------------------------------------------- Einsum
+def _parse_einsum(eq: str, ranks: Sequence[int]) -> tuple[list[str], str]:
+    """Operand and output subscripts, with '...' kept as the token '.'.
+
+    An implicit output is the sorted letters that occur exactly once, after
+    the ellipsis when any operand has one."""
+    eq = eq.replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    terms = [t.replace("...", ".") for t in lhs.split(",")]
+    if len(terms) != len(ranks):
+        raise TrainingModelError(
+            f"Einsum equation {eq!r} names {len(terms)} operands, the node has {len(ranks)}"
+        )
+    if arrow:
+        out = rhs.replace("...", ".")
+    else:
+        letters = [ch for t in terms for ch in t if ch != "."]
+        once = sorted(ch for ch in set(letters) if letters.count(ch) == 1)
+        out = ("." if any("." in t for t in terms) else "") + "".join(once)
+    return terms, out
+
+
+@vjp("Einsum")
+def einsum_vjp(ctx, dy):
+    """y = einsum(eq, x1..xn)  ->  dxi = einsum('out, xj.., xi -> xi', dy, xj.., ones_like(xi))
+
+    The ones operand brings back letters that only xi has (summed in the
+    forward pass).  When xi has an ellipsis, the gradient einsum puts the
+    ellipsis first, where it is the broadcast of every operand's ellipsis;
+    it is summed back to xi's and moved to its place.  A letter repeated
+    within one operand (a diagonal) is not supported."""
+    e = ctx.emit
+    xs = ctx.inputs
+    ranks = [ctx.require_rank(x) for x in xs]
+    terms, out = _parse_einsum(str(ctx.attr("equation")), ranks)
+    n_ell = [r - len(t.replace(".", "")) for r, t in zip(ranks, terms)]
+    ell_rank = max((n for n, t in zip(n_ell, terms) if "." in t), default=0)
+    if "." in out:
+        y_dims = dims_of(ctx, ctx.outputs[0], len(out) - 1 + ell_rank)
+        p = out.index(".")
+        ell_dims = y_dims[p : p + ell_rank]
+    else:
+        ell_dims = (None,) * ell_rank
+    grads: list[str | None] = []
+    for i, x in enumerate(xs):
+        if not ctx.needs(i):
+            grads.append(None)
+            continue
+        letters = terms[i].replace(".", "")
+        if len(set(letters)) != len(letters):
+            raise TrainingModelError(
+                f"gradient of Einsum node {ctx.node.name!r}: operand {i} repeats a "
+                f"subscript in {terms[i]!r} (a diagonal); this is not supported"
+            )
+        others = [j for j in range(len(xs)) if j != i]
+        target = ("." if "." in terms[i] else "") + letters
+        sub = [out] + [terms[j] for j in others] + [terms[i]]
+        eq = ",".join(sub) + "->" + target
+        ops = [dy] + [xs[j] for j in others] + [e.ones_like(x)]
+        g = e.Einsum(*ops, equation=eq.replace(".", "..."))
+        if "." in terms[i]:
+            pos, n = terms[i].index("."), n_ell[i]
+            perm = list(range(pos, pos + n)) + list(range(pos)) + list(range(pos + n, ranks[i]))
+            x_dims = dims_of(ctx, x, ranks[i])
+            like_dims = tuple(x_dims[k] for k in perm)
+            out_dims = tuple(ell_dims) + like_dims[n:]
+            like_shape = e.Gather(e.Shape(x), e.ints(perm)) if pos and n else None
+            g = sum_to(ctx, g, x, out_dims, like_dims, like_shape=like_shape)
+            if pos and n:
+                g = e.Transpose(g, perm=[int(k) for k in np.argsort(perm)])
+        grads.append(g)
+    return tuple(grads)

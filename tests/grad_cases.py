@@ -1,0 +1,180 @@
+"""Tables of gradient-rule cases shared by tests/test_grad_*.py.
+
+A ``Case`` names one op, its inputs (drawn from a domain where the op is
+smooth: positive for Log, away from kinks for Relu ...), its attributes and the
+opsets to check.  ``case_params`` expands a table into pytest parameters, one
+per (case, opset, static or symbolic shapes); ``run_case`` runs the float64
+finite-difference check and ``run_case_float32`` checks that float32 gradients
+come back with the input's type and shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from gradcheck import _all_names, _model, check_vjp
+from onnx import helper
+
+from onnxtrain.autodiff import expand_gradients
+from onnxtrain.errors import TrainingModelError
+from onnxtrain.executor import Executor
+from onnxtrain.graph import PREVIEW_DOMAIN
+from onnxtrain.names import NameGen
+
+#: Default opsets: an old one (signatures before the opset-13 changes), 13, 18.
+OPSETS = (9, 13, 18)
+
+
+@dataclass
+class Case:
+    """One op to check.  ``inputs`` maps input names to arrays (float64 ones are
+    differentiated unless ``wrt`` says otherwise); ``extra`` builds nodes that
+    run first (Constants), from the opset."""
+
+    id: str
+    op: str
+    inputs: Callable[[np.random.Generator], dict[str, np.ndarray]]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    opsets: Sequence[int] = OPSETS
+    node_inputs: Sequence[str] | None = None
+    extra: Callable[[int], list[onnx.NodeProto]] | None = None
+    wrt: Sequence[str] | None = None
+    n_outputs: int = 1
+    diff_outputs: Sequence[int] | None = None
+    #: Extra keyword arguments for check_vjp (tolerances).
+    check: dict[str, Any] = field(default_factory=dict)
+    #: (predicate(opset, symbolic), reason, exception) -> xfail.
+    xfail: tuple | None = None
+
+
+#: Symbolic shapes are checked from this opset on.  Before it, ReduceSum has no
+#: runtime axes, so ctx.unbroadcast needs static broadcast information, and the
+#: harness's own loss (out * R, R static) already lacks it: see
+#: test_symbolic_broadcast_before_opset13_is_refused.
+SYMBOLIC_FROM = 13
+
+
+def case_params(cases: Sequence[Case]) -> list:
+    """pytest parameters (case, opset, symbolic): every opset with static shapes,
+    the opsets >= SYMBOLIC_FROM with symbolic ones too; expected failures marked."""
+    out = []
+    for c in cases:
+        for opset in c.opsets:
+            for sym in (False, True):
+                if sym and opset < SYMBOLIC_FROM:
+                    continue
+                marks = []
+                if c.xfail is not None and c.xfail[0](opset, sym):
+                    marks.append(pytest.mark.xfail(raises=c.xfail[2], strict=True, reason=c.xfail[1]))
+                tag = "sym" if sym else "static"
+                out.append(pytest.param(c, opset, sym, id=f"{c.id}-opset{opset}-{tag}", marks=marks))
+    return out
+
+
+def float32_params(cases: Sequence[Case]) -> list:
+    """One float32 parameter per case, at its newest opset with static shapes."""
+    return [pytest.param(c, max(c.opsets), id=f"{c.id}-opset{max(c.opsets)}") for c in cases]
+
+
+def run_case(case: Case, opset: int, symbolic: bool) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(20240521)
+    inputs = case.inputs(rng)
+    return check_vjp(
+        case.op,
+        inputs,
+        case.attrs,
+        wrt=case.wrt,
+        opset=opset,
+        symbolic=symbolic,
+        node_inputs=case.node_inputs,
+        extra_nodes=case.extra(opset) if case.extra else (),
+        n_outputs=case.n_outputs,
+        diff_outputs=case.diff_outputs,
+        **case.check,
+    )
+
+
+def run_case_float32(case: Case, opset: int) -> None:
+    """Differentiate the float32 version of ``case`` and check each gradient's
+    element type and shape (no finite differences: float32 is too coarse)."""
+    rng = np.random.default_rng(20240521)
+    inputs64 = case.inputs(rng)
+    wrt = list(case.wrt) if case.wrt is not None else [
+        k for k, v in inputs64.items() if v.dtype == np.float64
+    ]
+    inputs = {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in inputs64.items()}
+    outs = [f"out{i}" for i in range(case.n_outputs)]
+    diff = list(range(case.n_outputs)) if case.diff_outputs is None else list(case.diff_outputs)
+    nodes = list(case.extra(opset) if case.extra else [])
+    for n in nodes:  # float32 versions of float64 Constants
+        for a in n.attribute:
+            if a.name == "value" and a.t.data_type == onnx.TensorProto.DOUBLE:
+                arr = onnx.numpy_helper.to_array(a.t).astype(np.float32)
+                a.t.CopyFrom(onnx.numpy_helper.from_array(arr, a.t.name))
+    names = list(case.node_inputs) if case.node_inputs is not None else list(inputs)
+    nodes.append(helper.make_node(case.op, names, outs, name="op", **case.attrs))
+    sums = []
+    for k in diff:
+        nodes.append(helper.make_node("ReduceSum", [outs[k]], [f"s{k}"], keepdims=0))
+        sums.append(f"s{k}")
+    nodes.append(helper.make_node("Sum", sums, ["loss"]))
+    grads = [f"grad_{x}" for x in wrt]
+    nodes.append(
+        helper.make_node("Gradient", wrt, grads, domain=PREVIEW_DOMAIN, xs=wrt, y="loss", name="G")
+    )
+    types = {}
+    types.update({g: helper.np_dtype_to_tensor_dtype(inputs[x].dtype) for g, x in zip(grads, wrt)})
+    model = _model(nodes, inputs, grads, opset, types)
+    expand_gradients(model.graph, model.opset_import, NameGen(_all_names(model)), list(inputs))
+    onnx.checker.check_model(model)
+    values = Executor(model).run(inputs, grads)
+    for g, x in zip(values, wrt):
+        assert g.dtype == np.float32, f"grad of {x}: dtype {g.dtype}"
+        assert g.shape == inputs[x].shape, f"grad of {x}: shape {g.shape} != {inputs[x].shape}"
+        assert np.all(np.isfinite(g)), f"grad of {x} is not finite"
+
+
+# ------------------------------------------------------------ input domains
+
+
+def normal(*shape: int) -> Callable[[np.random.Generator], np.ndarray]:
+    return lambda rng: rng.standard_normal(shape)
+
+
+def uniform(lo: float, hi: float, *shape: int) -> Callable[[np.random.Generator], np.ndarray]:
+    return lambda rng: rng.uniform(lo, hi, shape)
+
+
+def away(*shape: int, points: Sequence[float] = (0.0,), gap: float = 0.1, scale: float = 1.0):
+    """Normal draws (times ``scale``) kept at least ``gap`` from each of ``points``."""
+
+    def draw(rng: np.random.Generator) -> np.ndarray:
+        x = rng.standard_normal(shape) * scale
+        for p in points:
+            near = np.abs(x - p) < gap
+            x = np.where(near, p + np.where(x >= p, gap, -gap) * 2, x)
+        return x
+
+    return draw
+
+
+def ins(**draws: Callable[[np.random.Generator], np.ndarray] | np.ndarray):
+    """An inputs callable from per-input draws (callables) or fixed arrays."""
+
+    def make(rng: np.random.Generator) -> dict[str, np.ndarray]:
+        return {k: (v(rng) if callable(v) else np.asarray(v)) for k, v in draws.items()}
+
+    return make
+
+
+def const_node(name: str, value: Any, dtype: Any = np.int64) -> onnx.NodeProto:
+    """A Constant node producing ``name``."""
+    arr = np.asarray(value, dtype=dtype)
+    return helper.make_node(
+        "Constant", [], [name], value=onnx.numpy_helper.from_array(arr, name=name + "_value")
+    )
