@@ -192,6 +192,9 @@ class Emitter:
 
     def fill_like(self, x: str, value: float, dtype: int | None = None) -> str:
         """A tensor of x's shape filled with ``value`` (x's element type by default)."""
+        if dtype is None and x not in self.dtypes and self.opset >= 15:
+            # Type unknown at build time: make float ones, then take x's type at run time.
+            return self.CastLike(self.fill_like(x, value, TensorProto.FLOAT), x)
         et = self.dtype(x) if dtype is None else dtype
         if self.opset >= 9:
             fill = numpy_helper.from_array(np.asarray([value], dtype=np_dtype(et)))

@@ -159,6 +159,7 @@ def _expand_one(
                 if o and (dtypes.get(o) in FLOAT_TYPES or o not in dtypes):
                     active.add(o)
 
+    _check_rules(relevant, active, xs, y)
     emit = Emitter(opset, names, dtypes, hint=gnode.name or "grad", constants=constants)
     grads: dict[str, list[str]] = {}
     if y in active:
@@ -209,6 +210,23 @@ def _expand_one(
         total = emit.sum_all(contributions) if contributions else emit.zeros_like(values[k])
         emit.op("Identity", [total], outputs=[out])
     return emit.nodes
+
+
+def _check_rules(relevant: list[onnx.NodeProto], active: set[str], xs: list[str], y: str) -> None:
+    """Fail before emitting anything if a node on the path has no usable rule."""
+    for n in relevant:
+        if not any(i in active for i in node_inputs(n)):
+            continue
+        rule = REGISTRY.get(n.domain, n.op_type)
+        where = f"node {n.name!r} ({n.domain + '.' if n.domain else ''}{n.op_type})"
+        if rule is None:
+            raise GradientError(
+                f"no gradient rule for op {n.op_type!r}"
+                f"{' in domain ' + repr(n.domain) if n.domain else ''}, needed by {where} "
+                f"on the path from {xs} to {y!r}"
+            )
+        if rule.kind == "refused":
+            raise GradientError(f"{where} is not differentiable: {rule.reason}")
 
 
 def _substitute(

@@ -230,14 +230,31 @@ def _parse_einsum(eq: str, ranks: Sequence[int]) -> tuple[list[str], str]:
     return terms, out
 
 
+def _broadcast_dims(shapes: Sequence[Sequence[Dim]], rank: int) -> tuple[Dim, ...]:
+    """Static dims of the broadcast of ``shapes`` (right-aligned), None where unknown."""
+    out: list[Dim] = []
+    for k in range(rank):
+        dims = [s[len(s) - rank + k] for s in shapes if len(s) - rank + k >= 0]
+        big = {d for d in dims if d != 1}
+        if not big:
+            out.append(1)
+        elif len(big) == 1 and None not in big and (isinstance(next(iter(big)), int) or 1 not in dims):
+            # a symbol next to a literal 1 might itself be 1 or not: the size is known
+            # only when every operand has that same symbol (or the size is an int)
+            out.append(next(iter(big)))
+        else:
+            out.append(None)
+    return tuple(out)
+
+
 @vjp("Einsum")
 def einsum_vjp(ctx, dy):
     """y = einsum(eq, x1..xn)  ->  dxi = einsum('out, xj.., xi -> xi', dy, xj.., ones_like(xi))
 
     The ones operand brings back letters that only xi has (summed in the
-    forward pass).  When xi has an ellipsis, the gradient einsum puts the
-    ellipsis first, where it is the broadcast of every operand's ellipsis;
-    it is summed back to xi's and moved to its place.  A letter repeated
+    forward pass).  When any operand has an ellipsis, the gradient einsum puts
+    the ellipsis first, where it is the broadcast of every operand's ellipsis;
+    it is summed back to xi's (away when xi has none) and moved to its place.  A letter repeated
     within one operand (a diagonal) is not supported."""
     e = ctx.emit
     xs = ctx.inputs
@@ -245,12 +262,16 @@ def einsum_vjp(ctx, dy):
     terms, out = _parse_einsum(str(ctx.attr("equation")), ranks)
     n_ell = [r - len(t.replace(".", "")) for r, t in zip(ranks, terms)]
     ell_rank = max((n for n, t in zip(n_ell, terms) if "." in t), default=0)
-    if "." in out:
-        y_dims = dims_of(ctx, ctx.outputs[0], len(out) - 1 + ell_rank)
-        p = out.index(".")
-        ell_dims = y_dims[p : p + ell_rank]
-    else:
-        ell_dims = (None,) * ell_rank
+    # The broadcast ellipsis, from the operands (ONNX's shape inference of
+    # Einsum copies the first operand's ellipsis, so y's dims are not used).
+    ell_dims = _broadcast_dims(
+        [
+            dims_of(ctx, x, r)[t.index(".") : t.index(".") + n]
+            for x, r, t, n in zip(xs, ranks, terms, n_ell)
+            if "." in t
+        ],
+        ell_rank,
+    )
     grads: list[str | None] = []
     for i, x in enumerate(xs):
         if not ctx.needs(i):
@@ -263,13 +284,15 @@ def einsum_vjp(ctx, dy):
                 f"subscript in {terms[i]!r} (a diagonal); this is not supported"
             )
         others = [j for j in range(len(xs)) if j != i]
-        target = ("." if "." in terms[i] else "") + letters
+        # Once any operand has an ellipsis the output of an einsum must too.
+        has_ell = any("." in t for t in terms)
+        target = ("." if has_ell else "") + letters
         sub = [out] + [terms[j] for j in others] + [terms[i]]
         eq = ",".join(sub) + "->" + target
         ops = [dy] + [xs[j] for j in others] + [e.ones_like(x)]
         g = e.Einsum(*ops, equation=eq.replace(".", "..."))
-        if "." in terms[i]:
-            pos, n = terms[i].index("."), n_ell[i]
+        if has_ell:
+            pos, n = (terms[i].index("."), n_ell[i]) if "." in terms[i] else (0, 0)
             perm = list(range(pos, pos + n)) + list(range(pos)) + list(range(pos + n, ranks[i]))
             x_dims = dims_of(ctx, x, ranks[i])
             like_dims = tuple(x_dims[k] for k in perm)
