@@ -119,8 +119,8 @@ def check_vjp_f32(
     they are float32 and shaped like their inputs."""
     rng = np.random.default_rng(seed)
     attrs = dict(attrs or {})
-    x64 = {k: v for k, v in inputs.items()}
-    x32 = {k: v.astype(np.float32) if v.dtype.kind == "f" else v for k, v in inputs.items()}
+    x64 = {k: np.asarray(v) for k, v in inputs.items()}
+    x32 = {k: v.astype(np.float32) if v.dtype.kind == "f" else v for k, v in x64.items()}
     wrt = list(wrt) if wrt is not None else [k for k, v in x32.items() if v.dtype == np.float32]
     outs = [f"out{i}" for i in range(n_outputs)]
     diff_outputs = list(range(n_outputs)) if diff_outputs is None else list(diff_outputs)
@@ -185,11 +185,11 @@ def check_vjp_f32(
         raise ValueError(f"unknown oracle {oracle!r}")
 
     for _ in range(directions):
-        d = {x: rng.standard_normal(x32[x].shape) for x in wrt}
+        d = {x: np.asarray(rng.standard_normal(x32[x].shape)) for x in wrt}
         plus, minus = dict(base), dict(base)
         for x in wrt:
-            plus[x] = (base[x] + step * d[x]).astype(dt)
-            minus[x] = (base[x] - step * d[x]).astype(dt)
+            plus[x] = np.asarray(base[x] + step * d[x], dtype=dt)
+            minus[x] = np.asarray(base[x] - step * d[x], dtype=dt)
             if oracle == "ort":  # the step actually taken, after rounding
                 d[x] = (plus[x].astype(np.float64) - minus[x]) / (2 * step)
         numeric = (loss_at(plus) - loss_at(minus)) / (2 * step)

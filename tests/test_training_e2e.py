@@ -221,3 +221,47 @@ def test_failed_step_leaves_state_exactly_as_it_was():
         sess.train_step({"X": x, "label": labels.astype(np.int32)})
     for k, v in before.items():
         np.testing.assert_array_equal(sess.state[k], v)
+
+
+@pytest.mark.parametrize("opset", [9, 11, 12, 13, 15, 18, 21, 26])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_models_of_every_opset_train(opset, optimizer):
+    """Emitted ops must be valid in the model's own opset (9 to the newest onnxruntime runs)."""
+    sess = TrainingSession(linear_regression(optimizer, opset=opset))
+    oracle = NumpyTrainer({k: sess.state[k] for k in ("W", "B")}, optimizer, 0.05)
+    x, t = regression_data()
+    for _ in range(5):
+        loss, grads = linreg_loss_and_grads(oracle.p, x.astype(np.float64), t.astype(np.float64))
+        oracle.apply(grads)
+        got = float(sess.train_step({"X": x, "T": t})["loss"])
+        np.testing.assert_allclose(got, loss, rtol=1e-4)
+    for name, program in sess.programs().items():
+        assert {o.version for o in program.opset_import if o.domain in ("", "ai.onnx")} == {opset}, name
+        onnx_checker(program)
+
+
+def onnx_checker(program):
+    import onnx
+
+    onnx.checker.check_model(program, full_check=True)
+
+
+def test_programs_are_compiled_once(monkeypatch):
+    import onnxtrain.session as session_module
+
+    created = []
+    real = session_module.Executor
+
+    def counting(*args, **kwargs):
+        created.append(kwargs.get("label", args[-1] if args else None))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(session_module, "Executor", counting)
+    sess = TrainingSession(linear_regression("adam"))
+    x, t = regression_data()
+    for _ in range(5):
+        sess.train_step({"X": x, "T": t})
+        sess.run({"X": x})
+    sess.initialize()
+    sess.initialize()
+    assert len(created) == 3  # algorithm, inference, initialization: once each

@@ -238,10 +238,8 @@ def _broadcast_dims(shapes: Sequence[Sequence[Dim]], rank: int) -> tuple[Dim, ..
         big = {d for d in dims if d != 1}
         if not big:
             out.append(1)
-        elif len(big) == 1 and None not in big and (isinstance(next(iter(big)), int) or 1 not in dims):
-            # a symbol next to a literal 1 might itself be 1 or not: the size is known
-            # only when every operand has that same symbol (or the size is an int)
-            out.append(next(iter(big)))
+        elif len(big) == 1 and None not in big:
+            out.append(next(iter(big)))  # one size (or one symbol) besides 1s
         else:
             out.append(None)
     return tuple(out)
