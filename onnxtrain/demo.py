@@ -43,7 +43,7 @@ PREVIEW_DOMAIN = "ai.onnx.preview.training"
 
 #: Defaults of run_demo, chosen so that the demo reaches >= 95% test accuracy
 #: in a few seconds on two CPU cores.
-DEFAULT_EPOCHS = 12
+DEFAULT_EPOCHS = 15
 DEFAULT_BATCH_SIZE = 32
 DEFAULT_LR = 0.01
 TEST_FRACTION = 0.2

@@ -1,9 +1,24 @@
-"""The only module that imports onnxruntime: compile a program once, run it many times."""
+"""The only module that imports onnxruntime: compile a program once, run it many times.
+
+Two pieces:
+
+- ``Executor``: one compiled onnxruntime session of one program.  ``run`` takes
+  and returns numpy arrays; ``run_bound`` is the hot path: state tensors go in
+  and out as OrtValues through IOBinding, so a training step copies no state.
+- ``StateStore``: the state variables, double-buffered in OrtValues.  A step
+  writes every updated variable into its spare buffer; ``commit`` swaps the
+  buffers, so a failed step leaves the current ones untouched.  Readers
+  (inference from other threads, ``state`` lookups) pin the buffers they read,
+  and a writer never writes into a pinned buffer: it allocates a new one.
+"""
 
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -11,7 +26,6 @@ import onnx
 import onnxruntime as ort
 
 from .errors import TrainingModelError
-
 
 
 def _max_ir_version() -> int:
@@ -26,15 +40,10 @@ def _max_ir_version() -> int:
 #: Programs are lowered to this IR version before onnxruntime sees them.
 MAX_IR_VERSION = _max_ir_version()
 
-#: ONNX element type -> onnxruntime's type string, for feed checks.
-_ORT_TYPE = {
-    onnx.TensorProto.FLOAT: "tensor(float)",
-    onnx.TensorProto.DOUBLE: "tensor(double)",
-    onnx.TensorProto.FLOAT16: "tensor(float16)",
-    onnx.TensorProto.INT64: "tensor(int64)",
-    onnx.TensorProto.INT32: "tensor(int32)",
-    onnx.TensorProto.BOOL: "tensor(bool)",
-}
+
+def contiguous(arr: np.ndarray) -> np.ndarray:
+    """C-contiguous, keeping 0-d arrays 0-d (np.ascontiguousarray would make them 1-d)."""
+    return arr if arr.flags.c_contiguous else np.array(arr, order="C")
 
 
 def available_providers() -> list[str]:
@@ -44,9 +53,15 @@ def available_providers() -> list[str]:
 def default_session_options(threads: int | None = None) -> ort.SessionOptions:
     """Session options used unless the caller passes its own.
 
-    Full graph optimizations; intra-op threads from ``threads`` or the
-    ``ONNXTRAIN_THREADS`` environment variable (default: onnxruntime's choice);
-    one inter-op thread, since programs are chains of dependent kernels."""
+    - graph optimizations: ORT_ENABLE_ALL (constant folding, fusions such as
+      Gemm+activation, layout transforms);
+    - intra-op threads: ``threads``, else the ``ONNXTRAIN_THREADS`` environment
+      variable, else onnxruntime's default (one per physical core);
+    - one inter-op thread and sequential execution: a training program is a
+      long chain of dependent kernels, parallel branches rarely pay;
+    - the CPU memory arena and memory pattern planning stay on (the shapes of a
+      training loop repeat, so buffers are reused from step to step).
+    """
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     env = os.environ.get("ONNXTRAIN_THREADS")
@@ -54,8 +69,18 @@ def default_session_options(threads: int | None = None) -> ort.SessionOptions:
     if n:
         so.intra_op_num_threads = n
     so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.log_severity_level = 3
     return so
+
+
+def device_of(providers: Sequence[Any] | None) -> tuple[str, int]:
+    """Where state lives for these providers: ('cuda', id) or ('cpu', 0)."""
+    for p in providers or ():
+        name, opts = (p, {}) if isinstance(p, str) else (p[0], p[1])
+        if name == "CUDAExecutionProvider":
+            return "cuda", int(opts.get("device_id", 0))
+    return "cpu", 0
 
 
 class Executor:
@@ -70,7 +95,10 @@ class Executor:
     ) -> None:
         self.label = label
         if model.ir_version > MAX_IR_VERSION:
-            model.ir_version = MAX_IR_VERSION
+            capped = onnx.ModelProto()
+            capped.CopyFrom(model)
+            capped.ir_version = MAX_IR_VERSION
+            model = capped
         try:
             self._sess = ort.InferenceSession(
                 model.SerializeToString(),
@@ -79,8 +107,10 @@ class Executor:
             )
         except Exception as exc:  # onnxruntime raises its own exception types
             raise TrainingModelError(f"{label}: onnxruntime cannot load it: {exc}") from exc
-        self.inputs = {i.name: i for i in self._sess.get_inputs()}
+        self.device = device_of(self._sess.get_providers())
+        self.input_names = [i.name for i in self._sess.get_inputs()]
         self.output_names = [o.name for o in self._sess.get_outputs()]
+        self._local = threading.local()
 
     def run(
         self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str] | None = None
@@ -90,3 +120,170 @@ class Executor:
             return self._sess.run(list(output_names) if output_names else None, dict(feeds))
         except Exception as exc:
             raise RuntimeError(f"{self.label}: onnxruntime failed: {exc}") from exc
+
+    def run_bound(
+        self,
+        feeds: Mapping[str, np.ndarray],
+        state_in: Mapping[str, ort.OrtValue],
+        state_out: Mapping[str, ort.OrtValue],
+        fetch: Sequence[str],
+        to_numpy: bool = True,
+    ) -> dict[str, Any]:
+        """The hot path: bind numpy feeds, state OrtValues in and out, run once.
+
+        ``state_out`` maps output names to preallocated buffers onnxruntime
+        writes into.  The other outputs in ``fetch`` come back as numpy arrays
+        (or OrtValues with ``to_numpy=False``).  Bindings are cached per
+        thread and per set of state buffers, so with double buffering a step
+        rebinds only its feeds."""
+        cache: OrderedDict = getattr(self._local, "bindings", None)
+        if cache is None:
+            cache = self._local.bindings = OrderedDict()
+        key = (
+            tuple(id(v) for v in state_in.values()),
+            tuple(id(v) for v in state_out.values()),
+            tuple(fetch),
+        )
+        entry = cache.get(key)
+        if entry is None:
+            binding = self._sess.io_binding()
+            for name, value in state_in.items():
+                binding.bind_ortvalue_input(name, value)
+            for name, value in state_out.items():
+                binding.bind_ortvalue_output(name, value)
+            for name in fetch:
+                binding.bind_output(name, "cpu")
+            # Keep the OrtValues alive while cached, so their ids stay unique.
+            entry = (binding, list(state_in.values()), list(state_out.values()))
+            cache[key] = entry
+            while len(cache) > 4:
+                cache.popitem(last=False)
+        else:
+            cache.move_to_end(key)
+        binding = entry[0]
+        try:
+            for name, arr in feeds.items():
+                binding.bind_cpu_input(name, arr)
+            self._sess.run_with_iobinding(binding)
+        except Exception as exc:
+            raise RuntimeError(f"{self.label}: onnxruntime failed: {exc}") from exc
+        if not fetch:
+            return {}
+        values = binding.get_outputs()
+        # Outputs come back in binding order: state outputs first, then fetches.
+        fetched = values[len(state_out) :]
+        if to_numpy:
+            return {name: v.numpy() for name, v in zip(fetch, fetched)}
+        return dict(zip(fetch, fetched))
+
+
+class StateStore:
+    """State variables in double-buffered OrtValues (see the module docstring)."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], device: tuple[str, int] = ("cpu", 0)):
+        self.device = device
+        self._mutex = threading.Lock()
+        self._current: dict[str, ort.OrtValue] = {}
+        self._spare: dict[str, ort.OrtValue | None] = {}
+        self._pins: dict[int, int] = {}
+        self.version = 0
+        for name, arr in arrays.items():
+            self._current[name] = self._new_buffer(contiguous(arr))
+            self._spare[name] = None
+
+    # ---------------------------------------------------------- buffers
+    def _new_buffer(self, arr: np.ndarray) -> ort.OrtValue:
+        kind, index = self.device
+        if kind == "cpu":
+            # The OrtValue wraps (and keeps alive) its own copy of the array.
+            return ort.OrtValue.ortvalue_from_numpy(np.array(arr, copy=True, order="C"))
+        return ort.OrtValue.ortvalue_from_numpy(contiguous(arr), kind, index)
+
+    def _empty_like(self, value: ort.OrtValue) -> ort.OrtValue:
+        kind, index = self.device
+        dtype = _numpy_type(value.data_type())
+        if kind == "cpu":
+            return ort.OrtValue.ortvalue_from_numpy(np.empty(value.shape(), dtype=dtype))
+        return ort.OrtValue.ortvalue_from_shape_and_type(value.shape(), dtype, kind, index)
+
+    # ----------------------------------------------------------- access
+    def names(self) -> list[str]:
+        return list(self._current)
+
+    def current(self, names: Sequence[str]) -> dict[str, ort.OrtValue]:
+        """The current buffers of ``names`` (for the single writer, under its lock)."""
+        return {n: self._current[n] for n in names}
+
+    def targets(self, names: Sequence[str]) -> dict[str, ort.OrtValue]:
+        """Spare buffers to write new values of ``names`` into (never a pinned one)."""
+        out = {}
+        with self._mutex:
+            for n in names:
+                spare = self._spare[n]
+                if spare is None or self._pins.get(id(spare)):
+                    spare = self._empty_like(self._current[n])
+                    self._spare[n] = spare
+                out[n] = spare
+        return out
+
+    def commit(self, names: Sequence[str]) -> None:
+        """Make the spare buffers of ``names`` current (all at once)."""
+        with self._mutex:
+            for n in names:
+                self._current[n], self._spare[n] = self._spare[n], self._current[n]
+            self.version += 1
+
+    def replace(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Set values from numpy arrays (copied into new buffers), all at once."""
+        fresh = {n: self._new_buffer(contiguous(a)) for n, a in arrays.items()}
+        with self._mutex:
+            for n, value in fresh.items():
+                self._current[n] = value
+                self._spare[n] = None
+            self.version += 1
+
+    @contextmanager
+    def snapshot(self, names: Sequence[str] | None = None):
+        """Pin the current buffers of ``names`` (default: all) while in use."""
+        with self._mutex:
+            snap = dict(self._current) if names is None else {n: self._current[n] for n in names}
+            for v in snap.values():
+                self._pins[id(v)] = self._pins.get(id(v), 0) + 1
+        try:
+            yield snap
+        finally:
+            with self._mutex:
+                for v in snap.values():
+                    left = self._pins[id(v)] - 1
+                    if left:
+                        self._pins[id(v)] = left
+                    else:
+                        del self._pins[id(v)]
+
+    def to_numpy(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Copies of the current values (a consistent snapshot)."""
+        with self.snapshot(names) as snap:
+            return {n: np.array(v.numpy(), copy=True) for n, v in snap.items()}
+
+
+_NUMPY_OF_ORT = {
+    "tensor(float)": np.float32,
+    "tensor(double)": np.float64,
+    "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(int16)": np.int16,
+    "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8,
+    "tensor(uint16)": np.uint16,
+    "tensor(uint32)": np.uint32,
+    "tensor(uint64)": np.uint64,
+    "tensor(bool)": np.bool_,
+}
+
+
+def _numpy_type(ort_type: str) -> type:
+    try:
+        return _NUMPY_OF_ORT[ort_type]
+    except KeyError:
+        raise TrainingModelError(f"state of type {ort_type} is not supported") from None

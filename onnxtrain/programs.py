@@ -20,6 +20,7 @@ from onnx import helper
 
 from .autodiff import expand_gradients
 from .errors import TrainingModelError
+from .executor import MAX_IR_VERSION
 from .graph import PREVIEW_DOMAIN, node_inputs, prune, toposort
 from .model import TrainingModel, combined_graph, uses_preview_ops
 from .names import NameGen
@@ -109,7 +110,8 @@ def build_program(
 
     imports = [o for o in opset_imports if o.domain != PREVIEW_DOMAIN]
     model = helper.make_model(g, opset_imports=imports, producer_name="onnxtrain")
-    model.ir_version = max(proto.ir_version, 4) if proto.ir_version else 8
+    ir = max(proto.ir_version, 4) if proto.ir_version else 8
+    model.ir_version = min(ir, MAX_IR_VERSION)
     model.functions.extend(proto.functions)
 
     init_names = {t.name for t in g.initializer}

@@ -25,29 +25,31 @@ import onnx
 from onnx import numpy_helper
 
 from .errors import TrainingModelError
-from .executor import MAX_IR_VERSION, Executor
+from .executor import MAX_IR_VERSION, Executor, StateStore, contiguous, device_of
 from .graph import PREVIEW_DOMAIN
 from .model import ModelLike, TrainingModel, load, uses_preview_ops, validate
 from .programs import Program, algorithm_program, inference_program, initialization_program
 
 
 class StateView(Mapping):
-    """Read-only view of a session's state: each lookup returns a copy."""
+    """Read-only view of a session's state: each lookup returns a numpy copy."""
 
-    def __init__(self, state: Mapping[str, np.ndarray]) -> None:
-        self._state = state
+    def __init__(self, store: StateStore) -> None:
+        self._store = store
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return self._state[name].copy()
+        if name not in self._store.names():
+            raise KeyError(name)
+        return self._store.to_numpy([name])[name]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._state)
+        return iter(self._store.names())
 
     def __len__(self) -> int:
-        return len(self._state)
+        return len(self._store.names())
 
     def __repr__(self) -> str:
-        items = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in self._state.items())
+        items = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in self._store.to_numpy().items())
         return f"StateView({{{items}}})"
 
 
@@ -66,6 +68,7 @@ class TrainingSession:
         model: ModelLike,
         providers: Sequence[Any] | None = None,
         session_options: Any = None,
+        check_finite: bool = False,
     ) -> None:
         proto, base = load(model)
         self._model: TrainingModel = validate(proto, base)
@@ -80,7 +83,10 @@ class TrainingSession:
             initialization_program(tm, i) for i in range(len(tm.training_info))
         ]
         self._executors: dict[int, Executor] = {}
-        self._state: dict[str, np.ndarray] = {name: tm.initial_value(name) for name in tm.state}
+        self._check_finite = check_finite
+        self._store = StateStore(
+            {name: tm.initial_value(name) for name in tm.state}, device_of(self._providers)
+        )
         self._input_names = set(self._inference.feeds) | set(self._inference.optional_feeds)
         for p in self._algorithms:
             self._input_names |= set(p.feeds) | set(p.optional_feeds)
@@ -89,7 +95,7 @@ class TrainingSession:
     @property
     def state(self) -> Mapping[str, np.ndarray]:
         """Every state variable -> numpy array (copies; the mapping is read-only)."""
-        return StateView(self._state)
+        return StateView(self._store)
 
     @property
     def num_algorithms(self) -> int:
@@ -113,7 +119,7 @@ class TrainingSession:
     def __repr__(self) -> str:
         return (
             f"TrainingSession(algorithms={len(self._algorithms)}, "
-            f"state={len(self._state)} variables, inputs={sorted(self._inference.feeds)})"
+            f"state={len(self._store.names())} variables, inputs={sorted(self._inference.feeds)})"
         )
 
     # ------------------------------------------------------------- execution
@@ -125,14 +131,10 @@ class TrainingSession:
             self._executors[key] = ex
         return ex
 
-    def _feeds(
-        self,
-        program: Program,
-        feeds: Mapping[str, Any],
-        state: Mapping[str, np.ndarray],
-        allow_state_override: bool,
-        caller: str,
+    def _user_feeds(
+        self, program: Program, feeds: Mapping[str, Any], allow_state_override: bool, caller: str
     ) -> dict[str, np.ndarray]:
+        """Checked numpy feeds for ``program`` (state variables come from the store)."""
         out: dict[str, np.ndarray] = {}
         for name, vi in program.feeds.items():
             if name not in feeds:
@@ -154,40 +156,86 @@ class TrainingSession:
                 var = self._model.state[name]
                 vi = onnx.helper.make_tensor_value_info(name, var.elem_type, list(var.shape))
                 out[name] = _check_feed(name, feeds[name], vi, caller)
-            else:
-                out[name] = state[name]
         return out
 
     def _check_names(self, feeds: Mapping[str, Any], caller: str) -> None:
         if not isinstance(feeds, Mapping):
-            raise TypeError(f"{caller}: feeds must be a dict of name -> array, not {type(feeds).__name__}")
-        unknown = [k for k in feeds if k not in self._input_names and k not in self._state]
+            raise TypeError(
+                f"{caller}: feeds must be a dict of name -> array, not {type(feeds).__name__}"
+            )
+        state = self._model.state
+        unknown = [k for k in feeds if k not in self._input_names and k not in state]
         if unknown:
             raise ValueError(
                 f"{caller}: unknown feed {unknown[0]!r}; the model's inputs are "
                 f"{sorted(self._input_names)}"
             )
 
-    @staticmethod
-    def _apply(
-        program: Program, results: dict[str, np.ndarray], staged: dict[str, np.ndarray],
+    def _run_and_stage(
+        self,
+        program: Program,
+        feeds: dict[str, np.ndarray],
+        pending: dict[str, Any],
+        fetch: bool,
         field: str,
+    ) -> dict[str, np.ndarray]:
+        """Run ``program`` writing its bound values into spare state buffers.
+
+        ``pending`` holds the new (uncommitted) buffers of variables that
+        earlier programs of the same transaction wrote; it is extended with
+        this program's.  Returns the unbound outputs (numpy) if ``fetch``."""
+        store = self._store
+        reads = [n for n in program.state_inputs if n not in feeds]
+        state_in = store.current([n for n in reads if n not in pending])
+        state_in.update({n: pending[n] for n in reads if n in pending})
+        keys = [k for k, _ in program.bindings]
+        targets = store.targets(keys)
+        state_out: dict[str, Any] = {}
+        copies: list[tuple[str, str]] = []
+        for key, value in program.bindings:
+            if value in state_out:
+                copies.append((key, value))  # two variables bound to one output
+            else:
+                state_out[value] = targets[key]
+        bound = {v for _, v in program.bindings}
+        wanted = [o for o in program.outputs if o not in bound] if fetch else []
+        executor = self._executor(program)
+        try:
+            outputs = executor.run_bound(feeds, state_in, state_out, wanted)
+        except RuntimeError as exc:
+            self._diagnose(program, feeds, state_in, field)
+            raise exc
+        first = {v: k for k, v in reversed(program.bindings)}
+        for key, value in copies:
+            targets[key].update_inplace(np.asarray(targets[first[value]].numpy()))
+        if self._check_finite:
+            _check_finite(program, targets, field)
+        pending.update(targets)
+        return outputs
+
+    def _diagnose(
+        self, program: Program, feeds: dict[str, np.ndarray], state_in: dict[str, Any], field: str
     ) -> None:
-        updates = {}
+        """After a failed bound run: rerun plainly to name a bad bound value."""
+        arrays = dict(feeds)
+        arrays.update({n: np.asarray(v.numpy()) for n, v in state_in.items()})
+        try:
+            values = self._executor(program).run(arrays, program.outputs)
+        except RuntimeError:
+            return  # the original onnxruntime error says it best
+        results = dict(zip(program.outputs, values))
         for idx, (key, value) in enumerate(program.bindings):
+            var = self._model.state[key]
             new = results[value]
-            old = staged[key]
-            if new.dtype != old.dtype or new.shape != old.shape:
+            if new.dtype != var.dtype or tuple(new.shape) != var.shape:
                 raise TrainingModelError(
                     f"{program.label.rsplit('.', 1)[0]}.{field}[{idx}]: value {value!r} is "
                     f"{new.dtype}{list(new.shape)}, but state variable {key!r} is "
-                    f"{old.dtype}{list(old.shape)}"
+                    f"{var.dtype}{list(var.shape)}"
                 )
-            updates[key] = new
-        staged.update(updates)  # all bindings of one graph at once (R9)
 
     def train_step(
-        self, feeds: Mapping[str, Any], algorithm: int | None = None
+        self, feeds: Mapping[str, Any], algorithm: int | None = None, fetch: bool = True
     ) -> dict[str, np.ndarray]:
         """Run one training step and commit its update_binding.
 
@@ -195,11 +243,12 @@ class TrainingSession:
         order (one spec iteration), each seeing the state its predecessors
         wrote.  The state changes only if every run succeeds.  Returns every
         combined-graph output that no update_binding consumes (later
-        algorithms win on equal names)."""
+        algorithms win on equal names); ``fetch=False`` returns nothing and
+        skips those transfers, for tight loops."""
         if not self._algorithms:
             raise TrainingModelError("the model has no training_info: there is nothing to train")
         if algorithm is None:
-            indices = list(range(len(self._algorithms)))
+            indices = range(len(self._algorithms))
         else:
             if not isinstance(algorithm, (int, np.integer)) or not (
                 0 <= algorithm < len(self._algorithms)
@@ -208,33 +257,29 @@ class TrainingSession:
                     f"train_step: algorithm must be None or an index in "
                     f"[0, {len(self._algorithms)}), got {algorithm!r}"
                 )
-            indices = [int(algorithm)]
+            indices = (int(algorithm),)
         self._check_names(feeds, "train_step")
+        programs = [self._algorithms[i] for i in indices]
+        checked = [self._user_feeds(p, feeds, False, "train_step") for p in programs]
         with self._lock:
-            staged = dict(self._state)
+            pending: dict[str, Any] = {}
             outputs: dict[str, np.ndarray] = {}
-            for i in indices:
-                program = self._algorithms[i]
-                run_feeds = self._feeds(program, feeds, staged, False, "train_step")
-                values = self._executor(program).run(run_feeds, program.outputs)
-                results = dict(zip(program.outputs, values))
-                self._apply(program, results, staged, "update_binding")
-                bound = {v for _, v in program.bindings}
-                outputs.update({k: v for k, v in results.items() if k not in bound})
-            self._state = staged  # the commit
+            for program, program_feeds in zip(programs, checked):
+                outputs.update(
+                    self._run_and_stage(program, program_feeds, pending, fetch, "update_binding")
+                )
+            self._store.commit(list(pending))  # all bindings at once (R9)
         return outputs
 
     def initialize(self) -> None:
         """Run every initialization graph in order and apply its initialization_binding."""
         with self._lock:
-            staged = dict(self._state)
+            pending: dict[str, Any] = {}
             for program in self._initializations:
                 if program is None or not program.bindings:
                     continue
-                values = self._executor(program).run({}, program.outputs)
-                self._apply(program, dict(zip(program.outputs, values)), staged,
-                            "initialization_binding")
-            self._state = staged
+                self._run_and_stage(program, {}, pending, False, "initialization_binding")
+            self._store.commit(list(pending))
 
     def run(
         self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None
@@ -242,7 +287,9 @@ class TrainingSession:
         """Inference: the main graph with the current state.  Never changes state.
 
         Inputs that also have an initializer (IR 3 style), state variables
-        included, may be fed to override their value for this call only."""
+        included, may be fed to override their value for this call only.
+        Safe to call from other threads while training: it reads a pinned,
+        consistent snapshot of the state."""
         self._check_names(feeds, "run")
         program = self._inference
         names = list(output_names) if output_names is not None else program.outputs
@@ -251,30 +298,29 @@ class TrainingSession:
             raise ValueError(
                 f"run: {bad[0]!r} is not an output of the main graph; outputs are {program.outputs}"
             )
-        state = self._state  # a consistent snapshot: commits replace the dict
-        run_feeds = self._feeds(program, feeds, state, True, "run")
-        values = self._executor(program).run(run_feeds, names)
-        return dict(zip(names, values))
+        user = self._user_feeds(program, feeds, True, "run")
+        reads = [n for n in program.state_inputs if n not in user]
+        executor = self._executor(program)
+        with self._store.snapshot(reads) as snap:
+            return executor.run_bound(user, snap, {}, names)
 
     def load_state(self, mapping: Mapping[str, Any]) -> None:
         """Set some state variables.  Names, dtypes and shapes must match."""
-        staged = dict(self._state)
+        staged: dict[str, np.ndarray] = {}
         for name, value in mapping.items():
-            if name not in self._state:
+            var = self._model.state.get(name)
+            if var is None:
                 raise KeyError(f"load_state: {name!r} is not a state variable")
-            old = self._state[name]
-            arr = value if isinstance(value, np.ndarray) else np.asarray(value, dtype=old.dtype)
-            if arr.dtype != old.dtype:
+            arr = value if isinstance(value, np.ndarray) else np.asarray(value, dtype=var.dtype)
+            if arr.dtype != var.dtype:
+                raise ValueError(f"load_state: {name!r} must be {var.dtype}, got {arr.dtype}")
+            if tuple(arr.shape) != var.shape:
                 raise ValueError(
-                    f"load_state: {name!r} must be {old.dtype}, got {arr.dtype}"
+                    f"load_state: {name!r} must have shape {list(var.shape)}, got {list(arr.shape)}"
                 )
-            if arr.shape != old.shape:
-                raise ValueError(
-                    f"load_state: {name!r} must have shape {list(old.shape)}, got {list(arr.shape)}"
-                )
-            staged[name] = np.array(arr, copy=True)
+            staged[name] = arr
         with self._lock:
-            self._state = staged
+            self._store.replace(staged)
 
     # ---------------------------------------------------------------- export
     def to_model(self, training: bool = False) -> onnx.ModelProto:
@@ -282,7 +328,7 @@ class TrainingSession:
 
         ``training=False``: a plain inference model (training_info dropped).
         ``training=True``: the whole training model, a complete checkpoint."""
-        state = self._state
+        state = self._store.to_numpy()
         src = self._model.proto
         out = onnx.ModelProto()
         if training:
@@ -358,6 +404,20 @@ def _write_state(graph: onnx.GraphProto, state: Mapping[str, np.ndarray]) -> Non
             graph.initializer.append(numpy_helper.from_array(state[st.values.name], st.values.name))
 
 
+def _check_finite(program: Program, targets: Mapping[str, Any], field: str) -> None:
+    """Refuse to commit NaN or Inf into state (check_finite=True)."""
+    bad = []
+    for key, value in targets.items():
+        arr = np.asarray(value.numpy())
+        if arr.dtype.kind in "fc" and not np.isfinite(arr).all():
+            bad.append(key)
+    if bad:
+        raise FloatingPointError(
+            f"{program.label}: the step would write non-finite values into state "
+            f"variable(s) {bad}; nothing was committed"
+        )
+
+
 def _describe(vi: onnx.ValueInfoProto) -> str:
     tt = vi.type.tensor_type
     try:
@@ -396,4 +456,4 @@ def _check_feed(name: str, value: Any, vi: onnx.ValueInfoProto, caller: str) -> 
                 raise ValueError(
                     f"{caller}: feed {name!r} has shape {list(arr.shape)}, expected {_describe(vi)}"
                 )
-    return arr
+    return contiguous(arr)

@@ -10,15 +10,20 @@ come back with the input's type and shape.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import gradcheck
 import numpy as np
 import onnx
 import pytest
 from gradcheck import _all_names, _model, check_vjp
 from onnx import helper
+from onnx.reference import ReferenceEvaluator
+from onnx.reference.op_run import OpRun
 
 from onnxtrain.autodiff import expand_gradients
 from onnxtrain.errors import TrainingModelError
@@ -50,6 +55,13 @@ class Case:
     check: dict[str, Any] = field(default_factory=dict)
     #: (predicate(opset, symbolic), reason, exception) -> xfail.
     xfail: tuple | None = None
+    #: Where the float64 check runs: "ort", or "reference" (onnx.reference) for
+    #: ops onnxruntime runs only in float32 (Erf, Tan, Softplus, Gelu, ...).
+    #: The float32 check always runs on onnxruntime.
+    runtime: str = "ort"
+    #: Opsets below this one run the float64 check on onnx.reference as well
+    #: (onnxruntime's kernel for the op's older version is float32 only).
+    reference_below: int = 0
 
 
 #: Symbolic shapes are checked from this opset on.  Before it, ReduceSum has no
@@ -81,9 +93,48 @@ def float32_params(cases: Sequence[Case]) -> list:
     return [pytest.param(c, max(c.opsets), id=f"{c.id}-opset{max(c.opsets)}") for c in cases]
 
 
+class Erf(OpRun):
+    """Erf in the input's precision (onnx.reference's own Erf rounds to float32)."""
+
+    op_domain = ""
+
+    def _run(self, x):  # noqa: D102
+        return (np.vectorize(math.erf, otypes=[x.dtype])(x),)
+
+
+class _ReferenceExecutor:
+    """gradcheck's Executor interface over onnx's numpy reference evaluator."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self._ref = ReferenceEvaluator(model, new_ops=[Erf])
+
+    def run(self, feeds: dict[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]:
+        return [np.asarray(v) for v in self._ref.run(list(output_names), dict(feeds))]
+
+
+@contextmanager
+def executor(runtime: str) -> Iterator[None]:
+    """Run check_vjp's programs on onnxruntime ("ort") or on onnx.reference."""
+    if runtime == "ort":
+        yield
+        return
+    assert runtime == "reference", runtime
+    saved = gradcheck.Executor
+    gradcheck.Executor = _ReferenceExecutor
+    try:
+        yield
+    finally:
+        gradcheck.Executor = saved
+
+
 def run_case(case: Case, opset: int, symbolic: bool) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(20240521)
     inputs = case.inputs(rng)
+    with executor("reference" if opset < case.reference_below else case.runtime):
+        return _check(case, inputs, opset, symbolic)
+
+
+def _check(case: Case, inputs: dict[str, np.ndarray], opset: int, symbolic: bool) -> dict:
     return check_vjp(
         case.op,
         inputs,
@@ -129,7 +180,8 @@ def run_case_float32(case: Case, opset: int) -> None:
     )
     types = {}
     types.update({g: helper.np_dtype_to_tensor_dtype(inputs[x].dtype) for g, x in zip(grads, wrt)})
-    model = _model(nodes, inputs, grads, opset, types)
+    shapes = {g: list(inputs[x].shape) for g, x in zip(grads, wrt)}
+    model = _model(nodes, inputs, grads, opset, types, shapes)
     expand_gradients(model.graph, model.opset_import, NameGen(_all_names(model)), list(inputs))
     onnx.checker.check_model(model)
     values = Executor(model).run(inputs, grads)
@@ -170,6 +222,17 @@ def ins(**draws: Callable[[np.random.Generator], np.ndarray] | np.ndarray):
         return {k: (v(rng) if callable(v) else np.asarray(v)) for k, v in draws.items()}
 
     return make
+
+
+def scalar_node(name: str) -> list[onnx.NodeProto]:
+    """Nodes turning the 1-element input ``name + '1'`` into the 0-d tensor ``name``.
+
+    (check_vjp perturbs inputs with numpy arithmetic, which turns 0-d arrays into
+    numpy scalars that onnxruntime refuses; so scalars enter as shape [1].)"""
+    return [
+        const_node(name + "_shape", np.zeros(0, np.int64)),
+        helper.make_node("Reshape", [name + "1", name + "_shape"], [name]),
+    ]
 
 
 def const_node(name: str, value: Any, dtype: Any = np.int64) -> onnx.NodeProto:

@@ -9,8 +9,12 @@ onnxruntime.  The finite-difference oracle is either
   (``eps=1``).  Exact up to rounding for ops that are linear or bilinear in
   the checked inputs (the loss is then quadratic along the direction, where
   central differences have no truncation error);
+* ``oracle="ort64"``: the float64 loss on onnxruntime with a small step, for
+  nonlinear ops that onnxruntime also runs in float64;
 * ``oracle="reference"``: the float64 loss on ``onnx.reference``, the ONNX
-  reference implementation, with a small step; for nonlinear ops.
+  reference implementation, with a small step; for nonlinear ops that
+  onnxruntime runs only in float32.  (It does not implement the 2-D coercion
+  of Softmax-family ops before opset 13: use "ort64" there.)
 """
 
 from __future__ import annotations
@@ -170,6 +174,17 @@ def check_vjp_f32(
 
         def loss_at(feeds):
             return float(fwd.run(feeds, ["loss"])[0])
+    elif oracle == "ort64":
+        step = 1e-6 if eps is None else eps
+        fwd64 = Executor(
+            _build(
+                loss_nodes(r64), {**x64, **r64}, ["loss"], {"loss": TensorProto.DOUBLE}, opset, {"loss": []}
+            )
+        )
+        base, dt = {**x64, **r64}, np.float64
+
+        def loss_at(feeds):
+            return float(fwd64.run(feeds, ["loss"])[0])
     elif oracle == "reference":
         step = 1e-6 if eps is None else eps
         ref = ReferenceEvaluator(

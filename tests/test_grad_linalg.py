@@ -52,7 +52,7 @@ def test_matmul_symbolic_before_opset13(sa, sb, opset):
     # opset 13 for symbolic shapes, hence the float32 harness here.)
     check_vjp_f32(
         "MatMul", {"a": _rand(*sa), "b": _rand(*sb, seed=1)}, opset=opset, symbolic=True,
-        oracle="reference",
+        oracle="ort64",
     )
 
 
@@ -60,7 +60,7 @@ def test_matmul_symbolic_broadcast_opset9_is_refused():
     with pytest.raises(TrainingModelError, match="opset 9 < 10"):
         check_vjp_f32(
             "MatMul", {"a": _rand(1, 3, 4), "b": _rand(2, 4, 5)}, opset=9, symbolic=True,
-            oracle="reference",
+            oracle="ort64",
         )
 
 
@@ -89,7 +89,7 @@ def test_gemm(ta, tb, c_shape, symbolic):
         inputs["c"] = _rand(*c_shape, seed=2)
     attrs = {"transA": ta, "transB": tb, "alpha": 0.7, "beta": -1.3}
     if c_shape == ():  # check_vjp cannot perturb 0-D inputs; the float64 oracle can
-        check_vjp_f32("Gemm", inputs, attrs, opset=17, symbolic=symbolic, oracle="reference")
+        check_vjp_f32("Gemm", inputs, attrs, opset=17, symbolic=symbolic, oracle="ort64")
     else:
         check_vjp("Gemm", inputs, attrs, opset=17, symbolic=symbolic)
 
@@ -100,7 +100,7 @@ def test_gemm_opsets(c_shape, opset):
     inputs = {"a": _rand(4, 3), "b": _rand(5, 4, seed=1), "c": _rand(*c_shape, seed=2)}
     attrs = {"transA": 1, "transB": 1, "alpha": 2.0}
     if c_shape == ():
-        check_vjp_f32("Gemm", inputs, attrs, opset=opset, oracle="reference")
+        check_vjp_f32("Gemm", inputs, attrs, opset=opset, oracle="ort64")
     else:
         check_vjp("Gemm", inputs, attrs, opset=opset)
 
@@ -108,7 +108,7 @@ def test_gemm_opsets(c_shape, opset):
 @pytest.mark.parametrize("c_shape", [(5,), (3, 1), (1, 5)])
 def test_gemm_symbolic_opset11(c_shape):
     inputs = {"a": _rand(3, 4), "b": _rand(4, 5, seed=1), "c": _rand(*c_shape, seed=2)}
-    check_vjp_f32("Gemm", inputs, {"beta": 0.5}, opset=11, symbolic=True, oracle="reference")
+    check_vjp_f32("Gemm", inputs, {"beta": 0.5}, opset=11, symbolic=True, oracle="ort64")
 
 
 def test_gemm_float32():

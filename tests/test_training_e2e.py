@@ -159,7 +159,7 @@ def test_two_training_infos_interleave_block_coordinate_descent():
         sess.train_step(feeds, algorithm=algo)
     for k in ("W1", "b1", "W2", "b2"):
         np.testing.assert_allclose(sess.state[k], oracle.p[k], rtol=1e-4, atol=1e-6)
-    assert sess.state["step0"] == 4 and sess.state["step1"] == 4
+    assert sess.state["step0"] == 5 and sess.state["step1"] == 4
 
 
 def test_float64_model_trains_in_float64():

@@ -113,7 +113,7 @@ def pow_vjp(ctx, dy):
         bf = e.cast_to(b, ctx.dtype(a))
         slope = e.Mul(bf, e.Pow(a, e.Sub(bf, ctx.const(1.0, like=a))))
         da = ctx.unbroadcast(e.Mul(dy, slope), like=a)
-    if ctx.needs(1):
+    if ctx.needs(1) and is_float(ctx, b):
         positive = e.Greater(a, ctx.const(0.0, like=a))
         log_a = e.Log(e.Where(positive, a, ctx.const(1.0, like=a)))
         grad = e.cast_to(e.Mul(e.Mul(dy, y), log_a), ctx.dtype(b))
@@ -575,7 +575,7 @@ def clip_vjp(ctx, dy):
     if hi is not None and ctx.needs(2):
         raised = x if lo is None else e.Max(x, lo)
         dhi = _sum_to_scalar_like(ctx, where_zero(ctx, e.Greater(raised, hi), dy), hi)
-    return dx, dlo, dhi
+    return (dx, dlo, dhi)[: len(ctx.inputs)]
 
 
 def _sum_to_scalar_like(ctx: VJPContext, grad: str, like: str) -> str:

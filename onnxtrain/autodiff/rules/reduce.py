@@ -1,17 +1,19 @@
-"""Gradient rules: reductions.
+"""Gradient rules: reductions and scans.
 
 Every Reduce* op reads its axes from an attribute (before opset 13 for
 ReduceSum, before 18 for the others) or from an optional second input.
 ``reduced_axes`` reads both forms; ``expand_back`` brings a reduced gradient
 back to the input's shape, with keepdims=0 handled by re-inserting the axes
 (statically when the axes are constant, with ScatterElements on the shape
-otherwise)."""
+otherwise).  Rules that need the forward output at x's shape (max, L2, log-sum)
+bring y back the same way."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ..registry import VJPContext, vjp
+from .elementwise import float_equal
 
 
 def reduced_axes(ctx: VJPContext) -> list[int] | str | None:
@@ -70,3 +72,103 @@ def reduce_mean_vjp(ctx, dy):
     ratio = e.Div(e.Cast(e.Size(y), to=ctx.dtype(x)), e.Cast(e.Size(x), to=ctx.dtype(x)))
     dx = expand_back(ctx, dy, x, reduced_axes(ctx), bool(ctx.attr("keepdims", 1)))
     return (e.Mul(dx, ratio),)
+
+
+def _broadcast_parts(ctx: VJPContext, dy: str) -> tuple[str, str, str, list[int] | str | None]:
+    """x, dy and y brought back to x's shape, and the reduced axes."""
+    x, y = ctx.inputs[0], ctx.outputs[0]
+    axes = reduced_axes(ctx)
+    keepdims = bool(ctx.attr("keepdims", 1))
+    return (
+        x,
+        expand_back(ctx, dy, x, axes, keepdims),
+        expand_back(ctx, y, x, axes, keepdims),
+        axes,
+    )
+
+
+@vjp("ReduceSumSquare")
+def reduce_sum_square_vjp(ctx, dy):
+    """y = sum_axes(x^2)  ->  dx = 2 x broadcast(dy)"""
+    x, dyb, _, _ = _broadcast_parts(ctx, dy)
+    e = ctx.emit
+    return (e.Mul(e.Mul(dyb, x), ctx.const(2.0, like=x)),)
+
+
+@vjp("ReduceL1")
+def reduce_l1_vjp(ctx, dy):
+    """y = sum_axes(|x|)  ->  dx = sign(x) broadcast(dy)   (0 at x = 0)"""
+    x, dyb, _, _ = _broadcast_parts(ctx, dy)
+    return (ctx.emit.Mul(dyb, ctx.emit.Sign(x)),)
+
+
+@vjp("ReduceL2")
+def reduce_l2_vjp(ctx, dy):
+    """y = sqrt(sum_axes(x^2))  ->  dx = x / y broadcast(dy)   (0 where y = 0)"""
+    x, dyb, yb, _ = _broadcast_parts(ctx, dy)
+    e = ctx.emit
+    zero = ctx.const(0.0, like=x)
+    safe = e.Where(e.Greater(yb, zero), yb, ctx.const(1.0, like=x))
+    return (e.Mul(dyb, e.Div(x, safe)),)
+
+
+@vjp("ReduceLogSum")
+def reduce_log_sum_vjp(ctx, dy):
+    """y = log(sum_axes(x))  ->  dx = broadcast(dy) / sum = broadcast(dy) exp(-y)   (reuses y)"""
+    _, dyb, yb, _ = _broadcast_parts(ctx, dy)
+    e = ctx.emit
+    return (e.Mul(dyb, e.Exp(e.Neg(yb))),)
+
+
+@vjp("ReduceLogSumExp")
+def reduce_log_sum_exp_vjp(ctx, dy):
+    """y = log(sum_axes(exp(x)))  ->  dx = broadcast(dy) exp(x - y)   (softmax over the axes)"""
+    x, dyb, yb, _ = _broadcast_parts(ctx, dy)
+    e = ctx.emit
+    return (e.Mul(dyb, e.Exp(e.Sub(x, yb))),)
+
+
+@vjp("ReduceMax", "ReduceMin")
+def reduce_max_vjp(ctx, dy):
+    """y = max_axes(x) (or min)  ->  dx = broadcast(dy) [x == y] / #{x == y}
+
+    Ties share the gradient evenly (the average of the one-sided derivatives)."""
+    x, dyb, yb, axes = _broadcast_parts(ctx, dy)
+    e = ctx.emit
+    hit = e.Cast(float_equal(ctx, x, yb), to=ctx.dtype(x))
+    count = e.reduce_sum(hit, axes, keepdims=True)
+    return (e.Mul(dyb, e.Div(hit, count)),)
+
+
+@vjp("ReduceProd")
+def reduce_prod_vjp(ctx, dy):
+    """y = prod_axes(x)  ->  dx_i = broadcast(dy) * prod_{j != i} x_j
+
+    prod_{j != i} x_j is y / x_i when no x_j is 0; with exactly one zero it is
+    the product of the nonzeros at the zero and 0 elsewhere; with two or more
+    zeros it is 0 everywhere.  Computed that way, so zeros give no NaN."""
+    x, dyb, _, axes = _broadcast_parts(ctx, dy)
+    e = ctx.emit
+    zero, one = ctx.const(0.0, like=x), ctx.const(1.0, like=x)
+    is_zero = float_equal(ctx, x, zero)
+    zeros = e.reduce_sum(e.Cast(is_zero, to=ctx.dtype(x)), axes, keepdims=True)
+    nonzero_x = e.Where(is_zero, one, x)
+    rest = e.reduce("ReduceProd", nonzero_x, axes, keepdims=True)  # product of the nonzeros
+    at_zero = e.Where(float_equal(ctx, zeros, one), rest, zero)
+    elsewhere = e.Where(float_equal(ctx, zeros, zero), e.Div(rest, nonzero_x), zero)
+    return (e.Mul(dyb, e.Where(is_zero, at_zero, elsewhere)),)
+
+
+# ------------------------------------------------------------------ scans
+
+
+@vjp("CumSum")
+def cumsum_vjp(ctx, dy):
+    """y_i = sum_{j <= i} x_j (j < i when exclusive; from the end when reverse)
+    ->  dx_j = sum_{i >= j} dy_i: CumSum(dy) with the same exclusive flag and
+    the opposite direction; axis gets none"""
+    x, axis = ctx.inputs
+    reverse = int(ctx.attr("reverse", 0))
+    exclusive = int(ctx.attr("exclusive", 0))
+    return ctx.emit.CumSum(dy, axis, exclusive=exclusive, reverse=1 - reverse), None
+

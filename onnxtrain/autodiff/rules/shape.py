@@ -1,5 +1,577 @@
-"""Gradient rules: shape."""
+"""Gradient rules: ops that move, copy or select elements.
+
+Every rule here is linear in the differentiated input, so its gradient is the
+adjoint data movement: Reshape back, Transpose by the inverse permutation,
+Concat <-> Split, Slice/Gather -> scatter into zeros (adding where an element
+was read more than once), Pad -> crop and fold the padding back.
+
+Sizes come from Shape at run time, so symbolic dimensions are fine; static
+shapes only decide what can be skipped.  Ranks must be known statically where
+a rule builds per-axis index tensors (Slice, Pad, Gather, Tile, ...).
+
+Scatter-add is available as ScatterElements(reduction='add') from opset 16;
+before that ``scatter_add_axis`` contracts with a one-hot matrix instead.
+"""
 
 from __future__ import annotations
 
-from ..registry import no_grad, vjp  # noqa: F401
+import numpy as np
+from onnx import TensorProto, numpy_helper
+
+from ...emitter import Emitter, np_dtype
+from ...errors import GradientError, TrainingModelError
+from ..registry import VJPContext, vjp
+from .reduce import constant_value
+
+# ------------------------------------------------------------------ helpers
+
+
+def zeros_of_shape(e: Emitter, shape: str, et: int) -> str:
+    """A zero tensor of element type ``et`` and the runtime shape ``shape``."""
+    fill = numpy_helper.from_array(np.zeros(1, dtype=np_dtype(et)))
+    return e.op("ConstantOfShape", [shape], value=fill)
+
+
+def arange(e: Emitter, n: str) -> str:
+    """[0, 1, ..., n - 1] (int64) for a runtime length n given as a 1-element tensor.
+
+    Range exists from opset 11; before it, the positions of the nonzeros of a
+    tensor of n ones are the same numbers."""
+    if e.opset >= 11:
+        return e.Range(e.scalar_int(0), e.reshape(n, []), e.scalar_int(1))
+    ones = e.op("ConstantOfShape", [n], value=numpy_helper.from_array(np.ones(1, np.int64)))
+    return e.reshape(e.NonZero(ones), [-1])
+
+
+def int64(e: Emitter, x: str) -> str:
+    return e.cast_to(x, TensorProto.INT64)
+
+
+def wrap_negative(e: Emitter, idx: str, n: str) -> str:
+    """Indices counted from the end (-1 is the last) made non-negative: idx < 0 ? idx + n : idx."""
+    return e.Where(e.Less(idx, e.ints([0])), e.Add(idx, n), idx)
+
+
+def clamp(e: Emitter, x: str, lo: str, hi: str) -> str:
+    """min(max(x, lo), hi) for int64 tensors (integer Min/Max need opset 12)."""
+    x = e.Where(e.Less(x, lo), lo, x)
+    return e.Where(e.Greater(x, hi), hi, x)
+
+
+def along_axis(e: Emitter, idx: str, axis: int, rank: int) -> str:
+    """A 1-D tensor reshaped to [1, .., -1 (at axis), .., 1] so it broadcasts along ``axis``."""
+    return e.reshape(idx, [1] * axis + [-1] + [1] * (rank - axis - 1))
+
+
+def with_dim(e: Emitter, shape: str, axis: int, rank: int, from_shape: str) -> str:
+    """``shape`` with its entry at ``axis`` taken from ``from_shape``."""
+    mask = e.const(np.arange(rank) == axis)
+    return e.Where(mask, from_shape, shape)
+
+
+def scatter_unique(e: Emitter, data: str, indices: str, updates: str, axis: int) -> str:
+    """ScatterElements with indices that never repeat (Scatter before opset 11)."""
+    op = "ScatterElements" if e.opset >= 11 else "Scatter"
+    return e.op(op, [data, indices, updates], axis=axis)
+
+
+def scatter_add_axis(
+    ctx: VJPContext, dy: str, idx: str, n: str, axis: int, rank: int, out_shape: str
+) -> str:
+    """out[.., j, ..] = sum over i with idx[i] == j of dy[.., i, ..]   (the adjoint of Gather).
+
+    ``dy`` has len(idx) entries along ``axis``; ``out_shape`` is dy's shape with
+    n there; idx holds non-negative int64 positions, repeats allowed.
+    From opset 16 this is ScatterElements(reduction='add'); before, dy is
+    contracted with the one-hot matrix onehot(idx, n) along ``axis``."""
+    e = ctx.emit
+    et = ctx.dtype(dy)
+    if e.opset >= 16:
+        where = e.Expand(along_axis(e, idx, axis, rank), e.Shape(dy))
+        zeros = zeros_of_shape(e, out_shape, et)
+        return e.ScatterElements(zeros, where, dy, axis=axis, reduction="add")
+    # OneHot has no float64 kernel in onnxruntime: build it in int64, then cast (0/1 exact).
+    onehot = e.Cast(e.OneHot(idx, n, e.ints([0, 1]), axis=-1), to=et)  # [len(idx), n]
+    if axis == rank - 1:
+        return e.MatMul(dy, onehot)
+    perm = [i for i in range(rank) if i != axis] + [axis]
+    moved = e.MatMul(e.Transpose(dy, perm=perm), onehot)
+    return e.Transpose(moved, perm=[int(p) for p in np.argsort(perm)])
+
+
+def slice_axis(e: Emitter, x: str, start: str, end: str, axis: int) -> str:
+    """x[start:end] along ``axis`` with runtime bounds (1-element int64 tensors).
+
+    Slice takes runtime bounds from opset 10; before, Gather the positions."""
+    if e.opset >= 10:
+        return e.Slice(x, start, end, e.ints([axis]))
+    return e.Gather(x, e.Add(arange(e, e.Sub(end, start)), start), axis=axis)
+
+
+def normalize_axis(ctx: VJPContext, axis: int, x: str) -> int:
+    return axis % ctx.require_rank(x) if axis < 0 else axis
+
+
+def _static_dim(ctx: VJPContext, x: str, axis: int) -> int | None:
+    shape = ctx.shape(x)
+    if shape is None:
+        return None
+    d = shape[axis]
+    return d if isinstance(d, int) else None
+
+
+def _no_grad_rest(ctx: VJPContext, dx: str | None) -> tuple:
+    """dx for input 0, None for the others (shapes, axes, indices)."""
+    return (dx,) + (None,) * (len(ctx.inputs) - 1)
+
+
+# ------------------------------------------------------------ reshaping
+
+
+@vjp("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+def reshape_vjp(ctx, dy):
+    """y = reshape(x)  ->  dx = reshape(dy, shape(x))   (shape or axes inputs get none)"""
+    x = ctx.inputs[0]
+    e = ctx.emit
+    return _no_grad_rest(ctx, e.Reshape(dy, e.Shape(x)) if ctx.needs(0) else None)
+
+
+@vjp("Transpose")
+def transpose_vjp(ctx, dy):
+    """y = transpose(x, perm)  ->  dx = transpose(dy, perm^-1)
+
+    Without perm the axes are reversed, which is its own inverse."""
+    perm = ctx.attr("perm")
+    if perm is None:
+        return (ctx.emit.Transpose(dy),)
+    inverse = [int(p) for p in np.argsort(perm)]
+    return (ctx.emit.Transpose(dy, perm=inverse),)
+
+
+@vjp("Expand")
+def expand_vjp(ctx, dy):
+    """y = expand(x, shape)  ->  dx = dy summed over the broadcast axes; shape gets none"""
+    x = ctx.inputs[0]
+    return _no_grad_rest(ctx, ctx.unbroadcast(dy, like=x) if ctx.needs(0) else None)
+
+
+@vjp("Tile")
+def tile_vjp(ctx, dy):
+    """y = tile(x, r)  ->  dx = sum over the copies: reshape dy to
+    [r0, d0, r1, d1, ...] and sum the r axes."""
+    x, repeats = ctx.inputs[:2]
+    e = ctx.emit
+    if not ctx.needs(0):
+        return None, None
+    rank = ctx.require_rank(x)
+    if rank == 0:
+        return dy, None
+    pairs = e.Concat(
+        e.unsqueeze(int64(e, repeats), [1]), e.unsqueeze(e.Shape(x), [1]), axis=1
+    )  # [[r0, d0], [r1, d1], ...]
+    blocks = e.Reshape(dy, e.reshape(pairs, [-1]))
+    return e.reduce_sum(blocks, list(range(0, 2 * rank, 2)), keepdims=False), None
+
+
+@vjp("DepthToSpace")
+def depth_to_space_vjp(ctx, dy):
+    """y = depth_to_space(x, b)  ->  dx = the inverse rearrangement of dy
+
+    DCR mode: SpaceToDepth(dy, b).  CRD mode: x = [N, C, H, W] was viewed as
+    [N, C/b^2, b, b, H, W] and permuted by (0, 1, 4, 2, 5, 3); view dy as
+    [N, C/b^2, H, b, W, b] and permute back by (0, 1, 3, 5, 2, 4)."""
+    (x,) = ctx.inputs
+    e = ctx.emit
+    b = int(ctx.attr("blocksize"))
+    if ctx.attr("mode", "DCR") == "DCR":
+        return (e.SpaceToDepth(dy, blocksize=b),)
+    block = e.ints([b])
+    view = e.Concat(
+        e.dim(x, 0), e.dim(dy, 1), e.dim(x, 2), block, e.dim(x, 3), block, axis=0
+    )
+    moved = e.Transpose(e.Reshape(dy, view), perm=[0, 1, 3, 5, 2, 4])
+    return (e.Reshape(moved, e.Shape(x)),)
+
+
+@vjp("SpaceToDepth")
+def space_to_depth_vjp(ctx, dy):
+    """y = space_to_depth(x, b)  ->  dx = depth_to_space(dy, b, mode=DCR)   (its inverse)"""
+    b = int(ctx.attr("blocksize"))
+    if ctx.opset >= 11:
+        return (ctx.emit.DepthToSpace(dy, blocksize=b, mode="DCR"),)
+    return (ctx.emit.DepthToSpace(dy, blocksize=b),)
+
+
+# ---------------------------------------------------------- concat / split
+
+
+@vjp("Concat")
+def concat_vjp(ctx, dy):
+    """y = concat(x1, ..., xn; axis)  ->  dxi = dy[o_i : o_i + size_i] along axis,
+    with offsets o_i the running sum of the runtime sizes."""
+    xs = ctx.inputs
+    e = ctx.emit
+    axis = int(ctx.attr("axis"))
+    if axis < 0:
+        axis += ctx.require_rank(xs[0])
+    sizes = [_static_dim(ctx, x, axis) for x in xs]
+    if all(s is not None for s in sizes) and len(xs) > 1:
+        # Static sizes: one Split (an optimisation; the runtime path below is general).
+        pieces = e.split(dy, sizes, axis=axis)
+        return tuple(p if ctx.needs(i) else None for i, p in enumerate(pieces))
+    grads: list[str | None] = []
+    start = e.ints([0])
+    for i, x in enumerate(xs):
+        end = e.Add(start, e.dim(x, axis))
+        grads.append(slice_axis(e, dy, start, end, axis) if ctx.needs(i) else None)
+        start = end
+    return tuple(grads)
+
+
+@vjp("Split")
+def split_vjp(ctx, *dys):
+    """y1, ..., yn = split(x; axis)  ->  dx = concat(dy1, ..., dyn; axis)
+
+    An output nobody differentiates contributes zeros of its shape.  The sizes
+    (attribute, input or num_outputs) get no gradient."""
+    e = ctx.emit
+    axis = int(ctx.attr("axis", 0))
+    if not ctx.needs(0):
+        return _no_grad_rest(ctx, None)
+    pieces = [dy if dy is not None else e.zeros_like(y) for dy, y in zip(dys, ctx.outputs)]
+    return _no_grad_rest(ctx, e.concat(pieces, axis=axis))
+
+
+# -------------------------------------------------------------- slicing
+
+
+def _slice_spec(ctx: VJPContext, rank: int) -> list[tuple[int, str, str, int | None]]:
+    """(axis, start, step, static step sign) per sliced axis; start/step are
+    1-element int64 tensors.  Before opset 10 the bounds are attributes; from 10
+    they are inputs and may be runtime values, but the axes must be constants."""
+    e = ctx.emit
+    if ctx.opset < 10:
+        starts = [int(s) for s in ctx.attr("starts")]
+        axes = ctx.attr("axes")
+        axes = list(range(len(starts))) if axes is None else [int(a) for a in axes]
+        return [(a % rank, e.ints([s]), e.ints([1]), 1) for a, s in zip(axes, starts)]
+    starts = int64(e, ctx.inputs[1])
+    axes_name, steps_name = ctx.input(3), ctx.input(4)
+    if axes_name is not None:
+        axes_value = constant_value(ctx, axes_name)
+        if axes_value is None:
+            raise GradientError(
+                f"Slice node {ctx.node.name!r}: the gradient needs constant axes, "
+                f"but {axes_name!r} is computed at run time"
+            )
+        axes = [int(a) % rank for a in axes_value.reshape(-1)]
+    else:
+        known = constant_value(ctx, ctx.inputs[1])
+        count = known.size if known is not None else (ctx.shape(ctx.inputs[1]) or (None,))[0]
+        if not isinstance(count, int):
+            raise GradientError(
+                f"Slice node {ctx.node.name!r}: the gradient needs the number of sliced "
+                "axes, but neither axes nor the length of starts is known statically"
+            )
+        axes = list(range(count))
+    steps_value = constant_value(ctx, steps_name) if steps_name is not None else None
+    spec = []
+    for j, a in enumerate(axes):
+        start = e.slice(starts, [j], [j + 1])
+        if steps_name is None:
+            step, sign = e.ints([1]), 1
+        else:
+            step = e.slice(int64(e, steps_name), [j], [j + 1])
+            sign = None if steps_value is None else (1 if steps_value.reshape(-1)[j] > 0 else -1)
+        spec.append((a, start, step, sign))
+    return spec
+
+
+@vjp("Slice")
+def slice_vjp(ctx, dy):
+    """y = x[s : e : k] (per sliced axis)  ->  dx = zeros with dy scattered at
+    positions s' + k * i, i = 0 .. len(y) - 1 along each sliced axis.
+
+    s' is the start after Slice's clamping: s < 0 counts from the end, then
+    s' = clamp(s, 0, n) for k > 0 and clamp(s, 0, n - 1) for k < 0; the end is
+    not needed since the output length is known.  Axes are undone one at a
+    time (the slice is a product of per-axis selections)."""
+    x = ctx.inputs[0]
+    e = ctx.emit
+    if not ctx.needs(0):
+        return _no_grad_rest(ctx, None)
+    rank = ctx.require_rank(x)
+    grad = dy
+    for axis, start, step, sign in _slice_spec(ctx, rank):
+        n = e.dim(x, axis)
+        begin = wrap_negative(e, start, n)
+        if sign is None:
+            upper = e.Where(e.Less(step, e.ints([0])), e.Sub(n, e.ints([1])), n)
+        else:
+            upper = n if sign > 0 else e.Sub(n, e.ints([1]))
+        begin = clamp(e, begin, e.ints([0]), upper)
+        positions = e.Add(begin, e.Mul(step, arange(e, e.dim(grad, axis))))
+        where = e.Expand(along_axis(e, positions, axis, rank), e.Shape(grad))
+        target = with_dim(e, e.Shape(grad), axis, rank, e.Shape(x))
+        grad = scatter_unique(e, zeros_of_shape(e, target, ctx.dtype(dy)), where, grad, axis)
+    return _no_grad_rest(ctx, grad)
+
+
+# ------------------------------------------------------- gather / scatter
+
+
+@vjp("Gather")
+def gather_vjp(ctx, dy):
+    """y = take(x, idx, axis)  ->  dx[.., j, ..] = sum over idx[i] == j of dy[.., i, ..]
+
+    The index dimensions of dy are flattened into one, then scatter-added."""
+    data, indices = ctx.inputs
+    e = ctx.emit
+    if not ctx.needs(0):
+        return None, None
+    rank = ctx.require_rank(data)
+    axis = int(ctx.attr("axis", 0)) % rank
+    n = e.dim(data, axis)
+    idx = wrap_negative(e, e.reshape(int64(e, indices), [-1]), n)
+    parts = []
+    if axis > 0:
+        parts.append(e.shape_of(data, 0, axis))
+    parts.append(e.ints([-1]))
+    if axis + 1 < rank:
+        parts.append(e.shape_of(data, axis + 1))
+    flat = e.Reshape(dy, e.concat(parts))
+    return scatter_add_axis(ctx, flat, idx, n, axis, rank, e.Shape(data)), None
+
+
+@vjp("GatherElements")
+def gather_elements_vjp(ctx, dy):
+    """y[p] = x[p with p_axis := idx[p]]  ->  dx = scatter-add of dy at those positions
+
+    Opset >= 16: ScatterElements(reduction='add').  Before: one-hot of idx
+    along a new last axis, times dy, summed over ``axis``, moved into place
+    and zero-padded where idx is smaller than x."""
+    data, indices = ctx.inputs
+    e = ctx.emit
+    if not ctx.needs(0):
+        return None, None
+    rank = ctx.require_rank(data)
+    axis = int(ctx.attr("axis", 0)) % rank
+    n = e.dim(data, axis)
+    idx = wrap_negative(e, int64(e, indices), n)
+    et = ctx.dtype(dy)
+    if e.opset >= 16:
+        zeros = zeros_of_shape(e, e.Shape(data), et)
+        return e.ScatterElements(zeros, idx, dy, axis=axis, reduction="add"), None
+    onehot = e.Cast(e.OneHot(idx, n, e.ints([0, 1]), axis=-1), to=et)  # idx.shape + [n]
+    spread = e.Mul(onehot, e.unsqueeze(dy, [rank]))
+    summed = e.reduce_sum(spread, [axis], keepdims=False)  # idx.shape without axis, + [n]
+    perm = list(range(axis)) + [rank - 1] + list(range(axis, rank - 1))
+    placed = e.Transpose(summed, perm=perm) if perm != list(range(rank)) else summed
+    missing = e.Sub(e.Shape(data), e.Shape(placed))
+    pads = e.Concat(e.ints([0] * rank), missing, axis=0)
+    return e.Pad(placed, pads), None
+
+
+def _full_nd_indices(ctx: VJPContext, indices: str, batch_dims: int) -> str:
+    """GatherND indices with the batch_dims leading coordinates made explicit:
+    [..., k] -> [..., batch_dims + k], so they address x without batching."""
+    e = ctx.emit
+    idx = int64(e, indices)
+    if batch_dims == 0:
+        return idx
+    q = ctx.require_rank(indices)
+    lead = e.shape_of(indices, 0, q - 1)  # indices.shape[:-1]
+    coords = []
+    for b in range(batch_dims):
+        positions = e.reshape(arange(e, e.dim(indices, b)), [1] * b + [-1] + [1] * (q - 1 - b))
+        coords.append(e.Expand(positions, e.Concat(lead, e.ints([1]), axis=0)))
+    return e.Concat(*coords, idx, axis=q - 1)
+
+
+def _normalize_nd(ctx: VJPContext, idx: str, data: str) -> str:
+    """Make negative GatherND/ScatterND coordinates non-negative (k = idx.shape[-1])."""
+    e = ctx.emit
+    dims = slice_axis(e, e.Shape(data), e.ints([0]), e.dim(idx, -1), 0)
+    return wrap_negative(e, idx, dims)
+
+
+@vjp("GatherND")
+def gather_nd_vjp(ctx, dy):
+    """y[i] = x[idx[i]]  ->  dx = scatter-add of dy at the addressed slices of x
+
+    Opset >= 16: ScatterND(reduction='add').  Before: the first k coordinates
+    are linearized (strides of x's first k dims) and the rule of Gather along
+    axis 0 of x viewed as [d0 * ... * d(k-1), rest...] does the rest."""
+    data, indices = ctx.inputs
+    e = ctx.emit
+    if not ctx.needs(0):
+        return None, None
+    idx = _normalize_nd(ctx, _full_nd_indices(ctx, indices, int(ctx.attr("batch_dims", 0))), data)
+    et = ctx.dtype(dy)
+    if e.opset >= 16:
+        zeros = zeros_of_shape(e, e.Shape(data), et)
+        return e.ScatterND(zeros, idx, dy, reduction="add"), None
+    q = ctx.require_rank(indices)
+    k = (ctx.shape(indices) or (None,))[-1]
+    if not isinstance(k, int):
+        raise TrainingModelError(
+            f"GatherND node {ctx.node.name!r}: before opset 16 the gradient needs the "
+            f"last dimension of {indices!r} statically"
+        )
+    k += int(ctx.attr("batch_dims", 0))
+    rank = ctx.require_rank(data)
+    # Row-major strides of x's first k dims: stride_j = d(j+1) * ... * d(k-1).
+    strides = []
+    for j in range(k):
+        if j == k - 1:
+            strides.append(e.ints([1]))
+        else:
+            strides.append(e.reduce("ReduceProd", e.shape_of(data, j + 1, k), None, keepdims=True))
+    linear = e.reduce_sum(e.Mul(idx, e.concat(strides)), [q - 1], keepdims=False)
+    rest = [e.shape_of(data, k)] if k < rank else []
+    count = e.reduce("ReduceProd", e.shape_of(data, 0, k), None, keepdims=True)
+    flat_dy = e.Reshape(dy, e.concat([e.ints([-1])] + rest))
+    flat_shape = e.concat([count] + rest)
+    flat = scatter_add_axis(
+        ctx, flat_dy, e.reshape(linear, [-1]), count, 0, 1 + rank - k, flat_shape
+    )
+    return e.Reshape(flat, e.Shape(data)), None
+
+
+def _scatter_reduction(ctx: VJPContext) -> str:
+    reduction = ctx.attr("reduction", "none")
+    if reduction not in ("none", "add"):
+        raise GradientError(
+            f"{ctx.node.op_type} node {ctx.node.name!r}: no gradient for "
+            f"reduction={reduction!r} (only 'none' and 'add')"
+        )
+    return reduction
+
+
+@vjp("ScatterElements")
+def scatter_elements_vjp(ctx, dy):
+    """y = x with y[p(idx)] = u (or += u for reduction='add')
+    ->  dx = dy with the overwritten positions zeroed (all of dy for 'add'),
+        du = gather_elements(dy, idx); idx gets none"""
+    data, indices, updates = ctx.inputs
+    e = ctx.emit
+    axis = int(ctx.attr("axis", 0))
+    reduction = _scatter_reduction(ctx)
+    ddata = dupdates = None
+    if ctx.needs(0):
+        if reduction == "add":
+            ddata = dy
+        else:
+            ddata = e.ScatterElements(dy, indices, e.zeros_like(updates), axis=axis)
+    if ctx.needs(2):
+        dupdates = e.GatherElements(dy, indices, axis=axis)
+    return ddata, None, dupdates
+
+
+@vjp("ScatterND")
+def scatter_nd_vjp(ctx, dy):
+    """y = x with y[idx[i]] = u[i] (or += for reduction='add')
+    ->  dx = dy with the overwritten slices zeroed (all of dy for 'add'),
+        du = gather_nd(dy, idx); idx gets none"""
+    data, indices, updates = ctx.inputs
+    e = ctx.emit
+    reduction = _scatter_reduction(ctx)
+    ddata = dupdates = None
+    if ctx.needs(0):
+        ddata = dy if reduction == "add" else e.ScatterND(dy, indices, e.zeros_like(updates))
+    if ctx.needs(2):
+        dupdates = e.GatherND(dy, indices)
+    return ddata, None, dupdates
+
+
+# ------------------------------------------------------------------ Pad
+
+
+def _pad_index(e: Emitter, mode: str, i: str, n: str) -> str:
+    """The source position in x of padded position i (i counted from x's start)."""
+    last = e.Sub(n, e.ints([1]))
+    if mode == "edge":
+        return clamp(e, i, e.ints([0]), last)
+    if mode == "reflect":
+        # x[-i] for i < 0 and x[2 (n - 1) - i] for i > n - 1 (pads are at most n - 1).
+        r = e.Abs(i)
+        return e.Where(e.Greater(r, last), e.Sub(e.Add(last, last), r), r)
+    if mode == "wrap":
+        return e.Mod(i, n)
+    raise GradientError(f"Pad: no gradient for mode {mode!r}")
+
+
+@vjp("Pad")
+def pad_vjp(ctx, dy):
+    """y = pad(x)  ->  constant mode: dx = pad(dy, -pads) (crops what was added,
+    and zero-fills what negative pads cut), dvalue = sum(dy) - sum(dx);
+    edge/reflect/wrap: each padded position copies some x position, so per
+    axis dx is the scatter-add of dy at those source positions."""
+    x = ctx.inputs[0]
+    e = ctx.emit
+    mode = ctx.attr("mode", "constant")
+    if ctx.opset < 11:
+        pads: list[int] | str = [int(p) for p in ctx.attr("pads")]
+        axes_name = None
+    else:
+        pads = int64(e, ctx.inputs[1])
+        axes_name = ctx.input(3)
+    dx = dvalue = None
+    if mode == "constant":
+        if isinstance(pads, list):
+            dx = e.Pad(dy, pads=[-p for p in pads], mode="constant")
+        else:
+            dx = e.Pad(dy, e.Neg(pads), None, axes_name)
+        if ctx.needs(2):
+            outside = e.Sub(e.reduce_sum(dy, None, keepdims=False), e.reduce_sum(dx, None, keepdims=False))
+            dvalue = e.Reshape(outside, e.Shape(ctx.inputs[2]))
+        return (dx if ctx.needs(0) else None, None, dvalue, None)[: len(ctx.inputs)]
+    if not ctx.needs(0):
+        return _no_grad_rest(ctx, None)
+    rank = ctx.require_rank(x)
+    if axes_name is None:
+        axes = list(range(rank))
+    else:
+        axes_value = constant_value(ctx, axes_name)
+        if axes_value is None:
+            raise GradientError(
+                f"Pad node {ctx.node.name!r}: the gradient needs constant axes, "
+                f"but {axes_name!r} is computed at run time"
+            )
+        axes = [int(a) % rank for a in axes_value.reshape(-1)]
+    static = pads if isinstance(pads, list) else constant_value(ctx, ctx.inputs[1])
+    grad = dy
+    for j, axis in enumerate(axes):
+        if static is not None and int(static[j]) == 0 and int(static[j + len(axes)]) == 0:
+            continue
+        before = e.ints([int(static[j])]) if static is not None else e.slice(pads, [j], [j + 1])
+        n = e.dim(x, axis)
+        source = _pad_index(e, mode, e.Sub(arange(e, e.dim(grad, axis)), before), n)
+        target = with_dim(e, e.Shape(grad), axis, rank, e.Shape(x))
+        grad = scatter_add_axis(ctx, grad, source, n, axis, rank, target)
+    return _no_grad_rest(ctx, grad)
+
+
+# ---------------------------------------------------------------- masks
+
+
+@vjp("Trilu")
+def trilu_vjp(ctx, dy):
+    """y = triangle(x, k)  ->  dx = triangle(dy, k)   (the same mask; k gets none)"""
+    upper = int(ctx.attr("upper", 1))
+    return _no_grad_rest(ctx, ctx.emit.Trilu(dy, ctx.input(1), upper=upper))
+
+
+@vjp("TopK")
+def topk_vjp(ctx, dvalues, dindices=None):
+    """values, indices = topk(x, k, axis)  ->  dx = zeros with dvalues scattered at
+    indices along axis (each position is picked at most once); k gets none"""
+    x = ctx.inputs[0]
+    e = ctx.emit
+    if dvalues is None or not ctx.needs(0):
+        return (None,) * len(ctx.inputs)
+    rank = ctx.require_rank(x)
+    axis = int(ctx.attr("axis", -1)) % rank
+    indices = ctx.forward_output(1)
+    dx = scatter_unique(e, e.zeros_like(x), indices, dvalues, axis)
+    return (dx,) + (None,) * (len(ctx.inputs) - 1)
