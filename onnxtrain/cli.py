@@ -9,9 +9,9 @@ User mistakes (a missing file, an invalid model, a bad option value) end in
 one line ``onnxtrain: error: ...`` on stderr and exit code 1; command line
 syntax errors exit with 2 (argparse).  Neither prints a traceback.
 
->>> main(["check", "no-such-model.onnx"])          # doctest: +SKIP
-onnxtrain: error: cannot read model file 'no-such-model.onnx': ...
-1
+>>> main(["--version"])                            # doctest: +ELLIPSIS
+onnxtrain ...
+0
 """
 
 from __future__ import annotations

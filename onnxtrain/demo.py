@@ -169,43 +169,35 @@ def build_classifier(
 
     # -------------------------------------------------- initialization graph
     # Parameters come back to the seeded starting point (Constant), so that
-    # initialize() is reproducible; moments are zeros of the parameter's shape.
-    init_nodes, init_outputs, init_binding = [], [], []
+    # initialize() is reproducible; moments are zeros of their parameter's
+    # shape (ConstantOfShape keeps the model small); the counter restarts at 0.
+    state_names = list(PARAMS) + moments_v + moments_h + ["step"]
+    init_nodes, init_outputs = [], []
     for p in PARAMS:
-        init_nodes.append(
-            helper.make_node("Constant", [], [f"{p}_init"], name=f"init_{p}",
-                             value=_tensor(f"{p}_start", params[p]))
-        )
-    init_nodes.append(
-        helper.make_node("Constant", [], ["step_init"], name="init_step",
-                         value=_tensor("step_start", np.int64(0)))
-    )
-    for moment in moments_v + moments_h:
-        param = moment.rsplit("_", 1)[0]
+        init_nodes.append(helper.make_node("Constant", [], [f"{p}_init"], name=f"init_{p}",
+                                           value=_tensor(f"{p}_start", params[p])))
+        init_outputs.append(helper.make_tensor_value_info(f"{p}_init", f32, shapes[p]))
+    for moment, p in zip(moments_v + moments_h, PARAMS + PARAMS):
         init_nodes += [
             helper.make_node("Constant", [], [f"{moment}_shape"], name=f"shape_{moment}",
-                             value=_tensor(f"{moment}_dims", np.array(shapes[param], np.int64))),
+                             value=_tensor(f"{moment}_dims", np.array(shapes[p], np.int64))),
             helper.make_node("ConstantOfShape", [f"{moment}_shape"], [f"{moment}_init"],
                              name=f"init_{moment}", value=_tensor("zero", np.zeros(1, np.float32))),
         ]
-    for name in list(PARAMS) + moments_v + moments_h + ["step"]:
-        if name == "step":
-            elem, shape = i64, []
-        else:
-            elem, shape = f32, shapes[name.rsplit("_", 1)[0] if name not in PARAMS else name]
-        init_outputs.append(helper.make_tensor_value_info(f"{name}_init", elem, shape))
-        init_binding.append((name, f"{name}_init"))
+        init_outputs.append(helper.make_tensor_value_info(f"{moment}_init", f32, shapes[p]))
+    init_nodes.append(helper.make_node("Constant", [], ["step_init"], name="init_step",
+                                       value=_tensor("step_start", np.int64(0))))
+    init_outputs.append(helper.make_tensor_value_info("step_init", i64, []))
     initialization = helper.make_graph(init_nodes, "digits_mlp_init", [], init_outputs)
 
     # ---------------------------------------------------------------- model
     info = onnx.TrainingInfoProto()
     info.algorithm.CopyFrom(algorithm)
     info.initialization.CopyFrom(initialization)
-    for key, value in zip(list(PARAMS) + moments_v + moments_h + ["step"],
-                          new_params + new_v + new_h + ["step_new"]):
+    for key, value in zip(state_names, new_params + new_v + new_h + ["step_new"]):
         info.update_binding.add(key=key, value=value)
-    for key, value in init_binding:
-        info.initialization_binding.add(key=key, value=value)
+    for key in state_names:
+        info.initialization_binding.add(key=key, value=f"{key}_init")
 
     model = helper.make_model(
         main,
@@ -249,7 +241,9 @@ def run_demo(
     the last epoch), ``steps``, ``seconds`` (wall time of the whole call),
     ``path`` (a Path or None), ``train_size`` and ``test_size``.
 
-    >>> result = run_demo(epochs=1, out_path=None)    # doctest: +SKIP
+    >>> result = run_demo(epochs=1, out_path=None)
+    >>> result["steps"], result["accuracy"] > 0.8
+    (45, True)
     """
     if int(epochs) < 1:
         raise ValueError(f"run_demo: epochs must be >= 1, got {epochs!r}")

@@ -117,10 +117,65 @@ class TrainingSession:
         return out
 
     def __repr__(self) -> str:
-        return (
-            f"TrainingSession(algorithms={len(self._algorithms)}, "
-            f"state={len(self._store.names())} variables, inputs={sorted(self._inference.feeds)})"
-        )
+        from .summary import session_text
+
+        return session_text(self)
+
+    def _repr_html_(self) -> str:
+        from .summary import session_html
+
+        return session_html(self)
+
+    # ------------------------------------------------------------- training loop
+    def fit(self, data: Any, **kwargs: Any) -> Any:
+        """Train over ``data`` for some epochs with a progress bar; returns a History.
+
+        See ``onnxtrain.fit.fit`` for the arguments (epochs, batch_size, shuffle,
+        seed, validation_data, metrics, progress, callbacks)."""
+        from .fit import fit
+
+        return fit(self, data, **kwargs)
+
+    def evaluate(self, data: Any, **kwargs: Any) -> dict[str, float]:
+        """Loss and metrics over ``data`` without changing state (``onnxtrain.fit.evaluate``)."""
+        from .fit import evaluate
+
+        return evaluate(self, data, **kwargs)
+
+    def predict(self, data: Any, **kwargs: Any) -> Any:
+        """Run the main graph batch by batch (``onnxtrain.fit.predict``)."""
+        from .fit import predict
+
+        return predict(self, data, **kwargs)
+
+    # ------------------------------------------------------------- introspection
+    @property
+    def algorithm_inputs(self) -> list[dict[str, onnx.ValueInfoProto]]:
+        """Per algorithm: the inputs a train_step must feed (name -> ValueInfoProto)."""
+        return [dict(p.feeds) for p in self._algorithms]
+
+    @property
+    def inference_inputs(self) -> dict[str, onnx.ValueInfoProto]:
+        """The inputs run() must feed (name -> ValueInfoProto)."""
+        return dict(self._inference.feeds)
+
+    @property
+    def inference_outputs(self) -> list[str]:
+        return list(self._inference.outputs)
+
+    @property
+    def algorithm_outputs(self) -> list[list[str]]:
+        """Per algorithm: the outputs train_step returns (those no update_binding consumes)."""
+        out = []
+        for p in self._algorithms:
+            bound = {v for _, v in p.bindings}
+            out.append([o for o in p.outputs if o not in bound])
+        return out
+
+    @property
+    def state_info(self) -> dict[str, Any]:
+        """Every state variable -> StateVar (name, origin graph, dtype, shape)."""
+        return dict(self._model.state)
 
     # ------------------------------------------------------------- execution
     def _executor(self, program: Program) -> Executor:

@@ -152,6 +152,16 @@ def test_initialize_resets_every_state_variable():
         np.testing.assert_array_equal(sess.state[name], value, err_msg=name)
 
 
+def test_batch_size_may_change_between_steps():
+    """The demo's last batch of an epoch is smaller (1438 = 44 * 32 + 30)."""
+    sess = TrainingSession(build_classifier(hidden=16))
+    X, y = load_digits()
+    for n in (32, 32, 30, 1, 32):
+        out = sess.train_step({"X": X[:n], "label": y[:n]})
+        assert out["logits"].shape == (n, 10)
+    assert sess.run({"X": X[:5]})["logits"].shape == (5, 10)
+
+
 def test_demo_reaches_95_percent(demo_result):
     assert demo_result["accuracy"] >= 0.95
     assert demo_result["steps"] == demo_steps(15, 32) == len(demo_result["progress_calls"])

@@ -16,8 +16,9 @@ from grad_cases import (
     scalar_node,
 )
 from gradcheck import check_vjp
+from onnx import helper
 
-from onnxtrain.errors import GradientError
+from onnxtrain.errors import GradientError, TrainingModelError
 
 
 def i64(*values) -> np.ndarray:
@@ -36,12 +37,23 @@ def distinct(*shape: int):
     )
 
 
+def topk_node(inputs, **attrs):
+    return helper.make_node("TopK", inputs, ["v", "idx"], **attrs)
+
+
+GATHER_ND_SYMBOLIC = (
+    lambda opset, symbolic: symbolic and opset < 16,
+    "before opset 16 (no ScatterND reduction) the GatherND gradient linearizes the "
+    "indices, which needs the last dimension of the indices statically",
+    TrainingModelError,
+)
+
 OLD = (9, 13, 18)  # attribute signatures before 13 (or 10/11)
 NEW = (13, 18)
 
 CASES = [
     # ------------------------------------------------------------ reshaping
-    Case("Reshape-runtime-shape", "Reshape", ins(x=normal(2, 3, 4), s=i64(4, 6))),
+    Case("Reshape-runtime-shape", "Reshape", ins(x=normal(2, 3, 4), s=i64(4, 6)), opsets=NEW),
     Case("Reshape-const-shape", "Reshape", ins(x=normal(2, 3, 4)), node_inputs=["x", "s"],
          extra=consts(s=[0, -1, 2])),
     Case("Flatten", "Flatten", ins(x=normal(2, 3, 4)), attrs={"axis": 2}),
@@ -56,10 +68,13 @@ CASES = [
     Case("Unsqueeze-attr", "Unsqueeze", ins(x=normal(2, 3)), attrs={"axes": [0, 3]}, opsets=(9, 11)),
     Case("Unsqueeze-input", "Unsqueeze", ins(x=normal(2, 3)), node_inputs=["x", "a"],
          extra=consts(a=[0, -1]), opsets=NEW),
-    Case("Expand", "Expand", ins(x=normal(3, 1), s=i64(2, 3, 4))),
-    Case("Expand-both-ways", "Expand", ins(x=normal(1, 3, 4), s=i64(2, 1, 1))),
-    Case("Tile", "Tile", ins(x=normal(2, 3), r=i64(2, 3))),
-    Case("Tile-ones", "Tile", ins(x=normal(2, 1, 3), r=i64(1, 4, 1))),
+    Case("Expand", "Expand", ins(x=normal(3, 1), s=i64(2, 3, 4)), opsets=NEW),
+    Case("Expand-const", "Expand", ins(x=normal(3, 1)), node_inputs=["x", "s"],
+         extra=consts(s=[2, 3, 4]), opsets=(9, 18)),
+    Case("Expand-both-ways", "Expand", ins(x=normal(1, 3, 4), s=i64(2, 1, 1)), opsets=NEW),
+    Case("Tile", "Tile", ins(x=normal(2, 3), r=i64(2, 3)), opsets=NEW),
+    Case("Tile-const", "Tile", ins(x=normal(2, 1, 3)), node_inputs=["x", "r"],
+         extra=consts(r=[1, 4, 2]), opsets=OLD),
     Case("DepthToSpace-DCR", "DepthToSpace", ins(x=normal(2, 8, 2, 3)), attrs={"blocksize": 2}),
     Case("DepthToSpace-CRD", "DepthToSpace", ins(x=normal(2, 8, 2, 3)),
          attrs={"blocksize": 2, "mode": "CRD"}, opsets=(11, 13, 18)),
@@ -72,14 +87,14 @@ CASES = [
     Case("Concat-one", "Concat", ins(a=normal(2, 3)), attrs={"axis": 0}),
     Case("Concat-const-part", "Concat", ins(a=normal(2, 3)), attrs={"axis": 1}, node_inputs=["a", "k"],
          extra=lambda opset: [const_node("k", np.ones((2, 2)), np.float64)]),
-    Case("Split-equal", "Split", ins(x=normal(2, 6)), attrs={"axis": 1}, n_outputs=3),
+    Case("Split-equal", "Split", ins(x=normal(2, 6)), attrs={"axis": 1}, n_outputs=3, opsets=(9, 13)),
     Case("Split-attr", "Split", ins(x=normal(6, 2)), attrs={"split": [1, 2, 3]}, n_outputs=3,
          opsets=(9, 11)),
     Case("Split-input", "Split", ins(x=normal(6, 2), s=i64(1, 2, 3)), n_outputs=3, opsets=NEW),
     Case("Split-num-outputs", "Split", ins(x=normal(2, 7)), attrs={"axis": -1, "num_outputs": 3},
          n_outputs=3, opsets=(18, 21)),
     Case("Split-unused-output", "Split", ins(x=normal(2, 6)), attrs={"axis": 1}, n_outputs=3,
-         diff_outputs=[0, 2]),
+         diff_outputs=[0, 2], opsets=(11, 13)),
     # --------------------------------------------------------------- Slice
     Case("Slice-attrs", "Slice", ins(x=normal(4, 5, 3)),
          attrs={"starts": [1, -4], "ends": [3, 1000], "axes": [0, 1]}, opsets=(9,)),
@@ -90,7 +105,7 @@ CASES = [
     Case("Slice-steps", "Slice", ins(x=normal(7, 6)), node_inputs=["x", "s", "e", "a", "k"],
          extra=consts(s=[1, -1], e=[7, -100], a=[0, 1], k=[2, -2]), opsets=(10, 13, 18)),
     Case("Slice-runtime", "Slice", ins(x=normal(7, 6), s=i64(-6, 10), e=i64(1000, 0), k=i64(3, -1)),
-         node_inputs=["x", "s", "e", "a", "k"], extra=consts(a=[0, 1]), opsets=(11, 13, 18)),
+         node_inputs=["x", "s", "e", "a", "k"], extra=consts(a=[0, 1]), opsets=NEW),
     Case("Slice-empty", "Slice", ins(x=normal(4, 3)), node_inputs=["x", "s", "e"],
          extra=consts(s=[2], e=[2]), opsets=NEW),
     # ------------------------------------------------------ gather / scatter
@@ -104,9 +119,9 @@ CASES = [
     Case("GatherElements-axis1-small", "GatherElements",
          ins(x=normal(3, 4), i=i64(3, 3, 0, 1).reshape(2, 2)), attrs={"axis": 1}, opsets=(11, 13, 18)),
     Case("GatherND", "GatherND", ins(x=normal(3, 4, 2), i=i64(0, 1, 2, 3, 0, 1, -1, 0).reshape(4, 2)),
-         opsets=(11, 13, 18)),
+         opsets=(11, 13, 18), xfail=GATHER_ND_SYMBOLIC),
     Case("GatherND-batch", "GatherND", ins(x=normal(2, 3, 4), i=i64(1, 0, 2, 2, 1, 1).reshape(2, 3, 1)),
-         attrs={"batch_dims": 1}, opsets=(12, 13, 18)),
+         attrs={"batch_dims": 1}, opsets=(12, 13, 18), xfail=GATHER_ND_SYMBOLIC),
     Case("ScatterElements", "ScatterElements",
          ins(x=normal(3, 4), i=i64(1, 0, 2, 0, 2, 1).reshape(2, 3), u=normal(2, 3)),
          attrs={"axis": 0}, opsets=(11, 13, 18)),
@@ -117,19 +132,25 @@ CASES = [
          opsets=(11, 13, 18)),
     Case("ScatterND-add", "ScatterND", ins(x=normal(4, 3), i=i64(2, 0, 2).reshape(3, 1), u=normal(3, 3)),
          attrs={"reduction": "add"}, opsets=(16, 18)),
-    Case("TopK-attr", "TopK", ins(x=distinct(3, 5)), attrs={"k": 2}, n_outputs=2, diff_outputs=[0],
-         opsets=(9,)),
-    Case("TopK", "TopK", ins(x=distinct(3, 5), k=i64(3)), attrs={"axis": 0}, n_outputs=2,
-         diff_outputs=[0], opsets=(10, 13, 18)),
-    Case("TopK-smallest", "TopK", ins(x=distinct(3, 5), k=i64(2)), attrs={"largest": 0}, n_outputs=2,
-         diff_outputs=[0], opsets=(11, 18)),
+    # TopK's Indices output is int64, which check_vjp's probe cannot declare: TopK
+    # runs as an extra node and the checked op is Identity on its Values.
+    Case("TopK-attr", "Identity", ins(x=distinct(3, 5)), node_inputs=["v"], opsets=(9,),
+         extra=lambda opset: [topk_node(["x"], k=2)]),
+    Case("TopK", "Identity", ins(x=distinct(3, 5), k=i64(3)), node_inputs=["v"], opsets=NEW,
+         extra=lambda opset: [topk_node(["x", "k"], axis=0)]),
+    Case("TopK-const-k", "Identity", ins(x=distinct(3, 5)), node_inputs=["v"], opsets=(10, 11),
+         extra=lambda opset: [const_node("k", [3]), topk_node(["x", "k"])]),
+    Case("TopK-smallest", "Identity", ins(x=distinct(3, 5)), node_inputs=["v"], opsets=(11, 18),
+         extra=lambda opset: [const_node("k", [2]), topk_node(["x", "k"], largest=0, axis=-2)]),
     # ------------------------------------------------------------------ Pad
     Case("Pad-constant-attrs", "Pad", ins(x=normal(2, 3)), attrs={"pads": [1, 0, 0, 2]}, opsets=(9,)),
     Case("Pad-negative-attrs", "Pad", ins(x=normal(3, 4)), attrs={"pads": [-1, 1, 0, -2]}, opsets=(9,)),
-    Case("Pad-constant", "Pad", ins(x=normal(2, 3), p=i64(1, 0, 0, 2)), opsets=(11, 13, 18)),
-    Case("Pad-negative", "Pad", ins(x=normal(3, 4), p=i64(-1, 1, 0, -2)), opsets=(11, 18)),
-    Case("Pad-value", "Pad", ins(x=normal(2, 3), p=i64(1, 1, 0, 2), v1=normal(1)),
-         node_inputs=["x", "p", "v"], extra=lambda opset: scalar_node("v"), opsets=(11, 18)),
+    Case("Pad-constant", "Pad", ins(x=normal(2, 3), p=i64(1, 0, 0, 2)), opsets=NEW),
+    Case("Pad-constant-const", "Pad", ins(x=normal(2, 3)), node_inputs=["x", "p"],
+         extra=consts(p=[1, 0, 0, 2]), opsets=(11, 18)),
+    Case("Pad-negative", "Pad", ins(x=normal(3, 4), p=i64(-1, 1, 0, -2)), opsets=NEW),
+    Case("Pad-value", "Pad", ins(x=normal(2, 3), v1=normal(1)), node_inputs=["x", "p", "v"],
+         extra=lambda opset: scalar_node("v") + [const_node("p", [1, 1, 0, 2])], opsets=(11, 18)),
     Case("Pad-axes", "Pad", ins(x=normal(2, 3, 2), p=i64(1, 2)), node_inputs=["x", "p", "", "a"],
          extra=consts(a=[-2]), opsets=(18, 21)),
     Case("Pad-reflect-attrs", "Pad", ins(x=normal(3, 4)), attrs={"pads": [2, 1, 1, 3], "mode": "reflect"},
@@ -137,9 +158,11 @@ CASES = [
     Case("Pad-edge-attrs", "Pad", ins(x=normal(3, 4)), attrs={"pads": [2, 0, 3, 1], "mode": "edge"},
          opsets=(9,)),
     Case("Pad-reflect", "Pad", ins(x=normal(3, 4), p=i64(2, 1, 1, 3)), attrs={"mode": "reflect"},
-         opsets=(11, 13, 18)),
+         opsets=NEW),
+    Case("Pad-reflect-const", "Pad", ins(x=normal(3, 4)), attrs={"mode": "reflect"},
+         node_inputs=["x", "p"], extra=consts(p=[2, 1, 1, 3]), opsets=(11, 18)),
     Case("Pad-edge", "Pad", ins(x=normal(3, 4), p=i64(2, 0, 3, 1)), attrs={"mode": "edge"},
-         opsets=(11, 13, 18)),
+         opsets=NEW),
     Case("Pad-edge-const", "Pad", ins(x=normal(3, 4)), attrs={"mode": "edge"}, node_inputs=["x", "p"],
          extra=consts(p=[0, 2, 0, 1]), opsets=(11, 18)),
     Case("Pad-wrap", "Pad", ins(x=normal(3, 4), p=i64(2, 1, 1, 3)), attrs={"mode": "wrap"},
