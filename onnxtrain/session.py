@@ -14,7 +14,6 @@ value of the wrong type, KeyboardInterrupt) leaves the state as it was.
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ from onnx import numpy_helper
 from .errors import TrainingModelError
 from .executor import MAX_IR_VERSION, Executor, StateStore, contiguous, device_of
 from .graph import PREVIEW_DOMAIN
+from .io import write_model
 from .model import ModelLike, TrainingModel, load, uses_preview_ops, validate
 from .programs import Program, algorithm_program, inference_program, initialization_program
 
@@ -410,39 +410,6 @@ class TrainingSession:
         """Write the current model to ``path`` atomically (temp file, fsync, rename)."""
         model = self.to_model(training=training)
         return write_model(model, path)
-
-
-def write_model(model: onnx.ModelProto, path: str | os.PathLike) -> Path:
-    """Serialize atomically: a temp file in the same folder, fsync, then rename."""
-    target = Path(path)
-    folder = target.resolve().parent
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        data = model.SerializeToString()
-    except ValueError as exc:  # protobuf refuses messages over 2 GB
-        raise TrainingModelError(f"cannot serialize the model: {exc}") from exc
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:
-        dir_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:
-        pass
-    return target
 
 
 def _write_state(graph: onnx.GraphProto, state: Mapping[str, np.ndarray]) -> None:
