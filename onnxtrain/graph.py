@@ -133,6 +133,7 @@ def infer_types(
     graph: onnx.GraphProto,
     opset_imports: Sequence[onnx.OperatorSetIdProto],
     ir_version: int = 8,
+    functions: Sequence[onnx.FunctionProto] = (),
 ) -> tuple[dict[str, int], dict[str, tuple | None]]:
     """Element types and static shapes of every value shape inference can reach.
 
@@ -158,6 +159,7 @@ def infer_types(
             )
     model = helper.make_model(g, opset_imports=list(opset_imports))
     model.ir_version = max(ir_version, 4)
+    model.functions.extend(functions)
     try:
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
         ig = inferred.graph

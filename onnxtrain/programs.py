@@ -95,7 +95,7 @@ def build_program(
         opset_imports.append(helper.make_opsetid("", DEFAULT_OPSET))
     try:
         if uses_preview_ops(g):
-            expand_gradients(g, opset_imports, names, available)
+            expand_gradients(g, opset_imports, names, available, proto.functions)
             lower_optimizers(g, opset_imports, names)
         outputs = [o.name for o in g.output]
         nodes = prune(toposort(list(g.node), available, where=label), outputs)

@@ -30,6 +30,7 @@ from ..errors import GradientError
 from ..graph import PREVIEW_DOMAIN, constant_values, infer_types, node_inputs, toposort
 from ..names import NameGen
 from . import rules as _rules  # noqa: F401  (registers every rule)
+from .inline import function_body, inline, type_proto
 from .registry import REGISTRY, VJPContext
 
 
@@ -68,16 +69,27 @@ def _gradient_attrs(node: onnx.NodeProto) -> tuple[list[str], list[str], str]:
     return xs, zs, y
 
 
+class _Inline:
+    """Ask the driver to replace ``node`` by ``body`` (its function body) and retry."""
+
+    def __init__(self, node: onnx.NodeProto, body: list[onnx.NodeProto]) -> None:
+        self.node = node
+        self.body = body
+
+
 def expand_gradients(
     graph: onnx.GraphProto,
     opset_imports: Sequence[onnx.OperatorSetIdProto],
     names: NameGen,
     available: Sequence[str],
+    functions: Sequence[onnx.FunctionProto] = (),
 ) -> None:
     """Replace every Gradient node of ``graph`` (in place) by standard ops.
 
     ``available`` lists the names defined outside the nodes (inputs,
-    initializers).  The node list ends topologically sorted."""
+    initializers); ``functions`` are the model's local functions.  Ops on a
+    differentiated path that have no rule but an ONNX function body are
+    inlined first.  The node list ends topologically sorted."""
     opset = _default_opset(opset_imports)
     nodes = toposort([_copy(n) for n in graph.node], available)
     while True:
@@ -85,10 +97,16 @@ def expand_gradients(
         if idx is None:
             break
         _set_nodes(graph, nodes)
-        dtypes, shapes = infer_types(graph, opset_imports)
+        dtypes, shapes = infer_types(graph, opset_imports, functions=functions)
         constants = constant_values(graph)
-        replacement = _expand_one(nodes, idx, opset, names, dtypes, shapes, constants)
-        nodes = nodes[:idx] + replacement + nodes[idx + 1 :]
+        result = _expand_one(
+            nodes, idx, opset, names, dtypes, shapes, constants, opset_imports, functions
+        )
+        if isinstance(result, _Inline):
+            at = next(i for i, n in enumerate(nodes) if n is result.node)
+            nodes = nodes[:at] + result.body + nodes[at + 1 :]
+        else:
+            nodes = nodes[:idx] + result + nodes[idx + 1 :]
         nodes = toposort(nodes, available)
     _set_nodes(graph, nodes)
 
@@ -119,7 +137,9 @@ def _expand_one(
     dtypes: dict[str, int],
     shapes: dict[str, tuple | None],
     constants: dict,
-) -> list[onnx.NodeProto]:
+    opset_imports: Sequence[onnx.OperatorSetIdProto] = (),
+    functions: Sequence[onnx.FunctionProto] = (),
+) -> list[onnx.NodeProto] | _Inline:
     gnode = nodes[idx]
     xs, zs, y = _gradient_attrs(gnode)
     producer = {o: n for n in nodes for o in n.output if o}
@@ -159,6 +179,15 @@ def _expand_one(
                 if o and (dtypes.get(o) in FLOAT_TYPES or o not in dtypes):
                     active.add(o)
 
+    for n in relevant:
+        if REGISTRY.get(n.domain, n.op_type) is None and any(i in active for i in node_inputs(n)):
+            types = [type_proto(dtypes.get(i), shapes.get(i)) if i else None for i in n.input]
+            body = function_body(n, opset_imports, functions, types)
+            if body is not None:
+                try:
+                    return _Inline(n, inline(n, body, names))
+                except ValueError:
+                    pass
     _check_rules(relevant, active, xs, y)
     emit = Emitter(opset, names, dtypes, hint=gnode.name or "grad", constants=constants)
     grads: dict[str, list[str]] = {}

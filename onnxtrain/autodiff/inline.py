@@ -1,0 +1,110 @@
+"""Expand a node into its ONNX function body, so ops defined as functions
+(Attention, RMSNormalization, model-local functions, ...) are differentiated
+through the primitive ops they are made of.
+
+A function-body expansion counts as a rule: the engine uses it for an op that
+has no registered rule, and only then.  An op with neither is an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import onnx
+from onnx import helper
+
+from ..names import NameGen
+
+
+def function_body(
+    node: onnx.NodeProto,
+    opset_imports: Sequence[onnx.OperatorSetIdProto],
+    local_functions: Sequence[onnx.FunctionProto],
+    input_types: Sequence[onnx.TypeProto | None],
+) -> onnx.FunctionProto | None:
+    """The FunctionProto defining ``node`` for the model's opset, or None."""
+    for f in local_functions:
+        if f.name == node.op_type and f.domain == node.domain:
+            return f
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    version = next((int(o.version) for o in opset_imports if o.domain in ((domain,) if domain else ("", "ai.onnx"))), 0)
+    if not version:
+        return None
+    try:
+        schema = onnx.defs.get_schema(node.op_type, version, domain)
+    except onnx.defs.SchemaError:
+        return None
+    data = b""
+    try:
+        if schema.has_function:
+            data = schema.get_function_with_opset_version(version)
+        elif schema.has_context_dependent_function:
+            if any(t is None for t in input_types):
+                return None
+            data = schema.get_context_dependent_function_with_opset_version(
+                version, node.SerializeToString(), [t.SerializeToString() for t in input_types]
+            )
+    except Exception:  # onnx raises plain RuntimeErrors when a body cannot be built
+        return None
+    if not data:
+        return None
+    f = onnx.FunctionProto()
+    f.ParseFromString(data)
+    return f if f.node else None
+
+
+def inline(
+    node: onnx.NodeProto, body: onnx.FunctionProto, names: NameGen
+) -> list[onnx.NodeProto]:
+    """The nodes of ``body`` with formal inputs/outputs bound to ``node``'s
+    actual ones, internal names made fresh and attribute references resolved."""
+    rename: dict[str, str] = {"": ""}
+    for formal, actual in zip(body.input, node.input):
+        rename[formal] = actual
+    for formal in body.input[len(node.input) :]:
+        rename[formal] = ""  # optional input left out by the caller
+    for formal, actual in zip(body.output, node.output):
+        rename[formal] = actual
+    prefix = node.name or node.op_type
+    given = {a.name: a for a in node.attribute}
+    defaults = {a.name: a for a in body.attribute_proto}
+
+    out: list[onnx.NodeProto] = []
+    for inner in body.node:
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in inner.attribute):
+            raise ValueError(f"function body of {node.op_type} holds a subgraph; not inlined")
+        n = onnx.NodeProto()
+        n.CopyFrom(inner)
+        n.name = names.fresh(f"{prefix}/{inner.name or inner.op_type}")
+        del n.input[:]
+        for i in inner.input:
+            if i not in rename:
+                rename[i] = names.fresh(f"{prefix}/{i}")
+            n.input.append(rename[i])
+        del n.output[:]
+        for o in inner.output:
+            if o not in rename:
+                rename[o] = names.fresh(f"{prefix}/{o}")
+            n.output.append(rename[o])
+        del n.attribute[:]
+        for a in inner.attribute:
+            if a.ref_attr_name:
+                source = given.get(a.ref_attr_name) or defaults.get(a.ref_attr_name)
+                if source is None:
+                    continue  # unset optional attribute: the op's own default applies
+                resolved = onnx.AttributeProto()
+                resolved.CopyFrom(source)
+                resolved.name = a.name
+                n.attribute.append(resolved)
+            else:
+                n.attribute.append(a)
+        out.append(n)
+    return out
+
+
+def type_proto(elem_type: int | None, shape: tuple | None) -> onnx.TypeProto | None:
+    """A tensor TypeProto from inferred facts (None if the type is unknown)."""
+    if not elem_type:
+        return None
+    dims = None if shape is None else [d if d is not None else "?" for d in shape]
+    return helper.make_tensor_type_proto(elem_type, dims)
