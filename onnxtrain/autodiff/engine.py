@@ -197,6 +197,11 @@ def _expand_one(
     def fresh(hint: str) -> str:
         return names.fresh(hint)
 
+    def subgraph_vjp(outer_emit, body_nodes, outputs, cotangents, wrt, types):
+        return vjp_of_graph(
+            body_nodes, outputs, cotangents, wrt, types, opset_imports, names, functions
+        )
+
     for n in reversed(relevant):
         dys = [emit.sum_all(grads[o]) if o and o in grads else None for o in n.output]
         if all(d is None for d in dys):
@@ -214,7 +219,7 @@ def _expand_one(
         if rule.kind == "refused":
             raise GradientError(f"{where} is not differentiable: {rule.reason}")
         needs = [bool(i) and i in active for i in n.input]
-        ctx = VJPContext(n, emit, shapes, needs, fresh)
+        ctx = VJPContext(n, emit, shapes, needs, fresh, active, subgraph_vjp)
         for o, d in zip(n.output, dys):
             if d is not None:
                 grads[o] = [d]
@@ -230,6 +235,9 @@ def _expand_one(
         for i, dx in enumerate(result):
             if dx is not None and needs[i]:
                 grads.setdefault(n.input[i], []).append(dx)
+        for name, dxs in ctx.implicit_grads.items():
+            if name in active:
+                grads.setdefault(name, []).extend(dxs)
 
     for k, out in enumerate(gnode.output):
         if not out:
@@ -239,6 +247,72 @@ def _expand_one(
         total = emit.sum_all(contributions) if contributions else emit.zeros_like(values[k])
         emit.op("Identity", [total], outputs=[out])
     return emit.nodes
+
+
+def vjp_of_graph(
+    body_nodes: Sequence[onnx.NodeProto],
+    outputs: Sequence[str],
+    cotangents: Sequence[str | None],
+    wrt: Sequence[str],
+    types: dict[str, tuple[int, tuple | None]],
+    opset_imports: Sequence[onnx.OperatorSetIdProto],
+    names: NameGen,
+    functions: Sequence[onnx.FunctionProto] = (),
+) -> tuple[list[onnx.NodeProto], list[str]]:
+    """Differentiate a subgraph body: nodes computing the body's forward pass,
+    then d/d(wrt) of sum_k <outputs[k], cotangents[k]>.
+
+    Free names of the body, the cotangents and ``wrt`` are typed by ``types``;
+    they become inputs of a scratch graph that is expanded like any other and
+    then dropped, so the returned nodes read them from the enclosing scope.
+    Returns (nodes, one gradient name per wrt)."""
+    scratch = onnx.GraphProto()
+    scratch.name = "subgraph_vjp"
+    copies = [_copy(n) for n in body_nodes]
+    produced = {o for n in copies for o in n.output if o}
+    free: list[str] = []
+    for n in copies:
+        for i in node_inputs(n):
+            if i and i not in produced and i not in free:
+                free.append(i)
+    for extra in list(cotangents) + list(wrt):
+        if extra and extra not in produced and extra not in free:
+            free.append(extra)
+    for name in free:
+        if name not in types:
+            raise GradientError(f"subgraph differentiation: the type of {name!r} is unknown")
+        et, shape = types[name]
+        dims = None if shape is None else [d if d is not None else "?" for d in shape]
+        scratch.input.append(helper.make_tensor_value_info(name, et, dims))
+    terms = []
+    for out, cot in zip(outputs, cotangents):
+        if not cot:
+            continue
+        prod = names.fresh(f"{out}/vjp_term")
+        total = names.fresh(f"{out}/vjp_sum")
+        copies.append(helper.make_node("Mul", [out, cot], [prod], name=names.fresh("vjp_mul")))
+        copies.append(helper.make_node("ReduceSum", [prod], [total], keepdims=0, name=names.fresh("vjp_sum")))
+        terms.append(total)
+    grads = [names.fresh(f"{w}/vjp_grad") for w in wrt]
+    if terms:
+        objective = names.fresh("vjp_objective")
+        copies.append(helper.make_node("Sum", terms, [objective], name=names.fresh("vjp_total")))
+        copies.append(
+            helper.make_node(
+                "Gradient", list(wrt), grads, domain=PREVIEW_DOMAIN, xs=list(wrt),
+                y=objective, name=names.fresh("vjp_gradient"),
+            )
+        )
+    scratch.node.extend(copies)
+    if terms:
+        expand_gradients(scratch, opset_imports, names, free, functions)
+        nodes = list(scratch.node)
+    else:
+        emit = Emitter(_default_opset(opset_imports), names, {w: types[w][0] for w in wrt})
+        for w, g in zip(wrt, grads):
+            emit.op("Identity", [emit.zeros_like(w)], outputs=[g])
+        nodes = copies + emit.nodes
+    return nodes, grads
 
 
 def _check_rules(relevant: list[onnx.NodeProto], active: set[str], xs: list[str], y: str) -> None:

@@ -105,13 +105,57 @@ class VJPContext:
         shapes: dict[str, Shape | None],
         needs: Sequence[bool],
         names_in_use: Callable[[str], str],
+        active: frozenset[str] | set[str] = frozenset(),
+        subgraph_vjp: Callable[..., tuple[list[onnx.NodeProto], list[str]]] | None = None,
     ) -> None:
         self.node = node
         self.emit = emit
         self.shapes = shapes
         self._needs = list(needs)
         self._fresh = names_in_use
+        self._active = active
+        self._subgraph_vjp = subgraph_vjp
         self._attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        #: Gradients of implicit inputs (outer-scope names read by subgraphs).
+        self.implicit_grads: dict[str, list[str]] = {}
+
+    # ------------------------------------------------- control flow support
+    @property
+    def implicit_inputs(self) -> list[str]:
+        """Outer-scope names the node's subgraphs read (If branches, Loop/Scan bodies)."""
+        from ..graph import outer_references, subgraphs
+
+        names: set[str] = set()
+        for g in subgraphs(self.node):
+            names |= outer_references(g)
+        return sorted(names)
+
+    def needs_name(self, name: str) -> bool:
+        """Whether a gradient is wanted for ``name`` (explicit or implicit input)."""
+        return name in self._active
+
+    def accumulate(self, name: str, dx: str) -> None:
+        """Contribute ``dx`` to the gradient of an implicit input ``name``."""
+        self.implicit_grads.setdefault(name, []).append(dx)
+
+    def vjp_of_graph(
+        self,
+        nodes: Sequence[onnx.NodeProto],
+        outputs: Sequence[str],
+        cotangents: Sequence[str | None],
+        wrt: Sequence[str],
+        types: dict[str, tuple[int, tuple | None]],
+    ) -> tuple[list[onnx.NodeProto], list[str]]:
+        """Nodes computing sum_k <outputs[k], cotangents[k]> differentiated w.r.t.
+        ``wrt``: returns (nodes, gradient names, one per wrt).
+
+        ``nodes`` is a subgraph body (copied, not modified) whose free names
+        are typed by ``types`` (name -> (elem_type, shape)); the result
+        recomputes that body's forward pass, then its backward pass, and reads
+        the cotangents and free names from the enclosing scope."""
+        if self._subgraph_vjp is None:
+            raise TrainingModelError("subgraph differentiation is not available here")
+        return self._subgraph_vjp(self.emit, nodes, outputs, cotangents, wrt, types)
 
     # ------------------------------------------------------------ the node
     @property
