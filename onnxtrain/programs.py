@@ -14,7 +14,9 @@ One program per use: ``inference`` (M), ``algorithm i`` (M ⊕ A_i) and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import onnx
 from onnx import helper
 
@@ -29,6 +31,55 @@ from .optim import lower_optimizers
 
 #: Default-domain opset given to programs of models that import none.
 DEFAULT_OPSET = 17
+
+
+@dataclass(frozen=True)
+class FeedSpec:
+    """What one input accepts, precomputed so a step checks feeds cheaply."""
+
+    name: str
+    dtype: np.dtype | None
+    dims: tuple[int | None, ...] | None  # None: any rank; None entries: any size
+    text: str  # e.g. "float32['N', 4]", for messages
+
+    @classmethod
+    def of(cls, vi: onnx.ValueInfoProto) -> FeedSpec:
+        tt = vi.type.tensor_type
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)) if tt.elem_type else None
+        dims = None
+        shown: Any = ""
+        if tt.HasField("shape"):
+            dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
+            shown = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tt.shape.dim]
+        return cls(vi.name, dtype, dims, f"{dtype.name if dtype is not None else '?'}{shown}")
+
+    def check(self, value: Any, caller: str) -> np.ndarray:
+        """The feed as a C-contiguous array of the right dtype and rank (or ValueError)."""
+        if isinstance(value, np.ndarray):
+            arr = value
+        else:
+            try:
+                arr = np.asarray(value, dtype=self.dtype)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(
+                    f"{caller}: feed {self.name!r} cannot be converted to {self.dtype}: {exc}"
+                ) from exc
+        if self.dtype is not None and arr.dtype != self.dtype:
+            raise ValueError(
+                f"{caller}: feed {self.name!r} has dtype {arr.dtype}, expected {self.text}"
+            )
+        dims = self.dims
+        if dims is not None:
+            shape = arr.shape
+            if len(shape) != len(dims) or any(
+                d is not None and d != s for d, s in zip(dims, shape)
+            ):
+                raise ValueError(
+                    f"{caller}: feed {self.name!r} has shape {list(shape)}, expected {self.text}"
+                )
+        if not arr.flags.c_contiguous:
+            arr = np.array(arr, order="C")
+        return arr
 
 
 @dataclass
@@ -47,6 +98,12 @@ class Program:
     outputs: list[str] = field(default_factory=list)
     #: (state variable, output) pairs applied after a run.
     bindings: list[tuple[str, str]] = field(default_factory=list)
+    #: Checks of the inputs above, and of state variables fed as overrides.
+    feed_specs: list[FeedSpec] = field(default_factory=list)
+    optional_specs: dict[str, FeedSpec] = field(default_factory=dict)
+    state_specs: dict[str, FeedSpec] = field(default_factory=dict)
+    #: Outputs a step returns: those no binding consumes, in program order.
+    returned: list[str] = field(default_factory=list)
 
 
 def _all_names(graph: onnx.GraphProto) -> set[str]:
@@ -124,6 +181,13 @@ def build_program(
         else:
             program.feeds[vi.name] = vi
     program.outputs = [o.name for o in g.output]
+    program.feed_specs = [FeedSpec.of(vi) for vi in program.feeds.values()]
+    program.optional_specs = {n: FeedSpec.of(vi) for n, vi in program.optional_feeds.items()}
+    for vi in g.input:
+        if vi.name in tm.state:
+            program.state_specs[vi.name] = FeedSpec.of(vi)
+    bound = {v for _, v in program.bindings}
+    program.returned = [o for o in program.outputs if o not in bound]
     return program
 
 

@@ -24,7 +24,7 @@ import onnx
 from onnx import numpy_helper
 
 from .errors import TrainingModelError
-from .executor import MAX_IR_VERSION, Executor, StateStore, contiguous, device_of
+from .executor import MAX_IR_VERSION, Executor, StateStore, device_of
 from .graph import PREVIEW_DOMAIN
 from .io import write_model
 from .model import ModelLike, TrainingModel, load, uses_preview_ops, validate
@@ -166,11 +166,7 @@ class TrainingSession:
     @property
     def algorithm_outputs(self) -> list[list[str]]:
         """Per algorithm: the outputs train_step returns (those no update_binding consumes)."""
-        out = []
-        for p in self._algorithms:
-            bound = {v for _, v in p.bindings}
-            out.append([o for o in p.outputs if o not in bound])
-        return out
+        return [list(p.returned) for p in self._algorithms]
 
     @property
     def state_info(self) -> dict[str, Any]:
@@ -191,26 +187,27 @@ class TrainingSession:
     ) -> dict[str, np.ndarray]:
         """Checked numpy feeds for ``program`` (state variables come from the store)."""
         out: dict[str, np.ndarray] = {}
-        for name, vi in program.feeds.items():
-            if name not in feeds:
+        for spec in program.feed_specs:
+            try:
+                value = feeds[spec.name]
+            except KeyError:
                 raise ValueError(
-                    f"{caller}: missing feed {name!r} (input of {program.label}, "
-                    f"expected {_describe(vi)})"
-                )
-            out[name] = _check_feed(name, feeds[name], vi, caller)
-        for name, vi in program.optional_feeds.items():
-            if name in feeds:
-                out[name] = _check_feed(name, feeds[name], vi, caller)
-        for name in program.state_inputs:
-            if name in feeds:
-                if not allow_state_override:
-                    raise ValueError(
-                        f"{caller}: {name!r} is a state variable; set it with load_state(), "
-                        "not as a feed"
-                    )
-                var = self._model.state[name]
-                vi = onnx.helper.make_tensor_value_info(name, var.elem_type, list(var.shape))
-                out[name] = _check_feed(name, feeds[name], vi, caller)
+                    f"{caller}: missing feed {spec.name!r} (input of {program.label}, "
+                    f"expected {spec.text})"
+                ) from None
+            out[spec.name] = spec.check(value, caller)
+        if len(feeds) > len(out):
+            for name, spec in program.optional_specs.items():
+                if name in feeds:
+                    out[name] = spec.check(feeds[name], caller)
+            for name, spec in program.state_specs.items():
+                if name in feeds:
+                    if not allow_state_override:
+                        raise ValueError(
+                            f"{caller}: {name!r} is a state variable; set it with load_state(), "
+                            "not as a feed"
+                        )
+                    out[name] = spec.check(feeds[name], caller)
         return out
 
     def _check_names(self, feeds: Mapping[str, Any], caller: str) -> None:
@@ -252,8 +249,7 @@ class TrainingSession:
                 copies.append((key, value))  # two variables bound to one output
             else:
                 state_out[value] = targets[key]
-        bound = {v for _, v in program.bindings}
-        wanted = [o for o in program.outputs if o not in bound] if fetch else []
+        wanted = program.returned if fetch else []
         executor = self._executor(program)
         try:
             outputs = executor.run_bound(feeds, state_in, state_out, wanted)
@@ -438,44 +434,3 @@ def _check_finite(program: Program, targets: Mapping[str, Any], field: str) -> N
             f"{program.label}: the step would write non-finite values into state "
             f"variable(s) {bad}; nothing was committed"
         )
-
-
-def _describe(vi: onnx.ValueInfoProto) -> str:
-    tt = vi.type.tensor_type
-    try:
-        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)).name
-    except (KeyError, TypeError):
-        dtype = "?"
-    if not tt.HasField("shape"):
-        return dtype
-    dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tt.shape.dim]
-    return f"{dtype}{dims}"
-
-
-def _check_feed(name: str, value: Any, vi: onnx.ValueInfoProto, caller: str) -> np.ndarray:
-    """Convert a feed to an array and check it against the declared input."""
-    tt = vi.type.tensor_type
-    expected = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)) if tt.elem_type else None
-    if isinstance(value, np.ndarray):
-        arr = value
-    else:
-        try:
-            arr = np.asarray(value, dtype=expected)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{caller}: feed {name!r} cannot be converted to {expected}: {exc}") from exc
-    if expected is not None and arr.dtype != expected:
-        raise ValueError(
-            f"{caller}: feed {name!r} has dtype {arr.dtype}, expected {_describe(vi)}"
-        )
-    if tt.HasField("shape"):
-        dims = tt.shape.dim
-        if arr.ndim != len(dims):
-            raise ValueError(
-                f"{caller}: feed {name!r} has shape {list(arr.shape)}, expected {_describe(vi)}"
-            )
-        for axis, d in enumerate(dims):
-            if d.HasField("dim_value") and d.dim_value != arr.shape[axis]:
-                raise ValueError(
-                    f"{caller}: feed {name!r} has shape {list(arr.shape)}, expected {_describe(vi)}"
-                )
-    return contiguous(arr)
