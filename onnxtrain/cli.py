@@ -105,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--training", action="store_true",
                         help="keep training_info (write a training checkpoint, not inference)")
     export.set_defaults(handler=_cmd_export)
+    _add_training_commands(sub)
     return parser
 
 
@@ -188,6 +189,178 @@ def _cmd_export(args: argparse.Namespace) -> int:
     path = TrainingSession(args.checkpoint).export(args.output, training=args.training)
     kind = "training checkpoint" if args.training else "inference model"
     print(f"wrote {kind} {path}")
+    return 0
+
+
+# ------------------------------------------- make-training and train (issue 4)
+LOSSES = ("cross_entropy", "mse", "l1", "huber", "bce_with_logits", "nll")
+OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad")
+SCHEDULES = ("cosine:TOTAL[:WARMUP]", "step_decay:STEP[:GAMMA]", "linear_warmup:STEPS")
+
+
+def _add_training_commands(sub) -> None:
+    make = sub.add_parser(
+        "make-training", help="turn an inference model into a training model (onnxtrain.build)",
+        description="Add a loss, gradients, an optimizer and initialization graphs to an "
+                    "inference model, as a standard ONNX training model.")
+    make.add_argument("model", metavar="MODEL", help="path of an inference .onnx model")
+    make.add_argument("-o", "--output", required=True, metavar="OUT", help="output path")
+    make.add_argument("--loss", default="cross_entropy", choices=LOSSES,
+                      help="the loss (default cross_entropy)")
+    make.add_argument("--target", default="target",
+                      help="name of the new target input (default 'target')")
+    make.add_argument("--output-name", default=None, metavar="NAME",
+                      help="the model output the loss reads (default: the first)")
+    make.add_argument("--optimizer", default="adam", choices=OPTIMIZERS,
+                      help="the optimizer (default adam)")
+    make.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate (default 1e-3)")
+    make.add_argument("--momentum", type=_non_negative_float, default=0.0,
+                      help="momentum of sgd (default 0)")
+    make.add_argument("--weight-decay", type=_non_negative_float, default=None,
+                      help="weight decay (default: the optimizer's)")
+    make.add_argument("--frozen", nargs="+", default=[], metavar="NAME",
+                      help="initializers to keep fixed (every other float initializer trains)")
+    make.add_argument("--schedule", default=None, metavar="SPEC",
+                      help="learning-rate schedule: " + ", ".join(SCHEDULES))
+    make.add_argument("--clip-grad-norm", type=_positive_float, default=None, metavar="C",
+                      help="scale gradients to a global L2 norm of at most C")
+    make.add_argument("--accumulate", type=_positive_int, default=1, metavar="K",
+                      help="average gradients over K batches per update (default 1)")
+    make.set_defaults(handler=_cmd_make_training)
+
+    train = sub.add_parser(
+        "train", help="train a training model on an .npz file (X and y) with a progress bar",
+        description="Train a training model on DATA.npz (arrays X and y, or arrays named like "
+                    "the model's inputs and target) and write the trained inference model.")
+    train.add_argument("model", metavar="MODEL", help="path of a training model")
+    train.add_argument("--data", required=True, metavar="DATA.npz", help="training data")
+    train.add_argument("--epochs", type=_positive_int, required=True, metavar="N",
+                       help="train up to this many epochs")
+    train.add_argument("--batch-size", type=_positive_int, default=32, metavar="B",
+                       help="rows per batch (default 32)")
+    train.add_argument("-o", "--output", required=True, metavar="TRAINED.onnx",
+                       help="where to write the trained inference model")
+    train.add_argument("--checkpoint", default=None, metavar="CKPT.onnx",
+                       help="write the training model (a complete checkpoint) after each epoch")
+    train.add_argument("--resume", default=None, metavar="CKPT.onnx",
+                       help="continue from a checkpoint written by --checkpoint")
+    train.add_argument("--validation-data", default=None, metavar="VAL.npz",
+                       help="report val_loss and val_accuracy after each epoch")
+    train.add_argument("--seed", type=int, default=0, help="shuffling seed (default 0)")
+    train.add_argument("--no-progress", action="store_true", help="do not show progress bars")
+    train.set_defaults(handler=_cmd_train)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def parse_schedule(text: str):
+    """``cosine:1000``, ``cosine:1000:100``, ``step_decay:500:0.5``, ``linear_warmup:200``.
+
+    >>> parse_schedule("step_decay:500:0.5")
+    StepDecay(step_size=500, gamma=0.5)
+    """
+    from . import build
+
+    kind, _, rest = text.partition(":")
+    args = rest.split(":") if rest else []
+    usage = f"--schedule: expected one of {', '.join(SCHEDULES)}, got {text!r}"
+    try:
+        if kind == "cosine" and len(args) in (1, 2):
+            return build.cosine(int(args[0]), *(int(a) for a in args[1:]))
+        if kind == "step_decay" and len(args) in (1, 2):
+            return build.step_decay(int(args[0]), *(float(a) for a in args[1:]))
+        if kind == "linear_warmup" and len(args) == 1:
+            return build.linear_warmup(int(args[0]))
+    except ValueError as exc:
+        raise ValueError(f"{usage} ({exc})") from None
+    raise ValueError(usage)
+
+
+def _optimizer(args: argparse.Namespace):
+    from . import build
+
+    extra = {} if args.weight_decay is None else {"weight_decay": args.weight_decay}
+    if args.momentum and args.optimizer != "sgd":
+        raise ValueError(f"--momentum applies to --optimizer sgd, not {args.optimizer}")
+    if args.optimizer == "sgd":
+        return build.SGD(lr=args.lr, momentum=args.momentum, **extra)
+    cls = {"adam": build.Adam, "adamw": build.AdamW, "adagrad": build.Adagrad}[args.optimizer]
+    return cls(lr=args.lr, **extra)
+
+
+def _cmd_make_training(args: argparse.Namespace) -> int:
+    from . import build
+    from .io import write_model
+
+    schedule = parse_schedule(args.schedule) if args.schedule else None
+    optimizer = _optimizer(args)
+    trainable = None
+    model = args.model
+    if args.frozen:
+        model, _ = load(args.model)
+        names = [t.name for t in model.graph.initializer]
+        unknown = [n for n in args.frozen if n not in names]
+        if unknown:
+            shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+            raise ValueError(f"--frozen: {unknown[0]!r} is not an initializer of {args.model} "
+                             f"(initializers: {shown or 'none'})")
+        frozen = set(args.frozen)
+
+        def trainable(name: str) -> bool:
+            return name not in frozen
+
+    try:
+        built = build.training_model(
+            model, loss=args.loss, target=args.target, output=args.output_name,
+            optimizer=optimizer, trainable=trainable, schedule=schedule,
+            clip_grad_norm=args.clip_grad_norm, accumulate=args.accumulate)
+    except TypeError as exc:  # the builder's type checks: a user mistake here
+        raise ValueError(str(exc)) from None
+    path = write_model(built, args.output)
+    sess = TrainingSession(built)
+    print(f"wrote training model {path}")
+    print(sess)
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .fit import train_files
+
+    result = train_files(args.model, args.data, epochs=args.epochs, batch_size=args.batch_size,
+                         output=args.output, checkpoint=args.checkpoint, resume=args.resume,
+                         validation_data=args.validation_data, seed=args.seed,
+                         progress=not args.no_progress)
+    history = result.history
+    if result.initial_epoch:
+        print(f"resumed from {args.resume} after epoch {result.initial_epoch}")
+    for epoch, index in zip(history.epochs, range(len(history))):
+        values = ", ".join(f"{k} {v[index]:.4f}" for k, v in history.history.items())
+        print(f"epoch {epoch + 1}/{result.epochs}: {values}")
+    if not history.epochs:
+        print(f"nothing to train: the checkpoint is at epoch {result.initial_epoch} "
+              f"of {result.epochs}")
+    print(f"trained {len(history)} epochs ({history.steps} steps) in {result.seconds:.1f} s")
+    if result.checkpoint is not None:
+        print(f"wrote checkpoint {result.checkpoint}")
+    print(f"wrote inference model {result.output}")
     return 0
 
 

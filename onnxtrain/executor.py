@@ -151,8 +151,6 @@ class Executor:
                 binding.bind_ortvalue_input(name, value)
             for name, value in state_out.items():
                 binding.bind_ortvalue_output(name, value)
-            for name in fetch:
-                binding.bind_output(name, "cpu")
             # Keep the OrtValues alive while cached, so their ids stay unique.
             entry = (binding, list(state_in.values()), list(state_out.values()))
             cache[key] = entry
@@ -164,6 +162,10 @@ class Executor:
         try:
             for name, arr in feeds.items():
                 binding.bind_cpu_input(name, arr)
+            for name in fetch:
+                # Re-bind: otherwise onnxruntime reuses the previous run's buffer,
+                # whose shape is wrong once the batch size changes.
+                binding.bind_output(name, "cpu")
             self._sess.run_with_iobinding(binding)
         except Exception as exc:
             raise RuntimeError(f"{self.label}: onnxruntime failed: {exc}") from exc

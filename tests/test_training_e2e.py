@@ -265,3 +265,12 @@ def test_programs_are_compiled_once(monkeypatch):
     sess.initialize()
     sess.initialize()
     assert len(created) == 3  # algorithm, inference, initialization: once each
+
+
+def test_batch_size_may_change_between_steps_and_runs():
+    sess = TrainingSession(mlp_classifier("adam", lr=0.01))
+    x, labels = blobs(n=24)
+    for n in (8, 8, 6, 24, 1):
+        out = sess.train_step({"X": x[:n], "label": labels[:n]})
+        assert out["logits"].shape == (n, 3)
+        assert sess.run({"X": x[:n]})["logits"].shape == (n, 3)
