@@ -6,6 +6,12 @@ opsets to check.  ``case_params`` expands a table into pytest parameters, one
 per (case, opset, static or symbolic shapes); ``run_case`` runs the float64
 finite-difference check and ``run_case_float32`` checks that float32 gradients
 come back with the input's type and shape.
+
+Symbolic shapes before opset 13 use a second loss: check_vjp's loss sum(R * y)
+multiplies y (symbolic) by R (static), and the gradient of that Mul needs
+ReduceSum over runtime axes, which opset 12 and older lack.  There the loss is
+sum(y^2) (ReduceSumSquare over everything), whose gradient 2 y dy needs no
+broadcasting yet still weights every element differently.
 """
 
 from __future__ import annotations
@@ -62,29 +68,41 @@ class Case:
     #: Opsets below this one run the float64 check on onnx.reference as well
     #: (onnxruntime's kernel for the op's older version is float32 only).
     reference_below: int = 0
+    #: The rule sums a gradient over broadcast axes (binary and variadic ops).
+    broadcasts: bool = False
 
 
-#: Symbolic shapes are checked from this opset on.  Before it, ReduceSum has no
-#: runtime axes, so ctx.unbroadcast needs static broadcast information, and the
-#: harness's own loss (out * R, R static) already lacks it: see
-#: test_symbolic_broadcast_before_opset13_is_refused.
-SYMBOLIC_FROM = 13
+#: From this opset on, ReduceSum takes runtime axes.
+RUNTIME_AXES_FROM = 13
+
+BROADCAST_REASON = (
+    "before opset 13 ReduceSum has no runtime axes, so ctx.unbroadcast cannot sum a "
+    "gradient over axes that only runtime shapes reveal as broadcast"
+)
 
 
 def case_params(cases: Sequence[Case]) -> list:
-    """pytest parameters (case, opset, symbolic): every opset with static shapes,
-    the opsets >= SYMBOLIC_FROM with symbolic ones too; expected failures marked."""
+    """pytest parameters (case, opset, symbolic) for every opset, static and
+    symbolic shapes; expected failures marked."""
     out = []
     for c in cases:
         for opset in c.opsets:
             for sym in (False, True):
-                if sym and opset < SYMBOLIC_FROM:
-                    continue
                 marks = []
+                if sym and opset < RUNTIME_AXES_FROM and c.broadcasts:
+                    marks.append(
+                        pytest.mark.xfail(
+                            raises=TrainingModelError, strict=True, reason=BROADCAST_REASON
+                        )
+                    )
                 if c.xfail is not None and c.xfail[0](opset, sym):
-                    marks.append(pytest.mark.xfail(raises=c.xfail[2], strict=True, reason=c.xfail[1]))
+                    marks.append(
+                        pytest.mark.xfail(raises=c.xfail[2], strict=True, reason=c.xfail[1])
+                    )
                 tag = "sym" if sym else "static"
-                out.append(pytest.param(c, opset, sym, id=f"{c.id}-opset{opset}-{tag}", marks=marks))
+                out.append(
+                    pytest.param(c, opset, sym, id=f"{c.id}-opset{opset}-{tag}", marks=marks)
+                )
     return out
 
 
@@ -102,11 +120,24 @@ class Erf(OpRun):
         return (np.vectorize(math.erf, otypes=[x.dtype])(x),)
 
 
+class Gelu(OpRun):
+    """Gelu in the input's precision (onnx.reference's own Gelu rounds to float32)."""
+
+    op_domain = ""
+
+    def _run(self, x, approximate=None):  # noqa: D102
+        if (approximate or "none") == "tanh":
+            u = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)
+            return ((0.5 * x * (1.0 + np.tanh(u))).astype(x.dtype),)
+        cdf = 0.5 * (1.0 + np.vectorize(math.erf, otypes=[x.dtype])(x / math.sqrt(2.0)))
+        return ((x * cdf).astype(x.dtype),)
+
+
 class _ReferenceExecutor:
     """gradcheck's Executor interface over onnx's numpy reference evaluator."""
 
     def __init__(self, model: onnx.ModelProto) -> None:
-        self._ref = ReferenceEvaluator(model, new_ops=[Erf])
+        self._ref = ReferenceEvaluator(model, new_ops=[Erf, Gelu])
 
     def run(self, feeds: dict[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]:
         return [np.asarray(v) for v in self._ref.run(list(output_names), dict(feeds))]
@@ -135,6 +166,8 @@ def run_case(case: Case, opset: int, symbolic: bool) -> dict[str, np.ndarray]:
 
 
 def _check(case: Case, inputs: dict[str, np.ndarray], opset: int, symbolic: bool) -> dict:
+    if symbolic and opset < RUNTIME_AXES_FROM:
+        return check_vjp_squared(case, inputs, opset)
     return check_vjp(
         case.op,
         inputs,
@@ -150,14 +183,68 @@ def _check(case: Case, inputs: dict[str, np.ndarray], opset: int, symbolic: bool
     )
 
 
+def check_vjp_squared(
+    case: Case, inputs: dict[str, np.ndarray], opset: int, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """Like check_vjp with symbolic shapes, for loss = sum_k sum(y_k^2)."""
+    rng = np.random.default_rng(seed)
+    eps = case.check.get("eps", 1e-6)
+    rtol, atol = case.check.get("rtol", 1e-5), case.check.get("atol", 1e-7)
+    wrt = (
+        list(case.wrt)
+        if case.wrt is not None
+        else [k for k, v in inputs.items() if v.dtype == np.float64]
+    )
+    outs = [f"out{i}" for i in range(case.n_outputs)]
+    diff = list(range(case.n_outputs)) if case.diff_outputs is None else list(case.diff_outputs)
+    names = list(case.node_inputs) if case.node_inputs is not None else list(inputs)
+    nodes = list(case.extra(opset) if case.extra else [])
+    nodes.append(helper.make_node(case.op, names, outs, name="op", **case.attrs))
+    squares = ["loss"] if len(diff) == 1 else [f"sq{k}" for k in diff]
+    for k, sq in zip(diff, squares):
+        nodes.append(helper.make_node("ReduceSumSquare", [outs[k]], [sq], keepdims=0))
+    if len(diff) > 1:
+        nodes.append(helper.make_node("Sum", squares, ["loss"]))
+    grads = [f"grad_{x}" for x in wrt]
+    gnode = helper.make_node(
+        "Gradient", wrt, grads, domain=PREVIEW_DOMAIN, xs=wrt, y="loss", name="G"
+    )
+    types = {g: helper.np_dtype_to_tensor_dtype(inputs[x].dtype) for g, x in zip(grads, wrt)}
+    types["loss"] = onnx.TensorProto.DOUBLE
+    shapes = {g: list(inputs[x].shape) for g, x in zip(grads, wrt)}
+    shapes["loss"] = []
+    loss_model = _model(nodes, inputs, ["loss"], opset, types, shapes)
+    grad_model = _model(nodes + [gnode], inputs, ["loss"] + grads, opset, types, shapes)
+    for vi in grad_model.graph.input:
+        vi.CopyFrom(gradcheck._vi(vi.name, inputs[vi.name], True))
+    expand_gradients(
+        grad_model.graph, grad_model.opset_import, NameGen(_all_names(grad_model)), list(inputs)
+    )
+    onnx.checker.check_model(grad_model)
+    analytic = gradcheck.Executor(grad_model).run(inputs, grads)
+    forward = gradcheck.Executor(loss_model)
+    for _ in range(2):
+        d = {x: rng.standard_normal(inputs[x].shape) for x in wrt}
+        plus = {**inputs, **{x: inputs[x] + eps * d[x] for x in wrt}}
+        minus = {**inputs, **{x: inputs[x] - eps * d[x] for x in wrt}}
+        numeric = (forward.run(plus, ["loss"])[0] - forward.run(minus, ["loss"])[0]) / (2 * eps)
+        predicted = sum(float(np.sum(g * d[x])) for g, x in zip(analytic, wrt))
+        np.testing.assert_allclose(predicted, numeric, rtol=rtol, atol=atol, err_msg=case.op)
+    for g, x in zip(analytic, wrt):
+        assert g.shape == inputs[x].shape and g.dtype == inputs[x].dtype, x
+    return dict(zip(wrt, analytic))
+
+
 def run_case_float32(case: Case, opset: int) -> None:
     """Differentiate the float32 version of ``case`` and check each gradient's
     element type and shape (no finite differences: float32 is too coarse)."""
     rng = np.random.default_rng(20240521)
     inputs64 = case.inputs(rng)
-    wrt = list(case.wrt) if case.wrt is not None else [
-        k for k, v in inputs64.items() if v.dtype == np.float64
-    ]
+    wrt = (
+        list(case.wrt)
+        if case.wrt is not None
+        else [k for k, v in inputs64.items() if v.dtype == np.float64]
+    )
     inputs = {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in inputs64.items()}
     outs = [f"out{i}" for i in range(case.n_outputs)]
     diff = list(range(case.n_outputs)) if case.diff_outputs is None else list(case.diff_outputs)
@@ -189,6 +276,28 @@ def run_case_float32(case: Case, opset: int) -> None:
         assert g.dtype == np.float32, f"grad of {x}: dtype {g.dtype}"
         assert g.shape == inputs[x].shape, f"grad of {x}: shape {g.shape} != {inputs[x].shape}"
         assert np.all(np.isfinite(g)), f"grad of {x} is not finite"
+
+
+def expand_only(op: str, inputs: dict[str, np.ndarray], attrs: dict | None = None, *, opset: int):
+    """Expand the Gradient of sum(op(inputs)) w.r.t. the float inputs without
+    running anything (for rules that must refuse a node onnxruntime cannot run)."""
+    wrt = [k for k, v in inputs.items() if v.dtype == np.float64]
+    nodes = [
+        helper.make_node(op, list(inputs), ["out0"], name="op", **(attrs or {})),
+        helper.make_node("ReduceSum", ["out0"], ["loss"], keepdims=0),
+        helper.make_node(
+            "Gradient",
+            wrt,
+            [f"grad_{x}" for x in wrt],
+            domain=PREVIEW_DOMAIN,
+            xs=wrt,
+            y="loss",
+            name="G",
+        ),
+    ]
+    model = _model(nodes, inputs, ["loss"], opset, {}, {"loss": []})
+    expand_gradients(model.graph, model.opset_import, NameGen(_all_names(model)), list(inputs))
+    return model
 
 
 # ------------------------------------------------------------ input domains

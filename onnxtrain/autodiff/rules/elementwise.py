@@ -3,9 +3,12 @@
 Binary and variadic ops broadcast; ``ctx.unbroadcast`` sums each gradient back
 to the shape of its input.  Unary rules reuse the forward output ``y`` where
 the derivative is a function of it (Exp, Sigmoid, Tanh, Sqrt, ...), so nothing
-of the forward pass is computed twice.  Kinks (Relu at 0, Clip at its bounds,
-Abs at 0, ...) get the gradient of the flat side: 0 for Relu, LeakyRelu uses
-its slope, Abs uses Sign (0 at 0).
+of the forward pass is computed twice.
+
+At a kink the rules take one side, stated in each docstring: Relu, Clip,
+ThresholdedRelu, Shrink and HardSigmoid give 0 there; LeakyRelu, PRelu, Elu,
+Selu and Celu give the slope of their x <= 0 branch; Abs gives sign(0) = 0.
+Max/Min split the gradient evenly between tied inputs.
 """
 
 from __future__ import annotations
@@ -176,9 +179,7 @@ def mod_vjp(ctx, dy):
     if not (ctx.needs(0) or ctx.needs(1)):
         return None, None
     if not ctx.attr("fmod", 0):
-        raise GradientError(
-            f"Mod node {ctx.node.name!r}: float Mod needs fmod=1, found fmod=0"
-        )
+        raise GradientError(f"Mod node {ctx.node.name!r}: float Mod needs fmod=1, found fmod=0")
     da = ctx.unbroadcast(dy, like=a) if ctx.needs(0) else None
     db = None
     if ctx.needs(1):
@@ -410,7 +411,9 @@ def elu_vjp(ctx, dy):
 
 @vjp("Selu")
 def selu_vjp(ctx, dy):
-    """y = gamma (x > 0 ? x : alpha (exp(x) - 1))  ->  dx = x > 0 ? gamma dy : dy (y + gamma alpha)"""
+    """y = gamma (x > 0 ? x : alpha (exp(x) - 1))
+
+    dx = x > 0 ? gamma dy : dy (y + gamma alpha)   (reuses y)"""
     (x,) = ctx.inputs
     (y,) = ctx.outputs
     e = ctx.emit
@@ -424,7 +427,9 @@ def selu_vjp(ctx, dy):
 
 @vjp("Celu")
 def celu_vjp(ctx, dy):
-    """y = max(0, x) + min(0, alpha (exp(x / alpha) - 1))  ->  dx = x > 0 ? dy : dy (y / alpha + 1)"""
+    """y = max(0, x) + min(0, alpha (exp(x / alpha) - 1))
+
+    dx = x > 0 ? dy : dy exp(x / alpha) = dy (y / alpha + 1)   (reuses y)"""
     (x,) = ctx.inputs
     (y,) = ctx.outputs
     e = ctx.emit
@@ -447,12 +452,8 @@ def shrink_vjp(ctx, dy):
     """y = x < -lambd ? x + bias : x > lambd ? x - bias : 0  ->  dx = |x| > lambd ? dy : 0"""
     (x,) = ctx.inputs
     e = ctx.emit
-    if not is_float(ctx, x):
-        return (None,)
     lambd = ctx.attr("lambd", 0.5)
-    outside = e.Or(
-        e.Less(x, ctx.const(-lambd, like=x)), e.Greater(x, ctx.const(lambd, like=x))
-    )
+    outside = e.Or(e.Less(x, ctx.const(-lambd, like=x)), e.Greater(x, ctx.const(lambd, like=x)))
     return (where_zero(ctx, outside, dy),)
 
 
@@ -462,9 +463,7 @@ def hard_sigmoid_vjp(ctx, dy):
     (y,) = ctx.outputs
     e = ctx.emit
     alpha = ctx.attr("alpha", 0.2)
-    inside = e.And(
-        e.Greater(y, ctx.const(0.0, like=y)), e.Less(y, ctx.const(1.0, like=y))
-    )
+    inside = e.And(e.Greater(y, ctx.const(0.0, like=y)), e.Less(y, ctx.const(1.0, like=y)))
     return (where_zero(ctx, inside, e.Mul(dy, ctx.const(alpha, like=y))),)
 
 
@@ -499,7 +498,9 @@ def softsign_vjp(ctx, dy):
 
 @vjp("Mish")
 def mish_vjp(ctx, dy):
-    """y = x tanh(softplus(x))  ->  dx = dy * (t + x sigmoid(x) (1 - t^2)),  t = tanh(softplus(x))"""
+    """y = x tanh(softplus(x))
+
+    dx = dy * (t + x sigmoid(x) (1 - t^2))  with t = tanh(softplus(x))"""
     (x,) = ctx.inputs
     e = ctx.emit
     t = e.Tanh(e.Softplus(x))
@@ -513,13 +514,16 @@ def gelu_vjp(ctx, dy):
 
     approximate='none': Phi(x) = (1 + erf(x / sqrt 2)) / 2, phi(x) = exp(-x^2 / 2) / sqrt(2 pi).
     approximate='tanh': y = x (1 + tanh(u)) / 2 with u = sqrt(2 / pi) (x + 0.044715 x^3), so
-        dx = dy * ((1 + t) / 2 + x (1 - t^2) sqrt(2 / pi) (1 + 3 * 0.044715 x^2) / 2),  t = tanh(u)."""
+        dx = dy * ((1 + t) / 2 + x (1 - t^2) u' / 2),  t = tanh(u),
+        u' = sqrt(2 / pi) (1 + 3 * 0.044715 x^2)."""
     (x,) = ctx.inputs
     e = ctx.emit
     half = ctx.const(0.5, like=x)
     approximate = ctx.attr("approximate", "none")
     if approximate == "none":
-        cdf = e.Mul(half, e.Add(ctx.const(1.0, like=x), e.Erf(e.Mul(x, ctx.const(math.sqrt(0.5), like=x)))))
+        cdf = e.Mul(
+            half, e.Add(ctx.const(1.0, like=x), e.Erf(e.Mul(x, ctx.const(math.sqrt(0.5), like=x))))
+        )
         pdf = e.Mul(
             e.Exp(e.Mul(e.Mul(x, x), ctx.const(-0.5, like=x))),
             ctx.const(1.0 / math.sqrt(2.0 * math.pi), like=x),
@@ -531,7 +535,10 @@ def gelu_vjp(ctx, dy):
         x2 = e.Mul(x, x)
         u = e.Mul(ctx.const(k, like=x), e.Add(x, e.Mul(ctx.const(c, like=x), e.Mul(x2, x))))
         t = e.Tanh(u)
-        du = e.Mul(ctx.const(k, like=x), e.Add(ctx.const(1.0, like=x), e.Mul(ctx.const(3.0 * c, like=x), x2)))
+        du = e.Mul(
+            ctx.const(k, like=x),
+            e.Add(ctx.const(1.0, like=x), e.Mul(ctx.const(3.0 * c, like=x), x2)),
+        )
         left = e.Mul(half, e.Add(ctx.const(1.0, like=x), t))
         right = e.Mul(e.Mul(half, x), e.Mul(_one_minus_square(ctx, t), du))
         return _unary(ctx, dy, e.Add(left, right))

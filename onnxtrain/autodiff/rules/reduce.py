@@ -49,7 +49,13 @@ def expand_back(ctx: VJPContext, dy: str, x: str, axes, keepdims: bool) -> str:
             rank = e.Size(e.Shape(x))
             norm = e.Where(e.Less(axes, e.scalar_int(0)), e.Add(axes, rank), axes)
             ones = e.Expand(e.ints([1]), e.Shape(axes))
-            kept = e.ScatterElements(e.Shape(x), e.reshape(norm, [-1]), e.reshape(ones, [-1]), axis=0)
+            kept = e.ScatterElements(
+                e.Shape(x), e.reshape(norm, [-1]), e.reshape(ones, [-1]), axis=0
+            )
+            if not ctx.attr("noop_with_empty_axes", 0):
+                # Empty runtime axes reduced every axis: y kept no dimension at all.
+                every = e.Expand(e.ints([1]), e.Shape(e.Shape(x)))
+                kept = e.Where(e.Equal(e.Size(axes), e.scalar_int(0)), every, kept)
             dy = e.Reshape(dy, kept)
         else:
             rank = ctx.require_rank(x)
@@ -72,6 +78,18 @@ def reduce_mean_vjp(ctx, dy):
     ratio = e.Div(e.Cast(e.Size(y), to=ctx.dtype(x)), e.Cast(e.Size(x), to=ctx.dtype(x)))
     dx = expand_back(ctx, dy, x, reduced_axes(ctx), bool(ctx.attr("keepdims", 1)))
     return (e.Mul(dx, ratio),)
+
+
+def reduce_as_forward(ctx: VJPContext, op_type: str, t: str, axes) -> str:
+    """Reduce ``t`` (shaped like x) over the forward node's axes, keeping dims.
+
+    Runtime axes keep the node's noop_with_empty_axes, so an axes tensor that
+    turns out empty reduces the same way it did forward."""
+    e = ctx.emit
+    if isinstance(axes, str):
+        noop = int(ctx.attr("noop_with_empty_axes", 0))
+        return e.op(op_type, [t, axes], keepdims=1, noop_with_empty_axes=noop)
+    return e.reduce(op_type, t, axes, keepdims=True)
 
 
 def _broadcast_parts(ctx: VJPContext, dy: str) -> tuple[str, str, str, list[int] | str | None]:
@@ -136,7 +154,7 @@ def reduce_max_vjp(ctx, dy):
     x, dyb, yb, axes = _broadcast_parts(ctx, dy)
     e = ctx.emit
     hit = e.Cast(float_equal(ctx, x, yb), to=ctx.dtype(x))
-    count = e.reduce_sum(hit, axes, keepdims=True)
+    count = reduce_as_forward(ctx, "ReduceSum", hit, axes)
     return (e.Mul(dyb, e.Div(hit, count)),)
 
 
@@ -151,9 +169,9 @@ def reduce_prod_vjp(ctx, dy):
     e = ctx.emit
     zero, one = ctx.const(0.0, like=x), ctx.const(1.0, like=x)
     is_zero = float_equal(ctx, x, zero)
-    zeros = e.reduce_sum(e.Cast(is_zero, to=ctx.dtype(x)), axes, keepdims=True)
+    zeros = reduce_as_forward(ctx, "ReduceSum", e.Cast(is_zero, to=ctx.dtype(x)), axes)
     nonzero_x = e.Where(is_zero, one, x)
-    rest = e.reduce("ReduceProd", nonzero_x, axes, keepdims=True)  # product of the nonzeros
+    rest = reduce_as_forward(ctx, "ReduceProd", nonzero_x, axes)  # product of the nonzeros
     at_zero = e.Where(float_equal(ctx, zeros, one), rest, zero)
     elsewhere = e.Where(float_equal(ctx, zeros, zero), e.Div(rest, nonzero_x), zero)
     return (e.Mul(dyb, e.Where(is_zero, at_zero, elsewhere)),)
@@ -171,4 +189,3 @@ def cumsum_vjp(ctx, dy):
     reverse = int(ctx.attr("reverse", 0))
     exclusive = int(ctx.attr("exclusive", 0))
     return ctx.emit.CumSum(dy, axis, exclusive=exclusive, reverse=1 - reverse), None
-

@@ -108,10 +108,6 @@ def slice_axis(e: Emitter, x: str, start: str, end: str, axis: int) -> str:
     return e.Gather(x, e.Add(arange(e, e.Sub(end, start)), start), axis=axis)
 
 
-def normalize_axis(ctx: VJPContext, axis: int, x: str) -> int:
-    return axis % ctx.require_rank(x) if axis < 0 else axis
-
-
 def _static_dim(ctx: VJPContext, x: str, axis: int) -> int | None:
     shape = ctx.shape(x)
     if shape is None:
@@ -186,9 +182,7 @@ def depth_to_space_vjp(ctx, dy):
     if ctx.attr("mode", "DCR") == "DCR":
         return (e.SpaceToDepth(dy, blocksize=b),)
     block = e.ints([b])
-    view = e.Concat(
-        e.dim(x, 0), e.dim(dy, 1), e.dim(x, 2), block, e.dim(x, 3), block, axis=0
-    )
+    view = e.Concat(e.dim(x, 0), e.dim(dy, 1), e.dim(x, 2), block, e.dim(x, 3), block, axis=0)
     moved = e.Transpose(e.Reshape(dy, view), perm=[0, 1, 3, 5, 2, 4])
     return (e.Reshape(moved, e.Shape(x)),)
 
@@ -211,11 +205,13 @@ def concat_vjp(ctx, dy):
     with offsets o_i the running sum of the runtime sizes."""
     xs = ctx.inputs
     e = ctx.emit
+    if len(xs) == 1:
+        return (dy,)
     axis = int(ctx.attr("axis"))
     if axis < 0:
         axis += ctx.require_rank(xs[0])
     sizes = [_static_dim(ctx, x, axis) for x in xs]
-    if all(s is not None for s in sizes) and len(xs) > 1:
+    if all(s is not None for s in sizes):
         # Static sizes: one Split (an optimisation; the runtime path below is general).
         pieces = e.split(dy, sizes, axis=axis)
         return tuple(p if ctx.needs(i) else None for i, p in enumerate(pieces))
@@ -523,7 +519,9 @@ def pad_vjp(ctx, dy):
         else:
             dx = e.Pad(dy, e.Neg(pads), None, axes_name)
         if ctx.needs(2):
-            outside = e.Sub(e.reduce_sum(dy, None, keepdims=False), e.reduce_sum(dx, None, keepdims=False))
+            outside = e.Sub(
+                e.reduce_sum(dy, None, keepdims=False), e.reduce_sum(dx, None, keepdims=False)
+            )
             dvalue = e.Reshape(outside, e.Shape(ctx.inputs[2]))
         return (dx if ctx.needs(0) else None, None, dvalue, None)[: len(ctx.inputs)]
     if not ctx.needs(0):

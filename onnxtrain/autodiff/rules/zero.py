@@ -15,10 +15,8 @@ from ..registry import no_grad
 no_grad("Shape", "Size")
 
 # Comparisons and logic: boolean outputs.
-no_grad(
-    "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual",
-    "Not", "And", "Or", "Xor", "IsNaN", "IsInf",
-)
+no_grad("Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual")
+no_grad("Not", "And", "Or", "Xor", "IsNaN", "IsInf")
 
 # Index-valued outputs.
 no_grad("ArgMax", "ArgMin", "NonZero", "OneHot")
@@ -28,10 +26,8 @@ no_grad("Floor", "Ceil", "Round", "Sign")
 
 # Random draws: the samples do not depend differentiably on their inputs
 # (the *Like variants read only the shape and type of their input).
-no_grad(
-    "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
-    "Bernoulli", "Multinomial",
-)
+no_grad("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike")
+no_grad("Bernoulli", "Multinomial")
 
 # Constants and index generators.
 no_grad("ConstantOfShape", "Constant", "EyeLike", "Range")
