@@ -75,12 +75,6 @@ class Case:
 #: From this opset on, ReduceSum takes runtime axes.
 RUNTIME_AXES_FROM = 13
 
-BROADCAST_REASON = (
-    "before opset 13 ReduceSum has no runtime axes, so ctx.unbroadcast cannot sum a "
-    "gradient over axes that only runtime shapes reveal as broadcast"
-)
-
-
 def case_params(cases: Sequence[Case]) -> list:
     """pytest parameters (case, opset, symbolic) for every opset, static and
     symbolic shapes; expected failures marked."""
@@ -89,12 +83,6 @@ def case_params(cases: Sequence[Case]) -> list:
         for opset in c.opsets:
             for sym in (False, True):
                 marks = []
-                if sym and opset < RUNTIME_AXES_FROM and c.broadcasts:
-                    marks.append(
-                        pytest.mark.xfail(
-                            raises=TrainingModelError, strict=True, reason=BROADCAST_REASON
-                        )
-                    )
                 if c.xfail is not None and c.xfail[0](opset, sym):
                     marks.append(
                         pytest.mark.xfail(raises=c.xfail[2], strict=True, reason=c.xfail[1])

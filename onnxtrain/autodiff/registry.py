@@ -263,15 +263,47 @@ class VJPContext:
                 if lead:
                     red = self.emit.squeeze(red, list(range(lead)))
                 return red
+            if self.emit.opset < 13:
+                return self._unbroadcast_by_axis(dx, like, sx, sy)
         return self._unbroadcast_dynamic(dx, like)
+
+    def _unbroadcast_by_axis(self, dx: str, like: str, sx: Shape, sy: Shape) -> str:
+        """Before opset 13 (no runtime ReduceSum axes): reduce the axes known to
+        be broadcast; for each doubtful axis a, whose size s in x is 1 or the
+        full size n, take  Where(s == 1, Expand(sum_a(dx)), dx)  and then keep
+        its first s entries along a with a Gather of arange(s), built from
+        NonZero(ConstantOfShape(s)) so that it exists from opset 9 on."""
+        e = self.emit
+        lead = len(sy) - len(sx)
+        certain = list(range(lead))
+        doubtful = []
+        for i, dxi in enumerate(sx):
+            dyi = sy[lead + i]
+            if dxi == dyi and dxi is not None:
+                continue
+            if dxi == 1:
+                certain.append(lead + i)
+            else:
+                doubtful.append(i)
+        cur = e.reduce_sum(dx, certain, keepdims=True) if certain else dx
+        x_shape = e.Shape(like)
+        one = numpy_helper.from_array(np.ones(1, dtype=np.int64))
+        for i in doubtful:
+            axis = lead + i
+            summed = e.Expand(e.reduce_sum(cur, [axis], keepdims=True), e.Shape(cur))
+            size = e.slice(x_shape, [i], [i + 1], [0])
+            cur = e.Where(e.Equal(size, e.ints([1])), summed, cur)
+            arange = e.reshape(e.NonZero(e.op("ConstantOfShape", [size], value=one)), [-1])
+            cur = e.Gather(cur, arange, axis=axis)
+        return e.Reshape(cur, x_shape)
 
     def _unbroadcast_dynamic(self, dx: str, like: str) -> str:
         e = self.emit
         if e.opset < 13:
             raise TrainingModelError(
-                f"gradient of {self.node.op_type} node {self.node.name!r}: cannot tell "
-                f"statically how {like!r} was broadcast, and opset {e.opset} < 13 has no "
-                "ReduceSum over runtime axes"
+                f"gradient of {self.node.op_type} node {self.node.name!r}: the ranks of "
+                f"{like!r} and of the broadcast result are unknown, and opset {e.opset} < 13 "
+                "has no ReduceSum over runtime axes"
             )
         sx = e.Shape(like)
         sdx = e.Shape(dx)
