@@ -4,6 +4,10 @@
 - ``onnxtrain inspect MODEL``        describe a model and its training_info
 - ``onnxtrain check MODEL``          validate a training model (exit 0 and 'OK', else 1)
 - ``onnxtrain export CKPT -o OUT``   write the inference model of a training checkpoint
+- ``onnxtrain make-training MODEL -o OUT --loss L --target T --optimizer O --lr LR``
+                                     build a training model (``onnxtrain.build.training_model``)
+- ``onnxtrain train MODEL --data DATA.npz --epochs N -o OUT [--checkpoint C] [--resume C]``
+                                     fit it with progress bars (``onnxtrain.fit.train_files``)
 
 User mistakes (a missing file, an invalid model, a bad option value) end in
 one line ``onnxtrain: error: ...`` on stderr and exit code 1; command line
