@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from gradcheck import check_vjp
 from gradcheck_f32 import check_vjp_f32
@@ -38,7 +38,7 @@ def test_matmul(sa, sb, symbolic):
     check_vjp("MatMul", {"a": _rand(*sa), "b": _rand(*sb, seed=1)}, opset=17, symbolic=symbolic)
 
 
-@pytest.mark.parametrize("opset", [9, 11, 13])
+@pytest.mark.parametrize("opset", [9, 11, 13, 26])
 @pytest.mark.parametrize("sa,sb", [((4,), (2, 4, 5)), ((2, 1, 3, 4), (3, 4, 5)), ((3, 4), (4, 5))])
 def test_matmul_opsets(sa, sb, opset):
     check_vjp("MatMul", {"a": _rand(*sa), "b": _rand(*sb, seed=1)}, opset=opset)
@@ -94,7 +94,7 @@ def test_gemm(ta, tb, c_shape, symbolic):
         check_vjp("Gemm", inputs, attrs, opset=17, symbolic=symbolic)
 
 
-@pytest.mark.parametrize("opset", [9, 11, 13])
+@pytest.mark.parametrize("opset", [9, 11, 13, 26])
 @pytest.mark.parametrize("c_shape", [(5,), (3, 1), ()])
 def test_gemm_opsets(c_shape, opset):
     inputs = {"a": _rand(4, 3), "b": _rand(5, 4, seed=1), "c": _rand(*c_shape, seed=2)}

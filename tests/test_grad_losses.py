@@ -55,7 +55,7 @@ def test_loss(op, shape, reduction, ignore, weighted):
 
 
 @pytest.mark.parametrize("op", ["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"])
-@pytest.mark.parametrize("opset", [12, 17, 22])
+@pytest.mark.parametrize("opset", [12, 17, 22, 26])
 @pytest.mark.parametrize("reduction", ["none", "mean"])
 def test_loss_opsets(op, opset, reduction):
     inputs, attrs = _case((3, 4, 2), 1, True, seed=1)

@@ -133,7 +133,6 @@ def matmul_vjp(ctx, dy):
     use one Gemm per gradient."""
     e = ctx.emit
     a, b = ctx.inputs
-    y = ctx.outputs[0]
     ra, rb = ctx.require_rank(a), ctx.require_rank(b)
     want_a, want_b = ctx.needs(0), ctx.needs(1)
 
@@ -153,16 +152,16 @@ def matmul_vjp(ctx, dy):
     b2 = e.unsqueeze(b, [1]) if rb == 1 else b
     ra2, rb2 = max(ra, 2), max(rb, 2)
     r = max(ra2, rb2)
-    y_dims = dims_of(ctx, y, r - (ra == 1) - (rb == 1))
     if ra == 1:
         dy2 = e.unsqueeze(dy, [r - 2])
-        y_dims = y_dims[: r - 2] + (1,) + y_dims[r - 2 :]
     elif rb == 1:
         dy2 = e.unsqueeze(dy, [r - 1])
-        y_dims = y_dims + (1,)
     else:
         dy2 = dy
-    batch = y_dims[: r - 2]
+    # The broadcast batch dims, from the operands' static dims.
+    batch = _broadcast_dims(
+        [dims_of(ctx, a, ra)[: ra2 - 2], dims_of(ctx, b, rb)[: rb2 - 2]], r - 2
+    )
 
     da = db = None
     if want_a:

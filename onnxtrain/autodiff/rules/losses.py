@@ -54,12 +54,9 @@ def _picked_input_grad(ctx: VJPContext, dloss: str, scores: str, target: str, we
         per_sample = e.Neg(coef)
     else:  # a scalar: every sample scatters one value, so give it target's shape
         per_sample = e.Expand(e.Neg(coef), e.Shape(target))
-    zeros = e.zeros_like(scores)
-    scatter = "ScatterElements" if e.opset >= 11 else "Scatter"
-    return e.op(
-        scatter,
-        [zeros, e.unsqueeze(safe_target, [1]), e.unsqueeze(per_sample, [1])],
-        axis=1,
+    # (both losses exist from opset 12, so ScatterElements is always there)
+    return e.ScatterElements(
+        e.zeros_like(scores), e.unsqueeze(safe_target, [1]), e.unsqueeze(per_sample, [1]), axis=1
     )
 
 

@@ -14,17 +14,19 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
-from ...emitter import np_dtype
+from ...emitter import Emitter, np_dtype
 from ...errors import TrainingModelError
 from ..registry import VJPContext, no_grad, vjp
+from .linalg import dims_of, sum_to
 
 Pads = list[int] | str  # static ints, or a runtime int64 tensor with one entry per spatial axis
 
 
 # ------------------------------------------------------------------ softmax
 def _softmax_family(ctx: VJPContext, dy: str, log: bool) -> str:
+    """The shared backward of Softmax (log=False) and LogSoftmax (log=True)."""
     e = ctx.emit
     x, y = ctx.inputs[0], ctx.outputs[0]
     if ctx.opset >= 13:
@@ -72,7 +74,7 @@ class _Window:
     building and runtime int64 vectors otherwise (auto_pad SAME over dynamic
     spatial dims).  ``in_dims``/``out_dims`` are the static spatial dims of the
     op's input and output (None where unknown); ``kernel`` the static kernel
-    dims (None where unknown)."""
+    dims (None where unknown, then read at run time from ``weight``)."""
 
     def __init__(
         self,
@@ -81,8 +83,9 @@ class _Window:
         y: str,
         k: int,
         kernel: Sequence[int | None],
-        kernel_rt: str | None = None,
+        weight: str | None = None,
         has_dilations: bool = True,
+        pads: tuple[Pads, Pads] | None = None,
     ) -> None:
         self.ctx = ctx
         self.x, self.y, self.k = x, y, k
@@ -91,13 +94,13 @@ class _Window:
             [int(v) for v in ctx.attr("dilations", [1] * k)] if has_dilations else [1] * k
         )
         self.kernel = list(kernel)
-        self._kernel_rt = kernel_rt
+        self._weight = weight
         self.in_dims = self._spatial(x)
         # ONNX shape inference does not drop ceil_mode windows that start in
         # the end padding, the runtime does: do not trust static output dims there.
         self.out_dims = [None] * k if ctx.attr("ceil_mode", 0) else self._spatial(y)
         self.auto_pad = ctx.attr("auto_pad", "NOTSET")
-        self.begin, self.end = self._pads()
+        self.begin, self.end = pads if pads is not None else self._pads()
 
     def _spatial(self, name: str) -> list[int | None]:
         s = self.ctx.shape(name)
@@ -117,15 +120,15 @@ class _Window:
         """The kernel dims as a runtime int64 vector."""
         if self.static_kernel:
             return self.ctx.emit.ints(self.kernel)
-        if self._kernel_rt is None:
-            raise TrainingModelError(self._where("the kernel shape is unknown"))
-        return self._kernel_rt
+        if self._weight is None:
+            raise TrainingModelError(self.where("the kernel shape is unknown"))
+        return self.ctx.emit.shape_of(self._weight, 2)
 
     def in_shape_rt(self) -> str:
         """The input's spatial dims as a runtime int64 vector."""
         return self.ctx.emit.shape_of(self.x, 2)
 
-    def _where(self, what: str) -> str:
+    def where(self, what: str) -> str:
         n = self.ctx.node
         return f"gradient of {n.op_type} node {n.name!r}: {what}"
 
@@ -137,7 +140,7 @@ class _Window:
         if self.auto_pad == "VALID":
             return [0] * k, [0] * k
         if self.auto_pad not in ("SAME_UPPER", "SAME_LOWER"):
-            raise TrainingModelError(self._where(f"unknown auto_pad {self.auto_pad!r}"))
+            raise TrainingModelError(self.where(f"unknown auto_pad {self.auto_pad!r}"))
         upper = self.auto_pad == "SAME_UPPER"
         if self.static_kernel and all(d is not None for d in self.in_dims):
             begin, end = [], []
@@ -165,7 +168,7 @@ class _Window:
     def require_runtime_slices(self) -> None:
         if self.ctx.opset < 10:
             raise TrainingModelError(
-                self._where(
+                self.where(
                     "the spatial dims are not all known statically, and opset "
                     f"{self.ctx.opset} < 10 has no Slice with runtime bounds"
                 )
@@ -244,7 +247,7 @@ class _Window:
             )
         else:
             if e.opset < 11:
-                raise TrainingModelError(self._where(f"runtime pads need opset >= 11, model has {e.opset}"))
+                raise TrainingModelError(self.where(f"runtime pads need opset >= 11, model has {e.opset}"))
             zeros2 = e.ints([0, 0])
             pads = e.Concat(zeros2, self.begin, zeros2, self.end, axis=0)
             r = e.Conv(
@@ -313,8 +316,7 @@ def conv_vjp(ctx, dy):
     x, w = ctx.inputs[0], ctx.inputs[1]
     k = _spatial_rank(ctx, w, x)
     group = int(ctx.attr("group", 1))
-    kernel_rt = ctx.emit.shape_of(w, 2) if not all(_kernel_dims(ctx, w, k)) else None
-    win = _Window(ctx, x, ctx.outputs[0], k, _kernel_dims(ctx, w, k), kernel_rt)
+    win = _Window(ctx, x, ctx.outputs[0], k, _kernel_dims(ctx, w, k), weight=w)
     dx = win.scatter(dy, w, group) if ctx.needs(0) else None
     dw = win.correlate(x, dy, group) if ctx.needs(1) else None
     db = _bias_grad(ctx, dy, k) if ctx.input(2) and ctx.needs(2) else None
@@ -343,9 +345,9 @@ def max_pool_vjp(ctx, dy, *_):
     e = ctx.emit
     x = ctx.inputs[0]
     k = len(ctx.attr("kernel_shape"))
-    idx = e.reshape(ctx.forward_output(1), [-1])
-    upd = e.reshape(dy, [-1])
     if e.opset >= 16:
+        idx = e.reshape(ctx.forward_output(1), [-1])
+        upd = e.reshape(dy, [-1])
         flat = e.ScatterElements(_flat_zeros(ctx, x), idx, upd, axis=0, reduction="add")
     else:
         flat = _scatter_add_by_class(ctx, x, ctx.forward_output(1), dy, k)
@@ -442,6 +444,8 @@ def _inverse_divisor(ctx: VJPContext, win: _Window, ones_k: str, include_pad: in
             image, ones_k, strides=win.strides, dilations=win.dilations, pads=pads if any(pads) else None
         )
     else:
+        if e.opset < 11:
+            raise TrainingModelError(win.where(f"runtime pads need opset >= 11, model has {e.opset}"))
         zeros2 = e.ints([0, 0])
         pads = e.Concat(zeros2, win.begin, zeros2, e.Add(win.end, e.ints(extra)), axis=0)
         counts = e.Conv(e.Pad(image, pads), ones_k, strides=win.strides, dilations=win.dilations)
@@ -468,3 +472,773 @@ def global_average_pool_vjp(ctx, dy):
     et = ctx.dtype(x)
     ratio = e.Div(e.Cast(e.Size(y), to=et), e.Cast(e.Size(x), to=et))
     return (e.Expand(e.Mul(dy, ratio), e.Shape(x)),)
+
+
+# ------------------------------------------------------------ ConvTranspose
+def _conv_transpose_pads(ctx: VJPContext, x: str, k: int, kernel: list[int | None]) -> tuple[Pads, Pads]:
+    """The crop of ConvTranspose's full output: begin/end pads.
+
+    Explicit pads are used as they are.  With output_shape or auto_pad SAME_*,
+    total = max(0, s*(D-1) + output_padding + (K-1)*dil + 1 - out), where out
+    is output_shape or D*s, split as the spec says: SAME_UPPER puts the larger
+    half at the end, otherwise at the beginning.  (A larger output_shape adds
+    zeros at the end, which no input reaches.)"""
+    e = ctx.emit
+    auto_pad = ctx.attr("auto_pad", "NOTSET")
+    out_shape = ctx.attr("output_shape")
+    if out_shape is None and auto_pad not in ("SAME_UPPER", "SAME_LOWER"):
+        if auto_pad == "VALID":
+            return [0] * k, [0] * k
+        pads = [int(v) for v in ctx.attr("pads", [0] * (2 * k))]
+        return pads[:k], pads[k:]
+    strides = [int(v) for v in ctx.attr("strides", [1] * k)]
+    dil = [int(v) for v in ctx.attr("dilations", [1] * k)]
+    outpad = [int(v) for v in ctx.attr("output_padding", [0] * k)]
+    out_shape = [int(v) for v in out_shape[-k:]] if out_shape is not None else None
+    upper = auto_pad == "SAME_UPPER"
+    xs = ctx.shape(x)
+    dims = [d if isinstance(d, int) else None for d in xs[2:]] if xs and len(xs) == k + 2 else [None] * k
+    if all(d is not None for d in dims) and all(d is not None for d in kernel):
+        begin, end = [], []
+        for i in range(k):
+            target = out_shape[i] if out_shape is not None else dims[i] * strides[i]
+            total = strides[i] * (dims[i] - 1) + outpad[i] + (kernel[i] - 1) * dil[i] + 1 - target
+            total = max(total, 0)
+            small = total // 2
+            begin.append(small if upper else total - small)
+            end.append(total - begin[-1])
+        return begin, end
+    d = e.shape_of(x, 2)
+    kern = e.ints(kernel) if all(v is not None for v in kernel) else e.shape_of(ctx.inputs[1], 2)
+    one = e.ints([1])
+    target = e.ints(out_shape) if out_shape is not None else e.Mul(d, e.ints(strides))
+    full = e.Add(
+        e.Add(e.Mul(e.ints(strides), e.Sub(d, one)), e.ints(outpad)),
+        e.Add(e.Mul(e.Sub(kern, one), e.ints(dil)), one),
+    )
+    total = e.Sub(full, target)
+    zero = e.ints([0])
+    total = e.Where(e.Less(total, zero), zero, total)
+    small = e.Div(total, e.ints([2]))
+    big = e.Sub(total, small)
+    return (small, big) if upper else (big, small)
+
+
+@vjp("ConvTranspose")
+def conv_transpose_vjp(ctx, dy):
+    """y = crop_pads(full), full[n, g*Cog+co, i*s + k*dil] += x[n, ci, i] w[ci, co, k] + b
+    ->  dx = Conv(dy, w) with the same strides, dilations, group and pads
+        dw = the Conv weight gradient with x as output gradient and dy as input
+        db = sum over batch and spatial axes of dy
+
+    (ConvTranspose is the transpose of the Conv from y's space to x's space.)"""
+    e = ctx.emit
+    x, w = ctx.inputs[0], ctx.inputs[1]
+    y = ctx.outputs[0]
+    k = _spatial_rank(ctx, w, x)
+    group = int(ctx.attr("group", 1))
+    kernel = _kernel_dims(ctx, w, k)
+    pads = _conv_transpose_pads(ctx, x, k, kernel)
+    # The window of the Conv that maps y's space to x's space.
+    win = _Window(ctx, y, x, k, kernel, weight=w, pads=pads)
+    outpad = [int(v) for v in ctx.attr("output_padding", [0] * k)]
+    dx = dw = db = None
+    if ctx.needs(0):
+        if win.static_pads and all(p >= 0 for p in win.begin + win.end):
+            dx = e.Conv(
+                dy,
+                w,
+                strides=win.strides,
+                dilations=win.dilations,
+                pads=list(win.begin) + list(win.end) if any(win.begin) or any(win.end) else None,
+                group=group if group != 1 else None,
+            )
+        else:
+            if e.opset < 11:
+                raise TrainingModelError(
+                    f"gradient of ConvTranspose node {ctx.node.name!r}: runtime or negative pads "
+                    f"need opset >= 11, model has {e.opset}"
+                )
+            begin = e.ints(win.begin) if win.static_pads else win.begin
+            end = e.ints(win.end) if win.static_pads else win.end
+            zeros2 = e.ints([0, 0])
+            padded = e.Pad(dy, e.Concat(zeros2, begin, zeros2, end, axis=0))
+            dx = e.Conv(padded, w, strides=win.strides, dilations=win.dilations, group=group if group != 1 else None)
+        if any(o >= s for o, s in zip(outpad, win.strides)) or ctx.attr("output_shape") is not None:
+            # output_padding >= stride (or a grown output_shape) leaves extra rows: keep D
+            win.require_runtime_slices()
+            dx = e.slice(dx, e.ints([0] * k), e.shape_of(x, 2), axes=list(range(2, k + 2)))
+    if ctx.needs(1):
+        dw = win.correlate(dy, x, group)
+    if ctx.input(2) and ctx.needs(2):
+        db = _bias_grad(ctx, dy, k)
+    return (dx, dw, db)[: len(ctx.inputs)]
+
+
+# ------------------------------------------------------------ normalization
+def _per_channel(ctx: VJPContext, v: str, rank: int) -> str:
+    """A (C,) vector shaped (C, 1, ..., 1) to broadcast against (N, C, D...)."""
+    return ctx.emit.unsqueeze(v, list(range(1, rank - 1))) if rank > 2 else v
+
+
+def _normalize_backward(ctx: VJPContext, g: str, xhat: str, inv_std: str, axes: list[int]) -> str:
+    """x -> xhat = (x - mean(x)) * inv_std over ``axes``; given g = dL/dxhat:
+    dx = inv_std * (g - mean(g) - xhat * mean(g * xhat))"""
+    e = ctx.emit
+    mean_g = e.reduce_mean(g, axes, keepdims=True)
+    mean_gx = e.reduce_mean(e.Mul(g, xhat), axes, keepdims=True)
+    return e.Mul(inv_std, e.Sub(e.Sub(g, mean_g), e.Mul(xhat, mean_gx)))
+
+
+def _batch_stats(ctx: VJPContext, x: str, axes: list[int], eps: float) -> tuple[str, str]:
+    """(xhat, inv_std) with the biased variance over ``axes``.
+
+    The ONNX ops do not output their batch statistics, so the backward pass
+    computes them (two reductions; the normalized output itself is not redone
+    beyond xhat)."""
+    e = ctx.emit
+    centred = e.Sub(x, e.reduce_mean(x, axes, keepdims=True))
+    var = e.reduce_mean(e.Mul(centred, centred), axes, keepdims=True)
+    inv_std = e.Reciprocal(e.Sqrt(e.Add(var, ctx.const(eps, like=x))))
+    return e.Mul(centred, inv_std), inv_std
+
+
+@vjp("BatchNormalization")
+def batch_norm_vjp(ctx, dy, *_):
+    """y = scale * xhat + B, xhat = (x - mu) / sqrt(var + eps), per channel
+
+    Inference (training_mode=0; before opset 14, a node with only Y): mu, var
+    are the inputs mean and var:
+        dx = dy * scale / sqrt(var + eps), dscale = sum(dy * xhat), dB = sum(dy)
+        dmean = -dB * scale / sqrt(var + eps), dvar = -dscale * scale / (2 (var + eps))
+    Training (training_mode=1; before opset 14, a node with the extra outputs):
+    mu, var are the batch statistics over N and the spatial axes:
+        dx = inv_std * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * scale
+    and the running mean/var outputs carry no gradient."""
+    e = ctx.emit
+    x, scale = ctx.inputs[0], ctx.inputs[1]
+    mean, var = ctx.inputs[3], ctx.inputs[4]
+    r = ctx.require_rank(x)
+    axes = [0] + list(range(2, r))
+    eps = float(ctx.attr("epsilon", 1e-5))
+    if ctx.opset >= 14:
+        training = bool(ctx.attr("training_mode", 0))
+    else:
+        training = sum(1 for o in ctx.outputs if o) > 1
+    if training:
+        xhat, inv_std = _batch_stats(ctx, x, axes, eps)
+    else:
+        inv_c = e.Reciprocal(e.Sqrt(e.Add(var, ctx.const(eps, like=var))))
+        inv_std = _per_channel(ctx, inv_c, r)
+        xhat = e.Mul(e.Sub(x, _per_channel(ctx, mean, r)), inv_std)
+    d_b = e.reduce_sum(dy, axes, keepdims=False) if (ctx.needs(2) or ctx.needs(3)) else None
+    d_scale = e.reduce_sum(e.Mul(dy, xhat), axes, keepdims=False) if (ctx.needs(1) or ctx.needs(4)) else None
+    dx = dmean = dvar = None
+    if ctx.needs(0):
+        if training:
+            dx = _normalize_backward(ctx, e.Mul(dy, _per_channel(ctx, scale, r)), xhat, inv_std, axes)
+        else:
+            dx = e.Mul(dy, e.Mul(_per_channel(ctx, scale, r), inv_std))
+    if not training and ctx.needs(3):
+        dmean = e.Neg(e.Mul(d_b, e.Mul(scale, inv_c)))
+    if not training and ctx.needs(4):
+        half = ctx.const(-0.5, like=var)
+        dvar = e.Mul(e.Mul(d_scale, scale), e.Mul(half, e.Mul(inv_c, inv_c)))
+    return (
+        dx,
+        d_scale if ctx.needs(1) else None,
+        d_b if ctx.needs(2) else None,
+        dmean,
+        dvar,
+    )
+
+
+@vjp("InstanceNormalization")
+def instance_norm_vjp(ctx, dy):
+    """y = scale[c] * xhat + B[c], xhat normalized over the spatial axes of each (n, c)
+    ->  dx = inv_std * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * scale
+        dscale = sum_{n, spatial}(dy * xhat), dB = sum_{n, spatial}(dy)"""
+    e = ctx.emit
+    x, scale = ctx.inputs[0], ctx.inputs[1]
+    r = ctx.require_rank(x)
+    spatial = list(range(2, r))
+    xhat, inv_std = _batch_stats(ctx, x, spatial, float(ctx.attr("epsilon", 1e-5)))
+    dx = (
+        _normalize_backward(ctx, e.Mul(dy, _per_channel(ctx, scale, r)), xhat, inv_std, spatial)
+        if ctx.needs(0)
+        else None
+    )
+    d_scale = e.reduce_sum(e.Mul(dy, xhat), [0] + spatial, keepdims=False) if ctx.needs(1) else None
+    d_b = e.reduce_sum(dy, [0] + spatial, keepdims=False) if ctx.needs(2) else None
+    return dx, d_scale, d_b
+
+
+@vjp("LayerNormalization")
+def layer_norm_vjp(ctx, dy, *_):
+    """y = scale * xhat + B, xhat = (x - mean) * inv_std over axes [axis, rank)
+    ->  dx = inv_std * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * scale
+        dscale = sum_broadcast(dy * xhat), dB = sum_broadcast(dy)
+
+    mean and inv_std are the node's optional Mean/InvStdDev outputs (added to
+    the node when absent; cast from stash_type to x's type)."""
+    e = ctx.emit
+    x, scale = ctx.inputs[0], ctx.inputs[1]
+    bias = ctx.input(2)
+    r = ctx.require_rank(x)
+    axes = list(range(int(ctx.attr("axis", -1)) % r, r))
+    et = ctx.dtype(x)
+    mean = e.cast_to(ctx.forward_output(1), et)
+    inv_std = e.cast_to(ctx.forward_output(2), et)
+    xhat = e.Mul(e.Sub(x, mean), inv_std)
+    x_dims = dims_of(ctx, x, r)
+    dx = d_scale = d_b = None
+    if ctx.needs(0):
+        dx = _normalize_backward(ctx, e.Mul(dy, scale), xhat, inv_std, axes)
+    if ctx.needs(1):
+        d_scale = sum_to(ctx, e.Mul(dy, xhat), scale, x_dims, dims_of(ctx, scale, ctx.require_rank(scale)))
+    if bias is not None and ctx.needs(2):
+        d_b = sum_to(ctx, dy, bias, x_dims, dims_of(ctx, bias, ctx.require_rank(bias)))
+    return (dx, d_scale, d_b)[: len(ctx.inputs)]
+
+
+@vjp("GroupNormalization")
+def group_norm_vjp(ctx, dy):
+    """x viewed as (N, G, rest); xhat normalized over rest per (n, g)
+    y = scale * xhat + bias, per channel (opset >= 21) or per group (opset 18)
+    ->  dx = inv_std * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * scale (group view)
+        dscale = sum(dy * xhat), dbias = sum(dy) over everything but the channel/group"""
+    e = ctx.emit
+    x, scale = ctx.inputs[0], ctx.inputs[1]
+    groups = int(ctx.attr("num_groups"))
+    eps = float(ctx.attr("epsilon", 1e-5))
+    r = ctx.require_rank(x)
+    view = e.ints([0, groups, -1])
+    xg = e.Reshape(x, view)
+    xhat_g, inv_std = _batch_stats(ctx, xg, [2], eps)
+    dyg = e.Reshape(dy, view)
+    per_group = ctx.opset < 21
+    if per_group:
+        scale_v = e.unsqueeze(scale, [1])  # (G, 1) against (N, G, rest)
+        g = e.Mul(dyg, scale_v)
+        d_scale = e.reduce_sum(e.Mul(dyg, xhat_g), [0, 2], keepdims=False) if ctx.needs(1) else None
+        d_b = e.reduce_sum(dyg, [0, 2], keepdims=False) if ctx.needs(2) else None
+    else:
+        g = e.Reshape(e.Mul(dy, _per_channel(ctx, scale, r)), view)
+        xhat = e.Reshape(xhat_g, e.Shape(x))
+        axes = [0] + list(range(2, r))
+        d_scale = e.reduce_sum(e.Mul(dy, xhat), axes, keepdims=False) if ctx.needs(1) else None
+        d_b = e.reduce_sum(dy, axes, keepdims=False) if ctx.needs(2) else None
+    dx = e.Reshape(_normalize_backward(ctx, g, xhat_g, inv_std, [2]), e.Shape(x)) if ctx.needs(0) else None
+    return dx, d_scale, d_b
+
+
+@vjp("LpNormalization")
+def lp_normalization_vjp(ctx, dy):
+    """y = x / ||x||_p along axis (p = 1 or 2)
+    ->  p = 2: dx = (dy - y * sum(dy * y)) / ||x||_2
+        p = 1: dx = (dy - sign(x) * sum(dy * y)) / ||x||_1"""
+    e = ctx.emit
+    x, y = ctx.inputs[0], ctx.outputs[0]
+    axis = int(ctx.attr("axis", -1))
+    p = int(ctx.attr("p", 2))
+    if p not in (1, 2):
+        raise TrainingModelError(f"gradient of LpNormalization node {ctx.node.name!r}: p must be 1 or 2, found {p}")
+    norm = e.reduce("ReduceL2" if p == 2 else "ReduceL1", x, [axis], keepdims=True)
+    proj = e.reduce_sum(e.Mul(dy, y), [axis], keepdims=True)
+    direction = y if p == 2 else e.Sign(x)
+    return (e.Div(e.Sub(dy, e.Mul(direction, proj)), norm),)
+
+
+@vjp("MeanVarianceNormalization")
+def mean_variance_normalization_vjp(ctx, dy):
+    """y = c / (s + eps), c = x - mean(x), s = sqrt(mean(c^2)), eps = 1e-9 (the spec's function)
+    ->  dc = dy / (s + eps) - c * mean(dy * c) / (s (s + eps)^2),  dx = dc - mean(dc)"""
+    e = ctx.emit
+    x = ctx.inputs[0]
+    axes = [int(a) for a in ctx.attr("axes", [0, 2, 3])]
+    c = e.Sub(x, e.reduce_mean(x, axes, keepdims=True))
+    s = e.Sqrt(e.reduce_mean(e.Mul(c, c), axes, keepdims=True))
+    t = e.Add(s, ctx.const(1e-9, like=x))
+    dc = e.Sub(
+        e.Div(dy, t),
+        e.Div(e.Mul(c, e.reduce_mean(e.Mul(dy, c), axes, keepdims=True)), e.Mul(s, e.Mul(t, t))),
+    )
+    return (e.Sub(dc, e.reduce_mean(dc, axes, keepdims=True)),)
+
+
+@vjp("LRN")
+def lrn_vjp(ctx, dy):
+    """y = x * S^-beta, S[c] = bias + alpha/size * sum_{j in win(c)} x[j]^2,
+    win(c) = [c - floor((size-1)/2), c + ceil((size-1)/2)] over channels
+    ->  dx = dy * S^-beta - (2 alpha beta / size) * x * sum_{c: j in win(c)} dy[c] x[c] S[c]^(-beta-1)
+
+    The channel-window sums are Convs with a (size, 1) ones kernel over the
+    (N, 1, C, rest) view; the transposed window swaps the pads.  S is not an
+    output of the op, so the backward pass computes it."""
+    e = ctx.emit
+    x = ctx.inputs[0]
+    size = int(ctx.attr("size"))
+    alpha, beta, bias = float(ctx.attr("alpha", 1e-4)), float(ctx.attr("beta", 0.75)), float(ctx.attr("bias", 1.0))
+    lo, hi = (size - 1) // 2, size - 1 - (size - 1) // 2
+    et = ctx.dtype(x)
+    ones = ctx.const(np.ones((1, 1, size, 1)), dtype=et)
+    view = e.Concat(e.shape_of(x, 0, 1), e.ints([1]), e.shape_of(x, 1, 2), e.ints([-1]), axis=0)
+
+    def window_sum(t: str, before: int, after: int) -> str:
+        pads = [before, 0, after, 0] if before or after else None
+        return e.Reshape(e.Conv(e.Reshape(t, view), ones, pads=pads), e.Shape(x))
+
+    s = e.Add(ctx.const(bias, dtype=et), e.Mul(ctx.const(alpha / size, dtype=et), window_sum(e.Mul(x, x), lo, hi)))
+    s_pow = e.Pow(s, ctx.const(-beta, dtype=et))  # S^-beta
+    t = e.Div(e.Mul(e.Mul(dy, x), s_pow), s)  # dy * x * S^(-beta-1)
+    back = window_sum(t, hi, lo)
+    coef = ctx.const(2.0 * alpha * beta / size, dtype=et)
+    return (e.Sub(e.Mul(dy, s_pow), e.Mul(coef, e.Mul(x, back))),)
+
+
+@vjp("Dropout")
+def dropout_vjp(ctx, dy, *_):
+    """training: y = x * mask / (1 - ratio)  ->  dx = dy * mask / (1 - ratio)
+    inference (no training_mode input, or a constant false one; always before
+    opset 12, where runtimes treat Dropout as inference): y = x  ->  dx = dy
+
+    The mask is the node's mask output (added to the node when absent)."""
+    e = ctx.emit
+    if ctx.opset < 12:
+        return (dy,)
+    mode = ctx.input(2)
+    if mode is None:
+        return (dy,)
+    known = e.constants.get(mode)
+    if known is not None and not bool(np.asarray(known).reshape(-1)[0]):
+        return (dy,)
+    et = ctx.dtype(ctx.inputs[0])
+    ratio_in = ctx.input(1)
+    ratio = e.cast_to(ratio_in, et) if ratio_in is not None else ctx.const(0.5, dtype=et)
+    scale = e.Div(ctx.const(1.0, dtype=et), e.Sub(ctx.const(1.0, dtype=et), ratio))
+    if known is None:  # decided at run time; the inference-mode mask is all true
+        scale = e.Where(mode, scale, ctx.const(1.0, dtype=et))
+    mask = e.Cast(ctx.forward_output(1), to=et)
+    return (e.Mul(e.Mul(dy, mask), scale),)
+
+
+# ------------------------------------------------------------------- LpPool
+@vjp("LpPool")
+def lp_pool_vjp(ctx, dy):
+    """y[o] = (sum_{window} |x|^p)^(1/p)   (padding counts as 0)
+    ->  dx = |x|^(p-1) sign(x) * ConvTranspose(dy * y^(1-p), ones kernel), per channel
+
+    (windows with y = 0 pass no gradient)."""
+    e = ctx.emit
+    x, y = ctx.inputs[0], ctx.outputs[0]
+    kernel = [int(v) for v in ctx.attr("kernel_shape")]
+    k = len(kernel)
+    p = float(ctx.attr("p", 2))
+    et = ctx.dtype(x)
+    win = _Window(ctx, x, y, k, kernel, has_dilations=ctx.opset >= 18)
+    zero = ctx.const(0.0, dtype=et)
+    if p == 1.0:
+        z = dy
+    else:
+        # y = 0 only when the whole window is 0, where |x|^(p-1) = 0 kills the
+        # term anyway: use 1 there instead of dividing by 0.
+        safe = e.Where(e.Greater(y, zero), y, ctx.const(1.0, dtype=et))
+        z = e.Mul(dy, e.Pow(safe, ctx.const(1.0 - p, dtype=et)))
+    z = e.Reshape(z, e.Concat(e.ints([-1, 1]), e.shape_of(y, 2), axis=0))
+    ones_k = ctx.const(np.ones([1, 1] + kernel), dtype=et)
+    back = e.Reshape(win.scatter(z, ones_k), e.Shape(x))
+    if p == 1.0:
+        local = e.Sign(x)
+    elif p == 2.0:
+        local = x
+    else:
+        local = e.Mul(e.Pow(e.Abs(x), ctx.const(p - 1.0, dtype=et)), e.Sign(x))
+    return (e.Mul(back, local),)
+
+
+# ------------------------------------------------------- RNN, GRU and LSTM
+# The recurrences run as Scan ops, so the sequence length may be dynamic.
+# Every hidden state H_t is the forward output Y (added to the node when
+# absent).  The pre-activations of all steps come from Y by batched MatMuls;
+# only LSTM's cell states C_t, which the op does not output, need a forward
+# Scan.  The backward pass is a Scan in reverse processing order that carries
+# dH (and dC) and emits the pre-activation gradients of every step; the
+# weight gradients are then single Gemms over all steps.
+
+#: Activations whose derivative follows from their output y.
+_ACT_DERIVATIVES = {
+    "Sigmoid": lambda e, y: e.Mul(y, e.Sub(e.const(1.0, like=y), y)),
+    "Tanh": lambda e, y: e.Sub(e.const(1.0, like=y), e.Mul(y, y)),
+    "Relu": lambda e, y: e.Cast(e.Greater(y, e.const(0.0, like=y)), to=e.dtype(y)),
+}
+
+
+def _act(e: Emitter, name: str, x: str) -> str:
+    """Apply the activation ``name`` (an ONNX op of the same name)."""
+    return e.op(name, [x])
+
+
+def _act_grad(e: Emitter, name: str, y: str) -> str:
+    """The activation's derivative, from its output y."""
+    return _ACT_DERIVATIVES[name](e, y)
+
+
+class _Recurrence:
+    """What the RNN-family rules share: attributes, per-direction slices of
+    the inputs, time shifts, and the Scan builder."""
+
+    def __init__(self, ctx: VJPContext, default_acts: list[str]) -> None:
+        self.ctx = ctx
+        self.e = ctx.emit
+        op = ctx.node.op_type
+        self.where = f"gradient of {op} node {ctx.node.name!r}"
+        direction = ctx.attr("direction", "forward")
+        self.dirs = {"forward": [False], "reverse": [True], "bidirectional": [False, True]}.get(direction)
+        if self.dirs is None:
+            raise TrainingModelError(f"{self.where}: unknown direction {direction!r}")
+        if ctx.input(4) is not None:
+            raise TrainingModelError(f"{self.where}: sequence_lens is not supported")
+        if ctx.attr("clip") is not None:
+            raise TrainingModelError(f"{self.where}: the clip attribute is not supported")
+        acts = ctx.attr("activations") or default_acts * len(self.dirs)
+        for a in acts:
+            if a not in _ACT_DERIVATIVES:
+                raise TrainingModelError(
+                    f"{self.where}: activation {a!r} is not supported "
+                    f"(supported: {sorted(_ACT_DERIVATIVES)})"
+                )
+        if ctx.attr("activation_alpha") or ctx.attr("activation_beta"):
+            raise TrainingModelError(f"{self.where}: activation_alpha/beta are not supported")
+        per = len(default_acts)
+        self.acts = [acts[i * per : (i + 1) * per] for i in range(len(self.dirs))]
+        hidden = ctx.attr("hidden_size")
+        if hidden is None:
+            rs = ctx.shape(ctx.inputs[2])
+            hidden = rs[-1] if rs is not None and isinstance(rs[-1], int) else None
+        if hidden is None:
+            raise TrainingModelError(f"{self.where}: needs the hidden_size attribute")
+        self.h = int(hidden)
+        if ctx.attr("layout", 0):
+            # onnxruntime does not run layout=1, so this could not be verified
+            raise TrainingModelError(f"{self.where}: layout=1 (batch first) is not supported")
+        self.x = ctx.inputs[0]
+        self.y = ctx.forward_output(0)  # (T, D, B, H)
+        self.et = ctx.dtype(ctx.inputs[0])
+
+    def dir_slice(self, t: str | None, d: int, axis: int = 0) -> str | None:
+        """t[d] along ``axis`` (the direction axis), that axis removed."""
+        if t is None:
+            return None
+        return self.e.Gather(t, self.e.const(np.asarray(d, dtype=np.int64)), axis=axis)
+
+    def state_input(self, i: int, d: int) -> str:
+        """initial_h / initial_c of direction d, zeros when absent: (B, H)."""
+        name = self.ctx.input(i)
+        if name is not None:
+            return self.dir_slice(name, d)
+        e = self.e
+        zero = numpy_helper.from_array(np.zeros(1, dtype=np_dtype(self.et)))
+        shape = e.Concat(e.shape_of(self.x, 1, 2), e.ints([self.h]), axis=0)
+        return e.op("ConstantOfShape", [shape], value=zero)
+
+    def shift(self, seq: str, first: str, reverse: bool) -> str:
+        """The previous step of every step in processing order: [first, seq[:-1]]
+        forward, [seq[1:], first] in reverse."""
+        e = self.e
+        head = e.unsqueeze(first, [0])
+        if reverse:
+            return e.Concat(e.slice(seq, [1], [2**62], [0]), head, axis=0)
+        return e.Concat(head, e.slice(seq, [0], [-1], [0]), axis=0)
+
+    def scan(self, states: list[str], xs: list[str], body, n_out: int, backward: bool, reverse: bool):
+        """Scan over axis 0 of ``xs``; ``body(sub_emitter, state_names, x_names)``
+        returns (new states, per-step outputs).  Processing order: forward in
+        time unless ``reverse``; ``backward`` flips it."""
+        e = self.e
+        sub = Emitter(e.opset, e.names, dict(e.dtypes), hint=f"{e.hint}/scan")
+        s_in = [e.names.fresh(f"{e.hint}/scan_state") for _ in states]
+        x_in = [e.names.fresh(f"{e.hint}/scan_in") for _ in xs]
+        for n in s_in + x_in:
+            sub.dtypes[n] = self.et
+        new_states, outs = body(sub, s_in, x_in)
+        body_outs = [sub.Identity(t) for t in list(new_states) + list(outs)]
+        graph = helper.make_graph(
+            sub.nodes,
+            e.names.fresh(f"{e.hint}/scan_body"),
+            # every state and step slice is (batch, features); Scan-9 wants ranks
+            [helper.make_tensor_value_info(n, self.et, [None, None]) for n in s_in + x_in],
+            [helper.make_tensor_value_info(n, self.et, [None, None]) for n in body_outs],
+        )
+        flip = int(backward != reverse)
+        res = e.op(
+            "Scan",
+            states + xs,
+            outputs=len(states) + n_out,
+            body=graph,
+            num_scan_inputs=len(xs),
+            scan_input_directions=[flip] * len(xs) if flip else None,
+            scan_output_directions=[flip] * n_out if flip and n_out else None,
+        )
+        return res[: len(states)], res[len(states) :]
+
+    def seq_matmul(self, seq: str, w: str, trans: bool) -> str:
+        """(T, B, K) @ w^T (w: (M, K)) if trans else (T, B, M) @ w."""
+        e = self.e
+        return e.MatMul(seq, e.Transpose(w, perm=[1, 0]) if trans else w)
+
+    def step_gemm(self, da: str, seq: str, cols: int) -> str:
+        """sum_t da_t^T seq_t: (T, B, M), (T, B, K) -> (M, K) as one Gemm."""
+        e = self.e
+        flat_a = e.reshape(da, [-1, cols])
+        flat_s = e.Reshape(seq, e.Concat(e.ints([-1]), e.shape_of(seq, 2), axis=0))
+        c = None if e.opset >= 11 else self.ctx.const(0.0, like=da)
+        return e.Gemm(flat_a, flat_s, c, transA=1, beta=None if c is None else 0.0)
+
+    def sum_steps(self, t: str) -> str:
+        return self.e.reduce_sum(t, [0, 1], keepdims=False)
+
+    def stack(self, per_dir: list[str], axis: int = 0) -> str:
+        """Stack per-direction tensors along a new axis."""
+        items = [self.e.unsqueeze(t, [axis]) for t in per_dir]
+        return self.e.concat(items, axis=axis)
+
+    def dy_dir(self, dy: str | None, d: int) -> str:
+        """The gradient of Y for direction d, (T, B, H); zeros when Y has none."""
+        if dy is None:
+            return self.e.zeros_like(self.dir_slice(self.y, d, axis=1))
+        return self.dir_slice(dy, d, axis=1)
+
+    def dstate_dir(self, dstate: str | None, d: int, like: str) -> str:
+        """The gradient of Y_h/Y_c for direction d; zeros when it has none."""
+        if dstate is None:
+            return self.e.zeros_like(like)
+        return self.dir_slice(dstate, d)
+
+
+def _rnn_results(rec: _Recurrence, dx: list[str], grads: dict[int, list[str]]) -> list[str | None]:
+    """Assemble per-direction gradients into one entry per node input."""
+    ctx, e = rec.ctx, rec.e
+    out: list[str | None] = [None] * len(ctx.inputs)
+    if ctx.needs(0):
+        out[0] = e.sum_all(dx)
+    for i, per_dir in grads.items():
+        if i < len(ctx.inputs) and ctx.input(i) is not None and ctx.needs(i):
+            out[i] = rec.stack(per_dir)
+    return out
+
+
+@vjp("RNN")
+def rnn_vjp(ctx, dy, dy_h=None):
+    """H_t = f(X_t W^T + H_{t-1} R^T + Wb + Rb)
+    ->  backward Scan: dH = dY_t + dH_next, da_t = dH * f'(H_t), dH_prev = da_t R
+        dX_t = da_t W, dW = sum_t da_t^T X_t, dR = sum_t da_t^T H_{t-1},
+        dB = [sum da, sum da], d initial_h = dH_prev after the first step"""
+    rec = _Recurrence(ctx, ["Tanh"])
+    e = rec.e
+    w_all, r_all = ctx.inputs[1], ctx.inputs[2]
+    dx, grads = [], {1: [], 2: [], 3: [], 5: []}
+    for d, reverse in enumerate(rec.dirs):
+        (f,) = rec.acts[d]
+        w, r = rec.dir_slice(w_all, d), rec.dir_slice(r_all, d)
+        y = rec.dir_slice(rec.y, d, axis=1)
+        h0 = rec.state_input(5, d)
+        h_prev = rec.shift(y, h0, reverse)
+
+        def body(sub, states, xs, f=f, r=r):
+            (dh_next,) = states
+            dy_t, y_t = xs
+            da = sub.Mul(sub.Add(dy_t, dh_next), _act_grad(sub, f, y_t))
+            return [sub.MatMul(da, r)], [da]
+
+        start = rec.dstate_dir(dy_h, d, h0)
+        (dh0,), (da,) = rec.scan([start], [rec.dy_dir(dy, d), y], body, 1, backward=True, reverse=reverse)
+        dx.append(rec.seq_matmul(da, w, trans=False))
+        grads[1].append(rec.step_gemm(da, rec.x, rec.h))
+        grads[2].append(rec.step_gemm(da, h_prev, rec.h))
+        s = rec.sum_steps(da)
+        grads[3].append(e.Concat(s, s, axis=0))
+        grads[5].append(dh0)
+    return _rnn_results(rec, dx, grads)
+
+
+@vjp("GRU")
+def gru_vjp(ctx, dy, dy_h=None):
+    """z = f(X Wz^T + H_prev Rz^T + bz), r = f(X Wr^T + H_prev Rr^T + br),
+    h~ = g(X Wh^T + (r * H_prev) Rh^T + Rbh + Wbh)         (linear_before_reset=0)
+    h~ = g(X Wh^T + r * (H_prev Rh^T + Rbh) + Wbh)         (linear_before_reset=1)
+    H = (1 - z) * h~ + z * H_prev
+    ->  backward Scan with dH = dY_t + dH_next:
+        dh~ = dH (1 - z), dz = dH (H_prev - h~), da_h = dh~ g'(h~)
+        lbr=0: q = da_h Rh, dr = q * H_prev, dH_prev = dH z + q r + [da_z, da_r] R_zr
+        lbr=1: dr = da_h * u, du = da_h * r, dH_prev = dH z + du Rh + [da_z, da_r] R_zr
+        da_z = dz f'(z), da_r = dr f'(r); weight gradients sum over steps."""
+    rec = _Recurrence(ctx, ["Sigmoid", "Tanh"])
+    e = rec.e
+    h = rec.h
+    lbr = bool(ctx.attr("linear_before_reset", 0))
+    w_all, r_all = ctx.inputs[1], ctx.inputs[2]
+    b_all = ctx.input(3)
+    dx, grads = [], {1: [], 2: [], 3: [], 5: []}
+    for d, reverse in enumerate(rec.dirs):
+        fa, ga = rec.acts[d]
+        w, r = rec.dir_slice(w_all, d), rec.dir_slice(r_all, d)
+        r_zr, r_h = e.split(r, [2 * h, h], axis=0)
+        y = rec.dir_slice(rec.y, d, axis=1)
+        h0 = rec.state_input(5, d)
+        h_prev = rec.shift(y, h0, reverse)
+        ax = rec.seq_matmul(rec.x, w, trans=True)
+        if b_all is not None:
+            wb, rb = e.split(rec.dir_slice(b_all, d), [3 * h, 3 * h], axis=0)
+            ax = e.Add(ax, wb)
+            rb_zr, rb_h = e.split(rb, [2 * h, h], axis=0)
+        ax_zr, ax_h = e.split(ax, [2 * h, h], axis=-1)
+        a_zr = e.Add(ax_zr, rec.seq_matmul(h_prev, r_zr, trans=True))
+        if b_all is not None:
+            a_zr = e.Add(a_zr, rb_zr)
+        z, rg = e.split(_act(e, fa, a_zr), [h, h], axis=-1)
+        if lbr:
+            u = rec.seq_matmul(h_prev, r_h, trans=True)
+            if b_all is not None:
+                u = e.Add(u, rb_h)
+            a_h = e.Add(ax_h, e.Mul(rg, u))
+        else:
+            a_h = e.Add(ax_h, rec.seq_matmul(e.Mul(rg, h_prev), r_h, trans=True))
+            if b_all is not None:
+                a_h = e.Add(a_h, rb_h)
+        hh = _act(e, ga, a_h)
+
+        def body(sub, states, xs, fa=fa, ga=ga, r_zr=r_zr, r_h=r_h):
+            (dh_next,) = states
+            dy_t, z_t, r_t, hh_t, hp_t = xs[:5]
+            dh = sub.Add(dy_t, dh_next)
+            one = sub.const(1.0, like=z_t)
+            da_h = sub.Mul(sub.Mul(dh, sub.Sub(one, z_t)), _act_grad(sub, ga, hh_t))
+            dz = sub.Mul(dh, sub.Sub(hp_t, hh_t))
+            dh_prev = sub.Mul(dh, z_t)
+            if lbr:
+                u_t = xs[5]
+                dr = sub.Mul(da_h, u_t)
+                du = sub.Mul(da_h, r_t)
+                dh_prev = sub.Add(dh_prev, sub.MatMul(du, r_h))
+                extra = [du]
+            else:
+                q = sub.MatMul(da_h, r_h)
+                dr = sub.Mul(q, hp_t)
+                dh_prev = sub.Add(dh_prev, sub.Mul(q, r_t))
+                extra = []
+            da_zr = sub.Concat(
+                sub.Mul(dz, _act_grad(sub, fa, z_t)), sub.Mul(dr, _act_grad(sub, fa, r_t)), axis=-1
+            )
+            dh_prev = sub.Add(dh_prev, sub.MatMul(da_zr, r_zr))
+            return [dh_prev], [da_zr, da_h] + extra
+
+        scan_in = [rec.dy_dir(dy, d), z, rg, hh, h_prev] + ([u] if lbr else [])
+        start = rec.dstate_dir(dy_h, d, h0)
+        (dh0,), outs = rec.scan([start], scan_in, body, 2 + lbr, backward=True, reverse=reverse)
+        da_zr, da_h = outs[0], outs[1]
+        da = e.Concat(da_zr, da_h, axis=-1)
+        dx.append(rec.seq_matmul(da, w, trans=False))
+        grads[1].append(rec.step_gemm(da, rec.x, 3 * h))
+        if lbr:
+            du = outs[2]
+            dr_h = rec.step_gemm(du, h_prev, h)
+            rb_h_grad = rec.sum_steps(du)
+        else:
+            dr_h = rec.step_gemm(da_h, e.Mul(rg, h_prev), h)
+            rb_h_grad = rec.sum_steps(da_h)
+        grads[2].append(e.Concat(rec.step_gemm(da_zr, h_prev, 2 * h), dr_h, axis=0))
+        s = rec.sum_steps(da)
+        s_zr = rec.sum_steps(da_zr)
+        grads[3].append(e.Concat(s, s_zr, rb_h_grad, axis=0))
+        grads[5].append(dh0)
+    return _rnn_results(rec, dx, grads)
+
+
+@vjp("LSTM")
+def lstm_vjp(ctx, dy, dy_h=None, dy_c=None):
+    """i = f(a_i + P_i C_prev), f_ = f(a_f + P_f C_prev), g = g(a_c), C = f_ C_prev + i g,
+    o = f(a_o + P_o C), H = o h(C), with a = X W^T + H_prev R^T + Wb + Rb (gates i, o, f, c)
+    ->  C_t from a forward Scan (the op does not output it), then a backward Scan with
+        dH = dY_t + dH_next, da_o = dH h(C) f'(o), dC = dC_next + dH o h'(C) + da_o P_o,
+        da_i = dC g f'(i), da_f = dC C_prev f'(f_), da_c = dC i g'(g),
+        dC_prev = dC f_ + da_i P_i + da_f P_f, dH_prev = [da_i, da_o, da_f, da_c] R
+    dW, dR, dB, dP sum over the steps; d initial_h/c are the final Scan states."""
+    rec = _Recurrence(ctx, ["Sigmoid", "Tanh", "Tanh"])
+    e = rec.e
+    h = rec.h
+    if ctx.attr("input_forget", 0):
+        raise TrainingModelError(f"{rec.where}: input_forget=1 is not supported")
+    w_all, r_all = ctx.inputs[1], ctx.inputs[2]
+    b_all, p_all = ctx.input(3), ctx.input(7)
+    dx, grads = [], {1: [], 2: [], 3: [], 5: [], 6: [], 7: []}
+    for d, reverse in enumerate(rec.dirs):
+        fa, ga, ha = rec.acts[d]
+        w, r = rec.dir_slice(w_all, d), rec.dir_slice(r_all, d)
+        y = rec.dir_slice(rec.y, d, axis=1)
+        h0, c0 = rec.state_input(5, d), rec.state_input(6, d)
+        h_prev = rec.shift(y, h0, reverse)
+        a = e.Add(rec.seq_matmul(rec.x, w, trans=True), rec.seq_matmul(h_prev, r, trans=True))
+        if b_all is not None:
+            wb, rb = e.split(rec.dir_slice(b_all, d), [4 * h, 4 * h], axis=0)
+            a = e.Add(a, e.Add(wb, rb))
+        a_i, a_o, a_f, a_c = e.split(a, [h] * 4, axis=-1)
+        if p_all is not None:
+            p_i, p_o, p_f = e.split(rec.dir_slice(p_all, d), [h] * 3, axis=0)
+        else:
+            p_i = p_o = p_f = None
+
+        def cell(sub, states, xs, fa=fa, ga=ga, p_i=p_i, p_f=p_f):
+            (c_prev,) = states
+            ai, af, ac = xs
+            if p_i is not None:
+                ai, af = sub.Add(ai, sub.Mul(p_i, c_prev)), sub.Add(af, sub.Mul(p_f, c_prev))
+            c = sub.Add(sub.Mul(_act(sub, fa, af), c_prev), sub.Mul(_act(sub, fa, ai), _act(sub, ga, ac)))
+            return [c], [c]
+
+        _, (c_all,) = rec.scan([c0], [a_i, a_f, a_c], cell, 1, backward=False, reverse=reverse)
+        c_prev = rec.shift(c_all, c0, reverse)
+        peep = (lambda t, p, c: t if p is None else e.Add(t, e.Mul(p, c)))
+        gi = _act(e, fa, peep(a_i, p_i, c_prev))
+        gf = _act(e, fa, peep(a_f, p_f, c_prev))
+        go = _act(e, fa, peep(a_o, p_o, c_all))
+        gg = _act(e, ga, a_c)
+        hc = _act(e, ha, c_all)
+
+        def body(sub, states, xs, fa=fa, ga=ga, ha=ha, p_i=p_i, p_o=p_o, p_f=p_f, r=r):
+            dh_next, dc_next = states
+            dy_t, i_t, f_t, o_t, g_t, hc_t, cp_t = xs
+            dh = sub.Add(dy_t, dh_next)
+            da_o = sub.Mul(sub.Mul(dh, hc_t), _act_grad(sub, fa, o_t))
+            dc = sub.Add(dc_next, sub.Mul(sub.Mul(dh, o_t), _act_grad(sub, ha, hc_t)))
+            if p_o is not None:
+                dc = sub.Add(dc, sub.Mul(da_o, p_o))
+            da_i = sub.Mul(sub.Mul(dc, g_t), _act_grad(sub, fa, i_t))
+            da_f = sub.Mul(sub.Mul(dc, cp_t), _act_grad(sub, fa, f_t))
+            da_c = sub.Mul(sub.Mul(dc, i_t), _act_grad(sub, ga, g_t))
+            dc_prev = sub.Mul(dc, f_t)
+            if p_i is not None:
+                dc_prev = sub.Add(dc_prev, sub.Add(sub.Mul(da_i, p_i), sub.Mul(da_f, p_f)))
+            da = sub.Concat(da_i, da_o, da_f, da_c, axis=-1)
+            return [sub.MatMul(da, r), dc_prev], [da]
+
+        starts = [rec.dstate_dir(dy_h, d, h0), rec.dstate_dir(dy_c, d, c0)]
+        scan_in = [rec.dy_dir(dy, d), gi, gf, go, gg, hc, c_prev]
+        (dh0, dc0), (da,) = rec.scan(starts, scan_in, body, 1, backward=True, reverse=reverse)
+        dx.append(rec.seq_matmul(da, w, trans=False))
+        grads[1].append(rec.step_gemm(da, rec.x, 4 * h))
+        grads[2].append(rec.step_gemm(da, h_prev, 4 * h))
+        s = rec.sum_steps(da)
+        grads[3].append(e.Concat(s, s, axis=0))
+        grads[5].append(dh0)
+        grads[6].append(dc0)
+        if p_all is not None:
+            d_i, d_o, d_f, _ = e.split(da, [h] * 4, axis=-1)
+            grads[7].append(
+                e.Concat(
+                    rec.sum_steps(e.Mul(d_i, c_prev)),
+                    rec.sum_steps(e.Mul(d_o, c_all)),
+                    rec.sum_steps(e.Mul(d_f, c_prev)),
+                    axis=0,
+                )
+            )
+    return _rnn_results(rec, dx, grads)
