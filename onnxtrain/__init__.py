@@ -7,6 +7,7 @@
 
 from .errors import GradientError, TrainingModelError
 from .session import TrainingSession
+from . import build
 
-__all__ = ["GradientError", "TrainingModelError", "TrainingSession"]
+__all__ = ["GradientError", "TrainingModelError", "TrainingSession", "build"]
 __version__ = "0.1.0"

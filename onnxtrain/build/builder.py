@@ -1,0 +1,793 @@
+"""``training_model``: any inference model -> a standard, self-contained ONNX training model.
+
+The result is plain ONNX (IR 10, ``ai.onnx.preview.training`` v1): any runtime
+that implements TrainingInfoProto can train it.  Its parts:
+
+- the **main graph**, the inference graph as given (with ``accumulate=k > 1``
+  it also holds, as initializers no node reads, the state shared by the two
+  TrainingInfoProtos: the gradient sums and the counters; the spec lets an
+  algorithm read only the main graph and itself);
+- per TrainingInfoProto an **algorithm**:
+  forward pass (a training-mode copy where the model has Dropout or
+  BatchNormalization) -> loss -> ``Gradient(xs = trainable params,
+  zs = data inputs + target, y = loss)`` -> [mean over accumulated
+  gradients] -> [global-norm clipping] -> optimizer with lr * schedule(step)
+  -> ``step + 1``; every new value goes back through ``update_binding``;
+- per TrainingInfoProto an **initialization** graph that resets every state
+  variable it owns (params to their values as Constants, optimizer state to
+  its fill value, counters to 0): ``initialize()`` is a fresh start.
+
+``accumulate = k`` gives two TrainingInfoProtos, driven by the cycle
+``[0] * (k - 1) + [1]`` (metadata ``onnxtrain.cycle``):
+
+- training_info[0] adds its gradient into the sums ``<param>.grad_accum``;
+- training_info[1] applies the optimizer to (sums + its gradient) / n.
+
+update_binding keys must be unique across TrainingInfoProtos, so [1] cannot
+write the sums back to zero.  Instead ``accum.step`` records which update the
+sums belong to: [0] restarts them when ``accum.step != step``, and [1] uses
+them only when ``accum.step == step``, with n = ``accum.count`` + 1.  Any
+order of calls is thus well defined, and the cycle gives the mean of k
+gradients.  BatchNormalization running statistics are bound by [0] only (the
+same uniqueness rule), so they move on the k - 1 accumulation batches.
+
+Metadata (JSON values) tells the fit loop how to drive the model:
+``onnxtrain.inputs``, ``onnxtrain.target``, ``onnxtrain.loss``,
+``onnxtrain.prediction``, ``onnxtrain.task``, ``onnxtrain.cycle``,
+``onnxtrain.trainable``, ``onnxtrain.optimizer_state``.
+
+>>> import numpy as np
+>>> from onnx import TensorProto, helper, numpy_helper
+>>> g = helper.make_graph(
+...     [helper.make_node("MatMul", ["X", "W"], ["Y"])], "linear",
+...     [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 2])],
+...     [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 1])],
+...     [numpy_helper.from_array(np.ones((2, 1), np.float32), "W")])
+>>> m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+>>> from onnxtrain.build import SGD
+>>> tm = training_model(m, loss="mse", optimizer=SGD(lr=0.1))
+>>> [n.op_type for n in tm.training_info[0].algorithm.node if n.domain]
+['Gradient']
+>>> [b.key for b in tm.training_info[0].update_binding]
+['W', 'step']
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ..emitter import FLOAT_TYPES, Emitter, np_dtype
+from ..graph import DEFAULT_DOMAINS, PREVIEW_DOMAIN, infer_types, node_inputs, subgraphs
+from ..model import ModelLike, load
+from ..names import NameGen
+from . import losses as _losses
+from . import optimizers as _optimizers
+from .losses import Loss
+from .optimizers import Adam, Optimizer
+from .schedules import Schedule
+
+#: IR version of the built model (TrainingInfoProto needs >= 7).
+IR_VERSION = 10
+MAX_IR_VERSION = 13
+#: Oldest default-domain opset the builder emits for (axes-as-input ReduceSum,
+#: Dropout's training_mode input, SoftmaxCrossEntropyLoss, LogSoftmax on any axis).
+MIN_OPSET = 13
+
+INT64 = TensorProto.INT64
+F64 = TensorProto.DOUBLE
+
+#: Inputs of training-mode ops that are statistics or settings, never trained:
+#: (op_type, input index).  Initializers feeding them are left out of the
+#: default trainable set.
+NOT_TRAINABLE_INPUTS = {
+    ("BatchNormalization", 3),
+    ("BatchNormalization", 4),
+    ("Dropout", 1),
+    ("Dropout", 2),
+}
+
+META = "onnxtrain."
+
+
+# ------------------------------------------------------------------ state
+@dataclass
+class StateSpec:
+    """A variable the training model keeps: where it lives and how it starts.
+
+    ``home`` is "main" or the index of the TrainingInfoProto whose algorithm
+    graph holds its initializer; ``reset_by`` the index whose initialization
+    graph resets it.  ``initial`` is the starting tensor (params, running
+    statistics) or None for a fill value."""
+
+    name: str
+    elem_type: int
+    shape: tuple[int, ...]
+    home: str | int
+    reset_by: int
+    initial: onnx.TensorProto | None = None
+    fill: float = 0.0
+    existing: bool = False  # already an initializer of the main graph
+
+    def start_value(self) -> np.ndarray:
+        if self.initial is not None:
+            return numpy_helper.to_array(self.initial)
+        return np.full(self.shape, self.fill, dtype=np_dtype(self.elem_type))
+
+    def value_info(self, name: str) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, self.elem_type, list(self.shape))
+
+
+@dataclass
+class Plan:
+    """Everything decided before any node is emitted."""
+
+    proto: onnx.ModelProto
+    opset: int
+    dtypes: dict[str, int]
+    shapes: dict[str, Any]
+    data_inputs: list[str]
+    prediction: str
+    target: onnx.ValueInfoProto
+    loss: Loss
+    loss_name: str
+    optimizer: Optimizer
+    schedule: Schedule | None
+    clip_grad_norm: float | None
+    accumulate: int
+    train_mode: bool
+    params: list[str]
+    #: Every name used in the main graph or given out for the model; each
+    #: algorithm graph draws its own fresh names from a NameGen over these.
+    taken: set[str] = field(default_factory=set)
+    names: NameGen = field(default_factory=NameGen)
+    state: dict[str, StateSpec] = field(default_factory=dict)
+    #: param -> {slot -> state variable name}
+    slots: dict[str, dict[str, str]] = field(default_factory=dict)
+    step: str = ""
+    accum: dict[str, str] = field(default_factory=dict)  # param -> gradient sum
+    accum_count: str = ""
+    accum_step: str = ""
+
+    @property
+    def final(self) -> int:
+        """Index of the TrainingInfoProto that updates the parameters."""
+        return 0 if self.accumulate == 1 else 1
+
+    def fresh(self, hint: str) -> str:
+        """A model-wide fresh name."""
+        name = self.names.fresh(hint)
+        self.taken.add(name)
+        return name
+
+    def add_state(self, hint: str, var: StateSpec) -> str:
+        var.name = self.fresh(hint)
+        self.state[var.name] = var
+        return var.name
+
+
+# ------------------------------------------------------------------ public entry
+def training_model(
+    model: ModelLike,
+    loss: str | Loss | Callable = "cross_entropy",
+    target: str = "target",
+    output: str | None = None,
+    optimizer: Optimizer = Adam(lr=1e-3),
+    trainable: Sequence[str] | Callable[[str], bool] | None = None,
+    schedule: Schedule | None = None,
+    clip_grad_norm: float | None = None,
+    accumulate: int = 1,
+    train_mode: bool = True,
+) -> onnx.ModelProto:
+    """A standard ONNX training model that trains ``model`` (which is not modified).
+
+    ``loss``: a name ("mse", "l1", "huber", "cross_entropy", "bce_with_logits",
+    "nll"), a loss object, or ``fn(emit, prediction, target) -> loss name``.
+    ``target``: name of the new target input.  ``output``: the main-graph
+    output the loss reads (default: the first).  ``optimizer``: build.SGD,
+    build.Adagrad, build.Adam or build.AdamW (torch's update rules).
+    ``trainable``: None (every floating-point initializer of the main graph
+    except BatchNormalization statistics and Dropout settings), a list of
+    names, or a predicate name -> bool.  ``schedule``: build.cosine,
+    build.step_decay or build.linear_warmup, computed in the graph from the
+    step counter.  ``clip_grad_norm``: scale all gradients by
+    min(1, c / (||g||_2 + 1e-6)) over their global norm.  ``accumulate``: k
+    micro-batches per update (two TrainingInfoProtos).  ``train_mode``: run
+    Dropout / BatchNormalization in training mode inside the algorithm.
+    """
+    plan = _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad_norm,
+                 accumulate, train_mode)
+    proto = plan.proto
+    _add_main_state(plan)
+    for index in range(plan.accumulate if plan.accumulate == 1 else 2):
+        ti = proto.training_info.add()
+        _Algorithm(plan, index).build(ti)
+        _initialization(plan, index, ti)
+    _set_imports(proto)
+    _set_metadata(plan)
+    return proto
+
+
+# ------------------------------------------------------------------ planning
+def _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad_norm,
+          accumulate, train_mode) -> Plan:
+    """Check every argument and decide the names and the state variables."""
+    proto = _inference_copy(model)
+    opset = _default_opset(proto)
+    loss_obj = _losses.resolve(loss)
+    optimizer = _optimizers.resolve(optimizer)
+    if schedule is not None and not isinstance(schedule, Schedule):
+        raise TypeError(
+            "schedule must be None, build.cosine(...), build.step_decay(...) or "
+            f"build.linear_warmup(...), not {type(schedule).__name__}"
+        )
+    if clip_grad_norm is not None and not (
+        isinstance(clip_grad_norm, (int, float)) and not isinstance(clip_grad_norm, bool)
+        and clip_grad_norm > 0
+    ):
+        raise ValueError(f"clip_grad_norm must be None or a number > 0, got {clip_grad_norm!r}")
+    if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+        raise ValueError(f"accumulate must be an integer >= 1, got {accumulate!r}")
+
+    main = proto.graph
+    dtypes, shapes = infer_types(main, proto.opset_import)
+    taken = _names_in(main)
+    prediction = _prediction(main, output)
+    pred_type = dtypes.get(prediction)
+    _losses.check_prediction_type(pred_type, prediction)
+    if pred_type is None:
+        raise ValueError(f"cannot determine the element type of output {prediction!r}")
+    target_vi = _target_input(loss_obj, target, pred_type, shapes.get(prediction), taken)
+    taken.add(target)
+
+    params = _trainable(main, trainable)
+    plan = Plan(
+        proto=proto, opset=opset, dtypes=dtypes, shapes=shapes,
+        data_inputs=_data_inputs(main), prediction=prediction, target=target_vi,
+        loss=loss_obj, loss_name="", optimizer=optimizer, schedule=schedule,
+        clip_grad_norm=float(clip_grad_norm) if clip_grad_norm is not None else None,
+        accumulate=accumulate, train_mode=bool(train_mode), params=params,
+        taken=taken, names=NameGen(taken),
+    )
+    plan.loss_name = plan.fresh("loss")  # the same name in every algorithm graph
+    _plan_state(plan)
+    return plan
+
+
+def _inference_copy(model: ModelLike) -> onnx.ModelProto:
+    source, _ = load(model)
+    if source.training_info:
+        raise ValueError(
+            "the model already has training_info; training_model expects an inference model "
+            "(export it with TrainingSession.export(path) first)"
+        )
+    proto = onnx.ModelProto()
+    proto.CopyFrom(source)
+    return proto
+
+
+def _default_opset(proto: onnx.ModelProto) -> int:
+    for o in proto.opset_import:
+        if o.domain in DEFAULT_DOMAINS:
+            if o.version < MIN_OPSET:
+                raise ValueError(
+                    f"the model imports the default ONNX domain at opset {o.version}; the builder "
+                    f"needs opset >= {MIN_OPSET} (convert it first with "
+                    f"onnx.version_converter.convert_version(model, {MIN_OPSET}))"
+                )
+            return int(o.version)
+    raise ValueError("the model does not import the default ONNX domain")
+
+
+def _names_in(graph: onnx.GraphProto) -> set[str]:
+    """Every tensor and node name of a graph and of its subgraphs."""
+    names: set[str] = set()
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        names.update(i.name for i in g.input)
+        names.update(o.name for o in g.output)
+        names.update(t.name for t in g.initializer)
+        names.update(t.values.name for t in g.sparse_initializer)
+        names.update(v.name for v in g.value_info)
+        for n in g.node:
+            names.update(n.input)
+            names.update(n.output)
+            names.add(n.name)
+            stack.extend(subgraphs(n))
+    names.discard("")
+    return names
+
+
+def _prediction(main: onnx.GraphProto, output: str | None) -> str:
+    outputs = [o.name for o in main.output]
+    if not outputs:
+        raise ValueError("the main graph has no outputs")
+    if output is None:
+        return outputs[0]
+    if output not in outputs:
+        raise ValueError(f"output {output!r} is not an output of the main graph; outputs are {outputs}")
+    return output
+
+
+def _target_input(
+    loss: Loss, target: str, pred_type: int, pred_shape: Any, taken: set[str]
+) -> onnx.ValueInfoProto:
+    if not isinstance(target, str) or not target:
+        raise ValueError(f"target must be a non-empty name, got {target!r}")
+    if target in taken:
+        raise ValueError(
+            f"target name {target!r} is already used in the main graph; pick another with target=..."
+        )
+    elem, shape = loss.target_type(pred_type, pred_shape)
+    return helper.make_tensor_value_info(target, elem, None if shape is None else list(shape))
+
+
+def _data_inputs(main: onnx.GraphProto) -> list[str]:
+    """Main-graph inputs that are not initializers (IR 3 style inputs are parameters)."""
+    inits = {t.name for t in main.initializer} | {t.values.name for t in main.sparse_initializer}
+    return [i.name for i in main.input if i.name not in inits]
+
+
+def _not_trainable_by_default(main: onnx.GraphProto) -> set[str]:
+    """Initializers read only as BatchNormalization statistics or Dropout settings
+    (directly or through Identity nodes)."""
+    identity_of = {
+        n.output[0]: n.input[0]
+        for n in main.node
+        if n.op_type == "Identity" and n.domain in DEFAULT_DOMAINS and n.input and n.output
+    }
+
+    def source(name: str) -> str:
+        while name in identity_of:
+            name = identity_of[name]
+        return name
+
+    settings: set[str] = set()
+    other_uses: set[str] = set()
+    for n in main.node:
+        if n.op_type == "Identity" and n.domain in DEFAULT_DOMAINS:
+            continue  # its consumers count, not the Identity itself
+        setting_slots = n.domain in DEFAULT_DOMAINS
+        for idx, name in enumerate(node_inputs(n)):
+            is_setting = setting_slots and idx < len(n.input) and (n.op_type, idx) in NOT_TRAINABLE_INPUTS
+            (settings if is_setting else other_uses).add(source(name))
+    other_uses.update(source(o.name) for o in main.output)
+    return settings - other_uses
+
+
+def _trainable(main: onnx.GraphProto, trainable: Any) -> list[str]:
+    """The trainable parameters, in initializer order."""
+    floats = [t.name for t in main.initializer if t.data_type in FLOAT_TYPES]
+    if not floats:
+        raise ValueError(
+            "the main graph has no floating-point initializers: there is nothing to train"
+        )
+    excluded = _not_trainable_by_default(main)
+    candidates = [n for n in floats if n not in excluded]
+    if trainable is None:
+        chosen = candidates
+    elif callable(trainable):
+        chosen = [n for n in candidates if trainable(n)]
+    elif isinstance(trainable, str):
+        raise TypeError(f"trainable must be a list of names, not the string {trainable!r}")
+    elif isinstance(trainable, Iterable):
+        wanted = list(dict.fromkeys(trainable))
+        for name in wanted:
+            if name not in floats:
+                raise ValueError(
+                    f"unknown trainable name {name!r}: not a floating-point initializer of the "
+                    f"main graph; those are {floats}"
+                )
+            if name in excluded:
+                raise ValueError(
+                    f"{name!r} is a BatchNormalization statistic or a Dropout setting and "
+                    "cannot be trainable"
+                )
+        chosen = [n for n in floats if n in wanted]
+    else:
+        raise TypeError(
+            f"trainable must be None, a list of names or a predicate, not {type(trainable).__name__}"
+        )
+    if not chosen:
+        raise ValueError(f"no trainable parameters selected among {candidates}")
+    return chosen
+
+
+def _plan_state(plan: Plan) -> None:
+    """Name and place every state variable."""
+    main = plan.proto.graph
+    inits = {t.name: t for t in main.initializer}
+    k, final = plan.accumulate, plan.final
+    for p in plan.params:
+        t = inits[p]
+        plan.state[p] = StateSpec(p, t.data_type, tuple(t.dims), "main", final, initial=t, existing=True)
+    for p in plan.params:
+        var = plan.state[p]
+        plan.slots[p] = {}
+        for slot, fill in plan.optimizer.slots():
+            plan.slots[p][slot] = plan.add_state(
+                f"{p}.{slot}", StateSpec("", var.elem_type, var.shape, final, final, fill=fill)
+            )
+    shared = "main" if k > 1 else 0
+    plan.step = plan.add_state("step", StateSpec("", INT64, (), shared, final))
+    if k > 1:
+        for p in plan.params:
+            var = plan.state[p]
+            plan.accum[p] = plan.add_state(
+                f"{p}.grad_accum", StateSpec("", var.elem_type, var.shape, "main", 0)
+            )
+        plan.accum_count = plan.add_state("accum.count", StateSpec("", INT64, (), "main", 0))
+        plan.accum_step = plan.add_state("accum.step", StateSpec("", INT64, (), "main", 0))
+
+
+def _add_main_state(plan: Plan) -> None:
+    """New state variables that live in the main graph become its initializers."""
+    for var in plan.state.values():
+        if var.home == "main" and not var.existing:
+            plan.proto.graph.initializer.append(numpy_helper.from_array(var.start_value(), var.name))
+
+
+# ------------------------------------------------------------------ algorithm
+class _Algorithm:
+    """The algorithm graph and update_binding of training_info[index]."""
+
+    def __init__(self, plan: Plan, index: int) -> None:
+        self.plan = plan
+        self.index = index
+        self.e = Emitter(plan.opset, NameGen(plan.taken), dict(plan.dtypes))
+        for var in plan.state.values():
+            self.e.dtypes[var.name] = var.elem_type
+        self.outputs: list[onnx.ValueInfoProto] = []
+        #: Types of values shape inference cannot derive (Gradient's outputs).
+        self.value_info: list[onnx.ValueInfoProto] = []
+        self.bindings: list[tuple[str, str]] = []
+        self.loss_type = plan.dtypes[plan.prediction]
+
+    def build(self, ti: onnx.TrainingInfoProto) -> None:
+        plan = self.plan
+        prediction, running_stats = self.forward()
+        loss = self.loss(prediction)
+        grads = self.gradients(loss)
+        if self.index == 0:
+            for key, value in running_stats:
+                self.bind(key, value)
+        if self.index != plan.final:
+            self.accumulate_into_sums(grads)
+        else:
+            if plan.accumulate > 1:
+                grads = self.mean_with_sums(grads)
+            if plan.clip_grad_norm is not None:
+                grads = self.clip(grads)
+            self.optimizer_step(grads)
+            self.count_step()
+        ti.algorithm.CopyFrom(self.graph())
+        for key, value in self.bindings:
+            ti.update_binding.add(key=key, value=value)
+
+    # -- bookkeeping
+    def bind(self, key: str, value: str) -> None:
+        """Bind state variable ``key`` to ``value`` (declared as an algorithm output)."""
+        plan = self.plan
+        if key in plan.state:
+            vi = plan.state[key].value_info(value)
+        else:  # a running statistic: an initializer of the main graph
+            t = next(t for t in plan.proto.graph.initializer if t.name == key)
+            vi = helper.make_tensor_value_info(value, t.data_type, list(t.dims))
+        self.outputs.append(vi)
+        self.bindings.append((key, value))
+
+    def graph(self) -> onnx.GraphProto:
+        plan = self.plan
+        loss_vi = helper.make_tensor_value_info(plan.loss_name, self.loss_type, [])
+        inits = [
+            numpy_helper.from_array(var.start_value(), var.name)
+            for var in plan.state.values()
+            if var.home == self.index
+        ]
+        return helper.make_graph(
+            self.e.nodes, f"training_info[{self.index}].algorithm", [plan.target],
+            [loss_vi] + self.outputs, inits, value_info=self.value_info,
+        )
+
+    # -- stages
+    def forward(self) -> tuple[str, list[tuple[str, str]]]:
+        """The prediction the loss reads: the main graph's, or that of a
+        training-mode copy when Dropout/BatchNormalization are on its path."""
+        plan = self.plan
+        if not plan.train_mode:
+            return plan.prediction, []
+        return _training_forward(self.e, plan.proto.graph, plan.prediction, plan.opset)
+
+    def loss(self, prediction: str) -> str:
+        plan = self.plan
+        self.e.hint = "loss"
+        self.e.dtypes.setdefault(plan.target.name, plan.target.type.tensor_type.elem_type)
+        value = plan.loss.emit(self.e, prediction, plan.target.name)
+        self.e.op("Identity", [value], outputs=[plan.loss_name])
+        self.loss_type = self.e.dtypes.get(value, plan.dtypes[plan.prediction])
+        return plan.loss_name
+
+    def gradients(self, loss: str) -> list[str]:
+        """d loss / d param for every trainable parameter (one Gradient node)."""
+        plan = self.plan
+        zs = plan.data_inputs + [plan.target.name]
+        names = [self.e.names.fresh(f"{p}.grad") for p in plan.params]
+        self.e.hint = "gradient"
+        self.e.op(
+            "Gradient", plan.params + zs, outputs=names, domain=PREVIEW_DOMAIN,
+            xs=plan.params, zs=zs, y=loss,
+        )
+        for p, g in zip(plan.params, names):
+            self.e.dtypes[g] = plan.state[p].elem_type
+            self.value_info.append(plan.state[p].value_info(g))
+        return names
+
+    def accumulate_into_sums(self, grads: Sequence[str]) -> None:
+        """sums = (accum.step == step ? sums : 0) + g;  count likewise + 1;  accum.step = step."""
+        plan, e = self.plan, self.e
+        e.hint = "accumulate"
+        current = e.Equal(plan.accum_step, plan.step)
+        for p, g in zip(plan.params, grads):
+            kept = e.Where(current, plan.accum[p], e.const(0.0, like=g))
+            self.bind(plan.accum[p], e.Add(kept, g))
+        count = e.Where(current, plan.accum_count, e.scalar_int(0))
+        self.bind(plan.accum_count, e.Add(count, e.scalar_int(1)))
+        self.bind(plan.accum_step, e.Identity(plan.step))
+
+    def mean_with_sums(self, grads: Sequence[str]) -> list[str]:
+        """g_mean = (sums + g) / (count + 1) when the sums belong to this update, else g."""
+        plan, e = self.plan, self.e
+        e.hint = "accumulate"
+        current = e.Equal(plan.accum_step, plan.step)
+        n = e.Add(e.Where(current, plan.accum_count, e.scalar_int(0)), e.scalar_int(1))
+        out = []
+        for p, g in zip(plan.params, grads):
+            kept = e.Where(current, plan.accum[p], e.const(0.0, like=g))
+            out.append(e.Div(e.Add(kept, g), e.Cast(n, to=e.dtype(g))))
+        return out
+
+    def clip(self, grads: Sequence[str]) -> list[str]:
+        """g *= min(1, c / (||g||_2 + 1e-6)), the norm over all gradients
+        (torch.nn.utils.clip_grad_norm_), computed in float64."""
+        e = self.e
+        e.hint = "clip"
+        squares = [e.Cast(e.reduce("ReduceSumSquare", g, None, keepdims=False), to=F64) for g in grads]
+        norm = e.Sqrt(e.sum_all(squares))
+        coef = e.Div(e.const(self.plan.clip_grad_norm, dtype=F64), e.Add(norm, e.const(1e-6, dtype=F64)))
+        coef = e.Min(coef, e.const(1.0, dtype=F64))
+        return [e.Mul(g, e.cast_to(coef, e.dtype(g))) for g in grads]
+
+    def learning_rate(self) -> str:
+        """lr * schedule(step) as a 0-D float64."""
+        plan, e = self.plan, self.e
+        e.hint = "lr"
+        lr = e.const(float(plan.optimizer.lr), dtype=F64)
+        if plan.schedule is None:
+            return lr
+        return e.Mul(lr, plan.schedule.emit(e, plan.step))
+
+    def optimizer_step(self, grads: Sequence[str]) -> None:
+        plan = self.plan
+        lr = self.learning_rate()
+        self.e.hint = "optimizer"
+        state = {
+            slot: [plan.slots[p][slot] for p in plan.params] for slot, _ in plan.optimizer.slots()
+        }
+        new_params, new_state = plan.optimizer.update(self.e, lr, plan.step, plan.params, grads, state)
+        for p, value in zip(plan.params, new_params):
+            self.bind(p, value)
+        for slot, values in new_state.items():
+            for p, value in zip(plan.params, values):
+                self.bind(plan.slots[p][slot], value)
+
+    def count_step(self) -> None:
+        e = self.e
+        e.hint = "counter"
+        self.bind(self.plan.step, e.Add(self.plan.step, e.scalar_int(1)))
+
+
+# ------------------------------------------------------------------ train-mode copy
+def _training_forward(
+    e: Emitter, main: onnx.GraphProto, prediction: str, opset: int
+) -> tuple[str, list[tuple[str, str]]]:
+    """Copy the part of the forward pass that runs differently in training mode.
+
+    Nodes on the path to ``prediction`` are copied from the first Dropout or
+    BatchNormalization on: those ops in training mode, the nodes downstream
+    of them with renamed inputs; every copy writes fresh names.  Nodes
+    upstream are shared with the main graph (their values are the same).
+    Returns the copy's prediction (the main one when nothing differs) and
+    (running statistic initializer, its new value) pairs."""
+    nodes = list(main.node)
+    needed = _ancestors(nodes, prediction)
+    inits = {t.name for t in main.initializer}
+    renamed: dict[str, str] = {}
+    stats: list[tuple[str, str]] = []
+    for position, node in enumerate(nodes):
+        if position not in needed:
+            continue
+        kind = node.op_type if node.domain in DEFAULT_DOMAINS else ""
+        mode_op = kind in ("Dropout", "BatchNormalization")
+        if not mode_op and not any(i in renamed for i in node_inputs(node)):
+            continue
+        if subgraphs(node):
+            raise ValueError(
+                f"train_mode: node {node.name or node.op_type!r} ({node.op_type}) has a subgraph and "
+                "depends on Dropout/BatchNormalization; its training-mode copy is not supported "
+                "(use train_mode=False)"
+            )
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copy.name = e.names.fresh(f"train/{node.name or node.op_type}")
+        del copy.input[:]
+        copy.input.extend(renamed.get(i, i) for i in node.input)
+        if kind == "Dropout":
+            _dropout_training(e, copy)
+            slots = [(node.output[0], "output"), (_output(node, 1), "mask")]
+        elif kind == "BatchNormalization":
+            _batch_norm_training(copy, opset)
+            extra = ["running_mean", "running_var"] + (["saved_mean", "saved_var"] if opset < 14 else [])
+            slots = [(node.output[0], "Y")] + [("", hint) for hint in extra]
+        else:
+            slots = [(o, o) for o in node.output]
+        del copy.output[:]
+        for original, hint in slots:
+            if not original and hint == "":
+                copy.output.append("")
+                continue
+            new = e.names.fresh(f"train/{original or hint}")
+            copy.output.append(new)
+            if original:
+                renamed[original] = new
+                if original in e.dtypes:
+                    e.dtypes[new] = e.dtypes[original]
+        if kind == "Dropout":
+            e.dtypes[copy.output[1]] = TensorProto.BOOL
+        if kind == "BatchNormalization":
+            for stat, new in zip(node.input[3:5], copy.output[1:3]):
+                e.dtypes[new] = e.dtypes.get(stat, TensorProto.FLOAT)
+                if stat not in inits:
+                    warnings.warn(
+                        f"train_mode: BatchNormalization node {node.name or node.op_type!r} reads its "
+                        f"running statistic from {stat!r}, which is not an initializer; the statistic "
+                        "is not updated by training",
+                        stacklevel=5,  # the caller of training_model
+                    )
+                    continue
+                if any(key == stat for key, _ in stats):
+                    raise ValueError(
+                        f"train_mode: initializer {stat!r} is the running statistic of two "
+                        "BatchNormalization nodes; it can be updated by only one"
+                    )
+                stats.append((stat, new))
+        e.nodes.append(copy)
+    return renamed.get(prediction, prediction), stats
+
+
+def _output(node: onnx.NodeProto, i: int) -> str:
+    return node.output[i] if len(node.output) > i else ""
+
+
+def _ancestors(nodes: Sequence[onnx.NodeProto], output: str) -> set[int]:
+    """Positions of the nodes ``output`` depends on."""
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    seen: set[int] = set()
+    stack = [output]
+    while stack:
+        i = producer.get(stack.pop())
+        if i is None or i in seen:
+            continue
+        seen.add(i)
+        stack.extend(node_inputs(nodes[i]))
+    return seen
+
+
+def _dropout_training(e: Emitter, node: onnx.NodeProto) -> None:
+    """Inputs (data, ratio, training_mode=true); the seed attribute is kept.
+
+    ratio defaults to 0.5 as in the spec.  The caller names the outputs
+    (output, mask): the backward pass reuses the mask."""
+    ratio = node.input[1] if len(node.input) > 1 and node.input[1] else e.const(0.5, dtype=np.float32)
+    data = node.input[0]
+    del node.input[:]
+    node.input.extend([data, ratio, e.const(np.asarray(True))])
+
+
+def _batch_norm_training(node: onnx.NodeProto, opset: int) -> None:
+    """BatchNormalization in training mode (the caller names its outputs).
+
+    Opset >= 14: training_mode=1, outputs (Y, running_mean, running_var).
+    Opset 13: training mode is chosen by the extra outputs (Y, running_mean,
+    running_var, saved_mean, saved_var).  running = momentum * running +
+    (1 - momentum) * batch statistic, as ONNX defines it (the batch variance
+    is the biased one)."""
+    if opset >= 14:
+        kept = [a for a in node.attribute if a.name != "training_mode"]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+        node.attribute.append(helper.make_attribute("training_mode", 1))
+
+
+# ------------------------------------------------------------------ initialization
+def _initialization(plan: Plan, index: int, ti: onnx.TrainingInfoProto) -> None:
+    """The graph that resets the state variables training_info[index] owns."""
+    owned = [var for var in plan.state.values() if var.reset_by == index]
+    if index == 0:
+        owned += _running_stat_vars(plan, ti)
+    names = NameGen(v.name for v in owned)
+    e = Emitter(plan.opset, names, hint="init")
+    outputs, binding = [], []
+    for var in owned:
+        value = _initial_value(e, var, names.fresh(f"{var.name}.initial"))
+        outputs.append(var.value_info(value))
+        binding.append((var.name, value))
+    ti.initialization.CopyFrom(
+        helper.make_graph(e.nodes, f"training_info[{index}].initialization", [], outputs)
+    )
+    for key, value in binding:
+        ti.initialization_binding.add(key=key, value=value)
+
+
+def _running_stat_vars(plan: Plan, ti: onnx.TrainingInfoProto) -> list[StateSpec]:
+    """BatchNormalization statistics bound by this TrainingInfoProto, as state to reset."""
+    inits = {t.name: t for t in plan.proto.graph.initializer}
+    out = []
+    for b in ti.update_binding:
+        if b.key in inits and b.key not in plan.state:
+            t = inits[b.key]
+            out.append(StateSpec(b.key, t.data_type, tuple(t.dims), "main", 0, initial=t, existing=True))
+    return out
+
+
+def _initial_value(e: Emitter, var: StateSpec, out: str) -> str:
+    """A Constant holding the starting value (ConstantOfShape for a fill of a tensor)."""
+    if var.initial is not None:
+        value = onnx.TensorProto()
+        value.CopyFrom(var.initial)  # bit for bit, whatever the storage field
+        value.ClearField("name")
+        e.op("Constant", [], outputs=[out], value=value)
+    elif not var.shape:
+        e.op("Constant", [], outputs=[out], value=numpy_helper.from_array(var.start_value()))
+    else:
+        fill = numpy_helper.from_array(np.asarray([var.fill], dtype=np_dtype(var.elem_type)))
+        e.op("ConstantOfShape", [e.ints(var.shape)], outputs=[out], value=fill)
+    return out
+
+
+# ------------------------------------------------------------------ model-level
+def _set_imports(proto: onnx.ModelProto) -> None:
+    """Import ai.onnx.preview.training v1 and set the IR version."""
+    if not any(o.domain == PREVIEW_DOMAIN for o in proto.opset_import):
+        proto.opset_import.append(helper.make_opsetid(PREVIEW_DOMAIN, 1))
+    needed = helper.find_min_ir_version_for(list(proto.opset_import), ignore_unknown=True)
+    proto.ir_version = min(max(IR_VERSION, needed), MAX_IR_VERSION)
+
+
+def _set_metadata(plan: Plan) -> None:
+    """What the fit loop needs to drive the model, as JSON values."""
+    k = plan.accumulate
+    entries = {
+        "inputs": plan.data_inputs,
+        "target": plan.target.name,
+        "loss": plan.loss_name,
+        "prediction": plan.prediction,
+        "task": plan.loss.task,
+        "cycle": [0] if k == 1 else [0] * (k - 1) + [1],
+        "trainable": plan.params,
+        "optimizer_state": [name for name, var in plan.state.items() if not var.existing],
+    }
+    props = plan.proto.metadata_props
+    kept = [(p.key, p.value) for p in props if not p.key.startswith(META)]
+    del props[:]
+    for key, value in kept:
+        props.add(key=key, value=value)
+    for key, value in entries.items():
+        props.add(key=META + key, value=json.dumps(value))
