@@ -822,6 +822,14 @@ def _loss_program(sess: Any, spec: FitSpec) -> Any:
     kept_outputs = [by_name[n] for n in outputs]
     del graph.output[:]
     graph.output.extend(kept_outputs)
+    # Evaluation is inference: a loss that reads a training-mode copy of the
+    # forward pass (Dropout/BatchNormalization active) reads the main graph's
+    # prediction instead, and the copy is pruned away.
+    train_prediction = model_metadata(sess.model).get("train_prediction", {}).get(str(index))
+    if train_prediction and spec.prediction:
+        for node in graph.node:
+            if train_prediction in node.input:
+                node.input[:] = [spec.prediction if i == train_prediction else i for i in node.input]
     live = prune(list(graph.node), outputs)
     del graph.node[:]
     graph.node.extend(live)

@@ -394,6 +394,7 @@ class TrainingSession:
             for ti in out.training_info:
                 _write_state(ti.algorithm, state)
         else:
+            _drop_unused_initializers(out.graph)
             if not uses_preview_ops(out.graph):
                 imports = [o for o in out.opset_import if o.domain != PREVIEW_DOMAIN]
                 del out.opset_import[:]
@@ -406,6 +407,20 @@ class TrainingSession:
         """Write the current model to ``path`` atomically (temp file, fsync, rename)."""
         model = self.to_model(training=training)
         return write_model(model, path)
+
+
+def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
+    """Initializers no node, subgraph or output reads (training-only state a
+    builder parked in the main graph, e.g. gradient accumulators)."""
+    from .graph import node_inputs
+
+    used = {o.name for o in graph.output} | {i.name for i in graph.input}
+    for node in graph.node:
+        used.update(node_inputs(node))
+    kept = [t for t in graph.initializer if t.name in used]
+    if len(kept) != len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
 
 
 def _write_state(graph: onnx.GraphProto, state: Mapping[str, np.ndarray]) -> None:

@@ -712,6 +712,7 @@ def test_metadata_for_the_fit_loop():
                                       "W2.adam_v", "b2.adam_m", "b2.adam_v", "step", "W1.grad_accum",
                                       "b1.grad_accum", "W2.grad_accum", "b2.grad_accum", "accum.count",
                                       "accum.step"],
+        "onnxtrain.train_prediction": {},
     }
     for i, ti in enumerate(tm.training_info):
         assert meta["onnxtrain.loss"] in {o.name for o in ti.algorithm.output}
@@ -804,3 +805,30 @@ def no_float_model():
 def test_bad_arguments_give_clear_errors(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_evaluate_on_a_train_mode_model_uses_inference_mode():
+    """evaluate() must not run Dropout/BatchNorm in training mode: its loss
+    equals the loss of the main graph's (inference-mode) prediction."""
+    model = build.training_model(mlp(batch_norm=True, dropout=True), loss="cross_entropy",
+                                 target="label", optimizer=build.SGD(0.1))
+    sess = TrainingSession(model)
+    x, labels = blobs()
+    for _ in range(3):
+        sess.train_step({"X": x, "label": labels})
+    first = sess.evaluate((x, labels))["loss"]
+    again = sess.evaluate((x, labels))["loss"]
+    assert first == again  # no dropout randomness
+    logits = sess.run({"X": x})["logits"].astype(np.float64)
+    expected, _ = cross_entropy_and_grad(logits, labels)
+    np.testing.assert_allclose(first, expected, rtol=1e-5)
+
+
+def test_inference_export_of_an_accumulating_model_drops_training_only_initializers(tmp_path):
+    model = build.training_model(mlp(), loss="cross_entropy", target="label",
+                                 optimizer=build.Adam(0.01), accumulate=3)
+    sess = TrainingSession(model)
+    exported = sess.to_model(training=False)
+    used = {i for n in exported.graph.node for i in n.input}
+    assert all(t.name in used for t in exported.graph.initializer)
+    onnx.checker.check_model(exported, full_check=True)

@@ -155,6 +155,8 @@ class Plan:
     accum: dict[str, str] = field(default_factory=dict)  # param -> gradient sum
     accum_count: str = ""
     accum_step: str = ""
+    #: Per algorithm: the training-mode copy's prediction, where there is a copy.
+    train_predictions: dict[int, str] = field(default_factory=dict)
 
     @property
     def final(self) -> int:
@@ -454,6 +456,8 @@ class _Algorithm:
     def build(self, ti: onnx.TrainingInfoProto) -> None:
         plan = self.plan
         prediction, running_stats = self.forward()
+        if prediction != plan.prediction:
+            plan.train_predictions[self.index] = prediction
         loss = self.loss(prediction)
         grads = self.gradients(loss)
         if self.index == 0:
@@ -783,6 +787,9 @@ def _set_metadata(plan: Plan) -> None:
         "cycle": [0] if k == 1 else [0] * (k - 1) + [1],
         "trainable": plan.params,
         "optimizer_state": [name for name, var in plan.state.items() if not var.existing],
+        # The training-mode copy's prediction in each algorithm (evaluate swaps
+        # it for the main graph's inference-mode prediction).
+        "train_prediction": {str(i): name for i, name in plan.train_predictions.items()},
     }
     props = plan.proto.metadata_props
     kept = [(p.key, p.value) for p in props if not p.key.startswith(META)]
