@@ -5,9 +5,20 @@
 ['GradientError', 'TrainingModelError']
 """
 
-from .errors import GradientError, TrainingModelError
-from .session import TrainingSession
 from . import build
+from .errors import GradientError, TrainingModelError
+from .fit import Callback, Checkpoint, EarlyStopping, History, StopTraining
+from .session import TrainingSession
 
-__all__ = ["GradientError", "TrainingModelError", "TrainingSession", "build"]
+__all__ = [
+    "Callback",
+    "Checkpoint",
+    "EarlyStopping",
+    "GradientError",
+    "History",
+    "StopTraining",
+    "TrainingModelError",
+    "TrainingSession",
+    "build",
+]
 __version__ = "0.1.0"
