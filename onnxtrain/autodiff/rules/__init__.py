@@ -1,3 +1,3 @@
 """Gradient rules, grouped by kind of op.  Importing this package registers them all."""
 
-from . import control, elementwise, linalg, losses, nn, reduce, shape, zero  # noqa: F401
+from . import control, elementwise, linalg, losses, nn, recurrent, reduce, shape, zero  # noqa: F401

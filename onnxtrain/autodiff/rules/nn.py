@@ -18,6 +18,7 @@ from onnx import helper, numpy_helper
 
 from ...emitter import Emitter, np_dtype
 from ...errors import TrainingModelError
+from .recurrent import recurrent_vjp
 from ..registry import VJPContext, no_grad, vjp
 from .linalg import dims_of, sum_to
 
@@ -883,6 +884,12 @@ def _act_grad(e: Emitter, name: str, y: str) -> str:
     return _ACT_DERIVATIVES[name](e, y)
 
 
+class _NeedsGeneralPath(TrainingModelError):
+    """A recurrent configuration the direct rule does not cover (clip, layout=1,
+    other activations, unknown hidden size); the general rule of recurrent.py,
+    which rewrites the layer as a Scan, handles it instead."""
+
+
 class _Recurrence:
     """What the RNN-family rules share: attributes, per-direction slices of
     the inputs, time shifts, and the Scan builder."""
@@ -899,11 +906,11 @@ class _Recurrence:
         if ctx.input(4) is not None:
             raise TrainingModelError(f"{self.where}: sequence_lens is not supported")
         if ctx.attr("clip") is not None:
-            raise TrainingModelError(f"{self.where}: the clip attribute is not supported")
+            raise _NeedsGeneralPath(f"{self.where}: the clip attribute")
         acts = ctx.attr("activations") or default_acts * len(self.dirs)
         for a in acts:
             if a not in _ACT_DERIVATIVES:
-                raise TrainingModelError(
+                raise _NeedsGeneralPath(
                     f"{self.where}: activation {a!r} is not supported "
                     f"(supported: {sorted(_ACT_DERIVATIVES)})"
                 )
@@ -916,11 +923,10 @@ class _Recurrence:
             rs = ctx.shape(ctx.inputs[2])
             hidden = rs[-1] if rs is not None and isinstance(rs[-1], int) else None
         if hidden is None:
-            raise TrainingModelError(f"{self.where}: needs the hidden_size attribute")
+            raise _NeedsGeneralPath(f"{self.where}: hidden_size unknown")
         self.h = int(hidden)
         if ctx.attr("layout", 0):
-            # onnxruntime does not run layout=1, so this could not be verified
-            raise TrainingModelError(f"{self.where}: layout=1 (batch first) is not supported")
+            raise _NeedsGeneralPath(f"{self.where}: layout=1 (batch first)")
         self.x = ctx.inputs[0]
         self.y = ctx.forward_output(0)  # (T, D, B, H)
         self.et = ctx.dtype(ctx.inputs[0])
@@ -1033,7 +1039,10 @@ def rnn_vjp(ctx, dy, dy_h=None):
     ->  backward Scan: dH = dY_t + dH_next, da_t = dH * f'(H_t), dH_prev = da_t R
         dX_t = da_t W, dW = sum_t da_t^T X_t, dR = sum_t da_t^T H_{t-1},
         dB = [sum da, sum da], d initial_h = dH_prev after the first step"""
-    rec = _Recurrence(ctx, ["Tanh"])
+    try:
+        rec = _Recurrence(ctx, ["Tanh"])
+    except _NeedsGeneralPath:
+        return recurrent_vjp(ctx, dy, dy_h)
     e = rec.e
     w_all, r_all = ctx.inputs[1], ctx.inputs[2]
     dx, grads = [], {1: [], 2: [], 3: [], 5: []}
@@ -1072,7 +1081,10 @@ def gru_vjp(ctx, dy, dy_h=None):
         lbr=0: q = da_h Rh, dr = q * H_prev, dH_prev = dH z + q r + [da_z, da_r] R_zr
         lbr=1: dr = da_h * u, du = da_h * r, dH_prev = dH z + du Rh + [da_z, da_r] R_zr
         da_z = dz f'(z), da_r = dr f'(r); weight gradients sum over steps."""
-    rec = _Recurrence(ctx, ["Sigmoid", "Tanh"])
+    try:
+        rec = _Recurrence(ctx, ["Sigmoid", "Tanh"])
+    except _NeedsGeneralPath:
+        return recurrent_vjp(ctx, dy, dy_h)
     e = rec.e
     h = rec.h
     lbr = bool(ctx.attr("linear_before_reset", 0))
@@ -1163,7 +1175,10 @@ def lstm_vjp(ctx, dy, dy_h=None, dy_c=None):
         da_i = dC g f'(i), da_f = dC C_prev f'(f_), da_c = dC i g'(g),
         dC_prev = dC f_ + da_i P_i + da_f P_f, dH_prev = [da_i, da_o, da_f, da_c] R
     dW, dR, dB, dP sum over the steps; d initial_h/c are the final Scan states."""
-    rec = _Recurrence(ctx, ["Sigmoid", "Tanh", "Tanh"])
+    try:
+        rec = _Recurrence(ctx, ["Sigmoid", "Tanh", "Tanh"])
+    except _NeedsGeneralPath:
+        return recurrent_vjp(ctx, dy, dy_h, dy_c)
     e = rec.e
     h = rec.h
     if ctx.attr("input_forget", 0):

@@ -1,0 +1,388 @@
+"""Write docs/gradient-coverage.md: which ops have verified gradients.
+
+    /work/venv/bin/python scripts/gradient_coverage.py            # -n 2 workers
+    /work/venv/bin/python scripts/gradient_coverage.py -n 4 --out /tmp/coverage.md
+
+It runs pytest once over the gradient corpus (tests/test_grad_corpus.py, the
+ONNX node test cases as gradient checks) and the rule tables
+(tests/test_grad_*.py), with this module loaded as a pytest plugin.  The
+plugin tags every test with the ops it checks and the controller writes one
+JSON line per test outcome; the script then counts, per op:
+
+* corpus cases that pass / xfail (with their reasons);
+* rule-table checks that pass / xfail / fail.  A rule-table test checks the op
+  of the node its harness names "op" (gradcheck.check_vjp, check_vjp_f32,
+  grad_cases): the plugin records that node when the engine differentiates
+  it, by its rule or through its function body, so no table format is parsed.
+
+An op counts as verified when its rule (kind 'vjp') has at least one passing
+check, corpus or table.  Ops without a rule that pass through their ONNX
+function body are counted separately, as are zero-gradient ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT_ENV = "GRADIENT_COVERAGE_RESULTS"
+PEERS = (
+    "ONNX Runtime training 1.19.2: ~63 ops with gradients; "
+    "onnx-ad 0.3.0: ~150 op rules"
+)
+
+# ====================================================================== plugin
+# pytest loads this module with ``-p gradient_coverage`` (scripts/ on PYTHONPATH),
+# in the controller and in every xdist worker.  Workers tag their tests; the
+# controller (or the only process, without xdist) writes the results.
+
+
+def pytest_configure(config):  # noqa: D103
+    results = os.environ.get(OUT_ENV)
+    if results and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_ResultWriter(results), "gradient-coverage-writer")
+
+
+class _Recorder:
+    """Ops of the nodes named "op" that the engine differentiates in one test."""
+
+    def __init__(self) -> None:
+        self.ops: set[tuple[str, str]] = set()
+
+    def __enter__(self) -> _Recorder:
+        from onnxtrain.autodiff import engine
+
+        self._engine = engine
+        self._check_rules = engine._check_rules
+        self._inline = engine.inline
+        recorder = self
+
+        def check_rules(relevant, active, xs, y):
+            for n in relevant:
+                if n.name == "op":
+                    rule = engine.REGISTRY.get(n.domain, n.op_type)
+                    recorder.ops.add((n.op_type, rule.kind if rule else "none"))
+            return recorder._check_rules(relevant, active, xs, y)
+
+        def inline(node, body, names):
+            if node.name == "op":
+                recorder.ops.add((node.op_type, "function"))
+            return recorder._inline(node, body, names)
+
+        engine._check_rules = check_rules
+        engine.inline = inline
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._engine._check_rules = self._check_rules
+        self._engine.inline = self._inline
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):  # noqa: D103
+    recorder = _Recorder()
+    with recorder:
+        try:
+            return (yield)
+        finally:
+            case = getattr(getattr(item, "callspec", None), "params", {}).get("corpus_case")
+            if case is not None:
+                tag = {"op": case.op, "variant": case.variant, "precision": case.precision,
+                       "name": case.name}
+                item.user_properties.append(("corpus", json.dumps(tag)))
+            item.user_properties.append(("ops", json.dumps(sorted(recorder.ops))))
+
+
+class _ResultWriter:
+    """Appends one JSON line per test outcome to ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def pytest_runtest_logreport(self, report) -> None:  # noqa: D102
+        if report.when != "call" and not (report.when == "setup" and report.outcome != "passed"):
+            return
+        if hasattr(report, "wasxfail"):
+            outcome = "xfail" if report.outcome == "skipped" else "xpass"
+        else:
+            outcome = {"passed": "pass", "failed": "fail", "skipped": "skip"}[report.outcome]
+        if report.outcome == "failed" and "XPASS(strict)" in str(report.longrepr):
+            outcome = "xpass"
+        props = dict(report.user_properties)
+        line = {
+            "nodeid": report.nodeid,
+            "outcome": outcome,
+            "reason": getattr(report, "wasxfail", "") or "",
+            "duration": report.duration,
+            "ops": json.loads(props.get("ops", "[]")),
+            "corpus": json.loads(props["corpus"]) if "corpus" in props else None,
+        }
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+# ====================================================================== the script
+def run_tests(workers: int, results: Path) -> float:
+    tests = ["tests/test_grad_corpus.py"] + sorted(
+        str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_grad_*.py")
+        if p.name != "test_grad_corpus.py"
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "scripts"), env.get("PYTHONPATH")]))
+    env[OUT_ENV] = str(results)
+    cmd = [sys.executable, "-m", "pytest", *tests, "-q", "-p", "gradient_coverage", "-p", "no:cacheprovider"]
+    if workers > 1:
+        cmd += ["-n", str(workers)]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    tail = proc.stdout.strip().splitlines()[-1:] if proc.stdout.strip() else []
+    print(f"pytest exited {proc.returncode} after {wall:.0f} s: {' '.join(tail)}", file=sys.stderr)
+    if proc.returncode not in (0, 1):
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise SystemExit(f"pytest could not run the tests (exit {proc.returncode})")
+    return wall
+
+
+def load(results: Path) -> list[dict]:
+    return [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+
+
+def _md_escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render(rows: list[dict], wall: float, workers: int) -> str:
+    sys.path.insert(0, str(ROOT / "tests"))
+    import onnx
+    import onnxruntime
+    import test_grad_corpus as corpus_mod
+
+    from onnxtrain.autodiff import REGISTRY
+
+    rules = {r.op_type: r for r in REGISTRY.rules() if r.domain == ""}
+    cases = corpus_mod.corpus()
+
+    corpus_rows = [r for r in rows if r["corpus"]]
+    table_rows = [r for r in rows if not r["corpus"] and "test_grad_corpus.py" not in r["nodeid"]]
+
+    # ------------------------------------------------------------ per op counts
+    per_op: dict[str, dict] = collections.defaultdict(
+        lambda: {"node": collections.Counter(), "expanded": collections.Counter(),
+                 "reasons": collections.Counter(), "precision": collections.Counter(),
+                 "t_pass": 0, "t_xfail": 0, "t_fail": 0, "t_other": 0, "kinds": set()}
+    )
+    for r in corpus_rows:
+        c = r["corpus"]
+        d = per_op[c["op"]]
+        d[c["variant"]][r["outcome"]] += 1
+        d["precision"][c["precision"]] += 1
+        if r["outcome"] == "xfail":
+            d["reasons"][r["reason"]] += 1
+        # an *_expanded case differentiates the primitive ops of the body, not
+        # the op itself: only the node cases verify the op's rule (or body)
+        if r["outcome"] == "pass" and c["variant"] == "node":
+            d["kinds"].add("function" if c["op"] not in rules else rules[c["op"]].kind)
+    unattributed = collections.Counter()
+    for r in table_rows:
+        if not r["ops"]:
+            unattributed[r["outcome"]] += 1
+            continue
+        for op, kind in r["ops"]:
+            d = per_op[op]
+            key = {"pass": "t_pass", "xfail": "t_xfail", "fail": "t_fail"}.get(r["outcome"], "t_other")
+            d[key] += 1
+            if r["outcome"] == "pass":
+                d["kinds"].add(kind)
+
+    verified = sorted(op for op, d in per_op.items() if op in rules and rules[op].kind == "vjp"
+                      and (d["node"]["pass"] or d["t_pass"]))
+    via_body = sorted(op for op, d in per_op.items() if op not in rules and "function" in d["kinds"])
+    unverified = sorted(op for op, r in rules.items() if r.kind == "vjp" and op not in verified)
+    zero = sorted(op for op, r in rules.items() if r.kind == "zero")
+    refused = sorted((op, r.reason) for op, r in rules.items() if r.kind == "refused")
+    other_domains = sorted(f"{r.domain}:{r.op_type} ({r.kind})" for r in REGISTRY.rules() if r.domain)
+
+    # ------------------------------------------------------------ corpus totals
+    categories = collections.Counter(c.category for c in cases)
+    outcomes = collections.Counter(r["outcome"] for r in corpus_rows)
+    precisions = collections.Counter(r["corpus"]["precision"] for r in corpus_rows)
+    prec_pass = collections.Counter(r["corpus"]["precision"] for r in corpus_rows if r["outcome"] == "pass")
+    reason_count = collections.Counter(r["reason"] for r in corpus_rows if r["outcome"] == "xfail")
+    category_count = collections.Counter(
+        r["reason"].split(":")[0] for r in corpus_rows if r["outcome"] == "xfail"
+    )
+    corpus_time = sum(r["duration"] for r in corpus_rows)
+    table_outcomes = collections.Counter(r["outcome"] for r in table_rows)
+    table_time = sum(r["duration"] for r in table_rows)
+
+    out: list[str] = []
+    w = out.append
+    w("# Gradient coverage")
+    w("")
+    w("Reproduce (rewrites this file; about 2-3 minutes on 2 cores):")
+    w("")
+    w("```")
+    w("/work/venv/bin/python scripts/gradient_coverage.py")
+    w("```")
+    w("")
+    w(f"Generated from one pytest run (`-n {workers}`) of `tests/test_grad_corpus.py` and the rule "
+      f"tables `tests/test_grad_*.py`, with onnx {onnx.__version__} and onnxruntime "
+      f"{onnxruntime.__version__}.  The numbers change as rules are added; rerun the command.")
+    w("")
+    w("## Summary")
+    w("")
+    w(f"- **Ops with verified gradient rules: {len(verified)}** (a registered 'vjp' rule with at least "
+      "one passing numerical check: a corpus case or a rule-table test).")
+    w(f"- Ops without a rule, verified through their ONNX function body: {len(via_body)}"
+      + (f" ({', '.join(via_body)})." if via_body else "."))
+    w(f"- Total ops whose gradients are verified: {len(verified) + len(via_body)}; plus "
+      f"{len(zero)} zero-gradient ops (counted separately, below).")
+    w(f"- Registered 'vjp' rules without a passing check: {len(unverified)}"
+      + (f" ({', '.join(unverified)})." if unverified else "."))
+    w(f"- Zero-gradient ops ({len(zero)}): {', '.join(zero)}.")
+    w(f"- Refused ops ({len(refused)}): "
+      + ("; ".join(f"{op} ({_md_escape(reason)})" for op, reason in refused) if refused else "none")
+      + ".")
+    if other_domains:
+        w(f"- Rules in other domains: {', '.join(other_domains)}.")
+    w(f"- Peers: {PEERS}.  onnxtrain: {len(verified)} verified rules + {len(via_body)} function-body "
+      f"ops (+ {len(zero)} zero-gradient ops).  Target: 150 verified rules.")
+    w("")
+    w("## The ONNX node test corpus as gradient checks")
+    w("")
+    w(f"`onnx.backend.test.case.node.collect_testcases()` holds {len(cases)} cases.  Each case whose op "
+      "has a 'vjp' rule or a function body, with floating tensor inputs and outputs, is one gradient "
+      "check (`tests/test_grad_corpus.py`: loss = sum(R * output) with random R, Gradient w.r.t. every "
+      "floating input, one central difference per input along a random direction, on onnxruntime).")
+    w("")
+    w("| cases | count |")
+    w("|---|---:|")
+    for cat, n in sorted(categories.items(), key=lambda kv: (kv[0] != "check", kv[0])):
+        label = "gradient checks" if cat == "check" else f"excluded: {cat}"
+        w(f"| {label} | {n} |")
+    w("")
+    w(f"Gradient checks run: {len(corpus_rows)}: **{outcomes['pass']} pass**, {outcomes['xfail']} xfail"
+      + (f", {outcomes['fail']} FAIL" if outcomes["fail"] else "")
+      + (f", {outcomes['xpass']} XPASS" if outcomes["xpass"] else "") + ".")
+    w("")
+    w("| precision | checks | pass | meaning |")
+    w("|---|---:|---:|---|")
+    meaning = {
+        "f64": "converted to float64, eps 1e-6",
+        "f32": "float32 (onnxruntime has no double kernel for an op of the case or of its gradient), eps 1e-3",
+        "given": "Cast/CastLike with the case's own types, eps 1 (linear)",
+    }
+    for p in ("f64", "f32", "given"):
+        w(f"| {p} | {precisions[p]} | {prec_pass[p]} | {meaning[p]} |")
+    w("")
+    w(f"Time: the corpus tests took {corpus_time:.0f} s of test time in this run (wall time for the "
+      f"whole run, rule tables included: {wall:.0f} s with {workers} workers).")
+    w("")
+    w("Expected failures by category:")
+    w("")
+    w("| category | cases |")
+    w("|---|---:|")
+    for cat, n in category_count.most_common():
+        w(f"| {cat} | {n} |")
+    w("")
+    w("### Expected failures by reason")
+    w("")
+    w("| cases | reason |")
+    w("|---:|---|")
+    for reason, n in sorted(reason_count.items(), key=lambda kv: (-kv[1], kv[0])):
+        w(f"| {n} | {_md_escape(reason)} |")
+    w("")
+    w("### Float32 cases")
+    w("")
+    w("Ops whose cases run in float32 (any op of the case's graph listed):")
+    w("")
+    for op, why in sorted(corpus_mod.FLOAT32_ONLY.items()):
+        w(f"- {op}: {why}")
+    for name, why in sorted(corpus_mod.FLOAT32_CASES.items()):
+        w(f"- case {name}: {why}")
+    w("")
+    w("## Per op")
+    w("")
+    w(f"Rule-table checks: the tests of `tests/test_grad_*.py` that differentiate a node of the op "
+      f"(pass / xfail / fail).  {sum(table_outcomes.values())} table tests ran: "
+      f"{table_outcomes['pass']} pass, {table_outcomes['xfail']} xfail, {table_outcomes['fail']} fail, "
+      f"{table_outcomes['xpass']} xpass, {table_outcomes['skip']} skip ({table_time:.0f} s of test time); "
+      f"{sum(unattributed.values())} of them differentiate no node named 'op' (composite tests) and are "
+      "not attributed to an op.")
+    w("")
+    w("Corpus columns: the op's own cases (one node of the op) and its `*_expanded` twins (the "
+      "op's function body as the corpus writes it out: they check the rules of the body's primitive "
+      "ops, so they do not count towards verifying the op).  `kind`: the registry's kind, or "
+      "'function' for an op differentiated through its body, '-' for neither.")
+    w("")
+    w("| op | kind | node cases pass / xfail | expanded cases pass / xfail | precision | "
+      "table pass / xfail / fail |")
+    w("|---|---|---|---|---|---|")
+    all_ops = sorted(set(per_op) | {op for op, r in rules.items() if r.kind == "vjp"})
+    for op in all_ops:
+        d = per_op[op]
+        kind = rules[op].kind if op in rules else ("function" if "function" in d["kinds"] else "-")
+        mark = " **verified**" if op in verified or op in via_body else ""
+        prec = ", ".join(f"{k} {v}" for k, v in sorted(d["precision"].items()))
+        node, expanded = d["node"], d["expanded"]
+        bad = node["fail"] + node["xpass"] + expanded["fail"] + expanded["xpass"]
+        w(f"| {op} | {kind}{mark} | {node['pass']} / {node['xfail']} | "
+          f"{expanded['pass']} / {expanded['xfail']} | {prec} | "
+          f"{d['t_pass']} / {d['t_xfail']} / {d['t_fail']} |" + (f" ({bad} FAILED)" if bad else ""))
+    w("")
+    w("### Corpus expected failures per op")
+    w("")
+    for op in all_ops:
+        d = per_op[op]
+        if not d["reasons"]:
+            continue
+        w(f"- **{op}**: " + "; ".join(f"{n} x {_md_escape(reason)}" for reason, n in d["reasons"].most_common()))
+    w("")
+    w("## Corpus cases that are not gradient checks")
+    w("")
+    excluded = collections.defaultdict(collections.Counter)
+    for c in cases:
+        if c.category != "check":
+            excluded[c.category][c.op] += 1
+    for cat in sorted(excluded):
+        ops = excluded[cat]
+        w(f"- **{cat}** ({sum(ops.values())} cases): "
+          + ", ".join(f"{op} ({n})" for op, n in sorted(ops.items())))
+    w("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers (default 2)")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "gradient-coverage.md"))
+    parser.add_argument("--results", help="keep the JSON-lines results here (default: a temp file)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        results = Path(args.results) if args.results else Path(tmp) / "results.jsonl"
+        results.write_text("")
+        wall = run_tests(args.workers, results)
+        rows = load(results)
+    if not rows:
+        raise SystemExit("no test results were recorded")
+    text = render(rows, wall, args.workers)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

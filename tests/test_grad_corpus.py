@@ -1,0 +1,809 @@
+"""ONNX's node test corpus, used as a gradient corpus.
+
+Every case of ``onnx.backend.test.case.node.collect_testcases()`` whose op is
+differentiable (a 'vjp' rule in ``onnxtrain.autodiff.REGISTRY``, or no rule
+but an ONNX function body) and that has floating tensor inputs and outputs
+becomes one gradient check:
+
+    loss = sum_k sum(R_k * out_k)           (R_k random, out_k floating outputs)
+    G    = Gradient(xs = the floating inputs, y = loss)   expanded by onnxtrain
+    <G_x, d_x>  ==  (loss(x + eps d_x) - loss(x - eps d_x)) / (2 eps)
+
+with one random direction d_x per floating input x (so a wrong gradient names
+its input), at the inputs the case gives: they are the corpus, so values,
+shapes and attributes are kept and only the element type may change.  Both
+sides run on onnxruntime: one session for the gradient model, one for the
+loss.  Output entries the case expects to be inf or NaN are left out of the
+loss; input entries that are inf or NaN are not stepped.
+
+Precision, per case (the suffix of the test id):
+
+* ``f64``: every float16/float/bfloat16 tensor of the case (inputs, outputs,
+  initializers, Constant and attribute tensors, subgraphs, dtype attributes)
+  becomes double; ``eps=1e-6``, rtol 1e-6.  The default.
+* ``f32``: for ops that onnxruntime runs only in float32 (``FLOAT32_ONLY``,
+  ``FLOAT32_CASES``): every floating tensor becomes float and the loss is
+  summed in double; ``eps=1e-3``, rtol 2e-4 (``eps=1`` for linear ops).
+* ``given``: Cast and CastLike keep the case's types (converting them would
+  turn every cast into a no-op); they are linear, so ``eps=1`` is exact up to
+  the rounding of the narrower type.
+
+Cases at an opset newer than onnxruntime's (27, 28) run at its newest, 26.
+
+A case is a pass or an ``xfail`` with its reason (``XFAIL`` below, or, for
+ops newer than onnxruntime's opsets, a reason derived from the schemas).
+Cases that are not gradient checks at all (zero-gradient and training-domain
+ops, ops without a rule or body, no floating input or output, float8-style
+tensors) are listed by ``scripts/gradient_coverage.py`` in
+``docs/gradient-coverage.md``.
+
+CI runs the whole corpus (about 45 s under ``pytest -n 2`` on 2 cores);
+``ONNXTRAIN_CORPUS_PER_OP=N`` runs the first N cases of every op and variant.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import re
+import warnings
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain.autodiff import REGISTRY, expand_gradients
+from onnxtrain.executor import Executor
+from onnxtrain.graph import PREVIEW_DOMAIN
+from onnxtrain.names import NameGen
+
+#: Element types that are differentiated (float8/float4 are storage formats:
+#: onnxruntime has no arithmetic on them).
+FLOATS = frozenset({TensorProto.FLOAT16, TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.BFLOAT16})
+#: Storage formats (float8, float4, int4, int2) that onnxruntime's Python API
+#: does not feed and that no arithmetic kernel takes: cases with them are not
+#: gradient checks.
+PACKED = frozenset(
+    getattr(TensorProto, n)
+    for n in (
+        "FLOAT8E4M3FN", "FLOAT8E4M3FNUZ", "FLOAT8E5M2", "FLOAT8E5M2FNUZ", "FLOAT8E8M0",
+        "UINT4", "INT4", "FLOAT4E2M1", "UINT2", "INT2",
+    )
+    if hasattr(TensorProto, n)
+)
+NP_OF = {TensorProto.FLOAT: np.float32, TensorProto.DOUBLE: np.float64}
+
+#: The whole corpus runs in CI (about 45 s under ``pytest -n 2``).  For quick
+#: local runs, ``ONNXTRAIN_CORPUS_PER_OP=N`` keeps the first N cases (by name)
+#: of every op and variant, a deterministic subset.
+PER_OP = int(os.environ.get("ONNXTRAIN_CORPUS_PER_OP", "0") or 0)
+
+#: Ops whose cases run in float32, because onnxruntime (1.31) has no double
+#: kernel for them or for an op their gradient emits (found by loading every
+#: case converted to double).  A case runs in float32 when any op of its graph
+#: is listed.
+_NO_DOUBLE_KERNEL = (
+    "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "AveragePool", "Conv", "ConvTranspose",
+    "Cosh", "Elu", "Erf", "GlobalAveragePool", "GlobalMaxPool", "GRU", "HardSigmoid",
+    "InstanceNormalization", "LRN", "LpPool", "LSTM", "Mean", "RNN", "Selu", "Sinh", "Softplus",
+    "Softsign", "Tan", "ThresholdedRelu",
+)
+FLOAT32_ONLY: dict[str, str] = {op: f"no double kernel for {op}" for op in _NO_DOUBLE_KERNEL}
+FLOAT32_ONLY.update({
+    "Celu": "Celu is float-only in the ONNX schema; its gradient also emits Elu",
+    "DynamicQuantizeLinear": "DynamicQuantizeLinear is float-only in the ONNX schema",
+    "Gelu": "the gradient of Gelu (approximate='none') emits Erf, which has no double kernel",
+    "HardSwish": "the gradient of HardSwish emits HardSigmoid, which has no double kernel",
+    "LayerNormalization": "with double inputs onnxruntime computes the statistics in float32 "
+    "(stash_type=1), and has no kernel for stash_type=double with Mean/InvStdDev outputs",
+    "MeanVarianceNormalization": "no double kernel, and the function body onnxruntime falls back "
+    "to adds a float epsilon",
+    "Mish": "the gradient of Mish emits Softplus, which has no double kernel",
+    "Shrink": "onnxruntime's double Shrink rounds its result to float32",
+})
+#: Single cases that run in float32 (case name -> why).
+FLOAT32_CASES: dict[str, str] = {
+    "test_pow_types_float32_uint32": "no double kernel for Pow(double, uint32)",
+    "test_pow_types_float32_uint64": "no double kernel for Pow(double, uint64)",
+    **{
+        name: "onnxruntime's Attention (the function body it runs) adds a float causal mask "
+        "to double scores"
+        for name in (
+            "test_attention_4d_attn_mask_3d_causal",
+            "test_attention_4d_attn_mask_4d_causal",
+            "test_attention_4d_attn_mask_causal_bf16",
+            "test_attention_4d_with_past_and_present_qk_matmul_bias_3d_mask_causal",
+            "test_attention_4d_with_past_and_present_qk_matmul_bias_4d_mask_causal",
+        )
+    },
+}
+
+#: Linear ops whose cases keep their element types (see the module docstring).
+AS_GIVEN = frozenset({"Cast", "CastLike"})
+
+#: Tolerances per precision: eps, rtol (of sum |g * d|), atol.  Every passing
+#: case still passes with rtol and atol five times smaller (measured), except
+#: one float32 case at a kink of Softsign's second derivative.
+PRECISION = {
+    "f64": dict(eps=1e-6, rtol=1e-6, atol=1e-8),
+    "f32": dict(eps=1e-3, rtol=2e-4, atol=1e-5),
+    "given": dict(eps=1.0, rtol=1e-2, atol=1e-4),
+}
+
+#: Unit roundoff of the narrowest type the loss passes through, per precision
+#: ("given": the Cast cases go through float16 and bfloat16).
+UNIT_ROUNDOFF = {"f64": 2.0**-53, "f32": 2.0**-24, "given": 2.0**-8}
+
+#: Per-op overrides of PRECISION.  Float32 ops that are linear in each input
+#: (bilinear for Conv's x and W) take eps=1: the loss is then at most quadratic
+#: along the direction, where central differences are exact, and a large step
+#: keeps float32 rounding small (the case inputs of AveragePool are 1..25).
+TOLERANCE: dict[str, dict[str, float]] = {
+    op: dict(eps=1.0)
+    for op in ("AveragePool", "Conv", "ConvTranspose", "GlobalAveragePool", "Mean")
+}
+
+
+
+def _each(reason: str, *names: str) -> dict[str, str]:
+    return {name: reason for name in names}
+
+
+def _with_expanded(*names: str) -> tuple[str, ...]:
+    return tuple(n for name in names for n in (name, name + "_expanded"))
+
+
+#: Expected failures: case name -> reason.  A reason starts with its category:
+#:   "non-differentiable point" -- the case's input sits on a kink, a tie or the
+#:       edge of the op's domain: no derivative for finite differences to match;
+#:   "stochastic op" -- every onnxruntime run draws new random numbers;
+#:   "onnxruntime" -- onnxruntime 1.31 cannot run the case as the check needs;
+#:   "rule bug" -- the rule's gradient is wrong (a silent zero, or invalid ops);
+#:   "rule limitation" -- the rule or the engine refuses the case loudly;
+#:   "function body" -- the op has no rule and its body cannot be used.
+#: Ops newer than onnxruntime's newest opset get a reason computed from the
+#: schemas (``_too_new``).
+XFAIL: dict[str, str] = {
+    # ---------------------------------------------------------- non-differentiable points
+    **_each("non-differentiable point: x = 1 is the end of Acosh's domain (infinite slope; x - eps "
+            "is outside it)", "test_acosh_example"),
+    **_each("non-differentiable point: x = 0 is Elu's kink (alpha = 2: slopes 2 and 1)",
+            "test_elu_example", "test_elu_example_expanded_ver18"),
+    **_each("non-differentiable point: x = 0 is Selu's kink (slopes alpha * gamma and gamma)",
+            "test_selu_example", "test_selu_example_expanded_ver18"),
+    **_each("non-differentiable point: x = 0 is LeakyRelu's kink",
+            *_with_expanded("test_leakyrelu_example")),
+    **_each("non-differentiable point: x = 2 equals alpha, where ThresholdedRelu jumps",
+            "test_thresholdedrelu_example", "test_thresholdedrelu_example_expanded_ver18"),
+    **_each("non-differentiable point: depth planes 0 and 2 (1 and 3) of x are equal, so the max "
+            "of every dilated window is attained twice (a tie)",
+            "test_maxpool_3d_dilations", "test_maxpool_3d_dilations_use_ref_impl"),
+    **_each("non-differentiable point: the minimum, 1, occurs three times (a tie)",
+            "test_reduce_min_default_axes_keepdims_example"),
+    **_each("non-differentiable point: x[:, 1, 2] is all zero, so its L2 norm is 0 (y = x / 0)",
+            "test_l2normalization_axis_0"),
+    **_each("non-differentiable point: x holds 0 with non-integer exponents, the edge of Pow's domain "
+            "(x < 0 gives NaN; d/dy needs log 0)", "test_pow"),
+    **_each("non-differentiable point: ratio = 0 is the lower end of Dropout's domain [0, 1); the "
+            "finite-difference step makes it negative, which onnxruntime rejects",
+            "test_training_dropout_zero_ratio", "test_training_dropout_zero_ratio_mask"),
+    # ---------------------------------------------------------- stochastic ops
+    **_each("stochastic op: training-mode Dropout draws a new mask at every onnxruntime run, so the "
+            "two finite-difference runs see different masks",
+            "test_training_dropout", "test_training_dropout_mask",
+            "test_training_dropout_default", "test_training_dropout_default_mask"),
+    # ---------------------------------------------------------- onnxruntime
+    **_each("onnxruntime: no Pow kernel for a float base and an unsigned exponent",
+            "test_pow_types_float32_uint32", "test_pow_types_float32_uint64"),
+    **_each("onnxruntime: no kernel or function for ai.onnx.preview's FlexAttention",
+            "test_flexattention", "test_flexattention_causal_mask", "test_flexattention_diff_head_sizes",
+            "test_flexattention_double", "test_flexattention_fp16", "test_flexattention_gqa",
+            "test_flexattention_prob_mod", "test_flexattention_relative_positional",
+            "test_flexattention_scaled", "test_flexattention_score_mod", "test_flexattention_soft_cap"),
+    **_each("onnxruntime: its Attention schema has no left_window_size/right_window_size attributes "
+            "(they are newer than the ONNX that onnxruntime 1.31 bundles)",
+            "test_attention_local_window", "test_attention_local_window_default",
+            "test_attention_bidirectional_window", "test_attention_3d_local_window",
+            "test_attention_local_window_rank1_boolean_mask", "test_attention_local_window_gqa_rank4_mask"),
+    **_each("onnxruntime: its Attention kernel returns NaN for a fully masked row, where the ONNX "
+            "reference returns finite values, so the finite differences are NaN",
+            "test_attention_causal_boolmask_nan_robustness",
+            "test_attention_23_boolmask_fullymasked_row_nan_robustness",
+            "test_attention_23_fullymasked_qk_matmul_output_mode3_zero",
+            "test_attention_24_fullymasked_qk_matmul_output_mode3_zero",
+            "test_attention_24_qk_matmul_output_mode3_softmax_precision"),
+    **_each("onnxruntime: the case needs SpaceToDepth-28 (attribute mode); onnxruntime 1.31 runs "
+            "opsets up to 26", "test_spacetodepth_crd_mode_example", "test_spacetodepth_dcr_mode_example"),
+    **_each("onnxruntime: the body uses Swish, which onnxruntime 1.31 cannot run at opset 26 (the "
+            "case's opset 28 lowered to onnxruntime's newest)",
+            "test_swiglu_expanded", "test_swiglu_alpha_expanded", "test_swiglu_float16_expanded"),
+    # ---------------------------------------------------------- rule bugs
+    **_each("rule bug: NegativeLogLikelihoodLoss returns no gradient for its class-weight input "
+            "(a silent 0; the loss depends on the weights)",
+            "test_nllloss_NCd1_weight", "test_nllloss_NCd1_weight_ii", "test_nllloss_NCd1d2_with_weight",
+            "test_nllloss_NCd1d2_with_weight_reduction_mean", "test_nllloss_NCd1d2_with_weight_reduction_sum",
+            "test_nllloss_NCd1d2_with_weight_reduction_sum_ii", "test_nllloss_NCd1d2d3d4d5_mean_weight",
+            "test_nllloss_NCd1_mean_weight_negative_ii", "test_nllloss_NCd1d2d3_sum_weight_high_ii"),
+    **_each("rule bug: SoftmaxCrossEntropyLoss returns no gradient for its class-weight input "
+            "(a silent 0; the expanded body reaches the same NegativeLogLikelihoodLoss rule)",
+            *_with_expanded(
+                "test_sce_none_weights", "test_sce_none_weights_log_prob", "test_sce_mean_weight",
+                "test_sce_mean_weight_log_prob", "test_sce_mean_weight_ii", "test_sce_mean_weight_ii_log_prob",
+                "test_sce_mean_weight_ii_3d", "test_sce_mean_weight_ii_3d_log_prob", "test_sce_mean_weight_ii_4d",
+                "test_sce_mean_weight_ii_4d_log_prob", "test_sce_NCd1d2d3d4d5_mean_weight",
+                "test_sce_NCd1d2d3d4d5_mean_weight_log_prob", "test_sce_NCd1_mean_weight_negative_ii",
+                "test_sce_NCd1_mean_weight_negative_ii_log_prob", "test_sce_NCd1d2d3_sum_weight_high_ii",
+                "test_sce_NCd1d2d3_sum_weight_high_ii_log_prob",
+            )),
+    **_each("rule bug: the LayerNormalization rule ignores the cotangents of its Mean and InvStdDev "
+            "outputs (a silent 0 for the part of the loss that reads them)",
+            "test_layer_normalization_2d_axis0", "test_layer_normalization_2d_axis1",
+            "test_layer_normalization_2d_axis_negative_1", "test_layer_normalization_2d_axis_negative_2",
+            "test_layer_normalization_3d_axis0_epsilon", "test_layer_normalization_3d_axis1_epsilon",
+            "test_layer_normalization_3d_axis2_epsilon", "test_layer_normalization_3d_axis_negative_1_epsilon",
+            "test_layer_normalization_3d_axis_negative_2_epsilon", "test_layer_normalization_4d_axis0",
+            "test_layer_normalization_4d_axis2", "test_layer_normalization_4d_axis3",
+            "test_layer_normalization_4d_axis_negative_1", "test_layer_normalization_4d_axis_negative_2",
+            "test_layer_normalization_default_axis", "test_layer_normalization_4d_axis1",
+            "test_layer_normalization_4d_axis_negative_4", "test_layer_normalization_3d_axis_negative_3_epsilon"),
+    **_each("rule bug: in training mode the BatchNormalization rule gives no gradient through the "
+            "running_mean/running_var outputs (a silent 0; they depend on x, mean and var)",
+            "test_batchnorm_example_training_mode", "test_batchnorm_epsilon_training_mode"),
+    **_each("rule bug: the Reshape gradient reshapes dy to Shape(x) without allowzero=1, so x's "
+            "zero-sized dim is read as 'copy this dim' and the backward Reshape fails at run time",
+            "test_reshape_allowzero_reordered"),
+    # ---------------------------------------------------------- rule limitations
+    **_each("rule limitation: Slice's gradient needs constant axes; the case feeds them as a graph input",
+            "test_slice", "test_slice_default_steps", "test_slice_end_out_of_bounds", "test_slice_neg",
+            "test_slice_neg_steps", "test_slice_negative_axes", "test_slice_start_out_of_bounds"),
+    **_each("rule limitation: ScatterElements has no gradient for reduction mul/max/min",
+            "test_scatter_elements_with_reduction_max", "test_scatter_elements_with_reduction_min",
+            "test_scatter_elements_with_reduction_mul"),
+    **_each("rule limitation: ScatterND has no gradient for reduction mul/max/min",
+            "test_scatternd_max", "test_scatternd_min", "test_scatternd_multiply",
+            "test_scatternd_max_with_element_indices", "test_scatternd_min_with_element_indices"),
+    **_each("rule limitation: float Mod with fmod=0 is refused (the ONNX spec requires fmod=1 for floats)",
+            "test_mod_float16_mixed_sign_fmod_0", "test_mod_float32_mixed_sign_fmod_0",
+            "test_mod_float64_mixed_sign_fmod_0", "test_mod_float_edge_cases_fmod_0_float16",
+            "test_mod_float_edge_cases_fmod_0_float32", "test_mod_float_edge_cases_fmod_0_float64"),
+    **_each("rule limitation: Einsum with a repeated subscript in one operand (a diagonal) is refused",
+            "test_einsum_batch_diagonal"),
+    **_each("rule limitation: layout=1 (batch first) is refused by the recurrent rules",
+            "test_gru_batchwise", "test_lstm_batchwise", "test_simple_rnn_batchwise"),
+    **_each("rule limitation: LSTM with sequence_lens is refused", "test_lstm_with_peepholes"),
+    **_each("rule limitation: Loop at opset 11: a Sum's broadcast ranks are unknown and ReduceSum has "
+            "no runtime axes before opset 13", "test_loop11"),
+    **_each("rule limitation: Scan-8 (batch axis and sequence_lens) is refused", "test_scan_sum"),
+    **_each("rule limitation: Concat's gradient needs the rank of XRotated, which onnx shape inference "
+            "does not find inside RotaryEmbedding's body",
+            *_with_expanded(
+                "test_rotary_embedding", "test_rotary_embedding_3d_input", "test_rotary_embedding_interleaved",
+                "test_rotary_embedding_with_rotary_dim", "test_rotary_embedding_with_interleaved_rotary_dim",
+                "test_rotary_embedding_no_position_ids", "test_rotary_embedding_no_position_ids_interleaved",
+                "test_rotary_embedding_no_position_ids_rotary_dim",
+            )),
+    **_each("rule limitation: MatMul's gradient needs the rank of QtRow, which onnx shape inference "
+            "does not find inside LinearAttention's body",
+            "test_linear_attention_decode_step_expanded", "test_linear_attention_delta_expanded",
+            "test_linear_attention_explicit_scale_expanded", "test_linear_attention_fp16_expanded",
+            "test_linear_attention_gated_delta_beta_scalar_expanded", "test_linear_attention_gated_delta_expanded",
+            "test_linear_attention_gated_delta_gqa_expanded", "test_linear_attention_gated_delta_mqa_expanded",
+            "test_linear_attention_gated_expanded", "test_linear_attention_gated_per_head_decay_expanded",
+            "test_linear_attention_linear_expanded", "test_linear_attention_linear_t1_no_past_expanded",
+            "test_linear_attention_no_past_explicit_zeros_expanded",
+            "test_linear_attention_prefill_with_past_expanded"),
+    **_each("rule limitation: Slice's gradient needs the rank of grid_squeezed, which onnx shape "
+            "inference does not find inside AffineGrid's body",
+            "test_affine_grid_2d_expanded", "test_affine_grid_2d_align_corners_expanded",
+            "test_affine_grid_3d_expanded", "test_affine_grid_3d_align_corners_expanded"),
+    **_each("rule limitation: fully masked rows make the body's Softmax NaN and a Where replaces them; "
+            "the backward pass multiplies the Where's zero cotangent by that NaN (0 * NaN = NaN)",
+            "test_attention_causal_boolmask_nan_robustness_expanded",
+            "test_attention_23_boolmask_fullymasked_row_nan_robustness_expanded",
+            "test_attention_23_fullymasked_qk_matmul_output_mode3_zero_expanded",
+            "test_attention_24_fullymasked_qk_matmul_output_mode3_zero_expanded",
+            "test_attention_24_qk_matmul_output_mode3_softmax_precision_expanded",
+            "test_attention_4d_causal_padded_kv_bf16_expanded",
+            "test_attention_4d_causal_nonpad_negative_offset_structural_empty_expanded",
+            "test_attention_local_window_gqa_rank4_mask_expanded"),
+    # ---------------------------------------------------------- function bodies
+    **_each("function body: inline.function_body() gives up when an optional input is left out (an "
+            "empty name has no type), so Attention with skipped optional inputs has no body",
+            "test_attention_4d_causal_nonpad_attn_mask_composition", "test_attention_4d_causal_nonpad_batch_prefill",
+            "test_attention_4d_causal_nonpad_continued_prefill", "test_attention_4d_causal_padded_kv_bf16",
+            "test_attention_4d_causal_with_past_and_present", "test_attention_4d_diff_heads_mask4d_padded_kv",
+            "test_attention_4d_gqa_causal_nonpad_decode", "test_attention_4d_gqa_causal_nonpad_decode_fp16",
+            "test_attention_4d_causal_nonpad_negative_offset_structural_empty", "test_attention_4d_padded_kv_bf16",
+            "test_attention_local_window_with_past", "test_attention_local_window_ext_cache_float16_mask",
+            "test_attention_local_window_ext_cache_rank2_mask", "test_attention_local_window_ext_cache_rank3_head_mask",
+            "test_attention_local_window_ext_cache_rank4_batch_mask"),
+    **_each("function body: AffineGrid's body holds If subgraphs, which inline.py does not inline",
+            "test_affine_grid_2d", "test_affine_grid_2d_align_corners", "test_affine_grid_3d",
+            "test_affine_grid_3d_align_corners"),
+}
+
+TRAINING_DOMAINS = frozenset({PREVIEW_DOMAIN, "ai.onnx.training"})
+
+
+# ------------------------------------------------------------------ loading
+@dataclass
+class Case:
+    """One node test case of the ONNX corpus, classified."""
+
+    name: str
+    op: str
+    domain: str
+    #: "node" (one node of ``op``) or "expanded" (``op``'s function body, as
+    #: the corpus gives it in its ``*_expanded`` twin).
+    variant: str
+    model: onnx.ModelProto
+    inputs: list[Any]
+    outputs: list[Any]
+    #: What the case is: "check" (a gradient check) or an exclusion category.
+    category: str = "check"
+    #: "f64" | "f32" | "given" for checks.
+    precision: str = ""
+    #: The kind of the op's derivative: "vjp" (its rule), "function" (its body).
+    via: str = ""
+    xfail: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}-{self.precision}" if self.category == "check" else self.name
+
+
+def _raw_corpus() -> list[tuple[str, bytes, list, list]]:
+    """(name, model bytes, inputs, outputs) of every node test case.
+
+    Generating the corpus takes ~12 s (every ``export`` of onnx's node test
+    cases runs its numpy reference), so the result is cached in the user's
+    cache directory ($XDG_CACHE_HOME or ~/.cache), keyed by the onnx version."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = os.path.join(cache, "onnxtrain", f"node-corpus-onnx{onnx.__version__}.pkl")
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except Exception:  # absent, partial or unreadable: rebuild
+        pass
+    from onnx.backend.test.case.node import collect_testcases
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cases = collect_testcases()
+    raw = [(c.name, c.model.SerializeToString(), list(c.data_sets[0][0]), list(c.data_sets[0][1])) for c in cases]
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "wb") as f:
+            pickle.dump(raw, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)  # atomic: concurrent workers race harmlessly
+    except OSError:
+        pass  # a read-only home: no cache, same corpus
+    return raw
+
+
+@functools.cache
+def ort_max_opset() -> int:
+    """The newest ai.onnx opset this onnxruntime loads."""
+    for version in range(onnx.defs.onnx_opset_version(), 6, -1):
+        graph = helper.make_graph(
+            [helper.make_node("Identity", ["x"], ["y"])],
+            "probe",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        )
+        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", version)])
+        m.ir_version = 10
+        try:
+            ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+            return version
+        except Exception:
+            continue
+    return 7
+
+
+def _opset(model: onnx.ModelProto, domain: str = "") -> int:
+    for o in model.opset_import:
+        if o.domain == domain or (domain == "" and o.domain == "ai.onnx"):
+            return int(o.version)
+    return 0
+
+
+def _walk(graph: onnx.GraphProto):
+    """Every node of ``graph`` and of its subgraphs."""
+    for n in graph.node:
+        yield n
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield from _walk(a.g)
+            for g in a.graphs:
+                yield from _walk(g)
+
+
+def _elem_type(vi: onnx.ValueInfoProto) -> int:
+    return vi.type.tensor_type.elem_type if vi.type.HasField("tensor_type") else 0
+
+
+def _is_float_tensor(vi: onnx.ValueInfoProto) -> bool:
+    return vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type in FLOATS
+
+
+def _rule_kind(domain: str, op: str, opset: int) -> str | None:
+    """'vjp' | 'zero' | 'refused' (registry), 'function' (no rule, a body), or None."""
+    rule = REGISTRY.get(domain, op)
+    if rule is not None:
+        return rule.kind
+    try:
+        schema = onnx.defs.get_schema(op, opset, domain)
+    except onnx.defs.SchemaError:
+        return None
+    if schema.has_function or schema.has_context_dependent_function:
+        return "function"
+    return None
+
+
+@functools.cache
+def corpus() -> tuple[Case, ...]:
+    """Every node test case, classified (see ``Case.category``)."""
+    raw = _raw_corpus()
+    base_ops: dict[str, tuple[str, str]] = {}
+    parsed = []
+    for name, data, inputs, outputs in raw:
+        model = onnx.ModelProto()
+        model.ParseFromString(data)
+        parsed.append((name, model, inputs, outputs))
+        if not re.search(r"_expanded(_ver\d+)?$", name):
+            node = model.graph.node[0]
+            base_ops[name] = (node.domain, node.op_type)
+    cases = []
+    for name, model, inputs, outputs in parsed:
+        base = re.sub(r"_expanded(_ver\d+)?$", "", name)
+        domain, op = base_ops[base]
+        variant = "node" if base == name else "expanded"
+        case = Case(name, op, domain, variant, model, inputs, outputs)
+        _classify(case)
+        cases.append(case)
+    return tuple(cases)
+
+
+def _classify(case: Case) -> None:
+    g = case.model.graph
+    opset = _opset(case.model, case.domain)
+    kind = _rule_kind(case.domain, case.op, opset)
+    if case.domain in TRAINING_DOMAINS:
+        case.category = "training-domain op"
+    elif kind == "zero":
+        case.category = "zero-gradient op"
+    elif kind == "refused":
+        case.category = "refused op"
+    elif kind is None:
+        case.category = "no rule and no function body"
+    elif any(_elem_type(vi) in PACKED for vi in list(g.input) + list(g.output)):
+        case.category = "float8/float4/int4/int2 tensors"
+    elif not any(_is_float_tensor(i) for i in g.input):
+        case.category = "no floating input"
+    elif not any(_is_float_tensor(o) for o in g.output):
+        case.category = "no floating output"
+    else:
+        case.category = "check"
+        case.via = kind
+        ops = {case.op} | {n.op_type for n in _walk(g)}
+        if case.op in AS_GIVEN:
+            case.precision = "given"
+        elif ops & set(FLOAT32_ONLY) or case.name in FLOAT32_CASES:
+            case.precision = "f32"
+        else:
+            case.precision = "f64"
+        case.xfail = XFAIL.get(case.name) or _too_new(case)
+
+
+def _too_new(case: Case) -> str | None:
+    """A reason when the op did not exist at onnxruntime's newest opset."""
+    if case.variant != "node" or case.domain not in ("", "ai.onnx"):
+        return None
+    try:
+        onnx.defs.get_schema(case.op, ort_max_opset(), "")
+    except onnx.defs.SchemaError:
+        since = onnx.defs.get_schema(case.op, _opset(case.model), "").since_version
+        return (
+            f"onnxruntime: {case.op} is an opset-{since} op; onnxruntime {ort.__version__} runs "
+            f"opsets up to {ort_max_opset()}"
+        )
+    return None
+
+
+def checks(per_op: int = PER_OP) -> list[Case]:
+    """The gradient-check cases: all of them, or the first ``per_op`` of each op and variant."""
+    chosen = [c for c in corpus() if c.category == "check"]
+    if per_op <= 0:
+        return chosen
+    taken: dict[tuple[str, str], int] = defaultdict(int)
+    subset = []
+    for c in sorted(chosen, key=lambda c: c.name):
+        key = (c.op, c.variant)
+        if taken[key] < per_op:
+            taken[key] += 1
+            subset.append(c)
+    return subset
+
+
+# ------------------------------------------------------------------ the harness
+def _convert_tensor(t: onnx.TensorProto, target: int) -> None:
+    if t.data_type in FLOATS and t.data_type != target:
+        arr = numpy_helper.to_array(t).astype(np.float64).astype(NP_OF[target])
+        t.CopyFrom(numpy_helper.from_array(arr, t.name))
+
+
+def _convert_type(tp: onnx.TypeProto, target: int) -> None:
+    which = tp.WhichOneof("value")
+    if which == "tensor_type":
+        if tp.tensor_type.elem_type in FLOATS:
+            tp.tensor_type.elem_type = target
+    elif which == "sequence_type":
+        _convert_type(tp.sequence_type.elem_type, target)
+    elif which == "optional_type":
+        _convert_type(tp.optional_type.elem_type, target)
+
+
+#: Attributes that name an element type (a float32 one becomes the target type:
+#: Cast's ``to``, LayerNormalization's ``stash_type``, Attention's
+#: ``softmax_precision``, ...).
+DTYPE_ATTRS = frozenset({"to", "dtype", "output_dtype", "stash_type", "softmax_precision"})
+
+
+def _convert_graph(g: onnx.GraphProto, target: int) -> None:
+    for vi in list(g.input) + list(g.output) + list(g.value_info):
+        _convert_type(vi.type, target)
+    for t in g.initializer:
+        _convert_tensor(t, target)
+    for n in g.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.TENSOR:
+                _convert_tensor(a.t, target)
+            elif a.type == onnx.AttributeProto.GRAPH:
+                _convert_graph(a.g, target)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for sub in a.graphs:
+                    _convert_graph(sub, target)
+            elif a.type == onnx.AttributeProto.INT and a.name in DTYPE_ATTRS and a.i in FLOATS:
+                a.i = target
+
+
+def _set_stash_type(g: onnx.GraphProto, target: int, opset: int) -> None:
+    """Give nodes with a ``stash_type`` attribute (LayerNormalization,
+    GroupNormalization, RMSNormalization) an explicit one: its default is
+    float32, the precision the float32 case computed in; converted to double,
+    the case computes its statistics in double too."""
+    for n in _walk(g):
+        if any(a.name == "stash_type" for a in n.attribute):
+            continue
+        try:
+            schema = onnx.defs.get_schema(n.op_type, opset, n.domain)
+        except onnx.defs.SchemaError:
+            continue
+        if "stash_type" in schema.attributes and n.op_type != "Range":
+            n.attribute.append(helper.make_attribute("stash_type", target))
+
+
+def _convert_value(value: Any, vi: onnx.ValueInfoProto, target: int | None) -> Any:
+    if isinstance(value, onnx.TensorProto):
+        value = numpy_helper.to_array(value)
+    if isinstance(value, np.generic):
+        value = np.asarray(value)  # onnxruntime takes 0-d arrays, not numpy scalars
+    if target is None or not _is_float_tensor(vi):
+        return value
+    return np.asarray(value).astype(np.float64).astype(NP_OF[target])
+
+
+def _names(g: onnx.GraphProto) -> set[str]:
+    names = {v.name for v in list(g.input) + list(g.output) + list(g.value_info)}
+    names |= {t.name for t in g.initializer}
+    for n in _walk(g):
+        names.update(n.input)
+        names.update(n.output)
+    return names
+
+
+def _session_options() -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    so.log_severity_level = 4  # failures come back as exceptions; keep stderr quiet
+    return so
+
+
+def build(case: Case) -> tuple[onnx.ModelProto, onnx.ModelProto, dict[str, Any], list[str]]:
+    """(loss model, gradient model, feeds, wrt) for ``case``."""
+    target = {"f64": TensorProto.DOUBLE, "f32": TensorProto.FLOAT, "given": None}[case.precision]
+    model = onnx.ModelProto()
+    model.CopyFrom(case.model)
+    g = model.graph
+    for o in model.opset_import:  # onnxruntime stops at ort_max_opset()
+        if o.domain in ("", "ai.onnx") and o.version > ort_max_opset():
+            o.version = ort_max_opset()
+    if target is not None:
+        _convert_graph(g, target)
+        _set_stash_type(g, target, _opset(model))
+    present = [i for i in g.input]
+    feeds = {vi.name: _convert_value(v, vi, target) for vi, v in zip(present, case.inputs)}
+    wrt = [vi.name for vi in present if _is_float_tensor(vi)]
+
+    rng = np.random.default_rng(_seed(case.name))
+    names = NameGen(_names(g))
+    terms: list[str] = []
+    abs_terms: list[str] = []
+    loss_nodes: list[onnx.NodeProto] = []
+    for vi, expected in zip(list(g.output), case.outputs):
+        if not _is_float_tensor(vi):
+            continue
+        out = vi.name
+        if vi.type.tensor_type.elem_type != TensorProto.DOUBLE:
+            cast = names.fresh(f"{out}_f64")
+            loss_nodes.append(helper.make_node("Cast", [out], [cast], to=TensorProto.DOUBLE))
+            out = cast
+        shape = list(np.shape(expected))
+        finite = np.isfinite(_as_float64(expected))
+        if not finite.all():
+            # leave out the entries the case expects to be inf or NaN
+            mask, zero, kept = names.fresh(f"finite_{vi.name}"), names.fresh("zero"), names.fresh(f"{vi.name}_finite")
+            feeds[mask] = finite
+            feeds[zero] = np.zeros((), np.float64)
+            g.input.append(helper.make_tensor_value_info(mask, TensorProto.BOOL, shape))
+            g.input.append(helper.make_tensor_value_info(zero, TensorProto.DOUBLE, []))
+            loss_nodes.append(helper.make_node("Where", [mask, out, zero], [kept]))
+            out = kept
+        r = names.fresh(f"R_{vi.name}")
+        feeds[r] = rng.standard_normal(shape)
+        g.input.append(helper.make_tensor_value_info(r, TensorProto.DOUBLE, shape))
+        prod, total = names.fresh(f"{vi.name}_R"), names.fresh(f"{vi.name}_sum")
+        absolute, abs_total = names.fresh(f"{vi.name}_R_abs"), names.fresh(f"{vi.name}_abs_sum")
+        loss_nodes.append(helper.make_node("Mul", [out, r], [prod]))
+        loss_nodes.append(helper.make_node("ReduceSum", [prod], [total], keepdims=0))
+        loss_nodes.append(helper.make_node("Abs", [prod], [absolute]))
+        loss_nodes.append(helper.make_node("ReduceSum", [absolute], [abs_total], keepdims=0))
+        terms.append(total)
+        abs_terms.append(abs_total)
+    loss, loss_abs = names.fresh("loss"), names.fresh("loss_abs")
+    loss_nodes.append(helper.make_node("Sum", terms, [loss]))
+    # sum |R * out|: the size of the terms the loss adds up (its rounding scale)
+    loss_nodes.append(helper.make_node("Sum", abs_terms, [loss_abs]))
+    g.node.extend(loss_nodes)
+    del g.output[:]
+    g.output.append(helper.make_tensor_value_info(loss, TensorProto.DOUBLE, []))
+    g.output.append(helper.make_tensor_value_info(loss_abs, TensorProto.DOUBLE, []))
+    if not any(o.domain == PREVIEW_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(PREVIEW_DOMAIN, 1))
+
+    grad_model = onnx.ModelProto()
+    grad_model.CopyFrom(model)
+    gg = grad_model.graph
+    grads = [names.fresh(f"grad_{x}") for x in wrt]
+    gg.node.append(
+        helper.make_node("Gradient", wrt, grads, domain=PREVIEW_DOMAIN, xs=wrt, y=loss, name="corpus_gradient")
+    )
+    types = {vi.name: vi for vi in gg.input}
+    for x, gname in zip(wrt, grads):
+        t = onnx.ValueInfoProto()
+        t.CopyFrom(types[x])
+        t.name = gname
+        gg.output.append(t)
+    available = [vi.name for vi in gg.input] + [t.name for t in gg.initializer]
+    expand_gradients(gg, grad_model.opset_import, names, available, list(grad_model.functions))
+    for out in gg.output:
+        if _elem_type(out) == TensorProto.BFLOAT16:
+            # onnxruntime returns no bfloat16 numpy arrays: the gradient keeps
+            # its declared type (value_info) and leaves the model as float32
+            gg.value_info.append(helper.make_tensor_value_info(out.name, TensorProto.BFLOAT16, None))
+            as_float = names.fresh(f"{out.name}_f32")
+            gg.node.append(helper.make_node("Cast", [out.name], [as_float], to=TensorProto.FLOAT))
+            out.name = as_float
+            out.type.tensor_type.elem_type = TensorProto.FLOAT
+    return model, grad_model, feeds, wrt
+
+
+def _as_float64(value: Any) -> np.ndarray:
+    if isinstance(value, onnx.TensorProto):
+        value = numpy_helper.to_array(value)
+    return np.asarray(value).astype(np.float64)
+
+
+def _ort_feeds(feeds: dict[str, Any]) -> dict[str, Any]:
+    """bfloat16 arrays go in as OrtValues (onnxruntime's numpy path has no bfloat16)."""
+    out = {}
+    for k, v in feeds.items():
+        if isinstance(v, np.ndarray) and v.dtype.name == "bfloat16":
+            v = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(v.view(np.uint16), TensorProto.BFLOAT16)
+        out[k] = v
+    return out
+
+
+def _seed(name: str) -> int:
+    return sum(ord(c) * (i + 1) for i, c in enumerate(name)) % (2**31)
+
+
+def check(case: Case) -> None:
+    """The gradient check of one corpus case (module docstring).
+
+    Each floating input x gets its own random direction d_x and its own
+    central difference, so a wrong or missing gradient names its input:
+    |<G_x, d_x> - FD_x| <= rtol * sum|G_x * d_x| + atol + noise, where noise
+    bounds the rounding of the loss, unit_roundoff * sum|R * out| / eps."""
+    tol = {**PRECISION[case.precision], **TOLERANCE.get(case.op, {})}
+    eps, rtol, atol = tol["eps"], tol["rtol"], tol["atol"]
+    loss_model, grad_model, feeds, wrt = build(case)
+    onnx.checker.check_model(grad_model)
+    so = _session_options()
+    gradient = Executor(grad_model, session_options=so, label=f"{case.name} gradient")
+    forward = Executor(loss_model, session_options=so, label=f"{case.name} loss")
+    loss_name, abs_name = (o.name for o in loss_model.graph.output)
+    grad_names = [o.name for o in grad_model.graph.output[2:]]
+    values = gradient.run(_ort_feeds(feeds), [abs_name] + grad_names)
+    loss_abs, analytic = float(values[0]), values[1:]
+    for x, gvalue in zip(wrt, analytic):
+        x_arr = np.asarray(feeds[x])
+        assert gvalue.shape == x_arr.shape, f"gradient of {x}: shape {gvalue.shape} != {x_arr.shape}"
+        want = np.float32 if x_arr.dtype.name == "bfloat16" else x_arr.dtype  # see build()
+        assert gvalue.dtype == want, f"gradient of {x}: dtype {gvalue.dtype} != {x_arr.dtype}"
+
+    rng = np.random.default_rng(_seed(case.name) + 1)
+    noise = 10 * UNIT_ROUNDOFF[case.precision] * loss_abs / eps
+    wrong = []
+    for x, gvalue in zip(wrt, analytic):
+        x_arr = np.asarray(feeds[x])
+        # inf and NaN entries stay where they are (a step cannot move them)
+        d = np.where(np.isfinite(x_arr), rng.standard_normal(x_arr.shape), 0.0)
+        plus = {**feeds, x: np.asarray(x_arr.astype(np.float64) + eps * d, dtype=x_arr.dtype)}
+        minus = {**feeds, x: np.asarray(x_arr.astype(np.float64) - eps * d, dtype=x_arr.dtype)}
+        # the step actually taken, after rounding to the input's type
+        with np.errstate(invalid="ignore"):
+            d_taken = (plus[x].astype(np.float64) - minus[x].astype(np.float64)) / (2 * eps)
+        d_taken = np.where(d == 0.0, 0.0, d_taken)
+        term = gvalue.astype(np.float64) * d_taken
+        predicted, scale = float(np.sum(term)), float(np.sum(np.abs(term)))
+        lp = float(forward.run(_ort_feeds(plus), [loss_name])[0])
+        lm = float(forward.run(_ort_feeds(minus), [loss_name])[0])
+        numeric = (lp - lm) / (2 * eps)
+        assert np.isfinite(numeric), (
+            f"{case.name}: the loss is not finite near the case's inputs (stepping {x!r})"
+        )
+        bound = rtol * scale + atol + noise
+        if not abs(predicted - numeric) <= bound:
+            wrong.append(f"{x!r}: analytic {predicted:.6g}, numeric {numeric:.6g} (tolerance {bound:.3g})")
+    assert not wrong, (
+        f"{case.name} ({case.op}, {case.precision}) directional derivatives differ: " + "; ".join(wrong)
+    )
+
+
+# ------------------------------------------------------------------ pytest
+def _params(cases: Sequence[Case]) -> list:
+    out = []
+    for c in cases:
+        marks = [pytest.mark.xfail(reason=c.xfail, strict=True)] if c.xfail else []
+        out.append(pytest.param(c, id=c.id, marks=marks))
+    return out
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "corpus_case" in metafunc.fixturenames:
+        metafunc.parametrize("corpus_case", _params(checks()))
+
+
+def test_corpus_case(corpus_case: Case) -> None:
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        check(corpus_case)
+
+
+def test_tables_name_real_cases() -> None:
+    """XFAIL and FLOAT32_CASES list gradient-check cases of this onnx version only."""
+    checked = {c.name for c in corpus() if c.category == "check"}
+    stale = sorted((set(XFAIL) | set(FLOAT32_CASES)) - checked)
+    assert not stale, f"entries that are not gradient-check cases of onnx {onnx.__version__}: {stale}"
