@@ -102,6 +102,8 @@ class Emitter:
         ins = ["" if i is None else i for i in inputs]
         while ins and ins[-1] == "":
             ins.pop()
+        if op_type == "Where" and self.opset < 9 and isinstance(outputs, int) and outputs == 1:
+            return self._where_before_9(*ins)
         if isinstance(outputs, int):
             outs = [self.names.fresh(f"{self.hint}/{op_type}") for _ in range(outputs)]
             single = outputs == 1
@@ -120,6 +122,19 @@ class Emitter:
         self.nodes.append(node)
         self._propagate_dtype(op_type, ins, outs, attrs)
         return outs[0] if single else outs
+
+    def _where_before_9(self, cond: str, a: str, b: str) -> str:
+        """Where(c, a, b) = a * c + b * (1 - c) with c cast to a's type (Where
+        came in opset 9).  Unlike Where, an inf or NaN in the branch not
+        taken leaks into the result; old-opset models accept that."""
+        et = self.dtypes.get(a) or self.dtypes.get(b)
+        if et is None:
+            raise TrainingModelError(
+                f"Where before opset 9 needs the element type of {a!r} or {b!r}"
+            )
+        c = self.Cast(cond, to=et)
+        one = self.const(1.0, dtype=et)
+        return self.Add(self.Mul(a, c), self.Mul(b, self.Sub(one, c)))
 
     def __getattr__(self, op_type: str) -> Any:
         if not op_type[:1].isupper():

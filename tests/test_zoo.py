@@ -450,10 +450,7 @@ def test_zoo_trains(name):
 
 # ====================================================================== old opsets
 OLD_OPSETS = [
-    pytest.param(7, marks=pytest.mark.xfail(
-        strict=True, raises=TrainingModelError,
-        reason="rule bug: Relu's gradient emits Where, an op from opset 9, into an opset-7 model "
-        "(onnxruntime: 'No Op registered for Where with domain_version of 7')")),
+    7,
     9, 11, 12,
 ]
 
