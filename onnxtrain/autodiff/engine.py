@@ -235,6 +235,17 @@ def _expand_one(
         for i, dx in enumerate(result):
             if dx is not None and needs[i]:
                 grads.setdefault(n.input[i], []).append(dx)
+        for i in range(len(n.input)):
+            if (
+                needs[i]
+                and (i >= len(result) or result[i] is None)
+                and i not in rule.nondiff
+                and dtypes.get(n.input[i]) in FLOAT_TYPES
+            ):
+                raise GradientError(
+                    f"{where}: its rule gives no gradient for input {i} ({n.input[i]!r}), on "
+                    f"which {y!r} depends; differentiating with respect to it is not supported"
+                )
         for name, dxs in ctx.implicit_grads.items():
             if name in active:
                 grads.setdefault(name, []).extend(dxs)

@@ -47,6 +47,9 @@ class Rule:
     kind: str
     fn: Callable[..., Sequence[str | None]] | None = None
     reason: str = ""
+    #: Inputs whose values the outputs do not depend on (CastLike's ``like``):
+    #: the rule may return None for them even when they are differentiated.
+    nondiff: frozenset[int] = frozenset()
 
 
 class Registry:
@@ -73,12 +76,19 @@ class Registry:
 REGISTRY = Registry()
 
 
-def vjp(*op_types: str, domain: str = "") -> Callable[[Callable], Callable]:
-    """Register the decorated function as the gradient rule of ``op_types``."""
+def vjp(
+    *op_types: str, domain: str = "", nondiff: Sequence[int] = ()
+) -> Callable[[Callable], Callable]:
+    """Register the decorated function as the gradient rule of ``op_types``.
+
+    A rule returns None for an input only if that input gets no gradient by
+    nature (an integer, a shape) or is listed in ``nondiff`` (the outputs do
+    not depend on its values).  The engine refuses any other None for an
+    input the differentiated output depends on: never a silent zero."""
 
     def register(fn: Callable) -> Callable:
         for op in op_types:
-            REGISTRY.add(Rule(op, domain, "vjp", fn))
+            REGISTRY.add(Rule(op, domain, "vjp", fn, nondiff=frozenset(nondiff)))
         return fn
 
     return register

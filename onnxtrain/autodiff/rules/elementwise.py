@@ -210,7 +210,7 @@ def cast_vjp(ctx, dy):
     return (ctx.emit.cast_to(dy, ctx.dtype(x)),)
 
 
-@vjp("CastLike")
+@vjp("CastLike", nondiff=(1,))
 def cast_like_vjp(ctx, dy):
     """y = cast(x, like target)  ->  dx = cast(dy) back to x's type; target gets none"""
     x = ctx.inputs[0]

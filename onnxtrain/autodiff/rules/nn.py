@@ -799,28 +799,42 @@ def lrn_vjp(ctx, dy):
 
 @vjp("Dropout")
 def dropout_vjp(ctx, dy, *_):
-    """training: y = x * mask / (1 - ratio)  ->  dx = dy * mask / (1 - ratio)
+    """training: y = x * mask / (1 - ratio)  ->  dx = dy * mask / (1 - ratio),
+        d ratio = sum(dy * y) / (1 - ratio)   (the sampled mask held fixed)
     inference (no training_mode input, or a constant false one; always before
-    opset 12, where runtimes treat Dropout as inference): y = x  ->  dx = dy
+    opset 12, where runtimes treat Dropout as inference): y = x  ->  dx = dy,
+        and y does not depend on ratio (d ratio = 0)
 
     The mask is the node's mask output (added to the node when absent)."""
     e = ctx.emit
+    ratio_in = ctx.input(1)
+
+    def inference():
+        return (dy, ctx.zeros_like(ratio_in) if ratio_in and ctx.needs(1) else None)
+
     if ctx.opset < 12:
-        return (dy,)
+        return inference()
     mode = ctx.input(2)
     if mode is None:
-        return (dy,)
+        return inference()
     known = e.constants.get(mode)
     if known is not None and not bool(np.asarray(known).reshape(-1)[0]):
-        return (dy,)
+        return inference()
     et = ctx.dtype(ctx.inputs[0])
-    ratio_in = ctx.input(1)
     ratio = e.cast_to(ratio_in, et) if ratio_in is not None else ctx.const(0.5, dtype=et)
-    scale = e.Div(ctx.const(1.0, dtype=et), e.Sub(ctx.const(1.0, dtype=et), ratio))
+    keep = e.Sub(ctx.const(1.0, dtype=et), ratio)
+    scale = e.Div(ctx.const(1.0, dtype=et), keep)
     if known is None:  # decided at run time; the inference-mode mask is all true
         scale = e.Where(mode, scale, ctx.const(1.0, dtype=et))
     mask = e.Cast(ctx.forward_output(1), to=et)
-    return (e.Mul(e.Mul(dy, mask), scale),)
+    dx = e.Mul(e.Mul(dy, mask), scale)
+    d_ratio = None
+    if ratio_in is not None and ctx.needs(1):
+        d_ratio = e.Div(e.reduce_sum(e.Mul(dy, ctx.outputs[0]), None, keepdims=False), keep)
+        if known is None:
+            d_ratio = e.Where(mode, d_ratio, ctx.const(0.0, dtype=et))
+        d_ratio = e.cast_to(d_ratio, ctx.dtype(ratio_in))
+    return (dx, d_ratio)
 
 
 # ------------------------------------------------------------------- LpPool
