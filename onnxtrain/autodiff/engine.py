@@ -227,6 +227,8 @@ def _expand_one(
         if isinstance(result, str):
             result = (result,)
         result = list(result)
+        while len(result) > len(n.input) and result[-1] is None:
+            result.pop()  # entries for optional inputs the node leaves out
         if len(result) > len(n.input):
             raise GradientError(
                 f"gradient rule of {n.op_type} returned {len(result)} gradients for "
@@ -293,7 +295,10 @@ def vjp_of_graph(
         if name not in types:
             raise GradientError(f"subgraph differentiation: the type of {name!r} is unknown")
         et, shape = types[name]
-        dims = None if shape is None else [d if d is not None else "?" for d in shape]
+        # Unknown sizes get distinct symbols: one shared "?" would claim they are equal.
+        dims = None if shape is None else [
+            d if d is not None else f"unk_{name}_{i}" for i, d in enumerate(shape)
+        ]
         scratch.input.append(helper.make_tensor_value_info(name, et, dims))
     terms = []
     for out, cot in zip(outputs, cotangents):

@@ -39,10 +39,13 @@ def function_body(
         if schema.has_function:
             data = schema.get_function_with_opset_version(version)
         elif schema.has_context_dependent_function:
-            if any(t is None for t in input_types):
-                return None
+            types = []
+            for name, t in zip(node.input, input_types):
+                if t is None and name:
+                    return None  # a present input of unknown type
+                types.append((t or onnx.TypeProto()).SerializeToString())  # omitted: untyped
             data = schema.get_context_dependent_function_with_opset_version(
-                version, node.SerializeToString(), [t.SerializeToString() for t in input_types]
+                version, node.SerializeToString(), types
             )
     except Exception:  # onnx raises plain RuntimeErrors when a body cannot be built
         return None
@@ -64,41 +67,93 @@ def inline(
     for formal in body.input[len(node.input) :]:
         rename[formal] = ""  # optional input left out by the caller
     for formal, actual in zip(body.output, node.output):
-        rename[formal] = actual
+        rename[formal] = actual or names.fresh(f"{node.name or node.op_type}/{formal}")
     prefix = node.name or node.op_type
     given = {a.name: a for a in node.attribute}
     defaults = {a.name: a for a in body.attribute_proto}
 
-    out: list[onnx.NodeProto] = []
-    for inner in body.node:
-        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in inner.attribute):
-            raise ValueError(f"function body of {node.op_type} holds a subgraph; not inlined")
-        n = onnx.NodeProto()
-        n.CopyFrom(inner)
-        n.name = names.fresh(f"{prefix}/{inner.name or inner.op_type}")
-        del n.input[:]
-        for i in inner.input:
-            if i not in rename:
-                rename[i] = names.fresh(f"{prefix}/{i}")
-            n.input.append(rename[i])
-        del n.output[:]
-        for o in inner.output:
-            if o not in rename:
+    return [_copy_node(inner, rename, names, prefix, given, defaults) for inner in body.node]
+
+
+def _copy_node(
+    inner: onnx.NodeProto,
+    rename: dict[str, str],
+    names: NameGen,
+    prefix: str,
+    given: dict[str, onnx.AttributeProto],
+    defaults: dict[str, onnx.AttributeProto],
+) -> onnx.NodeProto:
+    """One body node with fresh names, attribute references resolved, and its
+    subgraphs (If branches, Loop bodies) renamed consistently."""
+    n = onnx.NodeProto()
+    n.CopyFrom(inner)
+    n.name = names.fresh(f"{prefix}/{inner.name or inner.op_type}")
+    del n.input[:]
+    for i in inner.input:
+        if i not in rename:
+            rename[i] = names.fresh(f"{prefix}/{i}")
+        n.input.append(rename[i])
+    del n.output[:]
+    for o in inner.output:
+        if o not in rename:
+            rename[o] = names.fresh(f"{prefix}/{o}")
+        n.output.append(rename[o])
+    del n.attribute[:]
+    for a in inner.attribute:
+        if a.ref_attr_name:
+            source = given.get(a.ref_attr_name) or defaults.get(a.ref_attr_name)
+            if source is None:
+                continue  # unset optional attribute: the op's own default applies
+            resolved = onnx.AttributeProto()
+            resolved.CopyFrom(source)
+            resolved.name = a.name
+            n.attribute.append(resolved)
+        elif a.type == onnx.AttributeProto.GRAPH:
+            b = onnx.AttributeProto()
+            b.CopyFrom(a)
+            b.g.CopyFrom(_copy_graph(a.g, rename, names, prefix, given, defaults))
+            n.attribute.append(b)
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            b = onnx.AttributeProto()
+            b.CopyFrom(a)
+            del b.graphs[:]
+            for g in a.graphs:
+                b.graphs.append(_copy_graph(g, rename, names, prefix, given, defaults))
+            n.attribute.append(b)
+        else:
+            n.attribute.append(a)
+    return n
+
+
+def _copy_graph(
+    g: onnx.GraphProto,
+    outer: dict[str, str],
+    names: NameGen,
+    prefix: str,
+    given: dict[str, onnx.AttributeProto],
+    defaults: dict[str, onnx.AttributeProto],
+) -> onnx.GraphProto:
+    """A subgraph of a body: its own names fresh, outer names as renamed outside."""
+    rename = dict(outer)
+    local = [vi.name for vi in g.input] + [t.name for t in g.initializer]
+    for nm in local:
+        rename[nm] = names.fresh(f"{prefix}/{nm}")
+    out = onnx.GraphProto()
+    out.CopyFrom(g)
+    out.name = names.fresh(f"{prefix}/{g.name or 'subgraph'}")
+    for vi in out.input:
+        vi.name = rename[vi.name]
+    for t in out.initializer:
+        t.name = rename[t.name]
+    del out.node[:]
+    for inner in g.node:
+        for o in inner.output:  # defined inside the subgraph: local to it
+            if o:
                 rename[o] = names.fresh(f"{prefix}/{o}")
-            n.output.append(rename[o])
-        del n.attribute[:]
-        for a in inner.attribute:
-            if a.ref_attr_name:
-                source = given.get(a.ref_attr_name) or defaults.get(a.ref_attr_name)
-                if source is None:
-                    continue  # unset optional attribute: the op's own default applies
-                resolved = onnx.AttributeProto()
-                resolved.CopyFrom(source)
-                resolved.name = a.name
-                n.attribute.append(resolved)
-            else:
-                n.attribute.append(a)
-        out.append(n)
+        out.node.append(_copy_node(inner, rename, names, prefix, given, defaults))
+    for vi in out.output:
+        vi.name = rename.get(vi.name, vi.name)
+    del out.value_info[:]
     return out
 
 
@@ -106,5 +161,5 @@ def type_proto(elem_type: int | None, shape: tuple | None) -> onnx.TypeProto | N
     """A tensor TypeProto from inferred facts (None if the type is unknown)."""
     if not elem_type:
         return None
-    dims = None if shape is None else [d if d is not None else "?" for d in shape]
+    dims = None if shape is None else list(shape)  # None entries: unknown sizes
     return helper.make_tensor_type_proto(elem_type, dims)
