@@ -1,3 +1,16 @@
 """Gradient rules, grouped by kind of op.  Importing this package registers them all."""
 
-from . import control, elementwise, linalg, losses, nn, recurrent, reduce, shape, zero  # noqa: F401
+from . import (  # noqa: F401
+    control,
+    elementwise,
+    linalg,
+    losses,
+    ml,
+    nn,
+    quant,
+    recurrent,
+    reduce,
+    shape,
+    spectral,
+    zero,
+)
