@@ -160,20 +160,15 @@ def infer_types(
     model = helper.make_model(g, opset_imports=list(opset_imports))
     model.ir_version = max(ir_version, 4)
     model.functions.extend(functions)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
-        ig = inferred.graph
-    except Exception:  # inference is best effort; rules fall back to runtime shapes
-        ig = g
-    dtypes: dict[str, int] = {}
-    shapes: dict[str, tuple | None] = {}
-    for vi in list(ig.input) + list(ig.value_info) + list(ig.output):
-        tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
-        if tt is None:
-            continue
-        if tt.elem_type:
-            dtypes.setdefault(vi.name, tt.elem_type)
-        shapes.setdefault(vi.name, shape_of_type(vi.type))
+    ig = _infer(model, g)
+    dtypes, shapes = _collect(ig)
+    seeded = _seed_ml_outputs(ig, dtypes, shapes)
+    if seeded:
+        # onnx has no inference for most ai.onnx.ml ops: declare their outputs
+        # (float, rank known) and infer again so the ops after them get types.
+        g.value_info.extend(seeded)
+        ig = _infer(model, g)
+        dtypes, shapes = _collect(ig)
     for t in graph.initializer:
         dtypes[t.name] = t.data_type
         shapes[t.name] = tuple(int(d) for d in t.dims)
@@ -184,6 +179,58 @@ def infer_types(
                     dtypes[node.output[0]] = a.t.data_type
                     shapes[node.output[0]] = tuple(int(d) for d in a.t.dims)
     return dtypes, shapes
+
+
+def _infer(model: onnx.ModelProto, g: onnx.GraphProto) -> onnx.GraphProto:
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(g.value_info)
+    try:
+        return onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True).graph
+    except Exception:  # inference is best effort; rules fall back to runtime shapes
+        return g
+
+
+def _collect(ig: onnx.GraphProto) -> tuple[dict[str, int], dict[str, tuple | None]]:
+    dtypes: dict[str, int] = {}
+    shapes: dict[str, tuple | None] = {}
+    for vi in list(ig.input) + list(ig.value_info) + list(ig.output):
+        tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+        if tt is None:
+            continue
+        if tt.elem_type:
+            dtypes.setdefault(vi.name, tt.elem_type)
+        shapes.setdefault(vi.name, shape_of_type(vi.type))
+    return dtypes, shapes
+
+
+#: ai.onnx.ml ops whose float output has the shape of their input.
+_ML_SAME_SHAPE = {"Scaler", "Normalizer", "Imputer", "Binarizer"}
+#: ai.onnx.ml ops with a float [N, k] output (scores, predictions, features).
+_ML_MATRIX = {"LinearRegressor", "SVMRegressor", "TreeEnsembleRegressor", "FeatureVectorizer",
+              "TreeEnsemble"}
+
+
+def _seed_ml_outputs(
+    ig: onnx.GraphProto, dtypes: dict[str, int], shapes: dict[str, tuple | None]
+) -> list[onnx.ValueInfoProto]:
+    """Value infos for the float outputs of ai.onnx.ml ops inference left untyped."""
+    out = []
+    for node in ig.node:
+        if node.domain != "ai.onnx.ml" or not node.output or not node.output[0]:
+            continue
+        name = node.output[0]
+        if name in dtypes:
+            continue
+        if node.op_type in _ML_SAME_SHAPE:
+            shape = shapes.get(node.input[0])
+            rank = None if shape is None else len(shape)
+        elif node.op_type in _ML_MATRIX:
+            rank = 2
+        else:
+            continue
+        dims = None if rank is None else [None] * rank
+        out.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, dims))
+    return out
 
 
 def constant_values(graph: onnx.GraphProto, max_size: int = 1024) -> dict[str, np.ndarray]:

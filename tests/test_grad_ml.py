@@ -1126,3 +1126,35 @@ def test_normalizer_linear_classifier_pipeline_trains():
     for _ in range(20):
         losses.append(float(sess.train_step({"X": x, "T": labels})["loss"]))
     assert losses[-1] < losses[0]
+
+
+def test_ml_outputs_without_declared_types_are_inferred_for_old_opsets():
+    """onnx infers no type for Scaler's output; the engine seeds it (float, same
+    rank), so the rules after it work at opset 11 without value_info."""
+    from onnx import TensorProto, helper
+
+    from onnxtrain import TrainingSession
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])
+    w = helper.make_tensor_value_info("w", TensorProto.FLOAT, [3])
+    nodes = [
+        helper.make_node("Scaler", ["x"], ["s"], domain="ai.onnx.ml", offset=[0.5, 0.0, -1.0],
+                         scale=[2.0, 3.0, 0.5]),
+        helper.make_node("Mul", ["s", "w"], ["y"]),
+        helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0),
+        helper.make_node("Gradient", ["w", "x"], ["dw", "dx"], domain="ai.onnx.preview.training",
+                         xs=["w", "x"], y="loss"),
+    ]
+    graph = helper.make_graph(nodes, "g", [x, w], [
+        helper.make_tensor_value_info("dw", TensorProto.FLOAT, [3]),
+        helper.make_tensor_value_info("dx", TensorProto.FLOAT, ["N", 3])])
+    model = helper.make_model(graph, opset_imports=[
+        helper.make_opsetid("", 11), helper.make_opsetid("ai.onnx.ml", 3),
+        helper.make_opsetid("ai.onnx.preview.training", 1)])
+    model.ir_version = 8
+    xv = np.arange(6, dtype=np.float32).reshape(2, 3)
+    wv = np.array([1.0, -2.0, 0.5], np.float32)
+    out = TrainingSession(model).run({"x": xv, "w": wv})
+    scaled = (xv - np.array([0.5, 0.0, -1.0], np.float32)) * np.array([2.0, 3.0, 0.5], np.float32)
+    np.testing.assert_allclose(out["dw"], scaled.sum(0), rtol=1e-6)
+    np.testing.assert_allclose(out["dx"], np.tile(wv * [2.0, 3.0, 0.5], (2, 1)), rtol=1e-6)
