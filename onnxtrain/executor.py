@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -135,48 +134,77 @@ class Executor:
         writes into.  The other outputs in ``fetch`` come back as numpy arrays
         (or OrtValues with ``to_numpy=False``).  Bindings are cached per
         thread and per set of state buffers, so with double buffering a step
-        rebinds only its feeds."""
-        cache: OrderedDict = getattr(self._local, "bindings", None)
+        rebinds only its feeds and fetched outputs."""
+        cache: dict = getattr(self._local, "bindings", None)
         if cache is None:
-            cache = self._local.bindings = OrderedDict()
-        key = (
-            tuple(id(v) for v in state_in.values()),
-            tuple(id(v) for v in state_out.values()),
-            tuple(fetch),
-        )
+            cache = self._local.bindings = {}
+        key = (tuple(map(id, state_in.values())), tuple(map(id, state_out.values())), tuple(fetch))
         entry = cache.get(key)
         if entry is None:
-            binding = self._sess.io_binding()
-            for name, value in state_in.items():
-                binding.bind_ortvalue_input(name, value)
-            for name, value in state_out.items():
-                binding.bind_ortvalue_output(name, value)
-            # Keep the OrtValues alive while cached, so their ids stay unique.
-            entry = (binding, list(state_in.values()), list(state_out.values()))
-            cache[key] = entry
-            while len(cache) > 4:
-                cache.popitem(last=False)
-        else:
-            cache.move_to_end(key)
-        binding = entry[0]
+            if len(cache) >= 4:
+                cache.clear()
+            entry = cache[key] = _Binding(self._sess, state_in, state_out)
         try:
-            for name, arr in feeds.items():
-                binding.bind_cpu_input(name, arr)
-            for name in fetch:
-                # Re-bind: otherwise onnxruntime reuses the previous run's buffer,
-                # whose shape is wrong once the batch size changes.
-                binding.bind_output(name, "cpu")
-            self._sess.run_with_iobinding(binding)
+            return entry.run(feeds, fetch, len(state_out), to_numpy)
         except Exception as exc:
             raise RuntimeError(f"{self.label}: onnxruntime failed: {exc}") from exc
-        if not fetch:
-            return {}
-        values = binding.get_outputs()
+
+
+class _Binding:
+    """One IOBinding with its state buffers bound once.
+
+    Per run only the feeds and fetched outputs are bound.  It talks to
+    onnxruntime's C-level binding objects directly where they exist: their
+    public Python wrappers add checks (graph capture, reference tracking)
+    that cost more than the whole run of a small model."""
+
+    _CPU = None
+
+    def __init__(self, sess: ort.InferenceSession, state_in, state_out) -> None:
+        binding = sess.io_binding()
+        for name, value in state_in.items():
+            binding.bind_ortvalue_input(name, value)
+        for name, value in state_out.items():
+            binding.bind_ortvalue_output(name, value)
+        # Keep the OrtValues alive while cached, so their ids stay unique.
+        self.keep = (list(state_in.values()), list(state_out.values()))
+        self.binding = binding
+        self.fast = hasattr(binding, "_iobinding") and hasattr(sess, "_sess")
+        self.c_binding = binding._iobinding if self.fast else None
+        self.c_session = sess._sess if self.fast else None
+        self.sess = sess
+        self.feeds: dict[str, np.ndarray] = {}
+        if self.fast and _Binding._CPU is None:
+            _Binding._CPU = ort.OrtDevice.make("cpu", 0)._get_c_device()
+
+    def run(self, feeds, fetch, n_state_out: int, to_numpy: bool) -> dict[str, Any]:
+        # Re-bind fetched outputs: otherwise onnxruntime reuses the previous
+        # run's buffer, whose shape is wrong once the batch size changes.
+        if self.fast:
+            c = self.c_binding
+            for name, arr in feeds.items():
+                c.bind_input(name, arr)
+            for name in fetch:
+                c.bind_output(name, self._CPU)
+            self.feeds = dict(feeds)  # the arrays must outlive the binding's use of them
+            self.c_session.run_with_iobinding(c, None)
+            if not fetch:
+                return {}
+            values = c.get_outputs()
+        else:
+            b = self.binding
+            for name, arr in feeds.items():
+                b.bind_cpu_input(name, arr)
+            for name in fetch:
+                b.bind_output(name, "cpu")
+            self.sess.run_with_iobinding(b)
+            if not fetch:
+                return {}
+            values = b.get_outputs()
         # Outputs come back in binding order: state outputs first, then fetches.
-        fetched = values[len(state_out) :]
         if to_numpy:
-            return {name: v.numpy() for name, v in zip(fetch, fetched)}
-        return dict(zip(fetch, fetched))
+            return {name: values[n_state_out + i].numpy() for i, name in enumerate(fetch)}
+        return {name: values[n_state_out + i] for i, name in enumerate(fetch)}
 
 
 class StateStore:
