@@ -244,23 +244,26 @@ class StateStore:
         """The current buffers of ``names`` (for the single writer, under its lock)."""
         return {n: self._current[n] for n in names}
 
-    def targets(self, names: Sequence[str]) -> dict[str, ort.OrtValue]:
+    def targets(self, names: Sequence[str]) -> list[ort.OrtValue]:
         """Spare buffers to write new values of ``names`` into (never a pinned one)."""
-        out = {}
+        out = []
         with self._mutex:
+            spares, pins = self._spare, self._pins
             for n in names:
-                spare = self._spare[n]
-                if spare is None or self._pins.get(id(spare)):
-                    spare = self._empty_like(self._current[n])
-                    self._spare[n] = spare
-                out[n] = spare
+                spare = spares[n]
+                if spare is None or (pins and pins.get(id(spare))):
+                    spare = spares[n] = self._empty_like(self._current[n])
+                out.append(spare)
         return out
 
-    def commit(self, names: Sequence[str]) -> None:
-        """Make the spare buffers of ``names`` current (all at once)."""
+    def commit(self, staged: Mapping[str, ort.OrtValue]) -> None:
+        """Make the staged buffers current (all at once); the old current
+        buffers become the spares."""
         with self._mutex:
-            for n in names:
-                self._current[n], self._spare[n] = self._spare[n], self._current[n]
+            current, spares = self._current, self._spare
+            for n, value in staged.items():
+                spares[n] = current[n]
+                current[n] = value
             self.version += 1
 
     def replace(self, arrays: Mapping[str, np.ndarray]) -> None:

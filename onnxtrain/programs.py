@@ -55,31 +55,46 @@ class FeedSpec:
 
     def check(self, value: Any, caller: str) -> np.ndarray:
         """The feed as a C-contiguous array of the right dtype and rank (or ValueError)."""
-        if isinstance(value, np.ndarray):
-            arr = value
-        else:
-            try:
-                arr = np.asarray(value, dtype=self.dtype)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(
-                    f"{caller}: feed {self.name!r} cannot be converted to {self.dtype}: {exc}"
-                ) from exc
-        if self.dtype is not None and arr.dtype != self.dtype:
+        arr = value if value.__class__ is np.ndarray else self._convert(value, caller)
+        if arr.dtype != self.dtype and self.dtype is not None:
             raise ValueError(
                 f"{caller}: feed {self.name!r} has dtype {arr.dtype}, expected {self.text}"
             )
         dims = self.dims
         if dims is not None:
             shape = arr.shape
-            if len(shape) != len(dims) or any(
-                d is not None and d != s for d, s in zip(dims, shape)
-            ):
-                raise ValueError(
-                    f"{caller}: feed {self.name!r} has shape {list(shape)}, expected {self.text}"
-                )
+            if len(shape) != len(dims):
+                self._bad_shape(shape, caller)
+            for axis, size in self.fixed:
+                if shape[axis] != size:
+                    self._bad_shape(shape, caller)
         if not arr.flags.c_contiguous:
             arr = np.array(arr, order="C")
         return arr
+
+    @property
+    def fixed(self) -> tuple[tuple[int, int], ...]:
+        """(axis, size) of every statically known dimension."""
+        cached = self.__dict__.get("_fixed")
+        if cached is None:
+            cached = tuple((a, d) for a, d in enumerate(self.dims or ()) if d is not None)
+            object.__setattr__(self, "_fixed", cached)
+        return cached
+
+    def _convert(self, value: Any, caller: str) -> np.ndarray:
+        if isinstance(value, np.ndarray):
+            return value
+        try:
+            return np.asarray(value, dtype=self.dtype)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"{caller}: feed {self.name!r} cannot be converted to {self.dtype}: {exc}"
+            ) from exc
+
+    def _bad_shape(self, shape: tuple, caller: str) -> None:
+        raise ValueError(
+            f"{caller}: feed {self.name!r} has shape {list(shape)}, expected {self.text}"
+        )
 
 
 @dataclass
@@ -104,6 +119,11 @@ class Program:
     state_specs: dict[str, FeedSpec] = field(default_factory=dict)
     #: Outputs a step returns: those no binding consumes, in program order.
     returned: list[str] = field(default_factory=list)
+    #: The binding plan: state variables written, the output each reads (first
+    #: binding of an output), and (key, source key) pairs for outputs bound twice.
+    bound_keys: tuple[str, ...] = ()
+    bound_values: tuple[str, ...] = ()
+    bound_copies: tuple[tuple[str, str], ...] = ()
 
 
 def _all_names(graph: onnx.GraphProto) -> set[str]:
@@ -188,6 +208,16 @@ def build_program(
             program.state_specs[vi.name] = FeedSpec.of(vi)
     bound = {v for _, v in program.bindings}
     program.returned = [o for o in program.outputs if o not in bound]
+    first: dict[str, str] = {}
+    copies = []
+    for key, value in program.bindings:
+        if value in first:
+            copies.append((key, first[value]))
+        else:
+            first[value] = key
+    program.bound_keys = tuple(first.values())
+    program.bound_values = tuple(first)
+    program.bound_copies = tuple(copies)
     return program
 
 

@@ -90,6 +90,7 @@ class TrainingSession:
         self._input_names = set(self._inference.feeds) | set(self._inference.optional_feeds)
         for p in self._algorithms:
             self._input_names |= set(p.feeds) | set(p.optional_feeds)
+        self._known_names = frozenset(self._input_names | set(tm.state))
 
     # ------------------------------------------------------------ properties
     @property
@@ -211,17 +212,18 @@ class TrainingSession:
         return out
 
     def _check_names(self, feeds: Mapping[str, Any], caller: str) -> None:
-        if not isinstance(feeds, Mapping):
+        try:
+            if feeds.keys() <= self._known_names:
+                return
+        except AttributeError:
             raise TypeError(
                 f"{caller}: feeds must be a dict of name -> array, not {type(feeds).__name__}"
-            )
-        state = self._model.state
-        unknown = [k for k in feeds if k not in self._input_names and k not in state]
-        if unknown:
-            raise ValueError(
-                f"{caller}: unknown feed {unknown[0]!r}; the model's inputs are "
-                f"{sorted(self._input_names)}"
-            )
+            ) from None
+        unknown = [k for k in feeds if k not in self._known_names]
+        raise ValueError(
+            f"{caller}: unknown feed {unknown[0]!r}; the model's inputs are "
+            f"{sorted(self._input_names)}"
+        )
 
     def _run_and_stage(
         self,
@@ -237,31 +239,26 @@ class TrainingSession:
         earlier programs of the same transaction wrote; it is extended with
         this program's.  Returns the unbound outputs (numpy) if ``fetch``."""
         store = self._store
-        reads = [n for n in program.state_inputs if n not in feeds]
-        state_in = store.current([n for n in reads if n not in pending])
-        state_in.update({n: pending[n] for n in reads if n in pending})
-        keys = [k for k, _ in program.bindings]
-        targets = store.targets(keys)
-        state_out: dict[str, Any] = {}
-        copies: list[tuple[str, str]] = []
-        for key, value in program.bindings:
-            if value in state_out:
-                copies.append((key, value))  # two variables bound to one output
-            else:
-                state_out[value] = targets[key]
-        wanted = program.returned if fetch else []
+        state_in = store.current(program.state_inputs)
+        if pending:
+            for n in program.state_inputs:
+                if n in pending:
+                    state_in[n] = pending[n]
+        targets = store.targets(program.bound_keys + tuple(k for k, _ in program.bound_copies))
+        state_out = dict(zip(program.bound_values, targets))
         executor = self._executor(program)
         try:
-            outputs = executor.run_bound(feeds, state_in, state_out, wanted)
+            outputs = executor.run_bound(feeds, state_in, state_out, program.returned if fetch else ())
         except RuntimeError as exc:
             self._diagnose(program, feeds, state_in, field)
             raise exc
-        first = {v: k for k, v in reversed(program.bindings)}
-        for key, value in copies:
-            targets[key].update_inplace(np.asarray(targets[first[value]].numpy()))
+        staged = dict(zip(program.bound_keys, targets))
+        for (key, source), buffer in zip(program.bound_copies, targets[len(program.bound_keys):]):
+            buffer.update_inplace(np.asarray(staged[source].numpy()))  # one output, two variables
+            staged[key] = buffer
         if self._check_finite:
-            _check_finite(program, targets, field)
-        pending.update(targets)
+            _check_finite(program, staged, field)
+        pending.update(staged)
         return outputs
 
     def _diagnose(
@@ -296,30 +293,39 @@ class TrainingSession:
         combined-graph output that no update_binding consumes (later
         algorithms win on equal names); ``fetch=False`` returns nothing and
         skips those transfers, for tight loops."""
-        if not self._algorithms:
-            raise TrainingModelError("the model has no training_info: there is nothing to train")
+        algorithms = self._algorithms
         if algorithm is None:
-            indices = range(len(self._algorithms))
-        else:
-            if not isinstance(algorithm, (int, np.integer)) or not (
-                0 <= algorithm < len(self._algorithms)
-            ):
-                raise ValueError(
-                    f"train_step: algorithm must be None or an index in "
-                    f"[0, {len(self._algorithms)}), got {algorithm!r}"
+            if not algorithms:
+                raise TrainingModelError(
+                    "the model has no training_info: there is nothing to train"
                 )
-            indices = (int(algorithm),)
+            programs = algorithms
+        elif (type(algorithm) is int or isinstance(algorithm, np.integer)) and 0 <= algorithm < len(
+            algorithms
+        ):
+            programs = (algorithms[algorithm],)
+        elif not algorithms:
+            raise TrainingModelError("the model has no training_info: there is nothing to train")
+        else:
+            raise ValueError(
+                f"train_step: algorithm must be None or an index in "
+                f"[0, {len(algorithms)}), got {algorithm!r}"
+            )
         self._check_names(feeds, "train_step")
-        programs = [self._algorithms[i] for i in indices]
         checked = [self._user_feeds(p, feeds, False, "train_step") for p in programs]
         with self._lock:
             pending: dict[str, Any] = {}
-            outputs: dict[str, np.ndarray] = {}
-            for program, program_feeds in zip(programs, checked):
-                outputs.update(
-                    self._run_and_stage(program, program_feeds, pending, fetch, "update_binding")
-                )
-            self._store.commit(list(pending))  # all bindings at once (R9)
+            if len(programs) == 1:
+                outputs = self._run_and_stage(programs[0], checked[0], pending, fetch,
+                                              "update_binding")
+            else:
+                outputs = {}
+                for program, program_feeds in zip(programs, checked):
+                    outputs.update(
+                        self._run_and_stage(program, program_feeds, pending, fetch,
+                                            "update_binding")
+                    )
+            self._store.commit(pending)  # all bindings at once (R9)
         return outputs
 
     def initialize(self) -> None:
@@ -330,7 +336,7 @@ class TrainingSession:
                 if program is None or not program.bindings:
                     continue
                 self._run_and_stage(program, {}, pending, False, "initialization_binding")
-            self._store.commit(list(pending))
+            self._store.commit(pending)
 
     def run(
         self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None

@@ -189,3 +189,76 @@ def cumsum_vjp(ctx, dy):
     reverse = int(ctx.attr("reverse", 0))
     exclusive = int(ctx.attr("exclusive", 0))
     return ctx.emit.CumSum(dy, axis, exclusive=exclusive, reverse=1 - reverse), None
+
+
+@vjp("CumProd")
+def cumprod_vjp(ctx, dy):
+    """y_i = prod_{k <= i} x_k (k < i when exclusive; from the end when reverse)
+    ->  dx_j = sum_{i >= j} dy_i prod_{k <= i, k != j} x_k     (i > j when exclusive)
+
+    Where x_j != 0 the product is y_i / x_j, so dx_j = T_j / x_j with T the
+    cumulative sum of dy * y taken the other way (same exclusive flag).  Where
+    x_j == 0 the product vanishes unless j is the only zero among the k it
+    multiplies; with x' = x with its zeros replaced by 1, Q = CumProd(x') and
+    one_zero_i = [exactly one zero among those k],
+        dx_j = S_j,  S = the reversed cumulative sum of dy * Q * one_zero
+    (0 for every zero but the first, whose prefixes all hold two zeros).  All
+    of it is cumulative ops along the node's axis, so the axis may be a
+    runtime value, and zeros are exact.  Reuses y.  The axis gets none."""
+    x, axis = ctx.inputs
+    y = ctx.outputs[0]
+    e = ctx.emit
+    if not ctx.needs(0):
+        return None, None
+    exclusive = int(ctx.attr("exclusive", 0)) or None
+    reverse = int(ctx.attr("reverse", 0))
+    back = 1 - reverse or None  # the adjoint accumulates the other way
+    forth = reverse or None
+    zero, one = ctx.const(0.0, like=x), ctx.const(1.0, like=x)
+    is_zero = float_equal(ctx, x, zero)
+    safe = e.Where(is_zero, one, x)
+    total = e.CumSum(e.Mul(dy, y), axis, exclusive=exclusive, reverse=back)
+    nonzero_part = e.Div(total, safe)
+    zeros_seen = e.CumSum(e.Cast(is_zero, to=ctx.dtype(x)), axis, exclusive=exclusive, reverse=forth)
+    one_zero = e.Cast(float_equal(ctx, zeros_seen, one), to=ctx.dtype(x))
+    products = e.CumProd(safe, axis, exclusive=exclusive, reverse=forth)
+    zero_part = e.CumSum(e.Mul(e.Mul(dy, products), one_zero), axis, exclusive=exclusive, reverse=back)
+    return e.Where(is_zero, zero_part, nonzero_part), None
+
+
+# ------------------------------------------------------------ determinant
+
+
+@vjp("Det")
+def det_vjp(ctx, dy):
+    """y = det(X) over the last two axes  ->  dX = dy * C,  C_ij = (-1)^(i+j) det(M_ij)
+
+    C is the cofactor matrix (det(X) inv(X)^T where X is invertible, and still
+    exact where it is not); M_ij is X without row i and column j.  The minors
+    are the op itself on a batch of n^2 matrices gathered from the bordered
+    matrix B = [[1, 0], [0, X]]: removing row i + 1 and column j + 1 of B leaves
+    diag(1, M_ij), whose determinant is det(M_ij), and which is never 0 x 0
+    (so 1 x 1 inputs work too).  Memory is O(n^4) per matrix."""
+    (x,) = ctx.inputs
+    e = ctx.emit
+    rank = ctx.require_rank(x)
+    batch = rank - 2
+    n = e.dim(x, -1)
+    one = ctx.const(1.0, like=x)
+    bordered = e.Pad(x, e.ints([0] * batch + [1, 1] + [0] * batch + [0, 0]))
+    rows = e.Range(e.scalar_int(0), e.reshape(e.Add(n, e.ints([1])), []), e.scalar_int(1))
+    first = e.Equal(rows, e.ints([0]))
+    corner = e.And(e.unsqueeze(first, [1]), e.unsqueeze(first, [0]))
+    bordered = e.Where(corner, one, bordered)
+    k = e.Range(e.scalar_int(0), e.reshape(n, []), e.scalar_int(1))
+    i = e.unsqueeze(k, [1])
+    # keep[i, k] = the k-th row (column) of B left after removing row (column) i + 1
+    keep = e.Add(e.unsqueeze(k, [0]), e.Cast(e.Greater(e.unsqueeze(k, [0]), i), to=7))
+    picked = e.Gather(e.Gather(bordered, keep, axis=batch), keep, axis=batch + 2)
+    # [..., i, k, j, l] -> [..., i, j, k, l]
+    perm = list(range(batch)) + [batch, batch + 2, batch + 1, batch + 3]
+    minors = e.Det(e.Transpose(picked, perm=perm))  # [..., n, n]
+    parity = e.Mod(e.Add(i, e.unsqueeze(k, [0])), e.ints([2]))
+    sign = e.Sub(one, e.Mul(ctx.const(2.0, like=x), e.Cast(parity, to=ctx.dtype(x))))
+    cofactor = e.Mul(minors, sign)
+    return (e.Mul(e.unsqueeze(dy, [batch, batch + 1]), cofactor),)

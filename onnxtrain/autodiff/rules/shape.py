@@ -124,12 +124,25 @@ def _no_grad_rest(ctx: VJPContext, dx: str | None) -> tuple:
 # ------------------------------------------------------------ reshaping
 
 
+def reshape_to(e: Emitter, t: str, shape: str) -> str:
+    """Reshape ``t`` to the literal runtime shape ``shape`` (a Shape() of some tensor).
+
+    From opset 14 with allowzero=1: a 0 in ``shape`` is a zero-sized dim, never
+    'copy this dim of t' (before 14, Reshape has only the copy reading)."""
+    if e.opset >= 14:
+        return e.Reshape(t, shape, allowzero=1)
+    return e.Reshape(t, shape)
+
+
 @vjp("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 def reshape_vjp(ctx, dy):
-    """y = reshape(x)  ->  dx = reshape(dy, shape(x))   (shape or axes inputs get none)"""
+    """y = reshape(x)  ->  dx = reshape(dy, shape(x))   (shape or axes inputs get none)
+
+    The backward Reshape reads Shape(x) literally (allowzero=1 from opset 14),
+    so a zero-sized dim of x stays zero-sized."""
     x = ctx.inputs[0]
     e = ctx.emit
-    return _no_grad_rest(ctx, e.Reshape(dy, e.Shape(x)) if ctx.needs(0) else None)
+    return _no_grad_rest(ctx, reshape_to(e, dy, e.Shape(x)) if ctx.needs(0) else None)
 
 
 @vjp("Transpose")
@@ -573,3 +586,142 @@ def topk_vjp(ctx, dvalues, dindices=None):
     indices = ctx.forward_output(1)
     dx = scatter_unique(e, e.zeros_like(x), indices, dvalues, axis)
     return (dx,) + (None,) * (len(ctx.inputs) - 1)
+
+
+# ------------------------------------------------- more selections and scatters
+
+
+def gather_elements(e: Emitter, data: str, idx: str, axis: int, rank: int) -> str:
+    """GatherElements(data, idx, axis), also before opset 11.
+
+    Before opset 11, every element of idx is turned into a flat position in
+    data (idx along ``axis``, its own coordinate along the other axes, times
+    data's row-major strides) and read with a Gather from the flat data."""
+    if e.opset >= 11:
+        return e.GatherElements(data, idx, axis=axis)
+    idx = wrap_negative(e, int64(e, idx), e.dim(data, axis))
+    stride = e.ints([1])
+    flat = None
+    for d in reversed(range(rank)):
+        if d == axis:
+            coord = idx
+        else:
+            coord = along_axis(e, arange(e, e.dim(idx, d)), d, rank)
+        term = e.Mul(coord, stride)
+        flat = term if flat is None else e.Add(flat, term)
+        stride = e.Mul(stride, e.dim(data, d))
+    return e.Gather(e.reshape(data, [-1]), flat, axis=0)
+
+
+@vjp("Scatter")
+def scatter_vjp(ctx, dy):
+    """Scatter (opsets 9-10; ScatterElements under its old name):
+    y = x with y[p(idx)] = u
+    ->  dx = dy with the overwritten positions zeroed, du = gather_elements(dy, idx);
+        idx gets none"""
+    data, indices, updates = ctx.inputs
+    e = ctx.emit
+    rank = ctx.require_rank(data)
+    axis = int(ctx.attr("axis", 0)) % rank
+    ddata = dupdates = None
+    if ctx.needs(0):
+        ddata = scatter_unique(e, dy, indices, e.zeros_like(updates), axis)
+    if ctx.needs(2):
+        dupdates = gather_elements(e, dy, indices, axis, rank)
+    return ddata, None, dupdates
+
+
+@vjp("Compress")
+def compress_vjp(ctx, dy):
+    """y = the slices of x (along axis; the elements of flat x without axis)
+    where condition is true
+    ->  dx = zeros with dy scattered back at the positions NonZero(condition);
+        condition gets none"""
+    x, condition = ctx.inputs[:2]
+    e = ctx.emit
+    if not ctx.needs(0):
+        return None, None
+    positions = e.reshape(e.NonZero(condition), [-1])
+    zeros = zeros_of_shape(e, e.Shape(x), ctx.dtype(dy))
+    axis = ctx.attr("axis")
+    if axis is None:
+        flat = scatter_unique(e, e.reshape(zeros, [-1]), positions, e.reshape(dy, [-1]), 0)
+        return reshape_to(e, flat, e.Shape(x)), None
+    rank = ctx.require_rank(x)
+    axis = int(axis) % rank
+    where = e.Expand(along_axis(e, positions, axis, rank), e.Shape(dy))
+    return scatter_unique(e, zeros, where, dy, axis), None
+
+
+@vjp("ReverseSequence")
+def reverse_sequence_vjp(ctx, dy):
+    """y = x with the first seq_lens[b] time steps of every batch entry b reversed
+    ->  dx = ReverseSequence(dy) with the same lengths (the permutation is its
+        own inverse); sequence_lens gets none"""
+    attrs = {a: ctx.attr(a) for a in ("batch_axis", "time_axis") if ctx.attr(a) is not None}
+    return ctx.emit.ReverseSequence(dy, ctx.inputs[1], **attrs), None
+
+
+@vjp("TensorScatter")
+def tensor_scatter_vjp(ctx, dy):
+    """present = past with update[b, .., t, ..] written at position p(b, t) along
+    axis, p(b, t) = write_indices[b] + t (mod max_len in 'circular' mode)
+    ->  dpast = dy with the written positions zeroed,
+        dupdate = gather_elements(dy, p) along axis; write_indices get none"""
+    past, update = ctx.inputs[:2]
+    e = ctx.emit
+    rank = ctx.require_rank(past)
+    axis = int(ctx.attr("axis", -2)) % rank
+    mode = ctx.attr("mode", "linear")
+    if mode not in ("linear", "circular"):
+        raise GradientError(f"TensorScatter node {ctx.node.name!r}: unknown mode {mode!r}")
+    if axis == 0:
+        raise GradientError(
+            f"TensorScatter node {ctx.node.name!r}: axis 0 is the batch axis that "
+            "write_indices index; the sequence axis must be another one"
+        )
+    write = ctx.input(2)
+    steps = e.unsqueeze(arange(e, e.dim(update, axis)), [0])  # [1, S]
+    if write is None:
+        pos = steps
+    else:
+        pos = e.Add(e.unsqueeze(int64(e, write), [1]), steps)  # [B, S]
+    if mode == "circular":
+        pos = e.Mod(pos, e.dim(past, axis))
+    # [B, S] -> [B, 1, .., S (at axis), .., 1], then update's shape
+    lifted = [a for a in range(1, rank) if a != axis]
+    idx = e.Expand(e.unsqueeze(pos, lifted) if lifted else pos, e.Shape(update))
+    dpast = dupdate = None
+    if ctx.needs(0):
+        dpast = e.ScatterElements(dy, idx, e.zeros_like(update), axis=axis)
+    if ctx.needs(1):
+        dupdate = e.GatherElements(dy, idx, axis=axis)
+    return (dpast, dupdate, None)[: len(ctx.inputs)]
+
+
+@vjp("Unique")
+def unique_vjp(ctx, dy, *_):
+    """y = the distinct elements of x (flat; the distinct slices along axis),
+    inverse = for each x element (slice) its entry in y, counts = its multiplicity
+    ->  dx = dy[inverse] / counts[inverse]
+
+    Equal x entries are one y entry: its gradient is shared evenly among them
+    (as ReduceMax shares ties), so the rule reads the inverse_indices and
+    counts outputs (added to the node when absent).  The other outputs are
+    integer."""
+    (x,) = ctx.inputs
+    e = ctx.emit
+    if dy is None or not ctx.needs(0):
+        return (None,)
+    et = ctx.dtype(x)
+    inverse = ctx.forward_output(2)
+    counts = ctx.forward_output(3)
+    share = e.Cast(e.Gather(counts, inverse, axis=0), to=et)
+    axis = ctx.attr("axis")
+    if axis is None:
+        flat = e.Div(e.Gather(dy, inverse, axis=0), share)
+        return (reshape_to(e, flat, e.Shape(x)),)
+    rank = ctx.require_rank(x)
+    axis = int(axis) % rank
+    picked = e.Gather(dy, inverse, axis=axis)
+    return (e.Div(picked, along_axis(e, share, axis, rank)),)
