@@ -1,0 +1,31 @@
+"""The README's quick start runs as written."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_quick_start_runs(tmp_path):
+    text = README.read_text()
+    section = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert len(code.strip().splitlines()) <= 15
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        exec(compile(code, "README quick start", "exec"), {})
+    finally:
+        os.chdir(cwd)
+    assert (tmp_path / "trained.onnx").exists() and (tmp_path / "checkpoint.onnx").exists()
+
+
+def test_readme_gives_the_two_commands_and_ci_runs_the_test_one():
+    text = README.read_text()
+    ci = (README.parent / ".ci" / "run").read_text()
+    test_cmd = "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest -q -n 2"
+    assert test_cmd in text and test_cmd in ci
+    assert "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/onnxtrain demo" in text
