@@ -7,8 +7,9 @@ One program per use: ``inference`` (M), ``algorithm i`` (M ⊕ A_i) and
 2. turn every state variable it holds into a graph input (fed from the state),
 3. expand Gradient nodes into backward graphs (autodiff),
 4. lower Adam / Momentum / Adagrad to standard ops (optim),
-5. prune nodes no output needs and sort topologically,
-6. drop the ai.onnx.preview.training import; the executor caps the IR version.
+5. fold scaled updates of Gemm products into the Gemm (fuse),
+6. prune nodes no output needs and sort topologically,
+7. drop the ai.onnx.preview.training import; the executor caps the IR version.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from onnx import helper
 from .autodiff import expand_gradients
 from .errors import TrainingModelError
 from .executor import MAX_IR_VERSION
+from .fuse import fuse_gemm_updates
 from .graph import PREVIEW_DOMAIN, node_inputs, prune, toposort
 from .model import TrainingModel, combined_graph, uses_preview_ops
 from .names import NameGen
@@ -174,6 +176,7 @@ def build_program(
         if uses_preview_ops(g):
             expand_gradients(g, opset_imports, names, available, proto.functions)
             lower_optimizers(g, opset_imports, names)
+            fuse_gemm_updates(g, opset_imports)
         outputs = [o.name for o in g.output]
         nodes = prune(toposort(list(g.node), available, where=label), outputs)
     except TrainingModelError as exc:

@@ -274,3 +274,18 @@ def test_batch_size_may_change_between_steps_and_runs():
         out = sess.train_step({"X": x[:n], "label": labels[:n]})
         assert out["logits"].shape == (n, 3)
         assert sess.run({"X": x[:n]})["logits"].shape == (n, 3)
+
+
+def test_sgd_updates_fuse_into_the_weight_gradient_gemm():
+    """W - lr * Gemm(h, dZ) becomes one Gemm with C=W (no extra pass over W)."""
+    sess = TrainingSession(mlp_classifier("sgd", lr=0.1))
+    program = sess.programs()["training_info[0].algorithm"]
+    fused = [n for n in program.graph.node if n.op_type == "Gemm" and len(n.input) == 3
+             and n.input[2] in ("W1", "W2")]
+    assert sorted(n.input[2] for n in fused) == ["W1", "W2"]
+
+
+def test_no_fusion_when_float32_attributes_would_round_a_float64_step():
+    sess = TrainingSession(linear_regression("sgd", lr=0.05, dtype=np.float64))
+    program = sess.programs()["training_info[0].algorithm"]
+    assert not [n for n in program.graph.node if "fused_update" in n.name]

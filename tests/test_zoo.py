@@ -578,17 +578,23 @@ def test_dropout_training_mode_gradient_is_mask():
     np.testing.assert_allclose(out["grad_W"], x.T @ (r * mask) / (1 - ratio), rtol=1e-12)
 
 
-def test_det_gradient_is_a_clear_error():
-    """Det has no gradient rule: building the session fails and names the op
-    (peers return a silent 0)."""
-    et = TensorProto.DOUBLE
+def test_det_gradient_is_exact_not_a_silent_zero():
+    """A peer returns a silent 0 for Det.  onnxtrain differentiates it:
+    d det(A) / dA = det(A) * inv(A)^T, checked against numpy for a batch
+    (float32: onnxruntime has no float64 Det kernel)."""
+    et = TensorProto.FLOAT
+    a = np.random.default_rng(9).standard_normal((2, 3, 3)).astype(np.float32)
     train_nodes = [node("Mul", ["A", "X"], ["AX"]), node("Det", ["AX"], ["det"]),
                    node("Mul", ["det", "T"], ["dt"]), node("ReduceSum", ["dt"], ["loss"], keepdims=0)]
     net = Net([node("Mul", ["A", "X"], ["Y"])], [vi("X", et, [1])], [vi("Y", et, [2, 3, 3])],
-              {"A": np.random.default_rng(9).standard_normal((2, 3, 3))}, train_nodes,
-              vi("T", et, [2]), {"X": np.ones(1), "T": np.ones(2)}, opset=17)
-    with pytest.raises(GradientError, match="Det"):
-        TrainingSession(training_model(net, "sgd", 0.1))
+              {"A": a}, train_nodes, vi("T", et, [2]),
+              {"X": np.ones(1, np.float32), "T": np.ones(2, np.float32)}, opset=17)
+    lr = 0.1
+    session = TrainingSession(training_model(net, "sgd", lr))
+    session.train_step({"X": np.ones(1, np.float32), "T": np.ones(2, np.float32)})
+    a64 = a.astype(np.float64)
+    expected_grad = np.linalg.det(a64)[:, None, None] * np.linalg.inv(a64).transpose(0, 2, 1)
+    np.testing.assert_allclose(session.state["A"], a64 - lr * expected_grad, rtol=1e-5, atol=1e-6)
 
 
 LOSSES = {
