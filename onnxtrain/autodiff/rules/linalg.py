@@ -147,6 +147,19 @@ def matmul_vjp(ctx, dy):
             _gemm(ctx, a, dy, 1, 0, 1.0) if want_b else None,
         )
 
+    if rb == 2 and ra > 2 and e.opset >= 5:
+        # A batch of rows times one weight matrix (a dense layer on a sequence):
+        # flatten the batch into the rows, so that each gradient is one Gemm
+        # rather than a batched MatMul followed by a ReduceSum over the batch.
+        rows = lambda t: e.Reshape(t, e.concat([e.ints([-1]), e.dim(t, -1)]))  # noqa: E731
+        dy_rows = rows(dy)
+        da = db = None
+        if want_a:
+            da = e.Reshape(_gemm(ctx, dy_rows, b, 0, 1, 1.0), e.Shape(a))
+        if want_b:
+            db = _gemm(ctx, rows(a), dy_rows, 1, 0, 1.0)
+        return da, db
+
     # Bring everything to rank >= 2 with a matrix core.
     a2 = e.unsqueeze(a, [0]) if ra == 1 else a
     b2 = e.unsqueeze(b, [1]) if rb == 1 else b
