@@ -107,6 +107,13 @@ FLOAT32_ONLY.update({
     "to adds a float epsilon",
     "Mish": "the gradient of Mish emits Softplus, which has no double kernel",
     "Shrink": "onnxruntime's double Shrink rounds its result to float32",
+    "Resize": "no double kernel for Resize",
+    "Upsample": "no double kernel for Upsample",
+    "Col2Im": "no double kernel for Col2Im",
+    "MaxUnpool": "no double kernel for MaxUnpool",
+    "MaxRoiPool": "no double kernel for MaxRoiPool",
+    "Det": "no double kernel for Det",
+    "DequantizeLinear": "the ONNX schema allows no double scale (float, float16, bfloat16)",
 })
 #: Single cases that run in float32 (case name -> why).
 FLOAT32_CASES: dict[str, str] = {
@@ -147,7 +154,10 @@ UNIT_ROUNDOFF = {"f64": 2.0**-53, "f32": 2.0**-24, "given": 2.0**-8}
 #: keeps float32 rounding small (the case inputs of AveragePool are 1..25).
 TOLERANCE: dict[str, dict[str, float]] = {
     op: dict(eps=1.0)
-    for op in ("AveragePool", "Conv", "ConvTranspose", "GlobalAveragePool", "Mean")
+    for op in (
+        "AveragePool", "Conv", "ConvTranspose", "GlobalAveragePool", "Mean",
+        "Resize", "Upsample", "Col2Im", "MaxUnpool", "DequantizeLinear",
+    )
 }
 
 
@@ -194,6 +204,27 @@ XFAIL: dict[str, str] = {
     **_each("non-differentiable point: ratio = 0 is the lower end of Dropout's domain [0, 1); the "
             "finite-difference step makes it negative, which onnxruntime rejects",
             "test_training_dropout_zero_ratio", "test_training_dropout_zero_ratio_mask"),
+    **_each("non-differentiable point: grid points at pixel centres (integer coordinates), where "
+            "linear interpolation has a kink (the slope jumps between neighbouring pixel differences)",
+            "test_gridsample_aligncorners_true", "test_gridsample_bilinear",
+            "test_gridsample_bilinear_align_corners_1_additional_1",
+            "test_gridsample_volumetric_bilinear_align_corners_0",
+            "test_gridsample_volumetric_bilinear_align_corners_1"),
+    **_each("non-differentiable point: grid points on rounding ties (half-integer coordinates), where "
+            "nearest sampling jumps from one pixel to the next",
+            "test_gridsample_nearest", "test_gridsample_nearest_align_corners_0_additional_1",
+            "test_gridsample_nearest_align_corners_1_additional_1",
+            "test_gridsample_volumetric_nearest_align_corners_0",
+            "test_gridsample_volumetric_nearest_align_corners_1"),
+    **_each("non-differentiable point: x holds repeated values; any step splits them and changes the "
+            "size of Unique's output",
+            "test_unique_bfloat16_sorted_without_axis", "test_unique_not_sorted_without_axis",
+            "test_unique_sorted_with_axis", "test_unique_sorted_with_axis_3d",
+            "test_unique_sorted_with_negative_axis", "test_unique_sorted_without_axis"),
+    **_each("non-differentiable point: almost every offset is 0 (sampling points on pixel centres), "
+            "where bilinear sampling has a kink in the offsets",
+            "test_basic_deform_conv_with_padding", "test_basic_deform_conv_without_padding",
+            "test_deform_conv_with_mask_bias", "test_deform_conv_with_multiple_offset_groups"),
     # ---------------------------------------------------------- stochastic ops
     **_each("stochastic op: training-mode Dropout draws a new mask at every onnxruntime run, so the "
             "two finite-difference runs see different masks",
@@ -293,6 +324,26 @@ XFAIL: dict[str, str] = {
             "test_attention_4d_causal_padded_kv_bf16_expanded",
             "test_attention_4d_causal_nonpad_negative_offset_structural_empty_expanded",
             "test_attention_local_window_gqa_rank4_mask_expanded"),
+    **_each("rule limitation: a gradient with respect to Resize's scales is refused (sizes, not data); "
+            "the case feeds them as a graph input",
+            "test_resize_downsample_scales_cubic", "test_resize_downsample_scales_cubic_A_n0p5_exclude_outside",
+            "test_resize_downsample_scales_cubic_align_corners", "test_resize_downsample_scales_cubic_antialias",
+            "test_resize_downsample_scales_linear", "test_resize_downsample_scales_linear_align_corners",
+            "test_resize_downsample_scales_linear_antialias",
+            "test_resize_downsample_scales_linear_half_pixel_symmetric", "test_resize_downsample_scales_nearest",
+            "test_resize_upsample_scales_cubic", "test_resize_upsample_scales_cubic_A_n0p5_exclude_outside",
+            "test_resize_upsample_scales_cubic_align_corners", "test_resize_upsample_scales_cubic_asymmetric",
+            "test_resize_upsample_scales_linear", "test_resize_upsample_scales_linear_align_corners",
+            "test_resize_upsample_scales_linear_half_pixel_symmetric", "test_resize_upsample_scales_nearest",
+            "test_resize_upsample_scales_nearest_axes_2_3", "test_resize_upsample_scales_nearest_axes_3_2",
+            "test_upsample_nearest"),
+    **_each("rule limitation: a gradient with respect to Resize's roi is refused (box coordinates, "
+            "not data); the case feeds it as a graph input",
+            "test_resize_tf_crop_and_resize", "test_resize_tf_crop_and_resize_axes_2_3",
+            "test_resize_tf_crop_and_resize_axes_3_2", "test_resize_tf_crop_and_resize_extrapolation_value"),
+    **_each("rule limitation: a gradient with respect to RoiAlign's rois is refused (box coordinates, "
+            "not data); the case feeds them as a graph input",
+            "test_roialign_aligned_false", "test_roialign_aligned_true", "test_roialign_mode_max"),
     # ---------------------------------------------------------- function bodies
     **_each("onnxruntime: its Attention kernel handles nonpad_kv_seqlen differently from the ONNX "
             "function body that defines the op, which the gradient follows (the _expanded twin, "
@@ -672,6 +723,9 @@ def build(case: Case) -> tuple[onnx.ModelProto, onnx.ModelProto, dict[str, Any],
     g.output.append(helper.make_tensor_value_info(loss_abs, TensorProto.DOUBLE, []))
     if not any(o.domain == PREVIEW_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(PREVIEW_DOMAIN, 1))
+    if not any(o.domain in ("", "ai.onnx") for o in model.opset_import):
+        # ai.onnx.ml-only cases: the loss and the gradients are default-domain ops
+        model.opset_import.append(helper.make_opsetid("", 17))
 
     grad_model = onnx.ModelProto()
     grad_model.CopyFrom(model)
