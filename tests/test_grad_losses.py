@@ -97,3 +97,47 @@ def test_sce_float32():
     inputs, attrs = _case((4, 5, 3), 2, True, seed=6)
     g = check_vjp_f32("SoftmaxCrossEntropyLoss", inputs, attrs, wrt=["x"], oracle="ort64", symbolic=True)
     assert g["x"].dtype == np.float32
+
+
+# ------------------------------------------------- the class weights' gradient
+WEIGHT_CASES = [
+    (shape, reduction, ignore)
+    for shape in ((5, 4), (3, 4, 2))
+    for reduction in ("none", "sum", "mean")
+    for ignore in (None, 1)
+]
+
+
+@pytest.mark.parametrize("op", ["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"])
+@pytest.mark.parametrize("shape,reduction,ignore", WEIGHT_CASES)
+def test_loss_weight_gradient(op, shape, reduction, ignore):
+    """d loss / d weight: linear for 'none' and 'sum', the quotient rule for 'mean'."""
+    inputs, attrs = _case(shape, ignore, True, seed=7)
+    check_vjp(op, inputs, {**attrs, "reduction": reduction}, wrt=["x", "w"], opset=13)
+
+
+@pytest.mark.parametrize("op", ["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"])
+@pytest.mark.parametrize("opset", [12, 15, 17])
+def test_loss_weight_gradient_opsets_and_symbolic(op, opset):
+    """Before opset 16 the weights' scatter-add is a one-hot product; symbolic shapes."""
+    inputs, attrs = _case((2, 3, 2, 2), -1, True, seed=8)
+    check_vjp(op, inputs, {**attrs, "reduction": "mean"}, wrt=["w"], opset=opset)
+    if opset >= 13:
+        check_vjp(op, inputs, {**attrs, "reduction": "sum"}, wrt=["x", "w"], opset=opset, symbolic=True)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_sce_weight_gradient_with_log_prob_output(reduction):
+    inputs, attrs = _case((3, 4, 2), 1, True, seed=9)
+    check_vjp(
+        "SoftmaxCrossEntropyLoss", inputs, {**attrs, "reduction": reduction}, wrt=["w"],
+        n_outputs=2, opset=17,
+    )
+
+
+def test_weight_gradient_float32():
+    inputs, attrs = _case((4, 5, 3), 2, True, seed=10)
+    g = check_vjp_f32(
+        "NegativeLogLikelihoodLoss", inputs, attrs, wrt=["x", "w"], oracle="ort64", symbolic=True
+    )
+    assert g["w"].dtype == np.float32 and np.any(g["w"])

@@ -462,3 +462,27 @@ def test_scatter_mul_reduction_is_an_error():
             {"reduction": "mul"},
             opset=18,
         )
+
+
+@pytest.mark.parametrize("opset", [14, 19, 21])
+@pytest.mark.parametrize(
+    "x_shape, target, allowzero",
+    [((0, 3), [3, 0], 1), ((2, 0, 3), [0, 2, 3], 1), ((4, 0), [2, 2, 0], 1), ((2, 3), [3, 0], 0)],
+)
+def test_reshape_zero_sized_dims(opset, x_shape, target, allowzero):
+    """The backward Reshape reads Shape(x) literally: x's zero-sized dims stay
+    zero-sized (allowzero=1), whatever the forward node's allowzero."""
+    x = np.zeros(x_shape) if 0 in x_shape else np.random.default_rng(0).standard_normal(x_shape)
+    if 0 not in x_shape:
+        target = [0, -1]  # allowzero=0: 0 copies x's dim 0
+    g = check_vjp(
+        "Reshape", {"x": x}, {"allowzero": allowzero}, node_inputs=["x", "s"],
+        extra_nodes=[const_node("s", target)], opset=opset,
+    )
+    assert g["x"].shape == x_shape
+
+
+def test_unsqueeze_of_zero_sized_dim():
+    g = check_vjp("Unsqueeze", {"x": np.zeros((3, 0, 2))}, node_inputs=["x", "a"],
+                  extra_nodes=[const_node("a", [0])], opset=18)
+    assert g["x"].shape == (3, 0, 2)

@@ -1330,7 +1330,9 @@ class _ResizeSpec:
         ctx = self.ctx
         if self.upsample or ctx.opset < 11:
             return {"mode": self.mode}
-        names = ["mode", "coordinate_transformation_mode", "cubic_coeff_a", "exclude_outside", "nearest_mode"]
+        names = [
+            "mode", "coordinate_transformation_mode", "cubic_coeff_a", "exclude_outside", "nearest_mode",
+        ]
         if ctx.opset >= 18:
             names.append("antialias")
         attrs = {a: ctx.attr(a) for a in names if ctx.attr(a) is not None}
@@ -1383,7 +1385,8 @@ class _ResizeSpec:
             roi_t = ctx.dtype(self.roi)
             start = e.slice(self.roi, [j], [j + 1])
             end = e.slice(self.roi, [count + j], [count + j + 1])
-            roi2 = e.Concat(e.const(np.zeros(1), dtype=roi_t), start, e.const(np.ones(1), dtype=roi_t), end, axis=0)
+            zero, one = e.const(np.zeros(1), dtype=roi_t), e.const(np.ones(1), dtype=roi_t)
+            roi2 = e.Concat(zero, start, one, end, axis=0)
         if e.opset < 13:
             # roi and scales are required inputs before opset 13: empty when unused
             roi2 = roi2 if roi2 is not None else e.const(np.zeros(0, dtype=np.float32))
@@ -1419,7 +1422,6 @@ def resize_vjp(ctx, dy):
     a gradient asked of them is an error."""
     x = ctx.inputs[0]
     e = ctx.emit
-    spec = None
     for i in range(1, len(ctx.inputs)):
         if ctx.input(i) is not None and ctx.needs(i):
             raise GradientError(
@@ -1431,7 +1433,7 @@ def resize_vjp(ctx, dy):
         return (None,) * len(ctx.inputs)
     rank = ctx.require_rank(x)
     spec = _ResizeSpec(ctx, rank)
-    if spec.policy != "stretch":
+    if spec.policy != "stretch" and spec.sizes is not None:  # the policy only acts on sizes
         if spec.mode != "nearest":
             raise GradientError(
                 spec.where(
@@ -1460,11 +1462,8 @@ def _resize_by_source(ctx: VJPContext, dy: str) -> str:
     count = e.reshape(e.Size(x), [1])
     ramp = e.Range(e.scalar_int(1), e.reshape(e.Add(count, e.ints([1])), []), e.scalar_int(1))
     index = e.Reshape(e.Cast(ramp, to=TensorProto.INT32), e.Shape(x))
-    attrs = {
-        a: ctx.attr(a)
-        for a in ("mode", "coordinate_transformation_mode", "nearest_mode", "axes", "keep_aspect_ratio_policy")
-        if ctx.attr(a) is not None
-    }
+    names = ("mode", "coordinate_transformation_mode", "nearest_mode", "axes", "keep_aspect_ratio_policy")
+    attrs = {a: ctx.attr(a) for a in names if ctx.attr(a) is not None}
     if ctx.attr("coordinate_transformation_mode") == "tf_crop_and_resize":
         attrs["extrapolation_value"] = 0.0
     source = e.Resize(index, *ctx.inputs[1:], **attrs)
@@ -1539,7 +1538,9 @@ def _sample_bounds(ctx: VJPContext, d: str, align: bool) -> tuple[str, str]:
     return e.Neg(half), e.Sub(d, half)
 
 
-def _axis_taps(ctx: VJPContext, c: str, d: str, mode: str, padding: str, align: bool) -> tuple[_Taps, str | None]:
+def _axis_taps(
+    ctx: VJPContext, c: str, d: str, mode: str, padding: str, align: bool
+) -> tuple[_Taps, str | None]:
     """Taps of one axis of length d (float) at coordinates c (pixel units, already
     rounded for 'nearest'), and d c' / d c of the padding mode's coordinate
     mapping (None: 1).
@@ -1613,7 +1614,8 @@ def grid_sample_vjp(ctx, dy):
         return None, None
     rank = ctx.require_rank(x)
     k = rank - 2
-    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(ctx.attr("mode", "bilinear"), ctx.attr("mode", "bilinear"))
+    mode = ctx.attr("mode", "bilinear")
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)  # opset 16's names
     padding = ctx.attr("padding_mode", "zeros")
     align = bool(ctx.attr("align_corners", 0))
     et = ctx.dtype(x)
@@ -1823,8 +1825,9 @@ def roi_align_vjp(ctx, dy):
         if ctx.attr(a) is not None
     }
     first = e.Mul(int64(e, batch_index), e.ints([0]))
-    weights = e.RoiAlign(_one_hot_images(ctx, x), rois, e.cast_to(first, ctx.dtype(batch_index)), **attrs)
-    a = e.Reshape(weights, e.Concat(e.dim(weights, 0), e.dim(weights, 1), e.ints([-1]), axis=0))  # [R, HW, P]
+    first = e.cast_to(first, ctx.dtype(batch_index))
+    weights = e.RoiAlign(_one_hot_images(ctx, x), rois, first, **attrs)  # [R, HW, oh, ow]
+    a = e.Reshape(weights, e.Concat(e.dim(weights, 0), e.dim(weights, 1), e.ints([-1]), axis=0))
     g = e.Reshape(dy, e.Concat(e.shape_of(dy, 0, 2), e.ints([-1]), axis=0))  # [R, C, P]
     per_roi = e.MatMul(g, e.Transpose(a, perm=[0, 2, 1]))  # [R, C, HW]
     return _per_roi_to_batch(ctx, per_roi, batch_index, x), None, None
@@ -1881,45 +1884,45 @@ def deform_conv_vjp(ctx, dy):
     runtime; kernel, output and image sizes may be dynamic."""
     e = ctx.emit
     x, w, offset = ctx.inputs[:3]
-    bias, mask = ctx.input(3), ctx.input(4)
+    mask = ctx.input(4)
     wanted = [ctx.needs(i) and ctx.input(i) is not None for i in range(len(ctx.inputs))]
+    wanted += [False] * (5 - len(wanted))
     if not any(wanted):
         return (None,) * len(ctx.inputs)
     if ctx.require_rank(x) != 4:
-        raise GradientError(f"gradient of DeformConv node {ctx.node.name!r}: only 2-D inputs are supported")
+        raise GradientError(
+            f"gradient of DeformConv node {ctx.node.name!r}: only 2-D inputs are supported"
+        )
     et = ctx.dtype(x)
     group = int(ctx.attr("group", 1))
-    groups_off = int(ctx.attr("offset_group", 1))
+    offset_groups = int(ctx.attr("offset_group", 1))
     strides = [int(v) for v in ctx.attr("strides", [1, 1])]
     dilations = [int(v) for v in ctx.attr("dilations", [1, 1])]
     pads = [int(v) for v in ctx.attr("pads", [0, 0, 0, 0])]
-    n_c = e.shape_of(x, 0, 2)
+    batch = e.dim(x, 0)
     kh, kw = e.dim(w, 2), e.dim(w, 3)
     oh, ow = e.dim(offset, 2), e.dim(offset, 3)
-    ints = e.ints
+    taps_count, out_count = e.Mul(kh, kw), e.Mul(oh, ow)
+    per_offset_group = e.Concat(batch, e.ints([offset_groups, -1]), axis=0)  # [N, G, -1]
 
-    # sampling points p[n, g, kh, kw, oh, ow] per axis
-    view = e.Concat(e.dim(x, 0), ints([groups_off]), kh, kw, ints([2]), oh, ow, axis=0)
-    off = e.Reshape(offset, view)
+    # sampling points per axis: p[n, g, (kh, kw, oh, ow)] = base + offset
+    off = e.Reshape(offset, e.Concat(batch, e.ints([offset_groups]), kh, kw, e.ints([2]), oh, ow, axis=0))
     coords = []
     for axis, (k_len, o_len) in enumerate(((kh, oh), (kw, ow))):
-        taps = e.Mul(e.Cast(arange(e, k_len), to=et), ctx.const(float(dilations[axis]), like=x))
-        outs = e.Sub(
+        along_kernel = e.Mul(e.Cast(arange(e, k_len), to=et), ctx.const(float(dilations[axis]), like=x))
+        along_output = e.Sub(
             e.Mul(e.Cast(arange(e, o_len), to=et), ctx.const(float(strides[axis]), like=x)),
             ctx.const(float(pads[axis]), like=x),
         )
-        if axis == 0:
-            base = e.Add(e.reshape(taps, [-1, 1, 1, 1]), e.reshape(outs, [1, 1, -1, 1]))
-        else:
-            base = e.Add(e.reshape(taps, [1, -1, 1, 1]), e.reshape(outs, [1, 1, 1, -1]))
+        k_view, o_view = ([-1, 1, 1, 1], [1, 1, -1, 1]) if axis == 0 else ([1, -1, 1, 1], [1, 1, 1, -1])
+        base = e.Add(e.reshape(along_kernel, k_view), e.reshape(along_output, o_view))
         component = e.squeeze(e.Gather(off, e.ints([axis]), axis=4), [4])  # [N, G, kh, kw, oh, ow]
-        coords.append(e.Reshape(e.Add(component, base), e.Concat(e.dim(x, 0), ints([groups_off, -1]), axis=0)))
-    lengths = [e.Cast(e.dim(x, 2), to=et), e.Cast(e.dim(x, 3), to=et)]
-    ty, _ = _axis_taps(ctx, coords[0], lengths[0], "linear", "zeros", True)
-    tx, _ = _axis_taps(ctx, coords[1], lengths[1], "linear", "zeros", True)
-    width = e.dim(x, 3)
+        coords.append(e.Reshape(e.Add(component, base), per_offset_group))  # [N, G, P]
+    ty, _ = _axis_taps(ctx, coords[0], e.Cast(e.dim(x, 2), to=et), "linear", "zeros", True)
+    tx, _ = _axis_taps(ctx, coords[1], e.Cast(e.dim(x, 3), to=et), "linear", "zeros", True)
 
     # the 4 taps of every point: flat index into H * W, weight, d weight / d (py, px)
+    width = e.dim(x, 3)
     indices, weights, dpy, dpx = [], [], [], []
     for a in range(2):
         for b in range(2):
@@ -1929,49 +1932,47 @@ def deform_conv_vjp(ctx, dy):
             weights.append(e.Mul(ty.weight[a], tx.weight[b]))
             dpy.append(e.Mul(ty.slope[a], tx.weight[b]))
             dpx.append(e.Mul(ty.weight[a], tx.slope[b]))
-    index = e.unsqueeze(e.concat(indices, axis=2), [2])  # [N, G, 1, 4P]
     pixels = e.Mul(e.dim(x, 2), width)
-    xg = e.Reshape(x, e.Concat(e.dim(x, 0), ints([groups_off, -1]), pixels, axis=0))  # [N, G, Cg, H * W]
-    index_c = e.Expand(index, e.Concat(e.shape_of(xg, 0, 3), e.dim(index, 3), axis=0))
-    values = e.GatherElements(xg, index_c, axis=3)  # [N, G, Cg, 4P]
-    pieces = e.Split(values, outputs=4, axis=3, num_outputs=4 if e.opset >= 18 else None)
-    sampled = e.sum_all([e.Mul(v, e.unsqueeze(wt, [2])) for v, wt in zip(pieces, weights)])  # S: [N, G, Cg, P]
+    xg = e.Reshape(x, e.Concat(per_offset_group, pixels, axis=0))  # [N, G, Cg, H * W]
+    index = e.unsqueeze(e.concat(indices, axis=2), [2])  # [N, G, 1, 4P]
+    index = e.Expand(index, e.Concat(e.shape_of(xg, 0, 3), e.dim(index, 3), axis=0))
+    values = e.GatherElements(xg, index, axis=3)  # [N, G, Cg, 4P]
+    corners = e.Split(values, outputs=4, axis=3, num_outputs=4)
+    sampled = e.sum_all([e.Mul(v, e.unsqueeze(wt, [2])) for v, wt in zip(corners, weights)])
 
-    # columns: [N, G, Cg, K, O]
-    col_view = e.Concat(e.dim(x, 0), ints([groups_off, -1]), e.Mul(kh, kw), e.Mul(oh, ow), axis=0)
-    s5 = e.Reshape(sampled, col_view)
+    # columns [N, G, Cg, K, O]; the grouped products see them as [N, group, Cgw * K, O]
+    s5 = e.Reshape(sampled, e.Concat(per_offset_group, taps_count, out_count, axis=0))
     m5 = None
     if mask is not None:
-        m5 = e.Reshape(mask, e.Concat(e.dim(x, 0), ints([groups_off, 1]), e.Mul(kh, kw), e.Mul(oh, ow), axis=0))
+        mask_view = e.Concat(batch, e.ints([offset_groups, 1]), taps_count, out_count, axis=0)
+        m5 = e.Reshape(mask, mask_view)
     col = s5 if m5 is None else e.Mul(s5, m5)
-    # grouped products: W as [group, Mg, Cgw * K], dy as [N, group, Mg, O], col as [N, group, Cgw * K, O]
-    wg = e.Reshape(w, e.Concat(ints([group, -1]), e.Mul(e.dim(w, 1), e.Mul(kh, kw)), axis=0))
-    dyg = e.Reshape(dy, e.Concat(e.dim(dy, 0), ints([group, -1]), e.Mul(oh, ow), axis=0))
+    per_group = e.Concat(batch, e.ints([group, -1]), out_count, axis=0)
+    wg = e.Reshape(w, e.Concat(e.ints([group, -1]), e.Mul(e.dim(w, 1), taps_count), axis=0))
+    dyg = e.Reshape(dy, per_group)  # [N, group, Mg, O]
     results: list[str | None] = [None] * len(ctx.inputs)
     if wanted[1]:
-        colg = e.Reshape(col, e.Concat(e.dim(x, 0), ints([group, -1]), e.Mul(oh, ow), axis=0))
-        per_n = e.MatMul(dyg, e.Transpose(colg, perm=[0, 1, 3, 2]))  # [N, group, Mg, Cgw * K]
+        per_n = e.MatMul(dyg, e.Transpose(e.Reshape(col, per_group), perm=[0, 1, 3, 2]))
         results[1] = e.Reshape(e.reduce_sum(per_n, [0], keepdims=False), e.Shape(w))
-    if len(ctx.inputs) > 3 and wanted[3]:
+    if wanted[3]:
         results[3] = e.reduce_sum(dy, [0, 2, 3], keepdims=False)
-    if wanted[0] or wanted[2] or (len(ctx.inputs) > 4 and wanted[4]):
+    if wanted[0] or wanted[2] or wanted[4]:
         dcol = e.MatMul(e.Transpose(wg, perm=[0, 2, 1]), dyg)  # [N, group, Cgw * K, O]
-        dcol = e.Reshape(dcol, e.Shape(s5))  # [N, G, Cg, K, O]
-        if len(ctx.inputs) > 4 and wanted[4]:
+        dcol = e.Reshape(dcol, e.Shape(s5))
+        if wanted[4]:
             results[4] = e.Reshape(e.reduce_sum(e.Mul(dcol, s5), [2], keepdims=False), e.Shape(mask))
-        ds = dcol if m5 is None else e.Mul(dcol, m5)
-        ds = e.Reshape(ds, e.Shape(sampled))  # [N, G, Cg, P]
+        ds = e.Reshape(dcol if m5 is None else e.Mul(dcol, m5), e.Shape(sampled))  # [N, G, Cg, P]
         if wanted[0]:
             upd = e.Mul(e.concat([ds] * 4, axis=3), e.unsqueeze(e.concat(weights, axis=2), [2]))
             zeros = zeros_of_shape(e, e.Shape(xg), et)
-            summed = e.ScatterElements(zeros, index_c, upd, axis=3, reduction="add")
+            summed = e.ScatterElements(zeros, index, upd, axis=3, reduction="add")
             results[0] = e.Reshape(summed, e.Shape(x))
         if wanted[2]:
+            point_view = e.Concat(batch, e.ints([offset_groups]), taps_count, e.ints([1]), out_count, axis=0)
             grads = []
             for partial in (dpy, dpx):
-                total = e.sum_all([e.Mul(v, e.unsqueeze(p, [2])) for v, p in zip(pieces, partial)])
-                per_point = e.reduce_sum(e.Mul(ds, total), [2], keepdims=False)  # [N, G, P]
-                grads.append(e.unsqueeze(e.Reshape(per_point, e.Concat(
-                    e.dim(x, 0), ints([groups_off]), e.Mul(kh, kw), e.Mul(oh, ow), axis=0)), [3]))
-            results[2] = e.Reshape(e.Concat(*grads, axis=3), e.Shape(offset))  # [N, G, K, 2, O]
+                slope = e.sum_all([e.Mul(v, e.unsqueeze(p, [2])) for v, p in zip(corners, partial)])
+                per_point = e.reduce_sum(e.Mul(ds, slope), [2], keepdims=False)  # [N, G, P]
+                grads.append(e.Reshape(per_point, point_view))  # [N, G, K, 1, O]
+            results[2] = e.Reshape(e.Concat(*grads, axis=3), e.Shape(offset))
     return tuple(results)
