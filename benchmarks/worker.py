@@ -1,0 +1,643 @@
+"""One benchmark child process: one framework training one workload, or one side task.
+
+``run.py`` starts it with the interpreter of the framework's environment and
+talks to it in JSON lines: the child's stdout carries only the protocol (any
+library output is moved to stderr).
+
+Trainers (``python worker.py train FRAMEWORK WORKDIR``):
+
+    start          -> {"ready": true, "build_ms", "first_step_ms", "losses", "info"}
+                      (build the trainer, run ``--check-steps`` steps recording losses)
+    {"run": n}     -> {"times_ms": [...]}   n timed steps, one perf_counter pair each
+    {"exit": true} -> {"maxrss_kb": ...}    the high-water mark of this process
+
+Frameworks: onnxtrain, torch (default optimizer), torch-fused (``fused=True``),
+ort-training (onnxruntime.training.api on artifacts from ``ort-artifacts``).
+
+Side tasks (one JSON line, then exit): ``ort-artifacts WORKDIR``,
+``overhead WORKDIR``, ``profile WORKDIR``, ``ort-profile WORKDIR``, ``ceiling``.
+
+WORKDIR (written by run.py) holds ``spec.json``, ``model.onnx`` (inference
+model), ``params.npz``, ``batch.npz`` and, for ort-training, ``ort/``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+_T0 = time.perf_counter()
+
+if __name__ == "__main__":
+    _threads = os.environ.get("BENCH_THREADS", "2")
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "ONNXTRAIN_THREADS"):
+        os.environ.setdefault(_var, _threads)
+
+import argparse  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+THREADS = int(os.environ.get("BENCH_THREADS", "2"))
+#: "0": onnxruntime's intra-op threads block instead of spinning while idle (run.py --wait passive).
+ORT_SPIN = os.environ.get("BENCH_ORT_SPIN", "0")
+
+
+# ----------------------------------------------------------------- protocol
+class Channel:
+    """JSON lines on the original stdout; fd 1 then points at stderr."""
+
+    def __init__(self) -> None:
+        self._out = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)
+        sys.stdout = sys.stderr
+
+    def send(self, obj) -> None:
+        self._out.write(json.dumps(obj) + "\n")
+        self._out.flush()
+
+    @staticmethod
+    def receive():
+        line = sys.stdin.readline()
+        return json.loads(line) if line else {"exit": True}
+
+
+def load_workdir(workdir: Path):
+    spec = json.loads((workdir / "spec.json").read_text())
+    params = dict(np.load(workdir / "params.npz"))
+    batch = dict(np.load(workdir / "batch.npz"))
+    return spec, params, batch
+
+
+def _status_kb(field: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def rss_kb() -> int:
+    """The current resident set size (KiB)."""
+    return _status_kb("VmRSS")
+
+
+def maxrss_kb() -> int:
+    """Peak RSS of this process (KiB).
+
+    ``getrusage(RUSAGE_SELF).ru_maxrss`` is the natural measure, but Linux
+    carries it across fork+exec: a child starts with its parent's high-water
+    mark (run.py's, ~100+ MB).  VmHWM is the high-water mark of this process
+    image alone; ru_maxrss is the fallback where /proc is missing."""
+    return _status_kb("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def onnxtrain_session_options():
+    """onnxtrain's own defaults, with the benchmark's thread count and spin setting."""
+    from onnxtrain.executor import default_session_options
+
+    so = default_session_options(THREADS)
+    so.add_session_config_entry("session.intra_op.allow_spinning", ORT_SPIN)
+    return so
+
+
+# ----------------------------------------------------------------- trainers
+class OnnxtrainTrainer:
+    """onnxtrain.TrainingSession on the workload's training model; timed with fetch=False."""
+
+    def __init__(self, workdir: Path, spec, params, batch) -> None:
+        import onnx
+
+        import onnxtrain
+        from training_model import training_model
+
+        from workloads import WORKLOADS
+
+        workload = WORKLOADS[spec["key"]]
+        inference = onnx.load(str(workdir / "model.onnx"))
+        model, how = training_model(inference, workload, use_builder=spec.get("builder", True))
+        self.sess = onnxtrain.TrainingSession(model, session_options=onnxtrain_session_options())
+        self.feeds = dict(batch)
+        self.info = {"framework": "onnxtrain", "onnxtrain": onnxtrain.__version__,
+                     "training_model": how}
+        import onnxruntime
+
+        self.info["onnxruntime"] = onnxruntime.__version__
+        self.info["onnx"] = onnx.__version__
+
+    def step(self) -> None:
+        self.sess.train_step(self.feeds, fetch=False)
+
+    def step_loss(self) -> float:
+        return float(self.sess.train_step(self.feeds)["loss"])
+
+
+class TorchTrainer:
+    """torch eager: zero_grad, forward, loss, backward, optimizer step."""
+
+    def __init__(self, workdir: Path, spec, params, batch, fused: bool) -> None:
+        import torch
+
+        import torch_models
+
+        torch.set_num_threads(THREADS)
+        self.torch = torch
+        self.model = torch_models.build(spec["key"], params)
+        self.model.train()
+        self.x = torch.from_numpy(batch["X"])
+        self.y = torch.from_numpy(batch[spec["target"]])
+        if spec["loss"] == "cross_entropy":
+            self.loss_fn = torch.nn.CrossEntropyLoss()
+        else:
+            self.loss_fn = torch.nn.MSELoss()
+        kwargs = {"fused": True} if fused else {}
+        if spec["optimizer"] == "adamw":
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec["lr"],
+                                         weight_decay=spec["weight_decay"], **kwargs)
+        else:
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=spec["lr"], **kwargs)
+        group = self.opt.param_groups[0]
+        impl = "fused" if group.get("fused") else ("foreach" if group.get("foreach") else "for-loop")
+        self.info = {"framework": "torch-fused" if fused else "torch", "torch": torch.__version__,
+                     "optimizer_impl": impl, "threads": torch.get_num_threads()}
+
+    def spec_adamw_losses(self, spec, params, batch, steps: int) -> list[float]:
+        """Losses of ``steps`` steps from the same weights with the update onnxtrain's
+        model asks for (the spec's Adam op, T from 1, norm_coefficient_post = lr*wd),
+        written in torch: isolates the epsilon/decay convention from everything else."""
+        import torch
+
+        import torch_models
+
+        model = torch_models.build(spec["key"], params)
+        lr, wd, b1, b2, eps = spec["lr"], spec["weight_decay"], 0.9, 0.999, 1e-8
+        ps = list(model.parameters())
+        v = [torch.zeros_like(p) for p in ps]
+        h = [torch.zeros_like(p) for p in ps]
+        losses = []
+        for t in range(1, steps + 1):
+            for p in ps:
+                p.grad = None
+            loss = self.loss_fn(model(self.x), self.y)
+            loss.backward()
+            losses.append(float(loss.item()))
+            r = lr * (1 - b2 ** t) ** 0.5 / (1 - b1 ** t)
+            with torch.no_grad():
+                for p, vi, hi in zip(ps, v, h):
+                    g = p.grad
+                    vi.mul_(b1).add_(g, alpha=1 - b1)
+                    hi.mul_(b2).addcmul_(g, g, value=1 - b2)
+                    p.sub_(r * vi / (hi.sqrt() + eps)).mul_(1 - lr * wd)
+        return losses
+
+    def _forward_backward(self):
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(self.x), self.y)
+        loss.backward()
+        self.opt.step()
+        return loss
+
+    def step(self) -> None:
+        self._forward_backward()
+
+    def step_loss(self) -> float:
+        return float(self._forward_backward().item())
+
+
+def ort_session_options(ort, profile_prefix: str | None = None):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = THREADS
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    so.add_session_config_entry("session.intra_op.allow_spinning", ORT_SPIN)
+    if profile_prefix:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile_prefix
+    return so
+
+
+class OrtTrainingTrainer:
+    """onnxruntime.training.api: Module forward+backward, Optimizer.step, lazy_reset_grad."""
+
+    def __init__(self, workdir: Path, spec, params, batch, profile_prefix: str | None = None) -> None:
+        import onnxruntime as ort
+        from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+        art = workdir / "ort"
+        self.state = CheckpointState.load_checkpoint(str(art / "checkpoint"))
+        so = ort_session_options(ort, profile_prefix and profile_prefix + "_train")
+        self.module = Module(str(art / "training_model.onnx"), self.state, None, "cpu", so)
+        if profile_prefix:
+            # The optimizer session takes the module's options: give it its own file.
+            so.profile_file_prefix = profile_prefix + "_optimizer"
+        self.opt = Optimizer(str(art / "optimizer_model.onnx"), self.module)
+        self.opt.set_learning_rate(spec["lr"])
+        self.module.train()
+        names = self.module.input_names()
+        aliases = {"labels": spec["target"], "target": spec["target"]}
+        self.inputs = [batch[n] if n in batch else batch[aliases[n]] for n in names]
+        self.info = {"framework": "ort-training", "onnxruntime": ort.__version__,
+                     "input_names": names}
+        import onnx
+
+        self.info["onnx"] = onnx.__version__
+
+    def step_loss(self) -> float:
+        loss = self.module(*self.inputs)
+        self.opt.step()
+        self.module.lazy_reset_grad()
+        return float(loss)
+
+    def step(self) -> None:
+        self.module(*self.inputs)
+        self.opt.step()
+        self.module.lazy_reset_grad()
+
+
+def import_framework(framework: str) -> None:
+    """Import the framework's modules up front: imports are not part of time-to-first-step."""
+    if framework == "onnxtrain":
+        import onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
+
+        import onnxtrain  # noqa: F401
+        import onnxtrain.executor  # noqa: F401
+    elif framework in ("torch", "torch-fused"):
+        import torch  # noqa: F401
+        import torch._dynamo  # noqa: F401  (torch.optim imports it lazily on first use)
+        import torch.optim  # noqa: F401
+    elif framework == "ort-training":
+        import onnxruntime.training.api  # noqa: F401
+
+
+def make_trainer(framework: str, workdir: Path, spec, params, batch):
+    if framework == "onnxtrain":
+        return OnnxtrainTrainer(workdir, spec, params, batch)
+    if framework == "torch":
+        return TorchTrainer(workdir, spec, params, batch, fused=False)
+    if framework == "torch-fused":
+        return TorchTrainer(workdir, spec, params, batch, fused=True)
+    if framework == "ort-training":
+        return OrtTrainingTrainer(workdir, spec, params, batch)
+    raise SystemExit(f"unknown framework {framework!r}")
+
+
+def serve_trainer(framework: str, workdir: Path, check_steps: int) -> None:
+    chan = Channel()
+    spec, params, batch = load_workdir(workdir)
+    import_framework(framework)
+    rss_imported = rss_kb()
+    t_start = time.perf_counter()
+    trainer = make_trainer(framework, workdir, spec, params, batch)
+    t_built = time.perf_counter()
+    losses = [trainer.step_loss()]
+    t_first = time.perf_counter()
+    losses += [trainer.step_loss() for _ in range(check_steps - 1)]
+    info = dict(trainer.info, python=sys.version.split()[0], numpy=np.__version__)
+    extra = {}
+    if framework == "torch" and spec["optimizer"] == "adamw":
+        extra["spec_adamw_losses"] = trainer.spec_adamw_losses(spec, params, batch, check_steps)
+    chan.send({
+        "ready": True,
+        "import_ms": (t_start - _T0) * 1e3,
+        "build_ms": (t_built - t_start) * 1e3,
+        "first_step_ms": (t_first - t_built) * 1e3,
+        "losses": losses,
+        "rss_after_import_kb": rss_imported,
+        "info": info,
+        **extra,
+    })
+    perf = time.perf_counter
+    while True:
+        msg = chan.receive()
+        if msg.get("exit"):
+            chan.send({"maxrss_kb": maxrss_kb(),
+                       "ru_maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})
+            return
+        n = int(msg["run"])
+        times = []
+        step = trainer.step
+        for _ in range(n):
+            t0 = perf()
+            step()
+            times.append(perf() - t0)
+        chan.send({"times_ms": [t * 1e3 for t in times]})
+
+
+# ----------------------------------------------------------------- side tasks
+def ort_artifacts(workdir: Path) -> dict:
+    """generate_artifacts from the inference model (AdamW with torch's eps/weight decay)."""
+    import onnx
+    from onnxruntime.training import artifacts, onnxblock
+
+    spec, params, _ = load_workdir(workdir)
+    t0 = time.perf_counter()
+    model = onnx.load(str(workdir / "model.onnx"))
+    loss = {"cross_entropy": artifacts.LossType.CrossEntropyLoss,
+            "mse": artifacts.LossType.MSELoss}[spec["loss"]]
+    if spec["optimizer"] == "adamw":
+        optimizer = onnxblock.optim.AdamW(betas=(0.9, 0.999), eps=1e-8,
+                                          weight_decay=spec["weight_decay"])
+    else:
+        optimizer = onnxblock.optim.SGD()
+    out = workdir / "ort"
+    out.mkdir(exist_ok=True)
+    artifacts.generate_artifacts(model, requires_grad=list(params), frozen_params=[], loss=loss,
+                                 optimizer=optimizer, artifact_directory=str(out))
+    return {"generate_ms": (time.perf_counter() - t0) * 1e3}
+
+
+def _stats_us(times_s) -> dict:
+    arr = np.asarray(times_s) * 1e6
+    return {"median_us": float(np.median(arr)), "p90_us": float(np.percentile(arr, 90)),
+            "n": int(arr.size)}
+
+
+def overhead(workdir: Path, steps: int, rounds: int) -> dict:
+    """train_step against a bare InferenceSession.run and an IOBinding run of the same program."""
+    import onnx
+    import onnxruntime as ort
+
+    import onnxtrain
+    from training_model import training_model
+
+    from workloads import WORKLOADS
+
+    spec, params, batch = load_workdir(workdir)
+    workload = WORKLOADS[spec["key"]]
+    model, _ = training_model(onnx.load(str(workdir / "model.onnx")), workload,
+                              use_builder=spec.get("builder", True))
+    sess = onnxtrain.TrainingSession(model, session_options=onnxtrain_session_options())
+    label = "training_info[0].algorithm"
+    program = sess.programs()[label]
+    bare = ort.InferenceSession(program.SerializeToString(), onnxtrain_session_options(),
+                                providers=["CPUExecutionProvider"])
+    state = dict(sess.state)
+    feeds = {i.name: (batch[i.name] if i.name in batch else state[i.name]) for i in bare.get_inputs()}
+
+    # IOBinding: every input an OrtValue bound once, every output into a preallocated OrtValue.
+    binding = bare.io_binding()
+    keep = []
+    for name, arr in feeds.items():
+        v = ort.OrtValue.ortvalue_from_numpy(np.array(arr, order="C"))  # 0-d stays 0-d
+        keep.append(v)
+        binding.bind_ortvalue_input(name, v)
+    first = bare.run(None, feeds)
+    for meta, arr in zip(bare.get_outputs(), first):
+        v = ort.OrtValue.ortvalue_from_numpy(np.empty_like(arr))
+        keep.append(v)
+        binding.bind_ortvalue_output(meta.name, v)
+
+    variants = {
+        "onnxtrain train_step(fetch=False)": lambda: sess.train_step(batch, fetch=False),
+        "onnxtrain train_step(fetch=True)": lambda: sess.train_step(batch),
+        "InferenceSession.run (numpy in/out)": lambda: bare.run(None, feeds),
+        "run_with_iobinding (OrtValues bound once)": lambda: bare.run_with_iobinding(binding),
+    }
+    times = {k: [] for k in variants}
+    per_round = max(1, steps // rounds)
+    perf = time.perf_counter
+    for fn in variants.values():  # warm-up
+        for _ in range(min(50, per_round)):
+            fn()
+    for r in range(rounds):
+        keys = list(variants)
+        keys = keys[r % len(keys):] + keys[: r % len(keys)]
+        for k in keys:
+            fn = variants[k]
+            for _ in range(per_round):
+                t0 = perf()
+                fn()
+                times[k].append(perf() - t0)
+    # Where train_step's Python time goes: cProfile over a few hundred steps.
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    n_prof = max(200, per_round)
+    prof.enable()
+    for _ in range(n_prof):
+        sess.train_step(batch, fetch=False)
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, func), (cc, nc, tt, ct, callers) in st.stats.items():
+        rows.append({"function": f"{Path(file).name}:{line}({func})", "calls_per_step": nc / n_prof,
+                     "tottime_us": tt / n_prof * 1e6, "cumtime_us": ct / n_prof * 1e6})
+    rows.sort(key=lambda r: -r["tottime_us"])
+    return {"variants": {k: _stats_us(v) for k, v in times.items()},
+            "program_nodes": len(program.graph.node), "cprofile": rows[:15]}
+
+
+def _aggregate_profile(path: str, skip_runs: int) -> dict:
+    """Kernel time per step by op type and by node, from an onnxruntime profile.
+
+    Each node's time is its median over the profiled runs (after ``skip_runs``),
+    so a load spike in one run does not move the ranking; op totals are sums
+    of node medians."""
+    events = json.loads(Path(path).read_text())
+    runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                  if e.get("cat") == "Session" and e.get("name") == "model_run")
+    runs = runs[skip_runs:]
+    if not runs:
+        return {}
+    starts = [a for a, _ in runs]
+    per_node: dict[str, list[float]] = {}
+    op_of: dict[str, str] = {}
+    for e in events:
+        if e.get("cat") != "Node" or not e.get("name", "").endswith("_kernel_time"):
+            continue
+        if e["ts"] < starts[0] or e["ts"] > runs[-1][1]:
+            continue
+        node = e["name"][: -len("_kernel_time")]
+        op_of[node] = e.get("args", {}).get("op_name", "?")
+        per_node.setdefault(node, []).append(e["dur"])
+    n = len(runs)
+    node_us = {node: float(np.median(d + [0.0] * max(0, n - len(d)))) for node, d in per_node.items()}
+    by_op: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for node, us in node_us.items():
+        by_op[op_of[node]] = by_op.get(op_of[node], 0.0) + us
+        count[op_of[node]] = count.get(op_of[node], 0) + 1
+    kernel_us = sum(node_us.values())
+    ops = sorted(by_op.items(), key=lambda kv: -kv[1])
+    nodes = sorted(node_us.items(), key=lambda kv: -kv[1])
+    return {
+        "runs": n,
+        "run_us_median": float(statistics.median(b - a for a, b in runs)),
+        "kernel_us_per_run": kernel_us,
+        "nodes": len(node_us),
+        "ops": [{"op": op, "us": us, "share": us / kernel_us if kernel_us else 0.0,
+                 "count": count[op]} for op, us in ops],
+        "top_nodes": [{"node": node, "op": op_of[node], "us": us} for node, us in nodes[:12]],
+    }
+
+
+def profile(workdir: Path, steps: int, warmup: int) -> dict:
+    """Profile the onnxtrain algorithm program (run as train_step runs it: IOBinding)."""
+    import onnx
+    import onnxruntime as ort
+
+    import onnxtrain
+    from training_model import training_model
+
+    from workloads import WORKLOADS
+
+    spec, params, batch = load_workdir(workdir)
+    workload = WORKLOADS[spec["key"]]
+    model, _ = training_model(onnx.load(str(workdir / "model.onnx")), workload,
+                              use_builder=spec.get("builder", True))
+    sess = onnxtrain.TrainingSession(model, session_options=onnxtrain_session_options())
+    program = sess.programs()["training_info[0].algorithm"]
+    so = onnxtrain_session_options()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(workdir / "onnxtrain_profile")
+    psess = ort.InferenceSession(program.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    state = dict(sess.state)
+    binding = psess.io_binding()
+    keep = []
+    for i in psess.get_inputs():
+        arr = batch[i.name] if i.name in batch else state[i.name]
+        v = ort.OrtValue.ortvalue_from_numpy(np.array(arr, order="C"))  # 0-d stays 0-d
+        keep.append(v)
+        binding.bind_ortvalue_input(i.name, v)
+    for o in psess.get_outputs():
+        binding.bind_output(o.name, "cpu")
+    for _ in range(warmup + steps):
+        psess.run_with_iobinding(binding)
+    path = psess.end_profiling()
+    out = _aggregate_profile(path, warmup)
+    out["optimized_graph_ops"] = _optimized_op_counts(program, so_factory=onnxtrain_session_options,
+                                                      ort=ort, workdir=workdir)
+    out["program_nodes"] = len(program.graph.node)
+    return out
+
+
+def _optimized_op_counts(program, so_factory, ort, workdir: Path) -> dict:
+    """Op counts of the program after onnxruntime's graph optimizations."""
+    import onnx
+
+    so = so_factory()
+    path = workdir / "onnxtrain_optimized.onnx"
+    so.optimized_model_filepath = str(path)
+    ort.InferenceSession(program.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    counts: dict[str, int] = {}
+    for n in onnx.load(str(path)).graph.node:
+        counts[n.op_type] = counts.get(n.op_type, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def ort_profile(workdir: Path, steps: int, warmup: int) -> dict:
+    """Profile ONNX Runtime training's training session (forward+backward) for comparison."""
+    spec, params, batch = load_workdir(workdir)
+    prefix = str(workdir / "ort_profile")
+    trainer = OrtTrainingTrainer(workdir, spec, params, batch, profile_prefix=prefix)
+    for _ in range(warmup + steps):
+        trainer.step()
+    # The training api has no end_profiling: the sessions write their profiles when destroyed.
+    trainer.inputs = None
+    del trainer.opt
+    del trainer.module
+    del trainer.state
+    del trainer
+    import gc
+
+    gc.collect()
+    result = {}
+    for part in ("train", "optimizer"):
+        files = sorted(glob.glob(f"{prefix}_{part}*.json"), key=os.path.getmtime)
+        if files:
+            result[part] = _aggregate_profile(files[-1], warmup)
+    return result
+
+
+def ceiling(size: int, repeats: int) -> dict:
+    """float32 matmul GFLOP/s on THREADS threads: numpy, onnxruntime MatMul, torch.mm."""
+    flops = 2.0 * size ** 3
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((size, size), dtype=np.float32)
+    b = rng.standard_normal((size, size), dtype=np.float32)
+    out: dict[str, float] = {}
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return flops / min(times) / 1e9
+
+    out["numpy"] = best(lambda: a @ b)
+    try:
+        import onnxruntime as ort
+        from onnx import TensorProto, helper
+
+        g = helper.make_graph([helper.make_node("MatMul", ["A", "B"], ["C"])], "mm",
+                              [helper.make_tensor_value_info("A", TensorProto.FLOAT, [size, size]),
+                               helper.make_tensor_value_info("B", TensorProto.FLOAT, [size, size])],
+                              [helper.make_tensor_value_info("C", TensorProto.FLOAT, [size, size])])
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+        m.ir_version = 8
+        s = ort.InferenceSession(m.SerializeToString(), ort_session_options(ort),
+                                 providers=["CPUExecutionProvider"])
+        out["onnxruntime"] = best(lambda: s.run(None, {"A": a, "B": b}))
+    except Exception as exc:  # report, don't die
+        out["onnxruntime_error"] = str(exc)
+    try:
+        import torch
+
+        torch.set_num_threads(THREADS)
+        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+        out["torch"] = best(lambda: torch.mm(ta, tb))
+    except Exception as exc:
+        out["torch_error"] = str(exc)
+    out["size"] = size
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("task")
+    ap.add_argument("args", nargs="*")
+    ap.add_argument("--check-steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--size", type=int, default=2048)
+    a = ap.parse_args()
+    if a.task == "train":
+        serve_trainer(a.args[0], Path(a.args[1]), a.check_steps)
+        return
+    chan = Channel()
+    if a.task == "ort-artifacts":
+        result = ort_artifacts(Path(a.args[0]))
+    elif a.task == "overhead":
+        result = overhead(Path(a.args[0]), a.steps, a.rounds)
+    elif a.task == "profile":
+        result = profile(Path(a.args[0]), a.steps, a.warmup)
+    elif a.task == "ort-profile":
+        result = ort_profile(Path(a.args[0]), a.steps, a.warmup)
+    elif a.task == "ceiling":
+        result = ceiling(a.size, a.steps)
+    else:
+        raise SystemExit(f"unknown task {a.task!r}")
+    result["maxrss_kb"] = maxrss_kb()
+    chan.send(result)
+
+
+if __name__ == "__main__":
+    main()
