@@ -88,6 +88,10 @@ class Emitter:
         self.dtypes: dict[str, int] = dict(dtypes or {})
         self.nodes: list[onnx.NodeProto] = []
         self.hint = hint
+        #: Sequence-valued names (gradients of sequences) -> element type.
+        self.sequence_types: dict[str, int] = {}
+        #: Optional-valued names (gradients of optionals) -> element type.
+        self.optional_types: dict[str, int] = {}
 
     # ------------------------------------------------------------------ core
     def op(
@@ -338,6 +342,65 @@ class Emitter:
         """Add up gradient contributions of equal shape."""
         if len(items) == 1:
             return items[0]
+        if items[0] in self.sequence_types:
+            et = self.sequence_types[items[0]]
+            total = items[0]
+            for item in items[1:]:
+                total = self.sequence_map(
+                    [total, item], [et, et], lambda b, x, y: [b.Add(x, y)], [et]
+                )[0]
+            return total
+        if items[0] in self.optional_types:
+            et = self.optional_types[items[0]]
+            total = self.sum_all([self.OptionalGetElement(i) for i in items])
+            out = self.op("Optional", [total])
+            self.optional_types[out] = et
+            return out
         if len(items) == 2:
             return self.Add(items[0], items[1])
         return self.Sum(*items)
+
+    # ------------------------------------------------------------ sequences
+    def sequence_map(
+        self,
+        seqs: Sequence[str],
+        elem_types: Sequence[int],
+        body: Any,
+        out_types: Sequence[int],
+    ) -> list[str]:
+        """SequenceMap (opset >= 17) over the sequences ``seqs`` (elements of
+        ``elem_types``): ``body(emitter, *element names)`` emits the body and
+        returns its outputs, one per ``out_types``.  Returns the output
+        sequences, which are recorded as sequence-valued."""
+        if self.opset < 17:
+            raise TrainingModelError(
+                f"gradients of sequences need SequenceMap (opset >= 17); the model has opset {self.opset}"
+            )
+        sub = Emitter(self.opset, self.names, hint=f"{self.hint}/map")
+        ins = [self.names.fresh(f"{self.hint}/map_in") for _ in seqs]
+        for name, et in zip(ins, elem_types):
+            sub.dtypes[name] = et
+        outs = list(body(sub, *ins))
+        graph_outs = []
+        for o, et in zip(outs, out_types):
+            if o in ins:  # a body output must be produced by a node
+                o = sub.Identity(o)
+            graph_outs.append(helper.make_tensor_value_info(o, et, None))
+        graph = helper.make_graph(
+            sub.nodes,
+            self.names.fresh(f"{self.hint}/map_body"),
+            [helper.make_tensor_value_info(n, et, None) for n, et in zip(ins, elem_types)],
+            graph_outs,
+        )
+        results = [self.names.fresh(f"{self.hint}/SequenceMap") for _ in out_types]
+        self.op("SequenceMap", list(seqs), outputs=results, body=graph)
+        for r, et in zip(results, out_types):
+            self.sequence_types[r] = et
+        return results
+
+    def zeros_like_sequence(self, seq: str, et: int) -> str:
+        """A sequence of zero tensors shaped like the elements of ``seq``."""
+        fill = numpy_helper.from_array(np.zeros(1, dtype=np_dtype(et)))
+        return self.sequence_map(
+            [seq], [et], lambda b, x: [b.op("ConstantOfShape", [b.Shape(x)], value=fill)], [et]
+        )[0]

@@ -16,8 +16,11 @@ JSON line per test outcome; the script then counts, per op:
   it, by its rule or through its function body, so no table format is parsed.
 
 An op counts as verified when its rule (kind 'vjp') has at least one passing
-check, corpus or table.  Ops without a rule that pass through their ONNX
-function body are counted separately, as are zero-gradient ops.
+check, corpus or table.  Ops are keyed by domain: default-domain ops by their
+name, others as "domain:op" (ai.onnx.ml:Scaler), and the default domain and
+ai.onnx.ml are counted separately, then together.  Ops without a rule that pass
+through their ONNX function body are counted separately, as are zero-gradient
+ops.
 """
 
 from __future__ import annotations
@@ -36,10 +39,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_ENV = "GRADIENT_COVERAGE_RESULTS"
+ML = "ai.onnx.ml"
 PEERS = (
     "ONNX Runtime training 1.19.2: ~63 ops with gradients; "
     "onnx-ad 0.3.0: ~150 op rules"
 )
+
+def qualified(domain: str, op_type: str) -> str:
+    """An op's key: its name in the default domain, "domain:op" elsewhere."""
+    return op_type if domain in ("", "ai.onnx") else f"{domain}:{op_type}"
+
+
+def domain_of(op: str) -> str:
+    return op.rsplit(":", 1)[0] if ":" in op else ""
+
 
 # ====================================================================== plugin
 # pytest loads this module with ``-p gradient_coverage`` (scripts/ on PYTHONPATH),
@@ -71,12 +84,12 @@ class _Recorder:
             for n in relevant:
                 if n.name == "op":
                     rule = engine.REGISTRY.get(n.domain, n.op_type)
-                    recorder.ops.add((n.op_type, rule.kind if rule else "none"))
+                    recorder.ops.add((qualified(n.domain, n.op_type), rule.kind if rule else "none"))
             return recorder._check_rules(relevant, active, xs, y)
 
         def inline(node, body, names):
             if node.name == "op":
-                recorder.ops.add((node.op_type, "function"))
+                recorder.ops.add((qualified(node.domain, node.op_type), "function"))
             return recorder._inline(node, body, names)
 
         engine._check_rules = check_rules
@@ -97,7 +110,7 @@ def pytest_runtest_call(item):  # noqa: D103
         finally:
             case = getattr(getattr(item, "callspec", None), "params", {}).get("corpus_case")
             if case is not None:
-                tag = {"op": case.op, "variant": case.variant, "precision": case.precision,
+                tag = {"op": qualified(case.domain, case.op), "variant": case.variant, "precision": case.precision,
                        "name": case.name}
                 item.user_properties.append(("corpus", json.dumps(tag)))
             item.user_properties.append(("ops", json.dumps(sorted(recorder.ops))))
@@ -170,7 +183,7 @@ def render(rows: list[dict], wall: float, workers: int) -> str:
 
     from onnxtrain.autodiff import REGISTRY
 
-    rules = {r.op_type: r for r in REGISTRY.rules() if r.domain == ""}
+    rules = {qualified(r.domain, r.op_type): r for r in REGISTRY.rules()}
     cases = corpus_mod.corpus()
 
     corpus_rows = [r for r in rows if r["corpus"]]
@@ -207,11 +220,15 @@ def render(rows: list[dict], wall: float, workers: int) -> str:
 
     verified = sorted(op for op, d in per_op.items() if op in rules and rules[op].kind == "vjp"
                       and (d["node"]["pass"] or d["t_pass"]))
+    verified_default = [op for op in verified if domain_of(op) == ""]
+    verified_ml = [op for op in verified if domain_of(op) == ML]
+    verified_other = [op for op in verified if domain_of(op) not in ("", ML)]
     via_body = sorted(op for op, d in per_op.items() if op not in rules and "function" in d["kinds"])
     unverified = sorted(op for op, r in rules.items() if r.kind == "vjp" and op not in verified)
     zero = sorted(op for op, r in rules.items() if r.kind == "zero")
     refused = sorted((op, r.reason) for op, r in rules.items() if r.kind == "refused")
-    other_domains = sorted(f"{r.domain}:{r.op_type} ({r.kind})" for r in REGISTRY.rules() if r.domain)
+    other_domains = sorted(f"{r.domain}:{r.op_type} ({r.kind})" for r in REGISTRY.rules()
+                           if r.domain and r.domain != ML)
 
     # ------------------------------------------------------------ corpus totals
     categories = collections.Counter(c.category for c in cases)
@@ -242,8 +259,13 @@ def render(rows: list[dict], wall: float, workers: int) -> str:
     w("")
     w("## Summary")
     w("")
-    w(f"- **Ops with verified gradient rules: {len(verified)}** (a registered 'vjp' rule with at least "
-      "one passing numerical check: a corpus case or a rule-table test).")
+    w(f"- **Ops with verified gradient rules: {len(verified)}**: **{len(verified_default)} in the "
+      f"default domain** + **{len(verified_ml)} in ai.onnx.ml**"
+      + (f" + {len(verified_other)} in other domains" if verified_other else "")
+      + " (a registered 'vjp' rule with at least one passing numerical check: a corpus case or a "
+      "rule-table test; ops of other domains are written domain:op).")
+    w(f"- Verified ai.onnx.ml rules ({len(verified_ml)}): "
+      + (", ".join(op.split(":", 1)[1] for op in verified_ml) or "none") + ".")
     w(f"- Ops without a rule, verified through their ONNX function body: {len(via_body)}"
       + (f" ({', '.join(via_body)})." if via_body else "."))
     w(f"- Total ops whose gradients are verified: {len(verified) + len(via_body)}; plus "
@@ -256,8 +278,9 @@ def render(rows: list[dict], wall: float, workers: int) -> str:
       + ".")
     if other_domains:
         w(f"- Rules in other domains: {', '.join(other_domains)}.")
-    w(f"- Peers: {PEERS}.  onnxtrain: {len(verified)} verified rules + {len(via_body)} function-body "
-      f"ops (+ {len(zero)} zero-gradient ops).  Target: 150 verified rules.")
+    w(f"- Peers: {PEERS}.  onnxtrain: {len(verified)} verified rules ({len(verified_default)} default "
+      f"domain + {len(verified_ml)} ai.onnx.ml) + {len(via_body)} function-body ops (+ {len(zero)} "
+      "zero-gradient ops).  Target: 150 verified rules.")
     w("")
     w("## The ONNX node test corpus as gradient checks")
     w("")

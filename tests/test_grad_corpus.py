@@ -311,7 +311,9 @@ XFAIL: dict[str, str] = {
             "test_linear_attention_no_past_explicit_zeros_expanded",
             "test_linear_attention_prefill_with_past_expanded"),
     **_each("rule limitation: Slice's gradient needs the rank of grid_squeezed, which onnx shape "
-            "inference does not find inside AffineGrid's body",
+            "inference does not find inside AffineGrid's body (its If subgraphs are inlined now)",
+            "test_affine_grid_2d", "test_affine_grid_2d_align_corners", "test_affine_grid_3d",
+            "test_affine_grid_3d_align_corners",
             "test_affine_grid_2d_expanded", "test_affine_grid_2d_align_corners_expanded",
             "test_affine_grid_3d_expanded", "test_affine_grid_3d_align_corners_expanded"),
     **_each("rule limitation: fully masked rows make the body's Softmax NaN and a Where replaces them; "
@@ -365,9 +367,6 @@ XFAIL: dict[str, str] = {
             "test_attention_local_window_ext_cache_rank2_mask",
             "test_attention_local_window_ext_cache_rank3_head_mask",
             "test_attention_local_window_ext_cache_rank4_batch_mask"),
-    **_each("function body: AffineGrid's body holds If subgraphs, which inline.py does not inline",
-            "test_affine_grid_2d", "test_affine_grid_2d_align_corners", "test_affine_grid_3d",
-            "test_affine_grid_3d_align_corners"),
 }
 
 TRAINING_DOMAINS = frozenset({PREVIEW_DOMAIN, "ai.onnx.training"})

@@ -9,6 +9,7 @@ from . import (  # noqa: F401
     nn,
     quant,
     recurrent,
+    sequence,
     reduce,
     shape,
     spectral,
