@@ -181,6 +181,20 @@ def infer_types(
     return dtypes, shapes
 
 
+def value_types(
+    graph: onnx.GraphProto,
+    opset_imports: Sequence[onnx.OperatorSetIdProto],
+    functions: Sequence[onnx.FunctionProto] = (),
+) -> dict[str, onnx.TypeProto]:
+    """Full inferred TypeProtos (sequences and optionals too) of a graph's values."""
+    g = onnx.GraphProto()
+    g.CopyFrom(graph)
+    model = helper.make_model(g, opset_imports=list(opset_imports))
+    model.functions.extend(functions)
+    ig = _infer(model, g)
+    return {vi.name: vi.type for vi in list(ig.input) + list(ig.value_info) + list(ig.output)}
+
+
 def _infer(model: onnx.ModelProto, g: onnx.GraphProto) -> onnx.GraphProto:
     del model.graph.value_info[:]
     model.graph.value_info.extend(g.value_info)

@@ -220,3 +220,22 @@ def test_registrations():
     for op in ("SequenceConstruct", "SequenceAt", "SequenceInsert", "SequenceErase",
                "ConcatFromSequence", "SplitToSequence", "Optional", "OptionalGetElement"):
         assert REGISTRY.get("", op).kind == "vjp"
+
+
+@pytest.mark.xfail(strict=True, raises=TrainingModelError,
+                   reason="SequenceMap's body is inlined (a Loop over the sequence), but the Loop "
+                   "rule cannot yet carry a sequence-typed loop state")
+def test_sequence_map_through_its_function_body():
+    """SequenceMap has no rule: its ONNX function body (a Loop over the
+    sequence) is inlined and differentiated with the Loop and sequence rules."""
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["e", "e"], ["sq"]), helper.make_node("Mul", ["sq", "w"], ["out"])],
+        "square_times_w",
+        [helper.make_tensor_value_info("e", TensorProto.DOUBLE, None)],
+        [helper.make_tensor_value_info("out", TensorProto.DOUBLE, None)],
+    )
+    x = {**ABC, "w": rng.standard_normal(())}
+    nodes = [construct(), n("SequenceMap", ["S"], ["M"], name="op", body=body),
+             n("ConcatFromSequence", ["M"], ["y"], axis=0)]
+    assert REGISTRY.get("", "SequenceMap") is None  # the body is the rule
+    check_graph(nodes, x, ["y"])

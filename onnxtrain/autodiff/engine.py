@@ -27,7 +27,14 @@ from onnx import helper
 
 from ..emitter import FLOAT_TYPES, Emitter
 from ..errors import GradientError
-from ..graph import PREVIEW_DOMAIN, constant_values, infer_types, node_inputs, toposort
+from ..graph import (
+    PREVIEW_DOMAIN,
+    constant_values,
+    infer_types,
+    node_inputs,
+    toposort,
+    value_types,
+)
 from ..names import NameGen
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .inline import function_body, inline, type_proto
@@ -100,7 +107,7 @@ def expand_gradients(
         dtypes, shapes = infer_types(graph, opset_imports, functions=functions)
         constants = constant_values(graph)
         result = _expand_one(
-            nodes, idx, opset, names, dtypes, shapes, constants, opset_imports, functions
+            nodes, idx, opset, names, dtypes, shapes, constants, opset_imports, functions, graph
         )
         if isinstance(result, _Inline):
             at = next(i for i, n in enumerate(nodes) if n is result.node)
@@ -124,6 +131,12 @@ def _default_opset(opset_imports: Sequence[onnx.OperatorSetIdProto]) -> int:
     return 1
 
 
+def _graph_of(nodes: list[onnx.NodeProto]) -> onnx.GraphProto:
+    g = onnx.GraphProto()
+    g.node.extend(nodes)
+    return g
+
+
 def _set_nodes(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
     del graph.node[:]
     graph.node.extend(nodes)
@@ -139,6 +152,7 @@ def _expand_one(
     constants: dict,
     opset_imports: Sequence[onnx.OperatorSetIdProto] = (),
     functions: Sequence[onnx.FunctionProto] = (),
+    graph: onnx.GraphProto | None = None,
 ) -> list[onnx.NodeProto] | _Inline:
     gnode = nodes[idx]
     xs, zs, y = _gradient_attrs(gnode)
@@ -182,6 +196,10 @@ def _expand_one(
     for n in relevant:
         if REGISTRY.get(n.domain, n.op_type) is None and any(i in active for i in node_inputs(n)):
             types = [type_proto(dtypes.get(i), shapes.get(i)) if i else None for i in n.input]
+            if any(t is None and i for t, i in zip(types, n.input)):
+                # Not a tensor (a sequence, an optional): ask inference for the full type.
+                full = value_types(graph or _graph_of(nodes), opset_imports, functions)
+                types = [t if t is not None or not i else full.get(i) for t, i in zip(types, n.input)]
             body = function_body(n, opset_imports, functions, types)
             if body is not None:
                 try:

@@ -35,9 +35,18 @@ def function_body(
     except onnx.defs.SchemaError:
         return None
     data = b""
+
+    def body_version(available: Sequence[int]) -> int:
+        """The newest body written for an opset <= the model's (bodies are
+        only re-issued when they change)."""
+        older = [int(v) for v in available if int(v) <= version]
+        return max(older) if older else version
+
     try:
         if schema.has_function:
-            data = schema.get_function_with_opset_version(version)
+            data = schema.get_function_with_opset_version(
+                body_version(schema.function_opset_versions)
+            )
         elif schema.has_context_dependent_function:
             types = []
             for name, t in zip(node.input, input_types):
@@ -45,7 +54,9 @@ def function_body(
                     return None  # a present input of unknown type
                 types.append((t or onnx.TypeProto()).SerializeToString())  # omitted: untyped
             data = schema.get_context_dependent_function_with_opset_version(
-                version, node.SerializeToString(), types
+                body_version(schema.context_dependent_function_opset_versions),
+                node.SerializeToString(),
+                types,
             )
     except Exception:  # onnx raises plain RuntimeErrors when a body cannot be built
         return None
@@ -90,9 +101,9 @@ def _copy_node(
     n.name = names.fresh(f"{prefix}/{inner.name or inner.op_type}")
     del n.input[:]
     for i in inner.input:
-        if i not in rename:
-            rename[i] = names.fresh(f"{prefix}/{i}")
-        n.input.append(rename[i])
+        # A name defined nowhere in the body is an outer-scope read from a
+        # subgraph the caller handed in (SequenceMap's body): it keeps its name.
+        n.input.append(rename.get(i, i))
     del n.output[:]
     for o in inner.output:
         if o not in rename:
