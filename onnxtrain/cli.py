@@ -327,9 +327,7 @@ def _cmd_make_training(args: argparse.Namespace) -> int:
             raise ValueError(f"--frozen: {unknown[0]!r} is not an initializer of {args.model} "
                              f"(initializers: {shown or 'none'})")
         frozen = set(args.frozen)
-
-        def trainable(name: str) -> bool:
-            return name not in frozen
+        trainable = lambda name: name not in frozen  # noqa: E731
 
     try:
         built = build.training_model(

@@ -212,7 +212,9 @@ class StateStore:
 
     def __init__(self, arrays: Mapping[str, np.ndarray], device: tuple[str, int] = ("cpu", 0)):
         self.device = device
-        self._mutex = threading.Lock()
+        # Reentrant: a StateView collected (its pins released) while this
+        # thread holds the mutex must not deadlock.
+        self._mutex = threading.RLock()
         self._current: dict[str, ort.OrtValue] = {}
         self._spare: dict[str, ort.OrtValue | None] = {}
         self._pins: dict[int, int] = {}
@@ -258,22 +260,27 @@ class StateStore:
 
     def commit(self, staged: Mapping[str, ort.OrtValue]) -> None:
         """Make the staged buffers current (all at once); the old current
-        buffers become the spares."""
+        buffers become the spares.
+
+        The new maps are built aside and installed by one assignment, so an
+        exception or KeyboardInterrupt anywhere in here leaves every old
+        buffer current or every new one, never a mixture."""
         with self._mutex:
-            current, spares = self._current, self._spare
+            current, spares = dict(self._current), dict(self._spare)
             for n, value in staged.items():
                 spares[n] = current[n]
                 current[n] = value
-            self.version += 1
+            self._current, self._spare, self.version = current, spares, self.version + 1
 
     def replace(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Set values from numpy arrays (copied into new buffers), all at once."""
         fresh = {n: self._new_buffer(contiguous(a)) for n, a in arrays.items()}
         with self._mutex:
+            current, spares = dict(self._current), dict(self._spare)
             for n, value in fresh.items():
-                self._current[n] = value
-                self._spare[n] = None
-            self.version += 1
+                current[n] = value
+                spares[n] = None
+            self._current, self._spare, self.version = current, spares, self.version + 1
 
     @contextmanager
     def snapshot(self, names: Sequence[str] | None = None):

@@ -88,7 +88,9 @@ def write_model(
     exceed ``threshold`` (default: ``external_data_threshold()``).
     ``model`` is not modified.  Returns the model's path."""
     target = Path(path)
-    folder = target.resolve().parent
+    # The path as given, not resolved: a symlink at ``path`` is replaced by the
+    # new file (as ``mv`` would), and the temporary files live next to it.
+    folder = Path(os.path.abspath(target)).parent
     folder.mkdir(parents=True, exist_ok=True)
     name = target.name
     remove_stale_temp_files(folder, name)
@@ -96,9 +98,7 @@ def write_model(
         limit = external_data_threshold() if threshold is None else threshold
         external_data = tensor_bytes(model) > limit
     if not external_data:
-        data = _serialize(model, "")
-        _atomic_write(folder, name, lambda f: f.write(data))
-        del data
+        _atomic_write(folder, name, _serialize(model, ""))
         _remove_old_data_files(folder, name, keep=_locations(model))
         return target
 
@@ -118,9 +118,7 @@ def write_model(
         if sink.offset == 0:  # nothing was large enough to go external
             os.unlink(data_tmp)
             data_tmp = None
-        data = _serialize(skeleton, " even with external data")
-        model_tmp = _write_temp(folder, name, lambda f: f.write(data))
-        del data
+        model_tmp = _write_temp(folder, name, _serialize(skeleton, " even with external data"))
         try:
             if data_tmp is not None:
                 os.replace(data_tmp, folder / data_name)
@@ -163,8 +161,8 @@ def _serialize(model: onnx.ModelProto, how: str) -> bytes:
         ) from exc
 
 
-def _atomic_write(folder: Path, name: str, fill: Callable[[BinaryIO], object]) -> None:
-    tmp = _write_temp(folder, name, fill)
+def _atomic_write(folder: Path, name: str, data: bytes) -> None:
+    tmp = _write_temp(folder, name, data)
     try:
         os.replace(tmp, folder / name)
     except BaseException:
@@ -173,13 +171,20 @@ def _atomic_write(folder: Path, name: str, fill: Callable[[BinaryIO], object]) -
     _fsync_dir(folder)
 
 
-def _write_temp(folder: Path, name: str, fill: Callable[[BinaryIO], object]) -> str:
-    """A fully written and fsynced temporary file for ``folder / name``; returns its path."""
+def _write_temp(
+    folder: Path, name: str, content: bytes | Callable[[BinaryIO], object]
+) -> str:
+    """A fully written and fsynced temporary file for ``folder / name``; returns its path.
+
+    ``content``: the bytes, or a function that writes them to the open file."""
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.{os.getpid()}.", suffix=".tmp", dir=folder)
     try:
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
-            fill(f)
+            if callable(content):
+                content(f)
+            else:
+                f.write(content)
             f.flush()
             os.fsync(f.fileno())
     except BaseException:

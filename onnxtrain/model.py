@@ -107,8 +107,10 @@ def load(model: ModelLike) -> tuple[onnx.ModelProto, Path | None]:
             raise TrainingModelError(
                 "the model refers to external data; load it from its path so the data can be found"
             )
-        load_external_data(proto, base)
-    check_tensors(proto)
+        filled = load_external_data(proto, base)
+    else:
+        filled = []
+    check_tensors(proto, skip=filled)
     return proto, base
 
 
@@ -281,7 +283,7 @@ def _has_external(model: onnx.ModelProto) -> bool:
     return any(t.data_location == onnx.TensorProto.EXTERNAL for t in all_tensors(model))
 
 
-def load_external_data(model: onnx.ModelProto, base: Path) -> None:
+def load_external_data(model: onnx.ModelProto, base: Path) -> list[onnx.TensorProto]:
     """Read external tensor data into the model (in place).
 
     Every location is checked before any byte is read: it must be relative,
@@ -289,7 +291,8 @@ def load_external_data(model: onnx.ModelProto, base: Path) -> None:
     its [offset, offset + length) range must lie inside that file and hold
     exactly the bytes the tensor's dims and type need.  The total must fit in
     this machine's memory.  Then each tensor is read straight into the model
-    (one read per tensor)."""
+    (one read per tensor).  Returns the tensors it filled (their data length
+    is checked already)."""
     root = base.resolve()
     plan: list[tuple[onnx.TensorProto, Path, int, int]] = []
     for where, t in labelled_tensors(model):
@@ -316,6 +319,7 @@ def load_external_data(model: onnx.ModelProto, base: Path) -> None:
         del data
         del t.external_data[:]
         t.data_location = onnx.TensorProto.DEFAULT
+    return [t for t, _, _, _ in plan]
 
 
 def _external_range(t: onnx.TensorProto, where: str, root: Path) -> tuple[Path, int, int]:
@@ -574,10 +578,17 @@ def check_sparse_tensor(st: onnx.SparseTensorProto, where: str) -> None:
         )
 
 
-def check_tensors(model: onnx.ModelProto) -> None:
-    """Every tensor of every graph holds exactly the data its dims and type need."""
+def check_tensors(model: onnx.ModelProto, skip: Iterable[onnx.TensorProto] = ()) -> None:
+    """Every tensor of every graph holds exactly the data its dims and type need.
+
+    Measuring a tensor's raw_data costs a pass over it (protobuf has no O(1)
+    length), so the tensors in ``skip`` (checked already) are not measured
+    again.  (They are matched by identity: protobuf keeps one Python object
+    per sub-message while it is referenced, and ``skip`` references them.)"""
+    checked = {id(t): t for t in skip}
     for where, t in labelled_tensors(model):
-        check_tensor(t, where)
+        if checked.get(id(t)) is not t:
+            check_tensor(t, where)
     for where, st in labelled_sparse_tensors(model):
         check_sparse_tensor(st, where)
 
@@ -743,9 +754,16 @@ def _check_attribute_text(proto: onnx.ModelProto) -> None:
                         ) from None
 
 
-def validate(proto: onnx.ModelProto, base_dir: Path | None = None) -> TrainingModel:
-    """Check every spec rule and return the TrainingModel (raises TrainingModelError)."""
-    check_tensors(proto)
+def validate(
+    proto: onnx.ModelProto, base_dir: Path | None = None, tensors_checked: bool = False
+) -> TrainingModel:
+    """Check every spec rule and return the TrainingModel (raises TrainingModelError).
+
+    ``tensors_checked=True`` skips re-measuring every tensor's data, for a
+    proto that ``load`` just returned (it checks them): a pass over the
+    weights saved."""
+    if not tensors_checked:
+        check_tensors(proto)
     _check_attribute_text(proto)
     if proto.ir_version and proto.ir_version < 3:
         raise TrainingModelError(f"ir_version {proto.ir_version} is too old (need >= 3)")

@@ -14,6 +14,7 @@ One program per use: ``inference`` (M), ``algorithm i`` (M ⊕ A_i) and
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ from .errors import TrainingModelError
 from .executor import MAX_IR_VERSION
 from .fuse import fuse_gemm_updates
 from .graph import PREVIEW_DOMAIN, node_inputs, prune, toposort
-from .model import TrainingModel, combined_graph, uses_preview_ops
+from .model import TrainingModel, combined_graph, copy_graph, uses_preview_ops
 from .names import NameGen
 from .optim import lower_optimizers
 
@@ -88,7 +89,7 @@ class FeedSpec:
             return value
         try:
             return np.asarray(value, dtype=self.dtype)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise ValueError(
                 f"{caller}: feed {self.name!r} cannot be converted to {self.dtype}: {exc}"
             ) from exc
@@ -121,6 +122,8 @@ class Program:
     state_specs: dict[str, FeedSpec] = field(default_factory=dict)
     #: Outputs a step returns: those no binding consumes, in program order.
     returned: list[str] = field(default_factory=list)
+    #: Symbolic dims shared by several feeds: symbol -> [(feed, axis), ...].
+    shared_dims: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
     #: The binding plan: state variables written, the output each reads (first
     #: binding of an output), and (key, source key) pairs for outputs bound twice.
     bound_keys: tuple[str, ...] = ()
@@ -152,17 +155,23 @@ def build_program(
     label: str,
     graph: onnx.GraphProto,
     bindings: list[tuple[str, str]] | None = None,
+    state_left_out: Iterable[str] = (),
 ) -> Program:
-    """Lower one graph (already combined where needed) into a Program."""
+    """Lower one graph (already combined where needed) into a Program.
+
+    ``state_left_out``: state variables whose initializers the caller already
+    left out of ``graph`` (they become inputs all the same)."""
     proto = tm.proto
-    g = onnx.GraphProto()
-    g.CopyFrom(graph)
-    state_here = [
+    state_here = {
         name
-        for name in [t.name for t in g.initializer] + [t.values.name for t in g.sparse_initializer]
+        for name in [t.name for t in graph.initializer]
+        + [t.values.name for t in graph.sparse_initializer]
         if name in tm.state
-    ]
-    _state_to_inputs(g, tm, set(state_here))
+    } | set(state_left_out)
+    # State variables become inputs fed from the session's buffers: copying
+    # their initializer data here would double the memory of a large model.
+    g = copy_graph(graph, exclude_initializers=state_here)
+    _state_to_inputs(g, tm, state_here)
 
     names = NameGen(_all_names(g))
     available = [i.name for i in g.input] + [t.name for t in g.initializer]
@@ -209,6 +218,14 @@ def build_program(
     for vi in g.input:
         if vi.name in tm.state:
             program.state_specs[vi.name] = FeedSpec.of(vi)
+    symbols: dict[str, list[tuple[str, int]]] = {}
+    for vi in list(program.feeds.values()) + list(program.optional_feeds.values()):
+        tt = vi.type.tensor_type
+        if tt.HasField("shape"):
+            for axis, d in enumerate(tt.shape.dim):
+                if d.HasField("dim_param") and d.dim_param:
+                    symbols.setdefault(d.dim_param, []).append((vi.name, axis))
+    program.shared_dims = {k: v for k, v in symbols.items() if len(v) > 1}
     bound = {v for _, v in program.bindings}
     program.returned = [o for o in program.outputs if o not in bound]
     first: dict[str, str] = {}
@@ -262,9 +279,14 @@ def inference_program(tm: TrainingModel) -> Program:
 def algorithm_program(tm: TrainingModel, index: int) -> Program:
     ti = tm.proto.training_info[index]
     bindings = [(e.key, e.value) for e in ti.update_binding]
-    return build_program(
-        tm, f"training_info[{index}].algorithm", combined_graph(tm.proto, index), bindings
-    )
+    state = {
+        name
+        for g in (tm.proto.graph, ti.algorithm)
+        for name in [t.name for t in g.initializer] + [t.values.name for t in g.sparse_initializer]
+        if name in tm.state
+    }
+    combined = combined_graph(tm.proto, index, exclude_initializers=state)
+    return build_program(tm, f"training_info[{index}].algorithm", combined, bindings, state)
 
 
 def initialization_program(tm: TrainingModel, index: int) -> Program | None:

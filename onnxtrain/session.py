@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,24 +33,30 @@ from .programs import Program, algorithm_program, inference_program, initializat
 
 
 class StateView(Mapping):
-    """Read-only view of a session's state: each lookup returns a numpy copy."""
+    """Read-only view of one consistent state version: each lookup returns a numpy copy.
+
+    Creating the view pins the current buffers (a training step never writes
+    into a pinned buffer), so ``dict(sess.state)`` taken while another thread
+    trains never mixes two steps; the pins go when the view is collected."""
 
     def __init__(self, store: StateStore) -> None:
-        self._store = store
+        snap = store.snapshot()
+        self._values = snap.__enter__()
+        weakref.finalize(self, snap.__exit__, None, None, None)
 
     def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self._store.names():
+        if name not in self._values:
             raise KeyError(name)
-        return self._store.to_numpy([name])[name]
+        return np.array(self._values[name].numpy(), copy=True)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._store.names())
+        return iter(self._values)
 
     def __len__(self) -> int:
-        return len(self._store.names())
+        return len(self._values)
 
     def __repr__(self) -> str:
-        items = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in self._store.to_numpy().items())
+        items = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in self.items())
         return f"StateView({{{items}}})"
 
 
@@ -71,7 +78,7 @@ class TrainingSession:
         check_finite: bool = False,
     ) -> None:
         proto, base = load(model)
-        self._model: TrainingModel = validate(proto, base)
+        self._model: TrainingModel = validate(proto, base, tensors_checked=True)  # load() did
         self._providers = list(providers) if providers else None
         self._session_options = session_options
         self._lock = threading.RLock()
@@ -85,7 +92,8 @@ class TrainingSession:
         self._executors: dict[int, Executor] = {}
         self._check_finite = check_finite
         self._store = StateStore(
-            {name: tm.initial_value(name) for name in tm.state}, device_of(self._providers)
+            {name: tm.initial_value(name, readonly=True) for name in tm.state},
+            device_of(self._providers),
         )
         self._input_names = set(self._inference.feeds) | set(self._inference.optional_feeds)
         for p in self._algorithms:
@@ -209,6 +217,15 @@ class TrainingSession:
                             "not as a feed"
                         )
                     out[name] = spec.check(feeds[name], caller)
+        for symbol, places in program.shared_dims.items():
+            # Kernels trust the model's shapes: a batch of 8 inputs and 3 labels
+            # would make onnxruntime read past the shorter feed.
+            sizes = {(n, a): out[n].shape[a] for n, a in places if n in out}
+            if len(set(sizes.values())) > 1:
+                found = ", ".join(f"{n}[{a}]={v}" for (n, a), v in sizes.items())
+                raise ValueError(
+                    f"{caller}: feeds disagree on the symbolic dimension {symbol!r}: {found}"
+                )
         return out
 
     def _check_names(self, feeds: Mapping[str, Any], caller: str) -> None:
@@ -409,10 +426,16 @@ class TrainingSession:
                 out.ir_version = MAX_IR_VERSION
         return out
 
-    def export(self, path: str | os.PathLike, training: bool = False) -> Path:
-        """Write the current model to ``path`` atomically (temp file, fsync, rename)."""
+    def export(
+        self, path: str | os.PathLike, training: bool = False, external_data: bool | None = None
+    ) -> Path:
+        """Write the current model to ``path`` atomically (temp file, fsync, rename).
+
+        ``external_data``: None writes tensors to a data file beside the model
+        when they exceed ``ONNXTRAIN_EXTERNAL_DATA_THRESHOLD`` (1.5 GiB by
+        default; protobuf cannot hold 2 GiB); True or False forces it."""
         model = self.to_model(training=training)
-        return write_model(model, path)
+        return write_model(model, path, external_data=external_data)
 
 
 def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
