@@ -32,7 +32,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..emitter import Emitter
-from ..errors import GradientError, TrainingModelError
+from ..errors import TrainingModelError
 
 Dim = int | str | None
 Shape = tuple[Dim, ...]

@@ -50,7 +50,7 @@ from onnx import helper, numpy_helper
 
 from ...emitter import Emitter, np_dtype
 from ...errors import TrainingModelError
-from ..registry import REGISTRY, Rule, VJPContext
+from ..registry import VJPContext
 from .control import _Slots
 
 GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
