@@ -369,19 +369,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------- helpers
 def _describe_type(vi: onnx.ValueInfoProto) -> str:
     """``float32[N, 64]`` for a tensor value; the raw type name for anything else."""
-    t = vi.type
-    if t.WhichOneof("value") != "tensor_type":
-        return t.WhichOneof("value") or "?"
-    tt = t.tensor_type
-    try:
-        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)).name
-    except (KeyError, TypeError, ValueError):
-        dtype = onnx.TensorProto.DataType.Name(tt.elem_type) if tt.elem_type else "?"
-    if not tt.HasField("shape"):
-        return f"{dtype}[?]"
-    dims = [str(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?")
-            for d in tt.shape.dim]
-    return f"{dtype}[{', '.join(dims)}]"
+    from .summary import describe_value
+
+    return describe_value(vi)
 
 
 def _print_values(title: str, values, out: TextIO, indent: str = "  ") -> None:
