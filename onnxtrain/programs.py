@@ -129,6 +129,8 @@ class Program:
     bound_keys: tuple[str, ...] = ()
     bound_values: tuple[str, ...] = ()
     bound_copies: tuple[tuple[str, str], ...] = ()
+    #: Every state variable a run writes: bound_keys, then the copies' keys.
+    target_keys: tuple[str, ...] = ()
 
 
 def _all_names(graph: onnx.GraphProto) -> set[str]:
@@ -238,6 +240,7 @@ def build_program(
     program.bound_keys = tuple(first.values())
     program.bound_values = tuple(first)
     program.bound_copies = tuple(copies)
+    program.target_keys = program.bound_keys + tuple(k for k, _ in copies)
     return program
 
 

@@ -261,7 +261,7 @@ class TrainingSession:
             for n in program.state_inputs:
                 if n in pending:
                     state_in[n] = pending[n]
-        targets = store.targets(program.bound_keys + tuple(k for k, _ in program.bound_copies))
+        targets = store.targets(program.target_keys)
         state_out = dict(zip(program.bound_values, targets))
         executor = self._executor(program)
         try:
