@@ -178,7 +178,119 @@ def infer_types(
                 if a.name == "value":
                     dtypes[node.output[0]] = a.t.data_type
                     shapes[node.output[0]] = tuple(int(d) for d in a.t.dims)
+    _propagate_ranks(ig.node, shapes, dtypes, graph)
     return dtypes, shapes
+
+
+#: Ops whose outputs have the rank of their first input.
+_SAME_RANK = frozenset(
+    """Identity Cast CastLike Neg Abs Relu Sigmoid Tanh Exp Log Sqrt Reciprocal Erf Sin Cos Tan
+    Asin Acos Atan Sinh Cosh Asinh Acosh Atanh Softplus Softsign Elu Selu Celu LeakyRelu
+    HardSigmoid HardSwish ThresholdedRelu Mish Gelu Floor Ceil Round Sign Clip Softmax
+    LogSoftmax Hardmax Dropout Shrink CumSum CumProd Pad Tile Slice Split Trilu IsNaN IsInf Not
+    LpNormalization MeanVarianceNormalization LRN InstanceNormalization LayerNormalization
+    GroupNormalization RMSNormalization ReverseSequence Resize Swish
+    ScatterElements ScatterND Scatter GatherElements""".split()
+)
+#: Broadcasting ops: the rank of the result is the largest input rank.
+_BROADCAST = frozenset(
+    """Add Sub Mul Div Pow Mod Where Max Min Sum Mean Equal Less Greater LessOrEqual
+    GreaterOrEqual And Or Xor PRelu BitShift BitwiseAnd BitwiseOr BitwiseXor""".split()
+)
+
+
+def _propagate_ranks(
+    nodes: Sequence[onnx.NodeProto],
+    shapes: dict[str, tuple | None],
+    dtypes: dict[str, int],
+    graph: onnx.GraphProto,
+) -> None:
+    """Fill in the rank (dims unknown) of tensors onnx shape inference left
+    without a shape, from the ranks of their inputs.
+
+    onnx loses even the rank after, e.g., a Split with runtime lengths or an
+    If, while the gradient rules only need the rank.  A value gets a rank only
+    when every input it depends on for the rank has one."""
+    consts = constant_values(graph) if graph is not None else {}
+    for n in nodes:
+        if n.op_type == "Constant":
+            for a in n.attribute:
+                if a.name == "value":
+                    consts[n.output[0]] = numpy_helper.to_array(a.t)
+
+    def rank(name: str) -> int | None:
+        s = shapes.get(name)
+        return None if s is None else len(s)
+
+    def ints(name: str) -> list[int] | None:
+        v = consts.get(name)
+        return None if v is None else [int(i) for i in np.asarray(v).reshape(-1)]
+
+    def length(name: str) -> int | None:
+        s = shapes.get(name)
+        return s[0] if s is not None and len(s) == 1 and isinstance(s[0], int) else None
+
+    for n in nodes:
+        if n.domain in ("", "ai.onnx") and n.op_type in ("Shape", "Concat") and n.output[0]:
+            # 1-D shape tensors: their length is the rank of what they reshape to
+            k = None
+            if n.op_type == "Shape" and rank(n.input[0]) is not None:
+                attrs = {a.name: a.i for a in n.attribute}
+                k = len(range(rank(n.input[0]))[attrs.get("start", 0) : attrs.get("end", None)])
+            elif n.op_type == "Concat" and all(rank(i) == 1 for i in n.input):
+                lengths = [length(i) for i in n.input]
+                k = None if any(v is None for v in lengths) else sum(lengths)
+            if k is not None:
+                shapes[n.output[0]] = (k,)
+                continue
+        missing = [o for o in n.output if o and shapes.get(o) is None and (o not in dtypes or dtypes[o])]
+        if not missing or n.domain not in ("", "ai.onnx"):
+            continue
+        ins = [i for i in n.input if i]
+        r: int | None = None
+        op = n.op_type
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        if op in _SAME_RANK and ins:
+            r = rank(ins[0])
+        elif op in _BROADCAST and ins:
+            ranks = [rank(i) for i in ins]
+            r = None if any(x is None for x in ranks) else max(ranks)
+        elif op == "Concat":
+            r = next((rank(i) for i in ins if rank(i) is not None), None)
+        elif op == "Transpose":
+            r = len(attrs["perm"]) if "perm" in attrs else rank(ins[0])
+        elif op in ("Reshape", "ConstantOfShape", "Expand") and len(ins) >= 1:
+            shape_in = ins[1] if op in ("Reshape", "Expand") else ins[0]
+            s = shapes.get(shape_in)
+            k = s[0] if s is not None and len(s) == 1 and isinstance(s[0], int) else None
+            if op == "Expand" and k is not None:
+                r0 = rank(ins[0])
+                k = None if r0 is None else max(k, r0)
+            r = k
+        elif op in ("Squeeze", "Unsqueeze") and ins:
+            axes = attrs.get("axes") if "axes" in attrs else (ints(ins[1]) if len(ins) > 1 else None)
+            r0 = rank(ins[0])
+            if r0 is not None and axes is not None:
+                r = r0 - len(axes) if op == "Squeeze" else r0 + len(axes)
+        elif op == "MatMul" and len(ins) == 2:
+            ra, rb = rank(ins[0]), rank(ins[1])
+            if ra is not None and rb is not None and ra >= 2 and rb >= 2:
+                r = max(ra, rb)
+        elif op == "Gather" and len(ins) == 2:
+            ra, rq = rank(ins[0]), rank(ins[1])
+            r = None if ra is None or rq is None else ra + rq - 1
+        elif op == "Shape":
+            r = 1
+        elif op == "BatchNormalization" and ins:
+            # Y has x's rank; the running and saved statistics are per channel
+            if rank(ins[0]) is not None and shapes.get(n.output[0]) is None:
+                shapes[n.output[0]] = (None,) * rank(ins[0])
+            r = 1
+            missing = [o for o in missing if o != n.output[0]]
+        if r is None:
+            continue
+        for o in missing:
+            shapes[o] = (None,) * r
 
 
 def value_types(
@@ -251,8 +363,11 @@ def constant_values(graph: onnx.GraphProto, max_size: int = 1024) -> dict[str, n
     """Values of small Constant outputs and initializers, known when building."""
     out: dict[str, np.ndarray] = {}
     for t in graph.initializer:
-        if _numel(t.dims) <= max_size:
-            out[t.name] = numpy_helper.to_array(t)
+        if _numel(t.dims) <= max_size and t.data_location != TensorProto.EXTERNAL:
+            try:
+                out[t.name] = numpy_helper.to_array(t)
+            except (ValueError, TypeError):
+                continue  # malformed data: validation reports it where it matters
     for node in graph.node:
         if node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS:
             for a in node.attribute:

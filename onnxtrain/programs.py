@@ -26,7 +26,7 @@ from .autodiff import expand_gradients
 from .errors import TrainingModelError
 from .executor import MAX_IR_VERSION
 from .fuse import fuse_gemm_updates
-from .graph import PREVIEW_DOMAIN, node_inputs, prune, toposort
+from .graph import PREVIEW_DOMAIN, node_inputs, outer_references, prune, subgraphs, toposort
 from .model import TrainingModel, combined_graph, copy_graph, uses_preview_ops
 from .names import NameGen
 from .optim import lower_optimizers
@@ -190,6 +190,7 @@ def build_program(
             fuse_gemm_updates(g, opset_imports)
         outputs = [o.name for o in g.output]
         nodes = prune(toposort(list(g.node), available, where=label), outputs)
+        nodes = _elide_output_identities(nodes, g)
     except TrainingModelError as exc:
         raise type(exc)(f"{label}: {exc}") from exc
     del g.node[:]
@@ -262,6 +263,51 @@ def _state_to_inputs(g: onnx.GraphProto, tm: TrainingModel, state_here: set[str]
                     existing.CopyFrom(vi)
         else:
             g.input.append(vi)
+
+
+def _elide_output_identities(nodes: list[onnx.NodeProto], g: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """Drop ``b = Identity(a)`` where b is a graph output, by letting a's
+    producer write b directly (onnxruntime keeps such Identities: one kernel
+    and one copy per step each, e.g. for a loss or a bound update).
+
+    Only when a is an intermediate value: produced by a node of this graph,
+    not a graph input, initializer or output, and not read by a subgraph."""
+    outputs = {o.name for o in g.output}
+    fixed = {i.name for i in g.input} | {t.name for t in g.initializer}
+    fixed |= {t.values.name for t in g.sparse_initializer} | outputs
+    producer = {o: n for n in nodes for o in n.output if o}
+    captured: set[str] = set()
+    for n in nodes:
+        for sub in subgraphs(n):
+            captured |= outer_references(sub)
+    rename: dict[str, str] = {}
+    kept = []
+    for n in nodes:
+        if (
+            n.op_type == "Identity"
+            and n.domain in ("", "ai.onnx")
+            and n.output[0] in outputs
+            and n.input[0] in producer
+            and n.input[0] not in fixed
+            and n.input[0] not in captured
+            and n.input[0] not in rename
+        ):
+            rename[n.input[0]] = n.output[0]
+            continue
+        kept.append(n)
+    if not rename:
+        return nodes
+    for n in kept:
+        for i, name in enumerate(n.input):
+            if name in rename:
+                n.input[i] = rename[name]
+        for i, name in enumerate(n.output):
+            if name in rename:
+                n.output[i] = rename[name]
+    keep_vi = [vi for vi in g.value_info if vi.name not in rename]
+    del g.value_info[:]
+    g.value_info.extend(keep_vi)
+    return kept
 
 
 def _prune_unused_initializers(g: onnx.GraphProto) -> None:

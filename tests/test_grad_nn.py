@@ -625,3 +625,50 @@ def test_recurrent_sequence_lens_refused():
     names = ["x", "w", "r", "b", "lens", "h0"]
     with pytest.raises(TrainingModelError, match="sequence_lens"):
         check_vjp_f32("GRU", inputs, {"hidden_size": 4}, node_inputs=names, wrt=["x"], n_outputs=2, **_RNN32)
+
+
+# ------------------------------------------- statistics outputs (cotangents)
+@pytest.mark.parametrize("opset,n_out", [(13, 5), (15, 3)])
+@pytest.mark.parametrize("shape", [(4, 3), (2, 3, 2, 2)])
+def test_batch_norm_training_statistics_outputs(shape, opset, n_out):
+    """A loss that reads the running statistics (and, before opset 14, the
+    saved ones): they depend on x and on the input mean/var, so their
+    cotangents reach x, mean and var (no silent zero)."""
+    attrs = {"momentum": 0.8, "epsilon": 1e-2}
+    if opset >= 14:
+        attrs["training_mode"] = 1
+    check_vjp(
+        "BatchNormalization", _bn_inputs(shape, seed=3), attrs, opset=opset,
+        wrt=["x", "scale", "b", "mean", "var"], n_outputs=n_out, diff_outputs=list(range(n_out)),
+    )
+
+
+def test_batch_norm_training_only_statistics_read():
+    """Only running_mean/running_var feed the loss: Y gets no cotangent."""
+    check_vjp(
+        "BatchNormalization", _bn_inputs((3, 2, 2), seed=4), {"training_mode": 1, "momentum": 0.5},
+        opset=15, wrt=["x", "mean", "var"], n_outputs=3, diff_outputs=[1, 2],
+    )
+
+
+@pytest.mark.parametrize("align", [0, 1])
+@pytest.mark.parametrize("size", [(2, 3, 4, 5), (2, 1, 3, 4, 2), (2, 3, 1, 1)])
+@pytest.mark.parametrize("symbolic", [False])
+def test_affine_grid(size, align, symbolic):
+    """grid = theta applied to the normalized base grid; linear in theta.
+    (All-symbolic shapes would hide whether the grid is 2-D or 3-D, which the
+    rule refuses with a clear error: see the test below.)"""
+    spatial = len(size) - 2
+    theta = np.random.default_rng(6).standard_normal((size[0], spatial, spatial + 1))
+    check_vjp(
+        "AffineGrid", {"theta": theta, "size": np.array(size, dtype=np.int64)},
+        {"align_corners": align}, opset=20, wrt=["theta"], symbolic=symbolic,
+    )
+
+
+def test_affine_grid_refuses_unknown_dimensionality():
+    with pytest.raises(TrainingModelError, match="2-D or 3-D"):
+        check_vjp(
+            "AffineGrid", {"theta": np.zeros((1, 2, 3)), "size": np.array([1, 1, 2, 2], dtype=np.int64)},
+            opset=20, wrt=["theta"], symbolic=True,
+        )

@@ -269,6 +269,9 @@ class VJPContext:
             if axes is not None:
                 if not axes:
                     return dx
+                if axes == list(range(lead)):
+                    # only leading axes go: one reduction that drops them
+                    return self.emit.reduce_sum(dx, axes, keepdims=False)
                 red = self.emit.reduce_sum(dx, axes, keepdims=True)
                 if lead:
                     red = self.emit.squeeze(red, list(range(lead)))

@@ -258,6 +258,10 @@ class Adam(Optimizer):
     m = b1 m + (1 - b1) g';  v = b2 v + (1 - b2) g'^2
     p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
+    emitted as p -= s * m / (sqrt(v) + e) with the scalars
+    s = lr sqrt(1 - b2^t) / (1 - b1^t) and e = eps sqrt(1 - b2^t)
+    (the same value; one pass over each parameter fewer).
+
     The spec ``Adam`` op adds eps to sqrt(v) before the bias correction and
     counts T from 0 without correcting the first step, so it differs from
     torch; this rule is emitted directly instead."""
@@ -288,7 +292,11 @@ class Adam(Optimizer):
         one = e.const(1.0, dtype=F64)
         bias1 = e.Sub(one, e.Pow(e.const(b1, dtype=F64), t))
         bias2_sqrt = e.Sqrt(e.Sub(one, e.Pow(e.const(b2, dtype=F64), t)))
-        step_size = e.Div(lr, bias1)
+        # lr / bias1 * m / (sqrt(v) / bias2_sqrt + eps)
+        #   = (lr * bias2_sqrt / bias1) * m / (sqrt(v) + eps * bias2_sqrt):
+        # the bias corrections fold into two scalars (no pass over v for them)
+        step_size = e.Div(e.Mul(lr, bias2_sqrt), bias1)
+        eps_hat = e.Mul(e.const(self.eps, dtype=F64), bias2_sqrt)
         if self.decoupled and self.weight_decay:
             decay = e.Sub(one, e.Mul(lr, e.const(self.weight_decay, dtype=F64)))
         cache = _ScalarCache(e)
@@ -302,7 +310,7 @@ class Adam(Optimizer):
                 g = _with_weight_decay(e, g, p, self.weight_decay)
             m_new = e.Add(e.Mul(e.const(b1, dtype=et), m), e.Mul(e.const(1.0 - b1, dtype=et), g))
             v_new = e.Add(e.Mul(e.const(b2, dtype=et), v), e.Mul(e.const(1.0 - b2, dtype=et), e.Mul(g, g)))
-            denom = e.Add(e.Div(e.Sqrt(v_new), cache.as_type(bias2_sqrt, et)), e.const(self.eps, dtype=et))
+            denom = e.Add(e.Sqrt(v_new), cache.as_type(eps_hat, et))
             new.append(e.Sub(p, e.Mul(cache.as_type(step_size, et), e.Div(m_new, denom))))
             ms.append(m_new)
             vs.append(v_new)

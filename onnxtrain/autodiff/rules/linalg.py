@@ -78,6 +78,8 @@ def sum_to(
             summed = e.reduce_sum(dx, [axis], keepdims=True)
             pick = e.Where(e.Equal(size, e.ints([1])), summed, dx)
             dx = e.slice(pick, e.ints([0]), size, axes=[axis])
+    if lead and static_axes == list(range(lead)):
+        return e.reduce_sum(dx, static_axes, keepdims=False)  # one kernel drops them
     if static_axes:
         dx = e.reduce_sum(dx, static_axes, keepdims=True)
     if lead:

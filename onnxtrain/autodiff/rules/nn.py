@@ -608,7 +608,7 @@ def _batch_stats(ctx: VJPContext, x: str, axes: list[int], eps: float) -> tuple[
 
 
 @vjp("BatchNormalization")
-def batch_norm_vjp(ctx, dy, *_):
+def batch_norm_vjp(ctx, dy, *d_stats):
     """y = scale * xhat + B, xhat = (x - mu) / sqrt(var + eps), per channel
 
     Inference (training_mode=0; before opset 14, a node with only Y): mu, var
@@ -616,9 +616,16 @@ def batch_norm_vjp(ctx, dy, *_):
         dx = dy * scale / sqrt(var + eps), dscale = sum(dy * xhat), dB = sum(dy)
         dmean = -dB * scale / sqrt(var + eps), dvar = -dscale * scale / (2 (var + eps))
     Training (training_mode=1; before opset 14, a node with the extra outputs):
-    mu, var are the batch statistics over N and the spatial axes:
+    mu, var are the batch statistics (biased variance) over N and the spatial
+    axes, M elements per channel:
         dx = inv_std * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * scale
-    and the running mean/var outputs carry no gradient."""
+    The running statistics r_mean = m * mean + (1 - m) * mu and
+    r_var = m * var + (1 - m) * sigma2 (m = momentum) add
+        dmean = m * d_rmean, dvar = m * d_rvar,
+        dx += ((1 - m) * d_rmean + 2 (1 - m) * d_rvar * (x - mu)) / M
+    and before opset 14 the saved statistics (onnxruntime's saved_mean = mu,
+    saved_var = inv_std = (sigma2 + eps)^(-1/2)) add
+        dx += (d_saved_mean - d_saved_var * inv_std^2 * xhat) / M."""
     e = ctx.emit
     x, scale = ctx.inputs[0], ctx.inputs[1]
     mean, var = ctx.inputs[3], ctx.inputs[4]
@@ -635,6 +642,8 @@ def batch_norm_vjp(ctx, dy, *_):
         inv_c = e.Reciprocal(e.Sqrt(e.Add(var, ctx.const(eps, like=var))))
         inv_std = _per_channel(ctx, inv_c, r)
         xhat = e.Mul(e.Sub(x, _per_channel(ctx, mean, r)), inv_std)
+    if dy is None:
+        dy = e.zeros_like(x)
     d_b = e.reduce_sum(dy, axes, keepdims=False) if (ctx.needs(2) or ctx.needs(3)) else None
     d_scale = e.reduce_sum(e.Mul(dy, xhat), axes, keepdims=False) if (ctx.needs(1) or ctx.needs(4)) else None
     dx = dmean = dvar = None
@@ -648,6 +657,29 @@ def batch_norm_vjp(ctx, dy, *_):
     if not training and ctx.needs(4):
         half = ctx.const(-0.5, like=var)
         dvar = e.Mul(e.Mul(d_scale, scale), e.Mul(half, e.Mul(inv_c, inv_c)))
+    if training:
+        d_stats = tuple(d_stats) + (None,) * (4 - len(d_stats))
+        d_rmean, d_rvar, d_smean, d_svar = d_stats
+        momentum = float(ctx.attr("momentum", 0.9))
+        et = ctx.dtype(x)
+        stats = []  # per-channel terms, summed, then spread over the M elements
+        if d_rmean is not None:
+            stats.append(e.Mul(_per_channel(ctx, d_rmean, r), ctx.const(1.0 - momentum, dtype=et)))
+        if d_rvar is not None:
+            centred = e.Div(xhat, inv_std)
+            stats.append(e.Mul(e.Mul(_per_channel(ctx, d_rvar, r), ctx.const(2.0 * (1.0 - momentum), dtype=et)), centred))
+        if d_smean is not None:
+            stats.append(_per_channel(ctx, d_smean, r))
+        if d_svar is not None:
+            stats.append(e.Neg(e.Mul(e.Mul(_per_channel(ctx, d_svar, r), e.Mul(inv_std, inv_std)), xhat)))
+        if stats and ctx.needs(0):
+            count = e.Cast(e.Div(e.Size(x), e.dim(x, 1)), to=et)
+            dx = e.Add(dx, e.Div(e.sum_all([e.Expand(t, e.Shape(x)) for t in stats]), count))
+        m = ctx.const(momentum, dtype=ctx.dtype(mean))
+        if ctx.needs(3):
+            dmean = e.Mul(d_rmean, m) if d_rmean is not None else e.zeros_like(mean)
+        if ctx.needs(4):
+            dvar = e.Mul(d_rvar, m) if d_rvar is not None else e.zeros_like(var)
     return (
         dx,
         d_scale if ctx.needs(1) else None,
@@ -678,30 +710,50 @@ def instance_norm_vjp(ctx, dy):
 
 
 @vjp("LayerNormalization")
-def layer_norm_vjp(ctx, dy, *_):
-    """y = scale * xhat + B, xhat = (x - mean) * inv_std over axes [axis, rank)
+def layer_norm_vjp(ctx, dy, d_mean=None, d_inv_std=None):
+    """y = scale * xhat + B, xhat = (x - mean) * inv_std over axes [axis, rank),
+    inv_std = (var + eps)^(-1/2), var = mean((x - mean)^2), M elements per group
     ->  dx = inv_std * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * scale
+           + (d_mean - d_inv_std * inv_std^2 * xhat) / M
         dscale = sum_broadcast(dy * xhat), dB = sum_broadcast(dy)
 
     mean and inv_std are the node's optional Mean/InvStdDev outputs (added to
-    the node when absent; cast from stash_type to x's type)."""
+    the node when absent; cast from stash_type to x's type).  Their own
+    cotangents (a loss that reads them) enter dx through the last term:
+    d mean / dx_i = 1 / M and d inv_std / dx_i = -inv_std^2 * xhat_i / M."""
     e = ctx.emit
     x, scale = ctx.inputs[0], ctx.inputs[1]
     bias = ctx.input(2)
     r = ctx.require_rank(x)
     axes = list(range(int(ctx.attr("axis", -1)) % r, r))
     et = ctx.dtype(x)
-    mean = e.cast_to(ctx.forward_output(1), et)
+    mean_out = ctx.forward_output(1)
+    mean = e.cast_to(mean_out, et)
     inv_std = e.cast_to(ctx.forward_output(2), et)
     xhat = e.Mul(e.Sub(x, mean), inv_std)
     x_dims = dims_of(ctx, x, r)
     dx = d_scale = d_b = None
     if ctx.needs(0):
-        dx = _normalize_backward(ctx, e.Mul(dy, scale), xhat, inv_std, axes)
-    if ctx.needs(1):
+        parts = []
+        if dy is not None:
+            parts.append(_normalize_backward(ctx, e.Mul(dy, scale), xhat, inv_std, axes))
+        stats = None
+        if d_mean is not None:
+            stats = e.cast_to(d_mean, et)
+        if d_inv_std is not None:
+            term = e.Mul(e.Mul(e.cast_to(d_inv_std, et), e.Mul(inv_std, inv_std)), xhat)
+            stats = e.Neg(term) if stats is None else e.Sub(stats, term)
+        if stats is not None:
+            count = e.Cast(e.Div(e.Size(x), e.Size(mean_out)), to=et)
+            parts.append(e.Div(e.Expand(stats, e.Shape(x)), count))
+        dx = e.sum_all(parts)
+    if dy is not None and ctx.needs(1):
         d_scale = sum_to(ctx, e.Mul(dy, xhat), scale, x_dims, dims_of(ctx, scale, ctx.require_rank(scale)))
-    if bias is not None and ctx.needs(2):
+    if dy is not None and bias is not None and ctx.needs(2):
         d_b = sum_to(ctx, dy, bias, x_dims, dims_of(ctx, bias, ctx.require_rank(bias)))
+    if dy is None:
+        d_scale = e.zeros_like(scale) if ctx.needs(1) else None
+        d_b = e.zeros_like(bias) if bias is not None and ctx.needs(2) else None
     return (dx, d_scale, d_b)[: len(ctx.inputs)]
 
 
@@ -1595,6 +1647,47 @@ def _axis_taps(
         weight.append(w if valid is None else e.Mul(w, valid))
         slope.append(s if valid is None else e.Mul(s, valid))
     return _Taps(index, weight, slope), factor
+
+
+@vjp("AffineGrid")
+def affine_grid_vjp(ctx, dgrid):
+    """grid[n, p, i] = sum_j theta[n, i, j] * base[p, j]   (p: the D x H x W or
+    H x W sampling positions, base[p] = (x, y[, z], 1) their normalized
+    coordinates, which depend on size and align_corners only)
+    ->  dtheta[n, i, j] = sum_p dgrid[n, p, i] * base[p, j]
+
+    The op is linear in theta, so base comes from the op itself: the batch of
+    unit matrices E_j (E_j[0, j] = 1, zero elsewhere) gives
+    AffineGrid(E_j)[.., 0] = base[.., j].  The size input gets no gradient."""
+    e = ctx.emit
+    theta, size = ctx.inputs[0], ctx.inputs[1]
+    if not ctx.needs(0):
+        return None, None
+    tshape = ctx.shape(theta)
+    sshape = ctx.shape(size)
+    if tshape is not None and len(tshape) == 3 and isinstance(tshape[1], int):
+        spatial = int(tshape[1])
+    elif sshape is not None and len(sshape) == 1 and isinstance(sshape[0], int):
+        spatial = int(sshape[0]) - 2
+    elif ctx.rank(ctx.outputs[0]) is not None:
+        spatial = ctx.rank(ctx.outputs[0]) - 2
+    else:
+        raise GradientError(
+            f"AffineGrid node {ctx.node.name!r}: the gradient needs to know whether the grid is "
+            "2-D or 3-D (the shape of theta or the length of size), which is not known statically"
+        )
+    cols = spatial + 1
+    units = np.zeros((cols, spatial, cols))
+    for j in range(cols):
+        units[j, 0, j] = 1.0
+    unit_theta = ctx.const(units, like=theta)
+    unit_size = e.Concat(e.ints([cols]), e.slice(int64(e, size), [1], [2 + spatial]), axis=0)
+    base = e.op("AffineGrid", [unit_theta, unit_size], align_corners=int(ctx.attr("align_corners", 0)))
+    letters = "dhw"[-spatial:]
+    # base[j, <positions>, 0] -> dtheta = einsum(dgrid[n, <positions>, i], base[j, <positions>])
+    base0 = e.squeeze(e.slice(base, [0], [1], axes=[spatial + 1]), [spatial + 1])
+    dtheta = e.Einsum(dgrid, base0, equation=f"n{letters}i,j{letters}->nij")
+    return dtheta, None
 
 
 @vjp("GridSample")

@@ -72,12 +72,27 @@ def reduce_sum_vjp(ctx, dy):
 
 @vjp("ReduceMean")
 def reduce_mean_vjp(ctx, dy):
-    """y = mean_axes(x)  ->  dx = broadcast(dy) * size(y) / size(x)"""
+    """y = mean_axes(x)  ->  dx = broadcast(dy * size(y) / size(x))
+
+    The ratio is a constant when both shapes are static."""
     e = ctx.emit
     x, y = ctx.inputs[0], ctx.outputs[0]
-    ratio = e.Div(e.Cast(e.Size(y), to=ctx.dtype(x)), e.Cast(e.Size(x), to=ctx.dtype(x)))
-    dx = expand_back(ctx, dy, x, reduced_axes(ctx), bool(ctx.attr("keepdims", 1)))
-    return (e.Mul(dx, ratio),)
+    et = ctx.dtype(x)
+    n_x, n_y = _static_numel(ctx.shape(x)), _static_numel(ctx.shape(y))
+    if n_x is not None and n_y is not None:
+        ratio = ctx.const(n_y / n_x if n_x else 0.0, dtype=et)  # static shapes: no runtime Size
+    else:
+        size_y = ctx.const(float(n_y), dtype=et) if n_y is not None else e.Cast(e.Size(y), to=et)
+        ratio = e.Div(size_y, e.Cast(e.Size(x), to=et))
+    # scale the (smaller) cotangent before broadcasting it back
+    return (expand_back(ctx, e.Mul(dy, ratio), x, reduced_axes(ctx), bool(ctx.attr("keepdims", 1))),)
+
+
+def _static_numel(shape) -> int | None:
+    """The element count of a fully static shape, else None."""
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    return int(np.prod(shape, dtype=np.int64))
 
 
 def reduce_as_forward(ctx: VJPContext, op_type: str, t: str, axes) -> str:
