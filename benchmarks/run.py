@@ -538,6 +538,9 @@ def write_doc(path: Path, report: dict, command: str) -> None:
             out += profile_section(key, report["profiles"].get(key, {}),
                                    report.get("ort_profiles", {}).get(key))
             out.append("")
+    out += ["## Gaps", "",
+            "Where onnxtrain is slower than the best peer, why, and what would close each gap: "
+            "`docs/performance.md` (written from the profiles above).", ""]
     out += ["## Method", "",
             "- One inference ONNX model per workload (`benchmarks/workloads.py`, onnx.helper, opset 17, "
             "static shapes) with numpy weights (torch's default init distributions, one seed). "

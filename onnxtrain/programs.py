@@ -26,7 +26,15 @@ from .autodiff import expand_gradients
 from .errors import TrainingModelError
 from .executor import MAX_IR_VERSION
 from .fuse import fuse_gemm_updates
-from .graph import PREVIEW_DOMAIN, node_inputs, outer_references, prune, subgraphs, toposort
+from .graph import (
+    PREVIEW_DOMAIN,
+    node_inputs,
+    opset_version,
+    outer_references,
+    prune,
+    subgraphs,
+    toposort,
+)
 from .model import TrainingModel, combined_graph, copy_graph, uses_preview_ops
 from .names import NameGen
 from .optim import lower_optimizers
@@ -191,6 +199,7 @@ def build_program(
         outputs = [o.name for o in g.output]
         nodes = prune(toposort(list(g.node), available, where=label), outputs)
         nodes = _elide_output_identities(nodes, g)
+        nodes = _shield_batch_norm_inputs(nodes, g, opset_version(opset_imports), names)
     except TrainingModelError as exc:
         raise type(exc)(f"{label}: {exc}") from exc
     del g.node[:]
@@ -308,6 +317,38 @@ def _elide_output_identities(nodes: list[onnx.NodeProto], g: onnx.GraphProto) ->
     del g.value_info[:]
     g.value_info.extend(keep_vi)
     return kept
+
+
+def _shield_batch_norm_inputs(
+    nodes: list[onnx.NodeProto], g: onnx.GraphProto, opset: int, names: NameGen
+) -> list[onnx.NodeProto]:
+    """Give every training-mode BatchNormalization a private copy of its
+    mean/var inputs when they are graph inputs or initializers.
+
+    onnxruntime 1.31 writes the running statistics into the buffers of those
+    inputs when the running_mean/running_var outputs are not graph outputs.
+    Fed from state, that would change the committed state before the step
+    commits (and under a concurrent ``run()``).  The copy is Max(v, v): a
+    per-channel vector, which onnxruntime neither aliases nor removes (it does
+    both to Identity)."""
+    fixed = {i.name for i in g.input} | {t.name for t in g.initializer}
+    out: list[onnx.NodeProto] = []
+    for n in nodes:
+        if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx"):
+            training = (
+                any(a.name == "training_mode" and a.i for a in n.attribute)
+                if opset >= 14
+                else sum(1 for o in n.output if o) > 1
+            )
+            if training:
+                for k in (3, 4):
+                    if len(n.input) > k and n.input[k] in fixed:
+                        copy = names.fresh(f"{n.input[k]}/bn_private")
+                        out.append(helper.make_node("Max", [n.input[k], n.input[k]], [copy],
+                                                    name=names.fresh("bn_private_copy")))
+                        n.input[k] = copy
+        out.append(n)
+    return out
 
 
 def _prune_unused_initializers(g: onnx.GraphProto) -> None:

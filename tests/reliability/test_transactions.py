@@ -29,6 +29,7 @@ import signal
 import sys
 
 import numpy as np
+import onnx
 import pytest
 
 import onnxtrain.executor as executor_mod
@@ -363,3 +364,72 @@ def test_random_sigalrm_interrupts_with_proposed_commit(counter_bytes, monkeypat
     proposed_fixes.apply(monkeypatch)
     result = _signal_storm(counter_bytes, seed=1, rounds=150)
     assert result["interrupted"] > 50
+
+
+# ------------------------------------------- onnxruntime writing into inputs
+def _bn_post_processed_model():
+    """Training-mode BatchNormalization whose running statistics are not graph
+    outputs themselves: the update binds 0.5 * running_mean (and var)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    f = TensorProto.FLOAT
+    inits = [
+        numpy_helper.from_array(np.ones(3, np.float32), "scale"),
+        numpy_helper.from_array(np.zeros(3, np.float32), "bias"),
+        numpy_helper.from_array(np.full(3, 0.25, np.float32), "mean"),
+        numpy_helper.from_array(np.full(3, 2.0, np.float32), "var"),
+    ]
+    main = helper.make_graph(
+        [helper.make_node("BatchNormalization", ["X", "scale", "bias", "mean", "var"], ["Y"])],
+        "main", [helper.make_tensor_value_info("X", f, ["N", 3])],
+        [helper.make_tensor_value_info("Y", f, ["N", 3])], inits,
+    )
+    half = numpy_helper.from_array(np.array(0.5, np.float32), "half")
+    algo = helper.make_graph(
+        [
+            helper.make_node("BatchNormalization", ["X", "scale", "bias", "mean", "var"],
+                             ["Yt", "rm", "rv"], training_mode=1, momentum=0.5),
+            helper.make_node("Mul", ["rm", "half"], ["mean_new"]),
+            helper.make_node("Mul", ["rv", "half"], ["var_new"]),
+        ],
+        "algo", [], [helper.make_tensor_value_info(n, f, [3]) for n in ("mean_new", "var_new")], [half],
+    )
+    ti = onnx.TrainingInfoProto()
+    ti.algorithm.CopyFrom(algo)
+    for k, v in (("mean", "mean_new"), ("var", "var_new")):
+        ti.update_binding.add(key=k, value=v)
+    model = helper.make_model(main, opset_imports=[helper.make_opsetid("", 15)])
+    model.ir_version = 8
+    model.training_info.append(ti)
+    return model
+
+
+
+def test_batch_norm_running_statistics_never_touch_committed_state():
+    """onnxruntime writes BatchNormalization's running statistics into its
+    mean/var input buffers when those outputs are not graph outputs; the
+    programs give it private copies, so a step that fails after the run
+    leaves the state exactly as it was and a snapshot taken before never moves."""
+    sess = TrainingSession(_bn_post_processed_model())
+    x = np.random.default_rng(0).standard_normal((8, 3)).astype(np.float32)
+    before = {k: sess.state[k] for k in ("mean", "var")}
+    view = sess.state  # a pinned snapshot
+    original = executor_mod.Executor.run_bound
+
+    def fail_after(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        raise RuntimeError("injected after onnxruntime ran")
+
+    executor_mod.Executor.run_bound = fail_after
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            sess.train_step({"X": x})
+    finally:
+        executor_mod.Executor.run_bound = original
+    for k in before:
+        assert sess.state[k].tobytes() == before[k].tobytes(), k
+        assert view[k].tobytes() == before[k].tobytes(), k
+    sess.train_step({"X": x})
+    want_mean = 0.5 * (0.5 * 0.25 + 0.5 * x.mean(0))
+    np.testing.assert_allclose(sess.state["mean"], want_mean, rtol=1e-6)
+    assert view["mean"].tobytes() == before["mean"].tobytes()
