@@ -211,12 +211,7 @@ def _propagate_ranks(
     onnx loses even the rank after, e.g., a Split with runtime lengths or an
     If, while the gradient rules only need the rank.  A value gets a rank only
     when every input it depends on for the rank has one."""
-    consts = constant_values(graph) if graph is not None else {}
-    for n in nodes:
-        if n.op_type == "Constant":
-            for a in n.attribute:
-                if a.name == "value":
-                    consts[n.output[0]] = numpy_helper.to_array(a.t)
+    consts = constant_values(graph)  # initializers and Constant nodes
 
     def rank(name: str) -> int | None:
         s = shapes.get(name)
