@@ -82,6 +82,20 @@ def device_of(providers: Sequence[Any] | None) -> tuple[str, int]:
     return "cpu", 0
 
 
+#: Session options that already have a custom-op library, by id (kept alive here).
+_registered: dict[tuple[int, str], ort.SessionOptions] = {}
+_registered_lock = threading.Lock()
+
+
+def _register_library(so: ort.SessionOptions, path: str) -> None:
+    """Register a custom-op library once per SessionOptions object."""
+    with _registered_lock:
+        key = (id(so), path)
+        if _registered.get(key) is not so:
+            so.register_custom_ops_library(path)
+            _registered[key] = so
+
+
 class Executor:
     """One compiled onnxruntime session of one program."""
 
@@ -91,6 +105,7 @@ class Executor:
         providers: Sequence[Any] | None = None,
         session_options: ort.SessionOptions | None = None,
         label: str = "program",
+        custom_ops_library: str | None = None,
     ) -> None:
         self.label = label
         if model.ir_version > MAX_IR_VERSION:
@@ -98,10 +113,13 @@ class Executor:
             capped.CopyFrom(model)
             capped.ir_version = MAX_IR_VERSION
             model = capped
+        so = session_options or default_session_options()
         try:
+            if custom_ops_library:
+                _register_library(so, custom_ops_library)
             self._sess = ort.InferenceSession(
                 model.SerializeToString(),
-                sess_options=session_options or default_session_options(),
+                sess_options=so,
                 providers=list(providers) if providers else ["CPUExecutionProvider"],
             )
         except Exception as exc:  # onnxruntime raises its own exception types

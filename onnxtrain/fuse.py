@@ -23,9 +23,9 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
-from .graph import infer_types, node_inputs
+from .graph import infer_types, node_inputs, toposort
 
 
 def _scalars(graph: onnx.GraphProto) -> dict[str, float]:
@@ -153,3 +153,221 @@ def fuse_gemm_updates(
         del graph.node[:]
         graph.node.extend(out)
     return count
+
+
+# ----------------------------------------------------------------- Adam update
+#: Domain of the fused kernels of ``onnxtrain/kernels`` (an onnxruntime
+#: custom-op library, registered by the executor).
+KERNEL_DOMAIN = "ai.onnxtrain.kernels"
+_ADAM_OPS = {TensorProto.FLOAT: "AdamUpdateF32", TensorProto.DOUBLE: "AdamUpdateF64"}
+
+
+def fuse_adam_updates(
+    graph: onnx.GraphProto, opset_imports: Sequence[onnx.OperatorSetIdProto]
+) -> int:
+    """Replace every per-parameter Adam/AdamW update by one fused kernel (in place).
+
+    The pattern is the update ``build.Adam``/``build.AdamW`` write, with any
+    operand order of the commutative ops and scalars of one element::
+
+        m' = b1*m + c1*g
+        v' = b2*v + c2*(g*g)
+        p' = [p*decay] - step * (m' / (Sqrt(v') + eps))
+
+    It becomes ``AdamUpdateF32/F64(p, g, m, v, b1, c1, b2, c2, eps, step,
+    decay) -> p', m', v'`` (decay is a constant 1 where the pattern has none),
+    which computes the same IEEE operations in the same order in one pass.
+
+    Only exact matches are rewritten: float32/float64 tensors of one static
+    shape with more than one element, and intermediates that nothing else
+    reads (m' and v' may have other readers).  Returns how many updates."""
+    nodes = list(graph.node)
+    if not any(n.op_type == "Sqrt" for n in nodes):
+        return 0
+    producer = {o: n for n in nodes for o in n.output if o}
+    uses: dict[str, int] = {}
+    for n in nodes:
+        for i in node_inputs(n):
+            uses[i] = uses.get(i, 0) + 1
+    for o in graph.output:
+        uses[o.name] = uses.get(o.name, 0) + 1
+    types, shapes = infer_types(graph, opset_imports)
+
+    def static(name: str) -> tuple[int, ...] | None:
+        s = shapes.get(name)
+        return s if s is not None and all(isinstance(d, int) for d in s) else None
+
+    def is_scalar(name: str) -> bool:
+        s = static(name)
+        return s is not None and int(np.prod(s, dtype=np.int64)) == 1
+
+    def made_by(name: str, op_type: str, single_use: bool = True) -> onnx.NodeProto | None:
+        n = producer.get(name)
+        if (
+            n is None
+            or n.op_type != op_type
+            or n.domain not in ("", "ai.onnx")
+            or len(n.input) != (1 if op_type == "Sqrt" else 2)
+            or (single_use and uses.get(name) != 1)
+        ):
+            return None
+        return n
+
+    def scaled(name: str) -> tuple[str, str, onnx.NodeProto] | None:
+        """(scalar, tensor, node) of a single-use Mul(scalar, tensor)."""
+        n = made_by(name, "Mul")
+        if n is None:
+            return None
+        a, b = n.input
+        if is_scalar(a) and not is_scalar(b):
+            return a, b, n
+        if is_scalar(b) and not is_scalar(a):
+            return b, a, n
+        return None
+
+    def either(name: str, match):
+        """Match a commutative binary op: match(first, second) on both orders."""
+        for x, y in ((0, 1), (1, 0)):
+            found = match(name[x], name[y])
+            if found is not None:
+                return found
+        return None
+
+    def second_moment(vn: str):
+        """v' = b2*v + c2*(g*g) -> (b2, v, c2, g, nodes)."""
+        add = made_by(vn, "Add", single_use=False)
+        if add is None:
+            return None
+
+        def match(t_v: str, t_g: str):
+            sv, sg = scaled(t_v), scaled(t_g)
+            if sv is None or sg is None:
+                return None
+            sq = made_by(sg[1], "Mul")
+            if sq is None or sq.input[0] != sq.input[1]:
+                return None
+            return sv[0], sv[1], sg[0], sq.input[0], [add, sv[2], sg[2], sq]
+
+        return either(add.input, match)
+
+    def first_moment(mn: str, g: str):
+        """m' = b1*m + c1*g -> (b1, m, c1, nodes)."""
+        add = made_by(mn, "Add", single_use=False)
+        if add is None:
+            return None
+
+        def match(t_m: str, t_g: str):
+            sm, sg = scaled(t_m), scaled(t_g)
+            if sm is None or sg is None or sg[1] != g or sm[1] == g:
+                return None
+            return sm[0], sm[1], sg[0], [add, sm[2], sg[2]]
+
+        return either(add.input, match)
+
+    def update(sub: onnx.NodeProto):
+        """p' = pd - step * (m' / (Sqrt(v') + eps)) -> the fused node's operands."""
+        if sub.op_type != "Sub" or sub.domain not in ("", "ai.onnx") or len(sub.input) != 2:
+            return None
+        pd, x = sub.input
+        step_mul = made_by(x, "Mul")
+        if step_mul is None:
+            return None
+
+        def match_step(step: str, q: str):
+            div = made_by(q, "Div")
+            return None if div is None or not is_scalar(step) else (step, div)
+
+        found = either(step_mul.input, match_step)
+        if found is None:
+            return None
+        step, div = found
+        mn, den = div.input
+        den_add = made_by(den, "Add")
+        if den_add is None:
+            return None
+
+        def match_den(s: str, eps: str):
+            sq = made_by(s, "Sqrt")
+            return None if sq is None or not is_scalar(eps) else (sq, eps)
+
+        found = either(den_add.input, match_den)
+        if found is None:
+            return None
+        sqrt, eps = found
+        vn = sqrt.input[0]
+        second = second_moment(vn)
+        if second is None:
+            return None
+        b2, v, c2, g, v_nodes = second
+        first = first_moment(mn, g)
+        if first is None:
+            return None
+        b1, m, c1, m_nodes = first
+        p, decay, p_nodes = pd, None, []
+        decayed = scaled(pd)
+        if decayed is not None:
+            decay, p, p_nodes = decayed[0], decayed[1], [decayed[2]]
+        shape = static(sub.output[0])
+        et = types.get(p)
+        if (
+            shape is None
+            or int(np.prod(shape, dtype=np.int64)) <= 1
+            or any(static(t) != shape for t in (p, g, m, v, mn, vn))
+            or et not in _ADAM_OPS
+            or len({p, g, m, v}) != 4
+        ):
+            return None
+        matched = [sub, step_mul, div, den_add, sqrt, *v_nodes, *m_nodes, *p_nodes]
+        return et, [p, g, m, v, b1, c1, b2, c2, eps, step, decay], [sub.output[0], mn, vn], matched
+
+    taken: set[str] = {t.name for t in graph.initializer} | {i.name for i in graph.input}
+    taken |= set(producer)
+    ones: dict[int, str] = {}
+
+    def one(et: int) -> str:
+        if et not in ones:
+            name, k = "adam_fused/one", 0
+            while name in taken:
+                k += 1
+                name = f"adam_fused/one_{k}"
+            taken.add(name)
+            graph.initializer.append(
+                numpy_helper.from_array(np.array(1, dtype=helper.tensor_dtype_to_np_dtype(et)), name)
+            )
+            ones[et] = name
+        return ones[et]
+
+    removed: set[int] = set()
+    replaced: dict[int, onnx.NodeProto] = {}
+    for node in nodes:
+        if id(node) in removed:
+            continue
+        found = update(node)
+        if found is None or any(id(n) in removed for n in found[3]):
+            continue
+        et, inputs, outputs, matched = found
+        if inputs[-1] is None:
+            inputs[-1] = one(et)
+        replaced[id(node)] = helper.make_node(
+            _ADAM_OPS[et], inputs, outputs, name=(node.name or outputs[0]) + "/adam_fused",
+            domain=KERNEL_DOMAIN,
+        )
+        removed.update(id(n) for n in matched)
+    if not replaced:
+        return 0
+    out = [replaced[id(n)] if id(n) in replaced else n for n in nodes if id(n) not in removed or id(n) in replaced]
+    available = [i.name for i in graph.input] + [t.name for t in graph.initializer]
+    del graph.node[:]
+    graph.node.extend(toposort(out, available, where="fused program"))
+    return len(replaced)
+
+
+def with_fused_kernels(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """A copy of ``model`` with its Adam updates fused, and how many (0: ``model`` itself)."""
+    fused = onnx.ModelProto()
+    fused.CopyFrom(model)
+    count = fuse_adam_updates(fused.graph, list(fused.opset_import))
+    if not count:
+        return model, 0
+    fused.opset_import.append(helper.make_opsetid(KERNEL_DOMAIN, 1))
+    return fused, count

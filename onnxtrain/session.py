@@ -24,8 +24,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from . import kernels
 from .errors import TrainingModelError
 from .executor import MAX_IR_VERSION, Executor, StateStore, device_of
+from .fuse import with_fused_kernels
 from .graph import PREVIEW_DOMAIN
 from .io import write_model
 from .model import ModelLike, TrainingModel, load, uses_preview_ops, validate
@@ -76,7 +78,13 @@ class TrainingSession:
         providers: Sequence[Any] | None = None,
         session_options: Any = None,
         check_finite: bool = False,
+        fused_kernels: bool | None = None,
     ) -> None:
+        """``fused_kernels``: run each Adam/AdamW parameter update as one fused
+        kernel (``onnxtrain.kernels``, a custom-op library built on first use)
+        instead of eleven standard ones; same results, bit for bit.  None (the
+        default) uses it where it can (CPU, a C compiler, not turned off with
+        ``ONNXTRAIN_FUSED_KERNELS=0``); True requires it; False never uses it."""
         proto, base = load(model)
         self._model: TrainingModel = validate(proto, base, tensors_checked=True)  # load() did
         self._providers = list(providers) if providers else None
@@ -90,6 +98,17 @@ class TrainingSession:
             initialization_program(tm, i) for i in range(len(tm.training_info))
         ]
         self._executors: dict[int, Executor] = {}
+        self._executed: dict[int, onnx.ModelProto] = {}
+        if fused_kernels not in (None, True, False):
+            raise TypeError(f"fused_kernels must be None, True or False, not {fused_kernels!r}")
+        self._fused_kernels = fused_kernels
+        #: Why fused kernels are not in use (empty while they are, or not yet asked).
+        self.fused_kernels_note = ""
+        if fused_kernels:
+            if device_of(self._providers)[0] != "cpu":
+                raise ValueError("fused_kernels=True: the fused kernels run on the CPU provider only")
+            if kernels.library() is None:
+                raise RuntimeError(f"fused_kernels=True, but the kernel library is {kernels.status()}")
         self._check_finite = check_finite
         self._store = StateStore(
             {name: tm.initial_value(name, readonly=True) for name in tm.state},
@@ -115,11 +134,14 @@ class TrainingSession:
         """The loaded model as given (initializers hold the initial values)."""
         return self._model.proto
 
-    def programs(self) -> dict[str, onnx.ModelProto]:
-        """The standard-op ONNX model of every program, by label (for inspection)."""
+    def programs(self, executed: bool = False) -> dict[str, onnx.ModelProto]:
+        """The standard-op ONNX model of every program, by label (for inspection).
+
+        ``executed=True``: the models onnxruntime runs instead, which differ
+        where fused kernels replace standard ones (see ``fused_kernels``)."""
         out = {"inference": self._inference.model}
         for p in self._algorithms:
-            out[p.label] = p.model
+            out[p.label] = self._program_model(p)[0] if executed else p.model
         for p in self._initializations:
             if p is not None:
                 out[p.label] = p.model
@@ -183,11 +205,40 @@ class TrainingSession:
         return dict(self._model.state)
 
     # ------------------------------------------------------------- execution
+    def _program_model(self, program: Program) -> tuple[onnx.ModelProto, str | None]:
+        """The model to run for ``program`` and the custom-op library it needs."""
+        if self._fused_kernels is False or program not in self._algorithms:
+            return program.model, None
+        if device_of(self._providers)[0] != "cpu":
+            self.fused_kernels_note = "fused kernels run on the CPU provider only"
+            return program.model, None
+        key = id(program)
+        fused = self._executed.get(key)
+        if fused is None:
+            fused, _ = with_fused_kernels(program.model)
+            self._executed[key] = fused
+        if fused is program.model:
+            return program.model, None
+        library = kernels.library()
+        if library is None:
+            self.fused_kernels_note = kernels.status()
+            return program.model, None
+        return fused, library
+
     def _executor(self, program: Program) -> Executor:
         key = id(program)
         ex = self._executors.get(key)
         if ex is None:
-            ex = Executor(program.model, self._providers, self._session_options, program.label)
+            model, library = self._program_model(program)
+            try:
+                ex = Executor(model, self._providers, self._session_options, program.label, library)
+            except TrainingModelError as exc:
+                if library is None or self._fused_kernels:
+                    raise
+                # The standard program always works where the fused one cannot load.
+                self.fused_kernels_note = f"onnxruntime did not load the fused kernels: {exc}"
+                self._executed[key] = program.model
+                ex = Executor(program.model, self._providers, self._session_options, program.label)
             self._executors[key] = ex
         return ex
 
