@@ -168,6 +168,18 @@ class Executor:
             raise RuntimeError(f"{self.label}: onnxruntime failed: {exc}") from exc
 
 
+    def binding(self, state_in: Mapping[str, ort.OrtValue], state_out: Mapping[str, ort.OrtValue]) -> _Binding:
+        """A binding of these state buffers, for a caller that keeps it (a step plan)."""
+        return _Binding(self._sess, state_in, state_out)
+
+    def run_binding(self, entry: _Binding, feeds, fetch: Sequence[str], n_state_out: int) -> dict[str, Any]:
+        """Run a kept binding (see ``binding``); errors as ``run_bound`` raises them."""
+        try:
+            return entry.run(feeds, fetch, n_state_out, True)
+        except Exception as exc:
+            raise RuntimeError(f"{self.label}: onnxruntime failed: {exc}") from exc
+
+
 class _Binding:
     """One IOBinding with its state buffers bound once.
 
@@ -192,6 +204,7 @@ class _Binding:
         self.c_session = sess._sess if self.fast else None
         self.sess = sess
         self.feeds: dict[str, np.ndarray] = {}
+        self.shapes: dict[str, tuple] = {}
         if self.fast and _Binding._CPU is None:
             _Binding._CPU = ort.OrtDevice.make("cpu", 0)._get_c_device()
 
@@ -200,8 +213,15 @@ class _Binding:
         # run's buffer, whose shape is wrong once the batch size changes.
         if self.fast:
             c = self.c_binding
+            bound = self.feeds
             for name, arr in feeds.items():
-                c.bind_input(name, arr)
+                # The binding points at the array's memory: the same array object
+                # with the same shape needs no new binding (staging-buffer loops
+                # that np.copyto each batch into one array rebind nothing).
+                old = bound.get(name)
+                if old is not arr or old.shape != self.shapes.get(name):
+                    c.bind_input(name, arr)
+                    self.shapes[name] = arr.shape
             for name in fetch:
                 c.bind_output(name, self._CPU)
             self.feeds = dict(feeds)  # the arrays must outlive the binding's use of them
@@ -269,11 +289,17 @@ class StateStore:
         out = []
         with self._mutex:
             spares, pins = self._spare, self._pins
+            fresh = None
             for n in names:
                 spare = spares[n]
                 if spare is None or (pins and pins.get(id(spare))):
-                    spare = spares[n] = self._empty_like(self._current[n])
+                    spare = self._empty_like(self._current[n])
+                    if fresh is None:
+                        fresh = dict(spares)  # installed maps are never changed in place
+                    fresh[n] = spare
                 out.append(spare)
+            if fresh is not None:
+                self._spare = fresh
         return out
 
     def commit(self, staged: Mapping[str, ort.OrtValue]) -> None:
@@ -289,6 +315,16 @@ class StateStore:
                 spares[n] = current[n]
                 current[n] = value
             self._current, self._spare, self.version = current, spares, self.version + 1
+
+    def install(self, expected: dict, current: dict, spare: dict) -> bool:
+        """A step plan's commit: if ``expected`` is still the current map, make
+        ``current``/``spare`` (maps the plan prepared) the new ones.  The maps
+        are never changed in place once installed, so a plan can hold them."""
+        with self._mutex:
+            if self._current is not expected:
+                return False
+            self._current, self._spare, self.version = current, spare, self.version + 1
+            return True
 
     def replace(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Set values from numpy arrays (copied into new buffers), all at once."""

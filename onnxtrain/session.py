@@ -99,6 +99,7 @@ class TrainingSession:
         ]
         self._executors: dict[int, Executor] = {}
         self._executed: dict[int, onnx.ModelProto] = {}
+        self._plans: tuple | None = None
         if fused_kernels not in (None, True, False):
             raise TypeError(f"fused_kernels must be None, True or False, not {fused_kernels!r}")
         self._fused_kernels = fused_kernels
@@ -382,6 +383,10 @@ class TrainingSession:
         self._check_names(feeds, "train_step")
         checked = [self._user_feeds(p, feeds, False, "train_step") for p in programs]
         with self._lock:
+            if len(programs) == 1:
+                outputs = self._planned_step(programs[0], checked[0], fetch)
+                if outputs is not None:
+                    return outputs
             pending: dict[str, Any] = {}
             if len(programs) == 1:
                 outputs = self._run_and_stage(programs[0], checked[0], pending, fetch,
@@ -394,6 +399,66 @@ class TrainingSession:
                                             "update_binding")
                     )
             self._store.commit(pending)  # all bindings at once (R9)
+            if len(programs) == 1:
+                self._plan_steps(programs[0])
+        return outputs
+
+    # ------------------------------------------------------------ step plans
+    def _plan_steps(self, program: Program) -> None:
+        """Prepare the two alternating steps of ``program`` after a committed one.
+
+        Double buffering makes every step one of two configurations: state in
+        buffers A written to B, then B written to A.  A plan holds one of them
+        bound once, with the state maps its commit installs, so a steady-state
+        step does no per-variable Python work.  Any other state change
+        (load_state, a pinned snapshot, another program) makes the plans miss;
+        the general path runs and plans again."""
+        self._plans = None
+        store = self._store
+        if self._check_finite or program.bound_copies or store._pins:
+            return
+        executor = self._executor(program)
+
+        def plan(current: dict, spare: dict):
+            targets = [spare.get(k) for k in program.bound_keys]
+            if any(t is None for t in targets):
+                return None
+            state_in = {n: current[n] for n in program.state_inputs}
+            state_out = dict(zip(program.bound_values, targets))
+            nxt_current, nxt_spare = dict(current), dict(spare)
+            for key, target in zip(program.bound_keys, targets):
+                nxt_spare[key] = current[key]
+                nxt_current[key] = target
+            return [current, executor.binding(state_in, state_out), nxt_current, nxt_spare, state_in]
+
+        first = plan(store._current, store._spare)
+        if first is None:
+            return
+        second = plan(first[2], first[3])
+        if second is None:
+            return
+        second[2], second[3] = first[0], store._spare  # the cycle closes on the same maps
+        self._plans = (program, first, second)
+
+    def _planned_step(self, program: Program, feeds: dict, fetch: bool) -> dict | None:
+        """A step through a plan, or None when no plan applies (see ``_plan_steps``)."""
+        plans = self._plans
+        store = self._store
+        if plans is None or plans[0] is not program or store._pins:
+            return None
+        current = store._current
+        plan = plans[1] if plans[1][0] is current else plans[2] if plans[2][0] is current else None
+        if plan is None:
+            return None
+        executor = self._executor(program)
+        names = program.returned if fetch else ()
+        try:
+            outputs = executor.run_binding(plan[1], feeds, names, len(program.bound_values))
+        except RuntimeError:
+            self._diagnose(program, feeds, plan[4], "update_binding")
+            raise
+        if not store.install(current, plan[2], plan[3]):  # pragma: no cover (under our lock)
+            return None
         return outputs
 
     def initialize(self) -> None:

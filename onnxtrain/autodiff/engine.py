@@ -261,6 +261,10 @@ def _expand_one(
                 and (i >= len(result) or result[i] is None)
                 and i not in rule.nondiff
                 and dtypes.get(n.input[i]) in FLOAT_TYPES
+                # a tensor read twice (Mul(a, a)) may get its whole gradient in one slot
+                and not any(
+                    dx is not None and n.input[j] == n.input[i] for j, dx in enumerate(result)
+                )
             ):
                 raise GradientError(
                     f"{where}: its rule gives no gradient for input {i} ({n.input[i]!r}), on "

@@ -224,14 +224,82 @@ class _Window:
         return e.slice(full, start_t, ends, axes=list(range(2, k + 2)))
 
     # --------------------------------------------------------- weight gradient
+    def _patch_form(self, inp: str, group: int) -> str | None:
+        """Which explicit-patch form suits this weight gradient, if any (see ``patches``)."""
+        shape = self.ctx.shape(inp)
+        if (
+            group != 1
+            or self.ctx.opset < 13
+            or not (self.static_kernel and self.static_pads)
+            or shape is None
+            or not all(isinstance(d, int) and d > 0 for d in shape)
+            or not all(isinstance(d, int) and d > 0 for d in self.in_dims + self.out_dims)
+            or self.ctx.dtype(inp) not in (TensorProto.FLOAT, TensorProto.DOUBLE)
+        ):
+            return None
+        taps = math.prod(self.kernel)
+        if shape[1] * taps <= 64:
+            return "conv"
+        return "slices" if taps <= 49 else None
+
+    def patches(self, inp: str, dout: str, form: str) -> str:
+        """dW[m, c, k] = sum_{n,o} dout[n, m, o] * inp_padded[n, c, o*s + k*dil], with the
+        patches inp_padded[n, c, o*s + k*dil] made explicit and contracted by MatMul
+        (onnxruntime's Conv with the batch as channels is slow for this, 2-4x).
+
+        ``conv`` (few channels x taps): all patches at once, a Conv with one-hot
+        filters (group = C) -> [N, C*K, P]; dW = sum_n dout_n @ patches_n^T.
+        ``slices`` (many channels): per tap, the strided Slice of inp_padded
+        -> [N, C, P]; dW[:, :, tap] = sum_n dout_n @ slice_n^T."""
+        e = self.ctx.emit
+        k = self.k
+        n, c = self.ctx.shape(inp)[:2]
+        outs = math.prod(self.out_dims)
+        taps = math.prod(self.kernel)
+        dy3 = e.reshape(dout, [n, -1, outs])  # [N, M, P]
+        if form == "conv":
+            onehot = np.zeros((c * taps, 1, *self.kernel), dtype=np_dtype(self.ctx.dtype(inp)))
+            for ch in range(c):
+                for t in range(taps):
+                    onehot.reshape(c * taps, taps)[ch * taps + t, t] = 1
+            pads = list(self.begin) + list(self.end)
+            cols = e.Conv(
+                inp,
+                e.const(onehot),
+                strides=self.strides,
+                dilations=self.dilations,
+                pads=pads if any(pads) else None,
+                group=c if c != 1 else None,
+            )
+            cols = e.Transpose(e.reshape(cols, [n, c * taps, outs]), perm=[0, 2, 1])  # [N, P, C*K]
+            dw = e.reduce_sum(e.MatMul(dy3, cols), [0], keepdims=False)  # [M, C*K]
+            return e.reshape(dw, [-1, c, *self.kernel])
+        padded = inp
+        if any(self.begin) or any(self.end):
+            zeros2 = [0, 0]
+            padded = e.Pad(inp, e.ints(zeros2 + list(self.begin) + zeros2 + list(self.end)))
+        columns = []
+        for tap in np.ndindex(*self.kernel):
+            starts = [t * d for t, d in zip(tap, self.dilations)]
+            ends = [st + (o - 1) * s + 1 for st, o, s in zip(starts, self.out_dims, self.strides)]
+            piece = e.slice(padded, starts, ends, axes=list(range(2, k + 2)), steps=self.strides)
+            piece = e.Transpose(e.reshape(piece, [n, c, outs]), perm=[0, 2, 1])  # [N, P, C]
+            columns.append(e.unsqueeze(e.reduce_sum(e.MatMul(dy3, piece), [0], keepdims=False), [2]))
+        dw = e.concat(columns, axis=2) if len(columns) > 1 else columns[0]  # [M, C, K]
+        return e.reshape(dw, [-1, c, *self.kernel])
+
     def correlate(self, inp: str, dout: str, group: int) -> str:
         """dW[m, c, k] = sum_{n,o} dout[n, m, o] * inp_padded[n, g(m)*Cg + c, o*s + k*dil]
 
-        A Conv whose batch is inp's channels (within a group), whose channels
-        are (group, batch) and whose kernel is dout with batch and channels
-        swapped: strides and dilations trade places."""
+        With static shapes and one group: explicit patches and MatMul (``patches``).
+        Otherwise a Conv whose batch is inp's channels (within a group), whose
+        channels are (group, batch) and whose kernel is dout with batch and
+        channels swapped: strides and dilations trade places."""
         e = self.ctx.emit
         k = self.k
+        form = self._patch_form(inp, group)
+        if form is not None:
+            return self.patches(inp, dout, form)
         if group == 1:
             xt = e.Transpose(inp, perm=[1, 0] + list(range(2, k + 2)))
         else:
