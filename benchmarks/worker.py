@@ -492,6 +492,8 @@ def profile(workdir: Path, steps: int, warmup: int) -> dict:
     import onnxruntime as ort
 
     import onnxtrain
+    import onnxtrain.fuse
+    import onnxtrain.kernels
     from training_model import training_model
 
     from workloads import WORKLOADS
@@ -501,8 +503,11 @@ def profile(workdir: Path, steps: int, warmup: int) -> dict:
     model, _ = training_model(onnx.load(str(workdir / "model.onnx")), workload,
                               use_builder=spec.get("builder", True))
     sess = onnxtrain.TrainingSession(model, session_options=onnxtrain_session_options())
-    program = sess.programs()["training_info[0].algorithm"]
+    # What onnxruntime runs: with fused optimizer kernels where they apply.
+    program = sess.programs(executed=True)["training_info[0].algorithm"]
     so = onnxtrain_session_options()
+    if any(n.domain == onnxtrain.fuse.KERNEL_DOMAIN for n in program.graph.node):
+        so.register_custom_ops_library(onnxtrain.kernels.library())
     so.enable_profiling = True
     so.profile_file_prefix = str(workdir / "onnxtrain_profile")
     psess = ort.InferenceSession(program.SerializeToString(), so, providers=["CPUExecutionProvider"])
@@ -531,6 +536,10 @@ def _optimized_op_counts(program, so_factory, ort, workdir: Path) -> dict:
     import onnx
 
     so = so_factory()
+    if any(n.domain == "ai.onnxtrain.kernels" for n in program.graph.node):
+        import onnxtrain.kernels
+
+        so.register_custom_ops_library(onnxtrain.kernels.library())
     path = workdir / "onnxtrain_optimized.onnx"
     so.optimized_model_filepath = str(path)
     ort.InferenceSession(program.SerializeToString(), so, providers=["CPUExecutionProvider"])
