@@ -162,10 +162,7 @@ class Executor:
             if len(cache) >= 4:
                 cache.clear()
             entry = cache[key] = _Binding(self._sess, state_in, state_out)
-        try:
-            return entry.run(feeds, fetch, len(state_out), to_numpy)
-        except Exception as exc:
-            raise RuntimeError(f"{self.label}: onnxruntime failed: {exc}") from exc
+        return self._run_entry(entry, feeds, fetch, len(state_out), to_numpy)
 
 
     def binding(self, state_in: Mapping[str, ort.OrtValue], state_out: Mapping[str, ort.OrtValue]) -> _Binding:
@@ -174,8 +171,11 @@ class Executor:
 
     def run_binding(self, entry: _Binding, feeds, fetch: Sequence[str], n_state_out: int) -> dict[str, Any]:
         """Run a kept binding (see ``binding``); errors as ``run_bound`` raises them."""
+        return self._run_entry(entry, feeds, fetch, n_state_out, True)
+
+    def _run_entry(self, entry: _Binding, feeds, fetch, n_state_out: int, to_numpy: bool) -> dict[str, Any]:
         try:
-            return entry.run(feeds, fetch, n_state_out, True)
+            return entry.run(feeds, fetch, n_state_out, to_numpy)
         except Exception as exc:
             raise RuntimeError(f"{self.label}: onnxruntime failed: {exc}") from exc
 

@@ -17,6 +17,7 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,19 @@ class StateView(Mapping):
         return f"StateView({{{items}}})"
 
 
+@dataclass
+class _StepPlan:
+    """One of the two double-buffer configurations of a steady-state step (see
+    ``TrainingSession._plan_steps``): the state map it expects to be current,
+    its binding (and the state inputs bound there), and the maps its commit installs."""
+
+    expected: dict
+    binding: Any
+    state_in: dict
+    next_current: dict
+    next_spare: dict
+
+
 class TrainingSession:
     """Runs an ONNX training model on onnxruntime.
 
@@ -99,7 +113,7 @@ class TrainingSession:
         ]
         self._executors: dict[int, Executor] = {}
         self._executed: dict[int, onnx.ModelProto] = {}
-        self._plans: tuple | None = None
+        self._plans: tuple[Program, _StepPlan, _StepPlan] | None = None
         if fused_kernels not in (None, True, False):
             raise TypeError(f"fused_kernels must be None, True or False, not {fused_kernels!r}")
         self._fused_kernels = fused_kernels
@@ -419,7 +433,7 @@ class TrainingSession:
             return
         executor = self._executor(program)
 
-        def plan(current: dict, spare: dict):
+        def plan(current: dict, spare: dict) -> _StepPlan | None:
             targets = [spare.get(k) for k in program.bound_keys]
             if any(t is None for t in targets):
                 return None
@@ -429,15 +443,17 @@ class TrainingSession:
             for key, target in zip(program.bound_keys, targets):
                 nxt_spare[key] = current[key]
                 nxt_current[key] = target
-            return [current, executor.binding(state_in, state_out), nxt_current, nxt_spare, state_in]
+            return _StepPlan(current, executor.binding(state_in, state_out), state_in,
+                             nxt_current, nxt_spare)
 
         first = plan(store._current, store._spare)
         if first is None:
             return
-        second = plan(first[2], first[3])
+        second = plan(first.next_current, first.next_spare)
         if second is None:
             return
-        second[2], second[3] = first[0], store._spare  # the cycle closes on the same maps
+        # The cycle closes on the same maps: the second plan installs the first's.
+        second.next_current, second.next_spare = first.expected, store._spare
         self._plans = (program, first, second)
 
     def _planned_step(self, program: Program, feeds: dict, fetch: bool) -> dict | None:
@@ -447,18 +463,19 @@ class TrainingSession:
         if plans is None or plans[0] is not program or store._pins:
             return None
         current = store._current
-        plan = plans[1] if plans[1][0] is current else plans[2] if plans[2][0] is current else None
+        _, a, b = plans
+        plan = a if a.expected is current else b if b.expected is current else None
         if plan is None:
             return None
         executor = self._executor(program)
         names = program.returned if fetch else ()
         try:
-            outputs = executor.run_binding(plan[1], feeds, names, len(program.bound_values))
+            outputs = executor.run_binding(plan.binding, feeds, names, len(program.bound_values))
         except RuntimeError:
-            self._diagnose(program, feeds, plan[4], "update_binding")
+            self._diagnose(program, feeds, plan.state_in, "update_binding")
             raise
-        if not store.install(current, plan[2], plan[3]):  # pragma: no cover (under our lock)
-            return None
+        if not store.install(current, plan.next_current, plan.next_spare):  # pragma: no cover
+            return None  # (cannot happen: the store only changes under our lock)
         return outputs
 
     def initialize(self) -> None:

@@ -258,10 +258,9 @@ class _Window:
         taps = math.prod(self.kernel)
         dy3 = e.reshape(dout, [n, -1, outs])  # [N, M, P]
         if form == "conv":
-            onehot = np.zeros((c * taps, 1, *self.kernel), dtype=np_dtype(self.ctx.dtype(inp)))
-            for ch in range(c):
-                for t in range(taps):
-                    onehot.reshape(c * taps, taps)[ch * taps + t, t] = 1
+            # Filter ch * K + t picks tap t of channel ch.
+            onehot = np.tile(np.eye(taps), (c, 1)).reshape(c * taps, 1, *self.kernel)
+            onehot = onehot.astype(np_dtype(self.ctx.dtype(inp)))
             pads = list(self.begin) + list(self.end)
             cols = e.Conv(
                 inp,
