@@ -319,6 +319,25 @@ class Emitter:
         end = None if axis == -1 else axis + 1
         return self.shape_of(x, axis, end)
 
+    def sign(self, x: str) -> str:
+        """sign(x) in x's type: Sign from opset 9, before (x > 0) - (x < 0)."""
+        if self.opset >= 9:
+            return self.Sign(x)
+        et = self.dtype(x)
+        zero = self.const(0.0, dtype=et)
+        return self.Sub(self.Cast(self.Greater(x, zero), to=et), self.Cast(self.Less(x, zero), to=et))
+
+    def expand_to(self, v: str, x: str) -> str:
+        """v broadcast to x's shape; v has x's rank, each dim 1 or x's.
+
+        Expand from opset 8; at opset 7, Tile by Shape(x) / Shape(v) (a 0 in
+        Shape(v) divides by 1 instead: 0 repeats of an empty axis)."""
+        if self.opset >= 8:
+            return self.Expand(v, self.Shape(x))
+        sv = self.Shape(v)
+        zero = self.Cast(self.Equal(sv, self.ints([0])), to=TensorProto.INT64)
+        return self.Tile(v, self.Div(self.Shape(x), self.Add(sv, zero)))
+
     def concat(self, items: Sequence[str], axis: int = 0) -> str:
         if len(items) == 1:
             return items[0]

@@ -28,12 +28,28 @@ from .errors import TrainingModelError
 
 
 def _max_ir_version() -> int:
-    """The newest IR version this onnxruntime accepts (13 from 1.31 on, else 10)."""
-    try:
-        major, minor = (int(p) for p in ort.__version__.split(".")[:2])
-    except ValueError:
-        return 10
-    return 13 if (major, minor) >= (1, 31) else 10
+    """The newest IR version this onnxruntime loads, probed once at import with
+    a one-node model (a capability, not a version table: releases keep
+    coming).  Between the newest IR that onnx writes and 7 (the first with
+    training_info); a probe that loads nothing falls back to 10."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])], "ir_probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    for version in range(onnx.IR_VERSION, 6, -1):
+        model.ir_version = version
+        try:
+            ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        except Exception:  # this IR version is too new for it
+            continue
+        return version
+    return 10
 
 
 #: Programs are lowered to this IR version before onnxruntime sees them.

@@ -263,10 +263,19 @@ def _propagate_ranks(
                 k = None if r0 is None else max(k, r0)
             r = k
         elif op in ("Squeeze", "Unsqueeze") and ins:
-            axes = attrs.get("axes") if "axes" in attrs else (ints(ins[1]) if len(ins) > 1 else None)
+            # the rank moves by the number of axes (they are distinct), so a
+            # runtime axes input of known length is enough: a subgraph reading
+            # its axes from the enclosing scope sees only their type
+            if "axes" in attrs:
+                n_axes = len(attrs["axes"])
+            elif len(ins) > 1:
+                axes = ints(ins[1])
+                n_axes = len(axes) if axes is not None else length(ins[1])
+            else:
+                n_axes = None  # Squeeze without axes: every size-1 dim, unknown here
             r0 = rank(ins[0])
-            if r0 is not None and axes is not None:
-                r = r0 - len(axes) if op == "Squeeze" else r0 + len(axes)
+            if r0 is not None and n_axes is not None:
+                r = r0 - n_axes if op == "Squeeze" else r0 + n_axes
         elif op == "MatMul" and len(ins) == 2:
             ra, rb = rank(ins[0]), rank(ins[1])
             if ra is not None and rb is not None and ra >= 2 and rb >= 2:

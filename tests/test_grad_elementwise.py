@@ -22,7 +22,7 @@ from grad_cases import (
     uniform,
 )
 from gradcheck import check_vjp
-from onnx import helper
+from onnx import TensorProto, helper
 
 from onnxtrain.errors import GradientError
 
@@ -304,3 +304,29 @@ def test_clip_gradient_zero_outside_bounds():
     )
     assert got["x"][0] == 0 and got["x"][3] == 0
     assert got["x"][1] != 0 and got["x"][2] != 0
+
+
+@pytest.mark.parametrize("opset", [7, 8])
+def test_runtime_broadcast_before_opset_9_is_refused_clearly(opset):
+    """Add of [N, 3] and [M, 3] with N, M unknown: whether an input was broadcast
+    along axis 0 is known only at run time, and the ops that decide it (Where,
+    ConstantOfShape, NonZero) are opset 9.  Before that the rule refuses with
+    an error naming the node, the input and the axis, instead of emitting ops
+    the opset lacks."""
+    from onnxtrain.autodiff import expand_gradients
+    from onnxtrain.errors import TrainingModelError
+    from onnxtrain.names import NameGen
+
+    g = helper.make_graph(
+        [helper.make_node("Add", ["a", "b"], ["c"], name="add"),
+         helper.make_node("ReduceSum", ["c"], ["y"], keepdims=0),
+         helper.make_node("Gradient", ["a", "b"], ["ga", "gb"], domain="ai.onnx.preview.training",
+                          xs=["a", "b"], y="y")],
+        "g",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["N", 3]),
+         helper.make_tensor_value_info("b", TensorProto.FLOAT, ["M", 3])],
+        [helper.make_tensor_value_info("ga", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("gb", TensorProto.FLOAT, None)])
+    imports = [helper.make_opsetid("", opset), helper.make_opsetid("ai.onnx.preview.training", 1)]
+    with pytest.raises(TrainingModelError, match=r"Add node 'add'.*'a'.*axes \[0\].*opset >= 9"):
+        expand_gradients(g, imports, NameGen(["a", "b", "c", "y", "ga", "gb"]), ["a", "b"], [])

@@ -154,10 +154,52 @@ def test_max_pool_symbolic(case, opset):
     check_vjp_f32("MaxPool", {"x": _distinct(*shape)}, attrs, opset=opset, symbolic=True, oracle="ort64")
 
 
-def test_max_pool_opset9():
-    check_vjp("MaxPool", {"x": _distinct(2, 2, 4, 6)}, {"kernel_shape": [2, 3], "strides": [2, 3]}, opset=9)
-    with pytest.raises(TrainingModelError, match="overlapping windows"):
-        check_vjp("MaxPool", {"x": _distinct(1, 1, 4, 4)}, {"kernel_shape": [2, 2]}, opset=9)
+# Before opset 10: no dilations or ceil_mode; before opset 8: no storage_order (and no Indices).
+OLD_MAXPOOL_CASES = [c for c in MAXPOOL_CASES if "dilations" not in c[1] and "ceil_mode" not in c[1]]
+
+
+@pytest.mark.parametrize("opset", [9, 8])
+@pytest.mark.parametrize("shape,attrs", OLD_MAXPOOL_CASES)
+def test_max_pool_opsets_8_9(shape, attrs, opset):
+    # overlapping windows recompute the argmax (opset 8 always: it has no Scatter)
+    check_vjp("MaxPool", {"x": _distinct(*shape)}, attrs, opset=opset)
+
+
+@pytest.mark.parametrize("shape,attrs", [c for c in OLD_MAXPOOL_CASES if "storage_order" not in c[1]])
+def test_max_pool_opset7(shape, attrs):
+    # MaxPool-1 has no Indices output, and onnxruntime runs it in float32 only
+    check_vjp_f32("MaxPool", {"x": _distinct(*shape)}, attrs, opset=7, oracle="reference")
+
+
+@pytest.mark.parametrize("opset", [7, 8, 9])
+def test_max_pool_old_opsets_negative_input_with_pads(opset):
+    # every value < 0: a padded tap (which the recomputation sees as 0) must never win
+    x = -np.abs(_distinct(1, 2, 5, 6)) - 1.0
+    attrs = {"kernel_shape": [3, 3], "strides": [2, 1], "pads": [1, 2, 2, 1]}
+    if opset == 7:
+        check_vjp_f32("MaxPool", {"x": x}, attrs, opset=7, oracle="reference")
+    else:
+        check_vjp("MaxPool", {"x": x}, attrs, opset=opset)
+
+
+@pytest.mark.parametrize("opset", [8, 9])
+@pytest.mark.parametrize("shape,attrs", OLD_MAXPOOL_CASES)
+def test_max_pool_old_opsets_ties_follow_indices(shape, attrs, opset):
+    # with ties, the recomputed argmax is the first maximum, as MaxPool's Indices
+    x = np.random.default_rng(3).integers(0, 3, size=shape).astype(np.float64)
+    old = check_vjp("MaxPool", {"x": x}, attrs, opset=opset, directions=0)["x"]
+    new = check_vjp("MaxPool", {"x": x}, attrs, opset=17, directions=0)["x"]
+    np.testing.assert_allclose(old, new, atol=1e-12)
+    assert np.count_nonzero(old) < x.size  # some windows did tie
+
+
+def test_max_pool_opset9_needs_static_dims_for_overlapping_windows():
+    # disjoint windows scatter by Indices, whatever the shape
+    check_vjp_f32("MaxPool", {"x": _distinct(2, 2, 4, 6)}, {"kernel_shape": [2, 3], "strides": [2, 3]},
+                  opset=9, symbolic=True, oracle="ort64")
+    with pytest.raises(TrainingModelError, match="spatial dims of the input statically"):
+        check_vjp_f32("MaxPool", {"x": _distinct(1, 1, 4, 4)}, {"kernel_shape": [2, 2]},
+                      opset=9, symbolic=True, oracle="ort64")
 
 
 def test_max_pool_float32():
@@ -196,6 +238,14 @@ def test_average_pool_opsets(case, opset):
     check_vjp_f32("AveragePool", {"x": _rand(*shape)}, attrs, opset=opset, symbolic=opset >= 11)
 
 
+@pytest.mark.parametrize("opset", [7, 8, 9])
+@pytest.mark.parametrize("case", [0, 2, 3, 8, 9, 10, 11])
+def test_average_pool_old_opsets(case, opset):
+    # static shapes: no ConstantOfShape before 9, no broadcasting Max before 8
+    shape, attrs = AVGPOOL_CASES[case]
+    check_vjp_f32("AveragePool", {"x": _rand(*shape)}, attrs, opset=opset)
+
+
 @pytest.mark.parametrize("symbolic", [False, True])
 @pytest.mark.parametrize(
     "attrs",
@@ -214,6 +264,13 @@ def test_average_pool_dilations(attrs, symbolic):
 @pytest.mark.parametrize("shape", [(2, 3, 4), (2, 3, 4, 5), (1, 2, 2, 3, 2), (2, 1, 1, 1)])
 def test_global_average_pool(shape, symbolic):
     check_vjp_f32("GlobalAveragePool", {"x": _rand(*shape)}, symbolic=symbolic)
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+@pytest.mark.parametrize("opset", [7, 8])
+def test_global_average_pool_old_opsets(opset, symbolic):
+    # opset 7 has no Expand: the gradient is tiled
+    check_vjp_f32("GlobalAveragePool", {"x": _rand(2, 3, 4, 5)}, opset=opset, symbolic=symbolic)
 
 
 @pytest.mark.parametrize("symbolic", [False, True])
@@ -672,3 +729,50 @@ def test_affine_grid_refuses_unknown_dimensionality():
             "AffineGrid", {"theta": np.zeros((1, 2, 3)), "size": np.array([1, 1, 2, 2], dtype=np.int64)},
             opset=20, wrt=["theta"], symbolic=True,
         )
+
+
+# ------------------------------------------------ reductions before Expand
+@pytest.mark.parametrize("attrs", [{}, {"keepdims": 0}, {"axes": [1], "keepdims": 0}, {"axes": [0, 2]}])
+@pytest.mark.parametrize("op", ["ReduceSum", "ReduceMean"])
+def test_reduce_opset7_broadcasts_without_expand(op, attrs):
+    # opset 7 has no Expand: the gradient is tiled back (a scalar dy first takes x's rank)
+    check_vjp(op, {"x": _rand(2, 3, 4)}, attrs, opset=7)
+
+
+# -------------------------------------------- every rule table at opsets 7 and 8
+def _old_opset_params() -> list:
+    """The cases of the elementwise, reduction and shape tables that run at
+    opset 9, again at opsets 7 and 8 wherever their op exists there."""
+    import test_grad_elementwise
+    import test_grad_reduce
+    import test_grad_shape
+    from onnx import defs
+
+    skip = {
+        # onnxruntime has no float64 kernel for Max-6/Min-6 (opset 7), so the float64 check cannot run
+        ("Max-1", 7), ("Max-2", 7), ("Min-3", 7),
+        # the case broadcasts, which Sum-6 (opset 7) does not
+        ("Sum-3", 7),
+    }
+    params = []
+    for module in (test_grad_elementwise, test_grad_reduce, test_grad_shape):
+        for case in module.CASES:
+            if 9 not in case.opsets:
+                continue
+            for opset in (7, 8):
+                try:
+                    schema = defs.get_schema(case.op, opset, "")
+                except defs.SchemaError:  # the op came later
+                    continue
+                if schema.deprecated or (case.id, opset) in skip:
+                    continue
+                params.append(pytest.param(case, opset, id=f"{case.id}-opset{opset}"))
+    return params
+
+
+@pytest.mark.parametrize("case, opset", _old_opset_params())
+def test_rule_tables_at_opsets_7_8(case, opset):
+    # no ConstantOfShape, OneHot, Scatter, Sign, NonZero or integer comparisons before 9, no Expand before 8
+    from grad_cases import run_case
+
+    run_case(case, opset, False)

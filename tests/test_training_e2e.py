@@ -183,7 +183,9 @@ def test_inference_export_predicts_the_same_in_plain_onnxruntime(tmp_path):
 
     exported = onnx.load(str(path))
     assert not exported.training_info
-    assert exported.ir_version <= 13
+    from onnxtrain.executor import MAX_IR_VERSION  # probed: the newest IR this onnxruntime loads
+
+    assert exported.ir_version <= MAX_IR_VERSION
     onnx.checker.check_model(exported)
 
 

@@ -284,6 +284,13 @@ def _expand_one(
     return emit.nodes
 
 
+#: Float element types by width, for summing terms of different types.
+_FLOAT_WIDTH = {
+    onnx.TensorProto.BFLOAT16: 0, onnx.TensorProto.FLOAT16: 1,
+    onnx.TensorProto.FLOAT: 2, onnx.TensorProto.DOUBLE: 3,
+}
+
+
 def vjp_of_graph(
     body_nodes: Sequence[onnx.NodeProto],
     outputs: Sequence[str],
@@ -323,6 +330,11 @@ def vjp_of_graph(
         ]
         scratch.input.append(helper.make_tensor_value_info(name, et, dims))
     terms = []
+    # The body's outputs may differ in float type (a body computing in float32
+    # and casting one output back to double): the terms are summed in the
+    # widest type among them.  A cotangent has its output's type.
+    term_type = {c: types[c][0] for c in cotangents if c and c in types}
+    widest = max(term_type.values(), key=lambda t: _FLOAT_WIDTH.get(t, -1), default=None)
     for out, cot in zip(outputs, cotangents):
         if not cot:
             continue
@@ -330,6 +342,10 @@ def vjp_of_graph(
         total = names.fresh(f"{out}/vjp_sum")
         copies.append(helper.make_node("Mul", [out, cot], [prod], name=names.fresh("vjp_mul")))
         copies.append(helper.make_node("ReduceSum", [prod], [total], keepdims=0, name=names.fresh("vjp_sum")))
+        if cot in term_type and term_type[cot] != widest:
+            wide = names.fresh(f"{out}/vjp_sum_cast")
+            copies.append(helper.make_node("Cast", [total], [wide], to=widest, name=names.fresh("vjp_cast")))
+            total = wide
         terms.append(total)
     grads = [names.fresh(f"{w}/vjp_grad") for w in wrt]
     if terms:

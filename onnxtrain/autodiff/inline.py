@@ -64,7 +64,25 @@ def function_body(
         return None
     f = onnx.FunctionProto()
     f.ParseFromString(data)
+    _add_schema_defaults(f, schema)
     return f if f.node else None
+
+
+def _add_schema_defaults(f: onnx.FunctionProto, schema: onnx.defs.OpSchema) -> None:
+    """Give the body the schema's attribute defaults.  A schema body lists its
+    attributes by name only (Swish: ``attribute: "alpha"``), so a reference
+    ``@alpha`` the caller leaves unset must take the default (alpha = 1.0)
+    from the schema; dropping it would leave e.g. a Constant without a value."""
+    declared = {a.name for a in f.attribute_proto}
+    for name in list(f.attribute):
+        spec = schema.attributes.get(name)
+        if name in declared or spec is None or not spec.default_value.name:
+            continue
+        default = onnx.AttributeProto()
+        default.CopyFrom(spec.default_value)
+        default.name = name
+        f.attribute_proto.append(default)
+        f.attribute.remove(name)
 
 
 def inline(

@@ -298,6 +298,13 @@ class VJPContext:
                 certain.append(lead + i)
             else:
                 doubtful.append(i)
+        if doubtful and e.opset < 9:  # no Where, ConstantOfShape or NonZero yet
+            raise TrainingModelError(
+                f"gradient of {self.node.op_type} node {self.node.name!r}: whether {like!r} is "
+                f"broadcast along axes {[lead + i for i in doubtful]} is decided at run time, which "
+                f"needs opset >= 9, model has {e.opset} (give the input a static shape or upgrade "
+                "the model)"
+            )
         cur = e.reduce_sum(dx, certain, keepdims=True) if certain else dx
         x_shape = e.Shape(like)
         one = numpy_helper.from_array(np.ones(1, dtype=np.int64))

@@ -259,7 +259,7 @@ def reciprocal_vjp(ctx, dy):
 @vjp("Abs")
 def abs_vjp(ctx, dy):
     """y = |x|  ->  dx = dy * sign(x)   (0 at x = 0)"""
-    return _unary(ctx, dy, ctx.emit.Sign(ctx.inputs[0]))
+    return _unary(ctx, dy, ctx.emit.sign(ctx.inputs[0]))
 
 
 @vjp("Erf")

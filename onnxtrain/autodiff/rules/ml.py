@@ -213,7 +213,7 @@ def normalizer_vjp(ctx, dy):
         dx = e.Sub(e.Div(dy, safe), e.Mul(share, corr))
     else:
         # At n = 0 the row is all zeros, so y = 0, dot = 0 and dx = dy.
-        direction = e.Sign(xf) if norm == "L1" else y
+        direction = e.sign(xf) if norm == "L1" else y
         dx = e.Div(e.Sub(dy, e.Mul(direction, dot)), safe)
     return (_back_to(ctx, dx, x),)
 

@@ -409,13 +409,19 @@ def max_pool_vjp(ctx, dy, *_):
 
     storage_order=1 indices count the spatial axes column-major: scatter into
     that layout, then transpose the spatial axes back.  Opset >= 16 uses
-    ScatterElements(reduction='add').  Earlier opsets scatter without
+    ScatterElements(reduction='add').  Opsets 10-15 scatter without
     reduction, one class of output positions at a time (o_i mod m_i, with
     m_i = ceil(window extent / stride)), within which windows are disjoint, so
-    no index repeats: acc = Scatter(acc, idx_c, Gather(acc, idx_c) + dy_c)."""
+    no index repeats: acc = Scatter(acc, idx_c, Gather(acc, idx_c) + dy_c).
+    The classes are strided Slices (opset >= 10); at opset 9 a single class
+    (disjoint windows) still scatters by Indices.  Otherwise (opsets 7-8, where
+    MaxPool-7 has no Indices and no Scatter exists, and overlapping windows at
+    opset 9) the argmax is recomputed from x and y: see ``_max_pool_by_mask``."""
     e = ctx.emit
     x = ctx.inputs[0]
     k = len(ctx.attr("kernel_shape"))
+    if e.opset < 10 and (e.opset < 9 or len(_pool_classes(ctx, k)) > 1):
+        return (_max_pool_by_mask(ctx, dy, k),)
     if e.opset >= 16:
         idx = e.reshape(ctx.forward_output(1), [-1])
         upd = e.reshape(dy, [-1])
@@ -429,8 +435,8 @@ def max_pool_vjp(ctx, dy, *_):
     return (e.Reshape(flat, e.Shape(x)),)
 
 
-def _scatter_add_by_class(ctx: VJPContext, x: str, idx: str, dy: str, k: int) -> str:
-    e = ctx.emit
+def _pool_classes(ctx: VJPContext, k: int) -> list[list[int]]:
+    """The classes of output positions (o_i mod m_i per axis) whose windows are disjoint."""
     kernel = [int(v) for v in ctx.attr("kernel_shape")]
     strides = [int(v) for v in ctx.attr("strides", [1] * k)]
     dil = [int(v) for v in ctx.attr("dilations", [1] * k)]
@@ -438,15 +444,17 @@ def _scatter_add_by_class(ctx: VJPContext, x: str, idx: str, dy: str, k: int) ->
     classes = [[]]
     for m in period:
         classes = [c + [r] for c in classes for r in range(m)]
+    return classes
+
+
+def _scatter_add_by_class(ctx: VJPContext, x: str, idx: str, dy: str, k: int) -> str:
+    e = ctx.emit
+    classes = _pool_classes(ctx, k)
+    period = [max(c[i] for c in classes) + 1 for i in range(k)]
     scatter = "ScatterElements" if e.opset >= 11 else "Scatter"
     acc = _flat_zeros(ctx, x)
     if len(classes) == 1:
         return e.op(scatter, [acc, e.reshape(idx, [-1]), e.reshape(dy, [-1])], axis=0)
-    if e.opset < 10:
-        raise TrainingModelError(
-            f"gradient of MaxPool node {ctx.node.name!r}: overlapping windows need "
-            f"strided Slice (opset >= 10), model has {e.opset}"
-        )
     axes = list(range(2, k + 2))
     big = [2**62] * k
     for c in classes:
@@ -454,6 +462,98 @@ def _scatter_add_by_class(ctx: VJPContext, x: str, idx: str, dy: str, k: int) ->
         dy_c = e.reshape(e.slice(dy, c, big, axes=axes, steps=period), [-1])
         acc = e.op(scatter, [acc, idx_c, e.Add(e.Gather(acc, idx_c, axis=0), dy_c)], axis=0)
     return acc
+
+
+def _pool_taps(d: int, o: int, kk: int, s: int, dil: int, pb: int) -> tuple[np.ndarray, np.ndarray]:
+    """Along one spatial axis: the input position p = o*s + t*dil - pb of tap t
+    of window o, laid out as [o*K + t], clipped into [0, D) (for Gather), and
+    whether it lies inside the input (not in the padding)."""
+    pos = (np.arange(o)[:, None] * s + np.arange(kk)[None, :] * dil - pb).reshape(-1)
+    inside = (pos >= 0) & (pos < d)
+    return np.clip(pos, 0, d - 1).astype(np.int64), inside
+
+
+def _max_pool_by_mask(ctx: VJPContext, dy: str, k: int) -> str:
+    """MaxPool's gradient without Indices or scatter ops (valid from opset 7).
+
+    Per axis i, the window taps of every output position are gathered with a
+    static index list: patch[nc, o, t] = x[nc, o*s + t*dil - pb] (o, t and the
+    positions are multi-indices over the k spatial axes; K = prod(kernel) taps).
+    A tap is the argmax of its window when it lies inside x (a tap in the
+    padding never is) and patch == y, the first such tap in row-major order
+    (the one MaxPool's Indices report):
+        hit[o, t]   = inside(o, t) * [patch[o, t] >= y[o]]
+        first[o, t] = hit[o, t] * [sum_{t' < t} hit[o, t'] == 0]
+    dx is the transpose of the gathering applied to first * dy: per axis a
+    MatMul with the one-hot matrix S_i[o*K_i + t, p] = [p == o*s + t*dil - pb],
+        dx[nc, p] = sum_{o, t} S[(o, t), p] * first[nc, o, t] * dy[nc, o].
+    Needs the spatial dims and pads statically."""
+    e = ctx.emit
+    x, y = ctx.inputs[0], ctx.outputs[0]
+    kernel = [int(v) for v in ctx.attr("kernel_shape")]
+    win = _Window(ctx, x, y, k, kernel, has_dilations=ctx.opset >= 10)
+    if not win.static_pads or any(d is None for d in win.in_dims):
+        raise TrainingModelError(
+            win.where(
+                f"at opset {ctx.opset} the gradient recomputes the argmax of each window and "
+                "needs the spatial dims of the input statically; give the input a static "
+                "shape or use opset >= 10"
+            )
+        )
+    ceil_mode = int(ctx.attr("ceil_mode", 0))
+    et = ctx.dtype(x)
+    dt = np_dtype(et)
+    outs, index, inside = [], [], []
+    for d, kk, s, dl, pb, pe in zip(win.in_dims, kernel, win.strides, win.dilations, win.begin, win.end):
+        span = d + pb + pe - ((kk - 1) * dl + 1)
+        o = (-(-span // s) if ceil_mode else span // s) + 1
+        if ceil_mode and (o - 1) * s >= d + pb:  # a last window starting in the end padding is dropped
+            o -= 1
+        pos, ok = _pool_taps(d, o, kk, s, dl, pb)
+        outs.append(o)
+        index.append(pos)
+        inside.append(ok.reshape(o, kk))
+    n_out, n_taps = math.prod(outs), math.prod(kernel)
+    # patches: [NC, O1*K1, ..., Ok*Kk] -> [NC, P, K] with P = prod(O), K = prod(kernel)
+    t = e.reshape(x, [-1] + list(win.in_dims))
+    for i in range(k):
+        t = e.Gather(t, e.const(index[i]), axis=i + 1)
+    interleaved = [v for o, kk in zip(outs, kernel) for v in (o, kk)]
+    to_taps_last = [0] + [1 + 2 * i for i in range(k)] + [2 + 2 * i for i in range(k)]
+    t = e.Transpose(e.reshape(t, [-1] + interleaved), perm=to_taps_last)
+    patch = e.reshape(t, [-1, n_out, n_taps])
+    # inside[(o_1..o_k), (t_1..t_k)] = prod_i inside_i[o_i, t_i]
+    valid = np.ones([1] * (2 * k), dtype=bool)
+    for i, ok in enumerate(inside):
+        shape = [1] * (2 * k)
+        shape[i], shape[k + i] = ok.shape
+        valid = valid & ok.reshape(shape)
+    valid = valid.reshape(n_out, n_taps).astype(dt)
+    hit = e.Mul(e.Cast(e.Not(e.Less(patch, e.reshape(y, [-1, n_out, 1]))), to=et), e.const(valid))
+    if n_taps > 1:
+        earlier = np.triu(np.ones((n_taps, n_taps), dtype=dt), 1)  # [t', t] = 1 where t' < t
+        before = e.MatMul(hit, e.const(earlier))
+        hit = e.Mul(hit, e.Cast(e.Less(before, ctx.const(0.5, dtype=et)), to=et))
+    g = e.Mul(hit, e.reshape(dy, [-1, n_out, 1]))
+    # back to [NC, O1*K1, ..., Ok*Kk], then the transposed gathering axis by axis (last first)
+    back = [0] * (2 * k + 1)
+    for j, p in enumerate(to_taps_last):
+        back[p] = j
+    g = e.Transpose(e.reshape(g, [-1] + outs + kernel), perm=back)
+    dims = [o * kk for o, kk in zip(outs, kernel)]
+    g = e.reshape(g, [-1] + dims)
+    for i in reversed(range(k)):
+        d = win.in_dims[i]
+        sel = np.zeros((dims[i], d), dtype=dt)
+        rows = np.flatnonzero(inside[i].reshape(-1))
+        sel[rows, index[i][rows]] = 1
+        after = math.prod(dims[i + 1:])
+        if after == 1:
+            g = e.MatMul(e.reshape(g, [-1, dims[i]]), e.const(sel))
+        else:
+            g = e.MatMul(e.const(np.ascontiguousarray(sel.T)), e.reshape(g, [-1, dims[i], after]))
+        dims[i] = d
+    return e.Reshape(g, e.Shape(x))
 
 
 @vjp("GlobalMaxPool")
@@ -503,8 +603,13 @@ def _inverse_divisor(ctx: VJPContext, win: _Window, ones_k: str, include_pad: in
     """1 / div(o) for every output position, shaped (1, 1, O...)."""
     e = ctx.emit
     k = win.k
-    one = numpy_helper.from_array(np.ones(1, dtype=np_dtype(et)))
-    image = e.op("ConstantOfShape", [e.Concat(e.ints([1, 1]), win.in_shape_rt(), axis=0)], value=one)
+    if all(d is not None for d in win.in_dims):
+        image = ctx.const(np.ones([1, 1] + list(win.in_dims)), dtype=et)
+    elif e.opset >= 9:
+        one = numpy_helper.from_array(np.ones(1, dtype=np_dtype(et)))
+        image = e.op("ConstantOfShape", [e.Concat(e.ints([1, 1]), win.in_shape_rt(), axis=0)], value=one)
+    else:  # no ConstantOfShape: ones shaped like one channel of x
+        image = e.ones_like(e.slice(win.x, [0, 0], [1, 1], axes=[0, 1]))
     # c: valid positions per window.  Zero padding marks invalid positions; in
     # ceil_mode, s-1 extra zeros at the end make the floor-mode Conv reach every window.
     ceil_mode = int(ctx.attr("ceil_mode", 0))
@@ -523,7 +628,11 @@ def _inverse_divisor(ctx: VJPContext, win: _Window, ones_k: str, include_pad: in
     if any(extra):
         win.require_runtime_slices()
         counts = e.slice(counts, e.ints([0] * k), e.shape_of(win.y, 2), axes=list(range(2, k + 2)))
-    counts = e.Max(counts, ctx.const(1.0, dtype=et))  # a window with no valid position divides nothing
+    # a window with no valid position divides nothing: counts >= 1 (Max-6 does not broadcast)
+    if e.opset >= 8:
+        counts = e.Max(counts, ctx.const(1.0, dtype=et))
+    else:
+        counts = e.Add(counts, e.Cast(e.Less(counts, ctx.const(0.5, dtype=et)), to=et))
     if not include_pad:
         return e.Reciprocal(counts)
     attrs = {
@@ -542,7 +651,7 @@ def global_average_pool_vjp(ctx, dy):
     x, y = ctx.inputs[0], ctx.outputs[0]
     et = ctx.dtype(x)
     ratio = e.Div(e.Cast(e.Size(y), to=et), e.Cast(e.Size(x), to=et))
-    return (e.Expand(e.Mul(dy, ratio), e.Shape(x)),)
+    return (e.expand_to(e.Mul(dy, ratio), x),)
 
 
 # ------------------------------------------------------------ ConvTranspose
@@ -741,7 +850,10 @@ def batch_norm_vjp(ctx, dy, *d_stats):
             stats.append(e.Neg(e.Mul(e.Mul(_per_channel(ctx, d_svar, r), e.Mul(inv_std, inv_std)), xhat)))
         if stats and ctx.needs(0):
             count = e.Cast(e.Div(e.Size(x), e.dim(x, 1)), to=et)
-            dx = e.Add(dx, e.Div(e.sum_all([e.Expand(t, e.Shape(x)) for t in stats]), count))
+            total = stats[0]
+            for t in stats[1:]:  # per-channel and x-shaped terms: Add broadcasts (no Expand at opset 7)
+                total = e.Add(total, t)
+            dx = e.Add(dx, e.Div(total, count))
         m = ctx.const(momentum, dtype=ctx.dtype(mean))
         if ctx.needs(3):
             dmean = e.Mul(d_rmean, m) if d_rmean is not None else e.zeros_like(mean)
@@ -868,7 +980,7 @@ def lp_normalization_vjp(ctx, dy):
         raise TrainingModelError(f"gradient of LpNormalization node {ctx.node.name!r}: p must be 1 or 2, found {p}")
     norm = e.reduce("ReduceL2" if p == 2 else "ReduceL1", x, [axis], keepdims=True)
     proj = e.reduce_sum(e.Mul(dy, y), [axis], keepdims=True)
-    direction = y if p == 2 else e.Sign(x)
+    direction = y if p == 2 else e.sign(x)
     return (e.Div(e.Sub(dy, e.Mul(direction, proj)), norm),)
 
 
@@ -985,11 +1097,11 @@ def lp_pool_vjp(ctx, dy):
     ones_k = ctx.const(np.ones([1, 1] + kernel), dtype=et)
     back = e.Reshape(win.scatter(z, ones_k), e.Shape(x))
     if p == 1.0:
-        local = e.Sign(x)
+        local = e.sign(x)
     elif p == 2.0:
         local = x
     else:
-        local = e.Mul(e.Pow(e.Abs(x), ctx.const(p - 1.0, dtype=et)), e.Sign(x))
+        local = e.Mul(e.Pow(e.Abs(x), ctx.const(p - 1.0, dtype=et)), e.sign(x))
     return (e.Mul(back, local),)
 
 
@@ -1914,11 +2026,7 @@ def global_lp_pool_vjp(ctx, dy):
     x, y = ctx.inputs[0], ctx.outputs[0]
     p = float(ctx.attr("p", 2))
     zero, one = ctx.const(0.0, like=x), ctx.const(1.0, like=x)
-    if e.opset >= 9:
-        sign = e.Sign(x)
-    else:  # Sign came in opset 9
-        et = ctx.dtype(x)
-        sign = e.Sub(e.Cast(e.Greater(x, zero), to=et), e.Cast(e.Less(x, zero), to=et))
+    sign = e.sign(x)
     if p == 1.0:
         return (e.Mul(dy, sign),)
     safe = e.Where(e.Greater(y, zero), y, one)

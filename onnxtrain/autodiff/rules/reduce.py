@@ -60,7 +60,13 @@ def expand_back(ctx: VJPContext, dy: str, x: str, axes, keepdims: bool) -> str:
         else:
             rank = ctx.require_rank(x)
             dy = e.unsqueeze(dy, sorted(a % rank for a in axes))
-    return e.Expand(dy, e.Shape(x)) if e.opset >= 8 else e.Add(dy, e.zeros_like(x))
+    if e.opset < 8 and not keepdims and axes is None:
+        # Tile (opset 7's Expand) needs dy at x's rank
+        r = ctx.rank(x)
+        if r is None:
+            return e.Add(dy, e.zeros_like(x))
+        dy = e.reshape(dy, [1] * r)
+    return e.expand_to(dy, x)
 
 
 @vjp("ReduceSum")
@@ -132,7 +138,7 @@ def reduce_sum_square_vjp(ctx, dy):
 def reduce_l1_vjp(ctx, dy):
     """y = sum_axes(|x|)  ->  dx = sign(x) broadcast(dy)   (0 at x = 0)"""
     x, dyb, _, _ = _broadcast_parts(ctx, dy)
-    return (ctx.emit.Mul(dyb, ctx.emit.Sign(x)),)
+    return (ctx.emit.Mul(dyb, ctx.emit.sign(x)),)
 
 
 @vjp("ReduceL2")

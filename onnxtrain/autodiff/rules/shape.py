@@ -27,7 +27,7 @@ from .reduce import constant_value
 
 
 def zeros_of_shape(e: Emitter, shape: str, et: int) -> str:
-    """A zero tensor of element type ``et`` and the runtime shape ``shape``."""
+    """A zero tensor of element type ``et`` and the runtime shape ``shape`` (opset >= 9)."""
     fill = numpy_helper.from_array(np.zeros(1, dtype=np_dtype(et)))
     return e.op("ConstantOfShape", [shape], value=fill)
 
@@ -75,23 +75,45 @@ def scatter_unique(e: Emitter, data: str, indices: str, updates: str, axis: int)
     return e.op(op, [data, indices, updates], axis=axis)
 
 
+def one_hot(ctx: VJPContext, idx: str, n: str, n_static: int | None, idx_rank: int, et: int) -> str:
+    """[idx.shape..., n] in element type ``et``: 1 where idx == j, for idx in [-n, n).
+
+    OneHot from opset 9 (onnxruntime has no float64 OneHot: built in int64,
+    then cast; 0/1 exact).  Before, with n known statically, Equal against a
+    constant range: (idx == j) or (idx == j - n), which also counts negative
+    indices from the end (integer Less, for wrapping them first, needs opset 9)."""
+    e = ctx.emit
+    if e.opset >= 9:
+        return e.Cast(e.OneHot(idx, n, e.ints([0, 1]), axis=-1), to=et)
+    if n_static is None:
+        raise TrainingModelError(
+            f"gradient of {ctx.node.op_type} node {ctx.node.name!r}: opset {e.opset} has no OneHot; "
+            "the gathered axis needs a static size"
+        )
+    col = e.unsqueeze(idx, [idx_rank])
+    j = np.arange(n_static, dtype=np.int64)
+    hit = e.Or(e.Equal(col, e.const(j)), e.Equal(col, e.const(j - n_static)))
+    return e.Cast(hit, to=et)
+
+
 def scatter_add_axis(
-    ctx: VJPContext, dy: str, idx: str, n: str, axis: int, rank: int, out_shape: str
+    ctx: VJPContext, dy: str, idx: str, n: str, axis: int, rank: int, out_shape: str,
+    n_static: int | None = None,
 ) -> str:
     """out[.., j, ..] = sum over i with idx[i] == j of dy[.., i, ..]   (the adjoint of Gather).
 
     ``dy`` has len(idx) entries along ``axis``; ``out_shape`` is dy's shape with
     n there; idx holds non-negative int64 positions, repeats allowed.
     From opset 16 this is ScatterElements(reduction='add'); before, dy is
-    contracted with the one-hot matrix onehot(idx, n) along ``axis``."""
+    contracted with the one-hot matrix onehot(idx, n) along ``axis`` (which,
+    before opset 9, needs ``n_static``, n known statically)."""
     e = ctx.emit
     et = ctx.dtype(dy)
     if e.opset >= 16:
         where = e.Expand(along_axis(e, idx, axis, rank), e.Shape(dy))
         zeros = zeros_of_shape(e, out_shape, et)
         return e.ScatterElements(zeros, where, dy, axis=axis, reduction="add")
-    # OneHot has no float64 kernel in onnxruntime: build it in int64, then cast (0/1 exact).
-    onehot = e.Cast(e.OneHot(idx, n, e.ints([0, 1]), axis=-1), to=et)  # [len(idx), n]
+    onehot = one_hot(ctx, idx, n, n_static, 1, et)  # [len(idx), n]
     if axis == rank - 1:
         return e.MatMul(dy, onehot)
     perm = [i for i in range(rank) if i != axis] + [axis]
@@ -202,10 +224,15 @@ def depth_to_space_vjp(ctx, dy):
 
 @vjp("SpaceToDepth")
 def space_to_depth_vjp(ctx, dy):
-    """y = space_to_depth(x, b)  ->  dx = depth_to_space(dy, b, mode=DCR)   (its inverse)"""
+    """y = space_to_depth(x, b, mode)  ->  dx = depth_to_space(dy, b, mode)   (its inverse)
+
+    SpaceToDepth orders each block's values depth-column-row ("DCR", the only
+    order before opset 28) or column-row-depth ("CRD", opset 28); DepthToSpace
+    with the same mode (opset >= 11) undoes either permutation."""
     b = int(ctx.attr("blocksize"))
+    mode = ctx.attr("mode", "DCR")
     if ctx.opset >= 11:
-        return (ctx.emit.DepthToSpace(dy, blocksize=b, mode="DCR"),)
+        return (ctx.emit.DepthToSpace(dy, blocksize=b, mode=mode),)
     return (ctx.emit.DepthToSpace(dy, blocksize=b),)
 
 
@@ -304,12 +331,26 @@ def slice_vjp(ctx, dy):
     s' is the start after Slice's clamping: s < 0 counts from the end, then
     s' = clamp(s, 0, n) for k > 0 and clamp(s, 0, n - 1) for k < 0; the end is
     not needed since the output length is known.  Axes are undone one at a
-    time (the slice is a product of per-axis selections)."""
+    time (the slice is a product of per-axis selections).
+
+    Before opset 10 (attribute bounds, step 1), where the sliced dims of x are
+    known statically, dx = Pad(dy) with pads s' and n - e' (e' = clamp(e, s', n)
+    after the same wrapping): Pad-2 needs no Scatter (opset 9) or
+    ConstantOfShape (opset 9)."""
     x = ctx.inputs[0]
     e = ctx.emit
     if not ctx.needs(0):
         return _no_grad_rest(ctx, None)
     rank = ctx.require_rank(x)
+    if ctx.opset < 10:
+        pads = _slice_pads_before_10(ctx, rank)
+        if pads is not None:
+            return _no_grad_rest(ctx, e.Pad(dy, pads=pads, mode="constant"))
+        if ctx.opset < 9:
+            raise TrainingModelError(
+                f"gradient of Slice node {ctx.node.name!r}: at opset {ctx.opset} it needs the "
+                f"sliced dims of {x!r} statically"
+            )
     grad = dy
     for axis, start, step, sign in _slice_spec(ctx, rank):
         n = e.dim(x, axis)
@@ -324,6 +365,23 @@ def slice_vjp(ctx, dy):
         target = with_dim(e, e.Shape(grad), axis, rank, e.Shape(x))
         grad = scatter_unique(e, zeros_of_shape(e, target, ctx.dtype(dy)), where, grad, axis)
     return _no_grad_rest(ctx, grad)
+
+
+def _slice_pads_before_10(ctx: VJPContext, rank: int) -> list[int] | None:
+    """Pad-2 pads that undo an opset < 10 Slice, or None where a sliced dim is not static."""
+    starts = [int(v) for v in ctx.attr("starts")]
+    ends = [int(v) for v in ctx.attr("ends")]
+    axes = ctx.attr("axes")
+    axes = list(range(len(starts))) if axes is None else [int(a) % rank for a in axes]
+    before, after = [0] * rank, [0] * rank
+    for a, st, en in zip(axes, starts, ends):
+        n = _static_dim(ctx, ctx.inputs[0], a)
+        if n is None:
+            return None
+        st = min(max(st + n if st < 0 else st, 0), n)
+        en = min(max(en + n if en < 0 else en, st), n)
+        before[a], after[a] = st, n - en
+    return before + after
 
 
 # ------------------------------------------------------- gather / scatter
@@ -341,7 +399,9 @@ def gather_vjp(ctx, dy):
     rank = ctx.require_rank(data)
     axis = int(ctx.attr("axis", 0)) % rank
     n = e.dim(data, axis)
-    idx = wrap_negative(e, e.reshape(int64(e, indices), [-1]), n)
+    idx = e.reshape(int64(e, indices), [-1])
+    if e.opset >= 9:  # (before, one_hot wraps negative indices itself)
+        idx = wrap_negative(e, idx, n)
     parts = []
     if axis > 0:
         parts.append(e.shape_of(data, 0, axis))
@@ -349,7 +409,7 @@ def gather_vjp(ctx, dy):
     if axis + 1 < rank:
         parts.append(e.shape_of(data, axis + 1))
     flat = e.Reshape(dy, e.concat(parts))
-    return scatter_add_axis(ctx, flat, idx, n, axis, rank, e.Shape(data)), None
+    return scatter_add_axis(ctx, flat, idx, n, axis, rank, e.Shape(data), _static_dim(ctx, data, axis)), None
 
 
 @vjp("GatherElements")
@@ -371,14 +431,24 @@ def gather_elements_vjp(ctx, dy):
     if e.opset >= 16:
         zeros = zeros_of_shape(e, e.Shape(data), et)
         return e.ScatterElements(zeros, idx, dy, axis=axis, reduction="add"), None
-    onehot = e.Cast(e.OneHot(idx, n, e.ints([0, 1]), axis=-1), to=et)  # idx.shape + [n]
-    spread = e.Mul(onehot, e.unsqueeze(dy, [rank]))
-    summed = e.reduce_sum(spread, [axis], keepdims=False)  # idx.shape without axis, + [n]
-    perm = list(range(axis)) + [rank - 1] + list(range(axis, rank - 1))
-    placed = e.Transpose(summed, perm=perm) if perm != list(range(rank)) else summed
+    placed = _scatter_add_elements(ctx, idx, dy, axis, rank, n, None, et)
     missing = e.Sub(e.Shape(data), e.Shape(placed))
     pads = e.Concat(e.ints([0] * rank), missing, axis=0)
     return e.Pad(placed, pads), None
+
+
+def _scatter_add_elements(
+    ctx: VJPContext, idx: str, dy: str, axis: int, rank: int, n: str, n_static: int | None, et: int
+) -> str:
+    """out[p with p_axis := j] = sum over i with idx[p with p_axis := i] == j of dy[...]:
+    the one-hot of idx along a new last axis, times dy, summed over ``axis``
+    and moved into place (n entries along ``axis``, idx's extent elsewhere)."""
+    e = ctx.emit
+    onehot = one_hot(ctx, idx, n, n_static, rank, et)  # idx.shape + [n]
+    spread = e.Mul(onehot, e.unsqueeze(dy, [rank]))
+    summed = e.reduce_sum(spread, [axis], keepdims=False)  # idx.shape without axis, + [n]
+    perm = list(range(axis)) + [rank - 1] + list(range(axis, rank - 1))
+    return e.Transpose(summed, perm=perm) if perm != list(range(rank)) else summed
 
 
 def _full_nd_indices(ctx: VJPContext, indices: str, batch_dims: int) -> str:
@@ -510,6 +580,18 @@ def _pad_index(e: Emitter, mode: str, i: str, n: str) -> str:
     raise GradientError(f"Pad: no gradient for mode {mode!r}")
 
 
+def _pad_source(mode: str, i: np.ndarray, n: int) -> np.ndarray:
+    """``_pad_index`` for static positions."""
+    if mode == "edge":
+        return np.clip(i, 0, n - 1)
+    if mode == "reflect":
+        r = np.abs(i)
+        return np.where(r > n - 1, 2 * (n - 1) - r, r)
+    if mode == "wrap":
+        return np.mod(i, n)
+    raise GradientError(f"Pad: no gradient for mode {mode!r}")
+
+
 @vjp("Pad")
 def pad_vjp(ctx, dy):
     """y = pad(x)  ->  constant mode: dx = pad(dy, -pads) (crops what was added,
@@ -555,11 +637,17 @@ def pad_vjp(ctx, dy):
     for j, axis in enumerate(axes):
         if static is not None and int(static[j]) == 0 and int(static[j + len(axes)]) == 0:
             continue
-        before = e.ints([int(static[j])]) if static is not None else e.slice(pads, [j], [j + 1])
-        n = e.dim(x, axis)
-        source = _pad_index(e, mode, e.Sub(arange(e, e.dim(grad, axis)), before), n)
+        n, n_static = e.dim(x, axis), _static_dim(ctx, x, axis)
+        if static is not None and n_static is not None:
+            # every position is known when building (and opsets 7-8 lack integer comparisons)
+            begin = int(static[j])
+            i = np.arange(n_static + begin + int(static[j + len(axes)]), dtype=np.int64) - begin
+            source = e.const(_pad_source(mode, i, n_static))
+        else:
+            before = e.ints([int(static[j])]) if static is not None else e.slice(pads, [j], [j + 1])
+            source = _pad_index(e, mode, e.Sub(arange(e, e.dim(grad, axis)), before), n)
         target = with_dim(e, e.Shape(grad), axis, rank, e.Shape(x))
-        grad = scatter_add_axis(ctx, grad, source, n, axis, rank, target)
+        grad = scatter_add_axis(ctx, grad, source, n, axis, rank, target, n_static)
     return _no_grad_rest(ctx, grad)
 
 
@@ -576,7 +664,10 @@ def trilu_vjp(ctx, dy):
 @vjp("TopK")
 def topk_vjp(ctx, dvalues, dindices=None):
     """values, indices = topk(x, k, axis)  ->  dx = zeros with dvalues scattered at
-    indices along axis (each position is picked at most once); k gets none"""
+    indices along axis (each position is picked at most once); k gets none.
+
+    Before opset 9 (no Scatter): the one-hot of the indices times dvalues,
+    summed over the k picks (needs the size of x along axis statically)."""
     x = ctx.inputs[0]
     e = ctx.emit
     if dvalues is None or not ctx.needs(0):
@@ -584,6 +675,10 @@ def topk_vjp(ctx, dvalues, dindices=None):
     rank = ctx.require_rank(x)
     axis = int(ctx.attr("axis", -1)) % rank
     indices = ctx.forward_output(1)
+    if e.opset < 9:
+        n_static = _static_dim(ctx, x, axis)
+        dx = _scatter_add_elements(ctx, indices, dvalues, axis, rank, e.dim(x, axis), n_static, ctx.dtype(x))
+        return (dx,) + (None,) * (len(ctx.inputs) - 1)
     dx = scatter_unique(e, e.zeros_like(x), indices, dvalues, axis)
     return (dx,) + (None,) * (len(ctx.inputs) - 1)
 
