@@ -31,13 +31,13 @@ def main(argv=None) -> int:
 
     X, y = load_digits()
     images = X.reshape(-1, 1, 8, 8)  # NCHW: one channel of 8x8 pixels
-    X_train, X_test, y_train, y_test = train_test_split(images, y, test_fraction=0.2, seed=0)
+    X_train, X_test, y_train, y_test = train_test_split(images, y, test_size=0.2, seed=0)
 
     model = build.training_model(cnn(channels=16), loss="cross_entropy", target="label",
                                  optimizer=build.Adam(lr=3e-3))
     sess = TrainingSession(model)
     print(sess)
-    history = sess.fit((X_train, y_train), epochs=epochs, batch_size=32,
+    history = sess.fit(X_train, y_train, epochs=epochs, batch_size=32,
                        validation_data=(X_test, y_test), progress=not args.quick)
     result = sess.evaluate((X_test, y_test))
     print(f"after {len(history)} epochs ({sum(history.seconds):.1f} s): "

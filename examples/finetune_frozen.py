@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     epochs = 2 if args.quick else 10
 
     X, y = load_digits()
-    X_train, X_test, y_train, y_test = train_test_split(X, y, test_fraction=0.2, seed=0)
+    X_train, X_test, y_train, y_test = train_test_split(X, y, test_size=0.2, seed=0)
     low_train, low_test = y_train < 5, y_test < 5
     old = (X_train[low_train], y_train[low_train])
     new = (X_train[~low_train], y_train[~low_train])

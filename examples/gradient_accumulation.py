@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     X, y = load_digits()
-    X_train, X_test, y_train, y_test = train_test_split(X, y, test_fraction=0.2, seed=0)
+    X_train, X_test, y_train, y_test = train_test_split(X, y, test_size=0.2, seed=0)
     # 1408 = 22 * 64 rows, so that every big batch is exactly four micro-batches.
     data = (X_train[:1408], y_train[:1408])
 

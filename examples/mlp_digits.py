@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     epochs = args.epochs or (2 if args.quick else DEFAULT_EPOCHS)
 
     X, y = load_digits()
-    X_train, X_test, y_train, y_test = train_test_split(X, y, test_fraction=0.2, seed=0)
+    X_train, X_test, y_train, y_test = train_test_split(X, y, test_size=0.2, seed=0)
     print(f"digits: {len(X_train)} for training, {len(X_test)} for testing")
 
     sess = onnxtrain.TrainingSession(build_classifier(hidden=64, lr=DEFAULT_LR, seed=0))

@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     epochs = 2 if args.quick else 10
 
     X, y = load_digits()
-    X_train, X_test, y_train, y_test = train_test_split(X, y, test_fraction=0.2, seed=0)
+    X_train, X_test, y_train, y_test = train_test_split(X, y, test_size=0.2, seed=0)
     sess = TrainingSession(build_model())
     print(sess)
 
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
           f"step0 = {int(sess.state['step0'])}, step1 = {int(sess.state['step1'])}")
     sess.initialize()                   # both initialization graphs: a fresh start
 
-    history = sess.fit((X_train, y_train), epochs=epochs, batch_size=32,
+    history = sess.fit(X_train, y_train, epochs=epochs, batch_size=32,
                        validation_data=(X_test, y_test), progress=not args.quick)
     print(f"fit with cycle [0, 1]: {history.steps} batches -> step0 = {int(sess.state['step0'])}, "
           f"step1 = {int(sess.state['step1'])}")

@@ -1,24 +1,40 @@
 """onnxtrain: run ONNX training models end to end on onnxruntime.
 
 >>> import onnxtrain
->>> sorted(onnxtrain.__all__)[:2]
-['GradientError', 'TrainingModelError']
+>>> {'TrainingSession', 'EarlyStopping', 'checkpoint_epoch'} <= set(onnxtrain.__all__)
+True
 """
 
 from . import build
+from .callbacks import (
+    Callback,
+    Checkpoint,
+    CSVLogger,
+    EarlyStopping,
+    ModelCheckpoint,
+    StopTraining,
+    TerminateOnNaN,
+)
+from .datasets import train_test_split
 from .errors import GradientError, TrainingModelError
-from .fit import Callback, Checkpoint, EarlyStopping, History, StopTraining
+from .fit import History, NonFiniteLossError, checkpoint_epoch
 from .session import TrainingSession
 
 __all__ = [
+    "CSVLogger",
     "Callback",
     "Checkpoint",
     "EarlyStopping",
     "GradientError",
     "History",
+    "ModelCheckpoint",
+    "NonFiniteLossError",
     "StopTraining",
+    "TerminateOnNaN",
     "TrainingModelError",
     "TrainingSession",
     "build",
+    "checkpoint_epoch",
+    "train_test_split",
 ]
 __version__ = "0.1.0"

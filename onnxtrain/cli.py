@@ -9,8 +9,9 @@
 - ``onnxtrain train MODEL --data DATA.npz --epochs N -o OUT [--checkpoint C] [--resume C]``
                                      fit it with progress bars (``onnxtrain.fit.train_files``)
 
-User mistakes (a missing file, an invalid model, a bad option value) end in
-one line ``onnxtrain: error: ...`` on stderr and exit code 1; command line
+User mistakes (a missing file, an invalid model, a bad option value) and a
+training run whose loss turns NaN or infinite end in one line
+``onnxtrain: error: ...`` on stderr and exit code 1; command line
 syntax errors exit with 2 (argparse).  Neither prints a traceback.
 
 >>> main(["--version"])                            # doctest: +ELLIPSIS
@@ -21,6 +22,7 @@ onnxtrain ...
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -29,14 +31,16 @@ import numpy as np
 import onnx
 
 from . import __version__
+from .emitter import FLOAT_TYPES
 from .errors import TrainingModelError
 from .model import load
 from .session import TrainingSession
 
 PROG = "onnxtrain"
 
-#: The exceptions that count as user mistakes: reported in one line, exit 1.
-USER_ERRORS = (TrainingModelError, ValueError, OSError)
+#: The exceptions that count as user mistakes (or a run that diverged: a NaN
+#: or infinite loss): reported in one line, exit 1.
+USER_ERRORS = (TrainingModelError, ValueError, OSError, FloatingPointError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -51,11 +55,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return args.handler(args)
+    except BrokenPipeError:
+        # The reader went away (``onnxtrain ... | head``): exit quietly.  Python
+        # would report the pipe again when it flushes stdout at exit, so point
+        # stdout at devnull first.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
     except USER_ERRORS as exc:
         _error(exc)
         return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        detail = " ".join(str(exc).split())
+        print(f"{PROG}: {detail or 'interrupted'}", file=sys.stderr)
         return 130
 
 
@@ -172,6 +187,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         _print_bindings("update_binding", ti.update_binding, out)
         _print_bindings("initialization_binding", ti.initialization_binding, out)
 
+    if not proto.training_info:
+        _print_parameter_choice(proto, out)
     if verdict is None:
         print(f"state variables: {len(state)}", file=out)
         for name, value in state.items():
@@ -183,13 +200,28 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 1
 
 
+def _print_parameter_choice(proto: onnx.ModelProto, out: TextIO) -> None:
+    """For an inference model: what make-training would train by default, and why."""
+    from .summary import parameter_text
+
+    if any(t.data_type in FLOAT_TYPES for t in proto.graph.initializer):
+        print(parameter_text(proto), file=out)
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
-    TrainingSession(args.model)
-    print("OK")
+    sess = TrainingSession(args.model)
+    if sess.num_algorithms == 0:
+        print("OK: a valid inference model, but not a training model (no training_info); "
+              "make one with: onnxtrain make-training")
+    else:
+        print("OK")
     return 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    from .callbacks import check_writable
+
+    check_writable(args.output, "-o")
     path = TrainingSession(args.checkpoint).export(args.output, training=args.training)
     kind = "training checkpoint" if args.training else "inference model"
     print(f"wrote {kind} {path}")
@@ -251,7 +283,11 @@ def _add_training_commands(sub) -> None:
     train.add_argument("--validation-data", default=None, metavar="VAL.npz",
                        help="report val_loss and val_accuracy after each epoch")
     train.add_argument("--seed", type=int, default=0, help="shuffling seed (default 0)")
-    train.add_argument("--no-progress", action="store_true", help="do not show progress bars")
+    train.add_argument("--no-progress", action="store_true",
+                       help="no progress bars (one line per epoch is printed either way)")
+    train.add_argument("--no-terminate-on-nan", action="store_true",
+                       help="raise at a NaN/Inf loss instead of stopping through TerminateOnNaN "
+                            "(either way: one error line, exit 1, no output)")
     train.set_defaults(handler=_cmd_train)
 
 
@@ -312,8 +348,10 @@ def _optimizer(args: argparse.Namespace):
 
 def _cmd_make_training(args: argparse.Namespace) -> int:
     from . import build
+    from .callbacks import check_writable
     from .io import write_model
 
+    check_writable(args.output, "-o")
     schedule = parse_schedule(args.schedule) if args.schedule else None
     optimizer = _optimizer(args)
     trainable = None
@@ -343,19 +381,32 @@ def _cmd_make_training(args: argparse.Namespace) -> int:
     return 0
 
 
+class _EpochLines:
+    """Prints ``epoch 3/10: loss 0.4123, ...`` on stdout as each epoch ends."""
+
+    def __init__(self, epochs: int) -> None:
+        self.epochs = epochs
+
+    def on_epoch_end(self, epoch: int, logs: dict) -> None:
+        values = ", ".join(f"{k} {v:.4g}" if k == "lr" else f"{k} {v:.4f}" for k, v in logs.items())
+        print(f"epoch {epoch + 1}/{self.epochs}: {values}", flush=True)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from .fit import train_files
 
+    if args.resume:
+        from .fit import checkpoint_epoch
+
+        at = checkpoint_epoch(args.resume)
+        if at:
+            print(f"resumed from {args.resume} after epoch {at}", flush=True)
     result = train_files(args.model, args.data, epochs=args.epochs, batch_size=args.batch_size,
                          output=args.output, checkpoint=args.checkpoint, resume=args.resume,
                          validation_data=args.validation_data, seed=args.seed,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, callbacks=[_EpochLines(args.epochs)],
+                         terminate_on_nan=not args.no_terminate_on_nan)
     history = result.history
-    if result.initial_epoch:
-        print(f"resumed from {args.resume} after epoch {result.initial_epoch}")
-    for epoch, index in zip(history.epochs, range(len(history))):
-        values = ", ".join(f"{k} {v[index]:.4f}" for k, v in history.history.items())
-        print(f"epoch {epoch + 1}/{result.epochs}: {values}")
     if not history.epochs:
         print(f"nothing to train: the checkpoint is at epoch {result.initial_epoch} "
               f"of {result.epochs}")

@@ -86,7 +86,7 @@ def build_classifier(
 
     Inputs: ``X`` float32 [N, n_in]; the algorithm also reads ``label`` int64 [N].
     Output: ``logits`` float32 [N, n_out].  State variables: W1, b1, W2, b2,
-    their Adam moments ``<p>_V`` and ``<p>_H``, and the int64 counter ``step``.
+    their Adam moments ``<p>.adam_m`` (the spec's V) and ``<p>.adam_v`` (H), and the int64 counter ``step``.
 
     The counter holds the number of finished updates.  Adam receives
     ``T = step + 1``, the 1-based index of the update it is making, so its
@@ -122,8 +122,9 @@ def build_classifier(
 
     # ------------------------------------------------------- algorithm graph
     grads = [f"{p}_grad" for p in PARAMS]
-    moments_v = [f"{p}_V" for p in PARAMS]
-    moments_h = [f"{p}_H" for p in PARAMS]
+    # The names onnxtrain.build gives Adam's moments (V: first, H: second).
+    moments_v = [f"{p}.adam_m" for p in PARAMS]
+    moments_h = [f"{p}.adam_v" for p in PARAMS]
     new_params = [f"{p}_new" for p in PARAMS]
     new_v = [f"{v}_new" for v in moments_v]
     new_h = [f"{h}_new" for h in moments_h]

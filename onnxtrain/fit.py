@@ -18,6 +18,12 @@ onnxtrain.prediction   the main-graph output metrics read          the first mai
 onnxtrain.task         "classification" or "regression"            integer target: classification
 onnxtrain.cycle        algorithm index per batch, repeated         one spec iteration per batch
                        ([0, 0, 1]: accumulate over 3 batches)      (every algorithm in order)
+onnxtrain.classes      {"count": C, "axis": 1|-1, "ignore_index"}  no label range check
+                       for class-index losses (label check)
+onnxtrain.learning_    {"state": name, "base": lr}: the base       no ``sess.learning_rate``
+rate                   learning rate's state variable
+onnxtrain.checkpoint   the fit position {"epoch", "batch",         start at epoch 0
+                       "step"} (written by export(training=True))
 ====================== =========================================== ==============================
 
 How ``evaluate`` computes the loss without training: it compiles a third kind
@@ -33,7 +39,7 @@ its kind, and the state cannot change.
 >>> from onnxtrain import TrainingSession
 >>> X, y = load_digits()
 >>> sess = TrainingSession(build_classifier(hidden=16))
->>> history = sess.fit((X, y), epochs=2, batch_size=64, progress=False)
+>>> history = sess.fit(X, y, epochs=2, batch_size=64, progress=False)
 >>> len(history["loss"]), history["loss"][1] < history["loss"][0]
 (2, True)
 >>> sorted(sess.evaluate((X, y)))
@@ -49,6 +55,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,14 +64,30 @@ from typing import Any
 import numpy as np
 import onnx
 
+from .callbacks import (
+    HOOKS,
+    Callback,
+    Checkpoint,
+    CSVLogger,
+    EarlyStopping,
+    ModelCheckpoint,
+    StopTraining,
+    TerminateOnNaN,
+    check_callbacks,
+    check_writable,
+)
 from .errors import TrainingModelError
 
 __all__ = [
+    "CSVLogger",
     "Callback",
     "Checkpoint",
     "EarlyStopping",
+    "ModelCheckpoint",
+    "TerminateOnNaN",
     "FitSpec",
     "History",
+    "NonFiniteLossError",
     "StopTraining",
     "TrainResult",
     "checkpoint_epoch",
@@ -86,8 +109,16 @@ TASKS = ("classification", "regression")
 DEFAULT_EVAL_BATCH = 256
 
 
-class StopTraining(Exception):
-    """Raised by a callback to end ``fit`` after the current batch or epoch."""
+class NonFiniteLossError(FloatingPointError):
+    """``fit`` met a NaN or infinite training loss.
+
+    ``epoch`` and ``batch`` (0-based, within the epoch) and ``step`` (1-based,
+    counted over this ``fit`` call) name the step; ``loss`` is its value.
+    The step was committed: the session holds the state after it."""
+
+    def __init__(self, message: str, epoch: int, batch: int, step: int, loss: float) -> None:
+        super().__init__(message)
+        self.epoch, self.batch, self.step, self.loss = epoch, batch, step, loss
 
 
 # ------------------------------------------------------------------ metadata
@@ -244,17 +275,19 @@ class _Data:
         self.rows = len(next(iter(arrays.values()))) if arrays else None
         self._used = False
 
-    def num_batches(self, batch_size: int) -> int | None:
+    def num_batches(self, batch_size: int, drop_last: bool = False) -> int | None:
         if self.arrays is not None:
-            return math.ceil(self.rows / batch_size)
+            return self.rows // batch_size if drop_last else math.ceil(self.rows / batch_size)
         try:
             return len(self.iterable)  # type: ignore[arg-type]
         except TypeError:
             return None
 
-    def batches(self, batch_size: int, order: np.ndarray | None = None) -> Iterator[dict]:
+    def batches(self, batch_size: int, order: np.ndarray | None = None,
+                drop_last: bool = False) -> Iterator[dict]:
         if self.arrays is not None:
-            for begin in range(0, self.rows, batch_size):
+            end = self.rows - self.rows % batch_size if drop_last else self.rows
+            for begin in range(0, end, batch_size):
                 if order is None:
                     rows: Any = slice(begin, begin + batch_size)
                 else:
@@ -279,8 +312,20 @@ class _Data:
             yield dict(batch)
 
 
-def _as_data(sess: Any, spec: FitSpec, data: Any, caller: str, need_target: bool) -> _Data:
-    """Normalize ``(X, y)``, ``X``, a dict of feeds or an iterable of batch dicts."""
+def _as_data(sess: Any, spec: FitSpec, data: Any, caller: str, need_target: bool,
+             y: Any = None) -> _Data:
+    """Normalize ``X, y``, ``(X, y)``, ``X``, a dict of feeds or an iterable of batch dicts."""
+    if y is not None:
+        if isinstance(data, Mapping) and spec.target in data:
+            raise ValueError(f"{caller}: y is given twice (as y and as {spec.target!r} in x)")
+        if not isinstance(data, (np.ndarray, Mapping, tuple, list)) and not hasattr(data, "__array__"):
+            raise TypeError(f"{caller}: with y, x must be an array (or a dict/tuple of arrays), "
+                            f"not {type(data).__name__}")
+        data = (data if isinstance(data, (Mapping, tuple, list)) else np.asarray(data), y)
+        if isinstance(data[0], (tuple, list)) and len(spec.inputs) == 1:
+            data = (np.asarray(data[0]), y)
+    elif not isinstance(data, (np.ndarray, Mapping, tuple, list, str, bytes)) and hasattr(data, "__array__"):
+        data = np.asarray(data)
     if isinstance(data, Mapping):
         arrays = {k: np.asarray(v) for k, v in data.items()}
     elif isinstance(data, (tuple, list)) and len(data) == 2 and not isinstance(data[1], Mapping):
@@ -309,7 +354,59 @@ def _as_data(sess: Any, spec: FitSpec, data: Any, caller: str, need_target: bool
         )
     if next(iter(lengths.values())) == 0:
         raise ValueError(f"{caller}: the data is empty")
-    return _Data({k: _cast(sess, k, v, caller) for k, v in arrays.items()}, None)
+    arrays = {k: _cast(sess, k, v, caller) for k, v in arrays.items()}
+    if need_target and spec.target is not None and spec.target in arrays:
+        check_targets(sess, spec, arrays[spec.target], caller)
+    return _Data(arrays, None)
+
+
+def check_targets(sess: Any, spec: FitSpec, target: np.ndarray, caller: str) -> None:
+    """Check the target array against the loss before the first step.
+
+    Class-index losses (metadata ``onnxtrain.classes``: C, the class axis,
+    ignore_index): every label is in [0, C) or equals ignore_index, else a
+    ValueError naming the target, the value and C (onnxruntime would fail
+    deep inside with an out-of-range index, or a negative label would train
+    silently to nonsense).  Regression targets: a float dtype, and the rank
+    (and fixed dims) the model declares."""
+    meta = model_metadata(sess.model)
+    classes = meta.get("classes")
+    name = spec.target
+    if isinstance(classes, dict) and target.dtype.kind in "iu":
+        count, ignore = classes.get("count"), classes.get("ignore_index")
+        valid = target >= 0
+        if count is not None:
+            valid &= target < count
+        if ignore is not None:
+            valid |= target == ignore
+        if not valid.all():
+            bad = target[~valid].reshape(-1)
+            where = tuple(int(i) for i in np.argwhere(~valid)[0])
+            allowed = f"[0, {count})" if count is not None else ">= 0"
+            also = f" or ignore_index {ignore}" if ignore is not None else ""
+            raise ValueError(
+                f"{caller}: target {name!r} holds label {int(bad[0])} at index {list(where)} "
+                f"({bad.size} bad label(s)); labels must be in {allowed}{also} for C = {count} "
+                f"classes" + (" (labels 1..C? subtract 1)" if count is not None
+                              and int(target.max()) == count and int(target.min()) >= 1 else "")
+            )
+        return
+    vi = _find_value_info(sess, name)
+    if vi is None or spec.task != "regression":
+        return
+    expected = _np_dtype(vi)
+    if expected is not None and expected.kind == "f" and target.dtype.kind not in "f":
+        raise ValueError(f"{caller}: target {name!r} has dtype {target.dtype}; the regression "
+                         f"loss expects {expected}")
+    if vi.type.tensor_type.HasField("shape"):
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+        shape = target.shape
+        if len(dims) != len(shape) or any(d is not None and i > 0 and d != n
+                                          for i, (d, n) in enumerate(zip(dims, shape))):
+            shown = ["N" if d is None else d for d in dims]
+            hint = " (reshape y to (-1, 1)?)" if len(dims) == len(shape) + 1 and dims[-1] == 1 else ""
+            raise ValueError(f"{caller}: target {name!r} has shape {list(shape)}; the model "
+                             f"expects {shown}{hint}")
 
 
 def _input_arrays(spec: FitSpec, X: Any, caller: str) -> dict[str, np.ndarray]:
@@ -481,9 +578,12 @@ class History:
                 "History.plot needs matplotlib, which is not installed; "
                 "install it with: pip install 'onnxtrain[plot]'"
             ) from None
+        from matplotlib.ticker import MaxNLocator
+
         if ax is None:
-            _, ax = plt.subplots(figsize=(6, 3.5))
-        names = list(keys) if keys is not None else self.keys()
+            _, ax = plt.subplots(figsize=(6, 3.5), layout="constrained")
+        # lr has another scale: plotted only when asked for.
+        names = list(keys) if keys is not None else [k for k in self.keys() if k != "lr"]
         missing = [k for k in names if k not in self.history]
         if missing:
             raise KeyError(f"History.plot: no values for {missing}; available: {self.keys()}")
@@ -492,103 +592,76 @@ class History:
             style = "--" if name.startswith("val_") else "-"
             ax.plot(x, self.history[name], style, marker="o", markersize=3, label=name)
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
         ax.legend()
         ax.grid(alpha=0.3)
         return ax
 
 
 # ----------------------------------------------------------------- callbacks
-class Callback:
-    """Base class of fit callbacks (every hook optional; return True to stop).
-
-    ``on_batch_end(step, logs)``: after each batch; ``step`` counts batches
-    from 1 over the whole fit call; logs hold ``epoch``, ``batch`` (0-based in
-    the epoch), ``size`` (rows) and, when it was fetched, ``loss``.
-    ``on_epoch_end(epoch, logs)``: after each epoch (0-based), with the
-    epoch's values (``loss``, metrics, ``val_*``)."""
-
-    def on_batch_end(self, step: int, logs: dict[str, float]) -> bool | None:
-        return None
-
-    def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> bool | None:
-        return None
-
-
-class EarlyStopping(Callback):
-    """Stop when ``monitor`` has not improved for ``patience`` epochs.
-
-    >>> es = EarlyStopping("val_loss", patience=1)
-    >>> [es.on_epoch_end(e, {"val_loss": v}) for e, v in enumerate([1.0, 0.5, 0.6, 0.7])]
-    [False, False, False, True]
-    """
-
-    def __init__(self, monitor: str = "val_loss", patience: int = 3, mode: str = "min",
-                 min_delta: float = 0.0) -> None:
-        if mode not in ("min", "max"):
-            raise ValueError(f"EarlyStopping: mode must be 'min' or 'max', got {mode!r}")
-        self.monitor, self.patience, self.mode, self.min_delta = monitor, patience, mode, min_delta
-        self.best = math.inf if mode == "min" else -math.inf
-        self.wait = 0
-
-    def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> bool:
-        if self.monitor not in logs:
-            raise ValueError(f"EarlyStopping: no {self.monitor!r} in the epoch logs {sorted(logs)}")
-        value = logs[self.monitor]
-        better = (value < self.best - self.min_delta if self.mode == "min"
-                  else value > self.best + self.min_delta)
-        if better:
-            self.best, self.wait = value, 0
-            return False
-        self.wait += 1
-        return self.wait > self.patience
-
-
-class Checkpoint(Callback):
-    """Write the whole training model (a complete checkpoint) after every ``every`` epochs.
-
-    The file records the number of finished epochs in its metadata
-    (``onnxtrain.checkpoint``); ``checkpoint_epoch`` reads it back, so
-
-        sess = TrainingSession("ckpt.onnx")
-        sess.fit(data, epochs=10, initial_epoch=checkpoint_epoch(sess))
-
-    continues exactly where the interrupted run stood (same shuffles, same
-    algorithm cycle position)."""
-
-    def __init__(self, sess: Any, path: str | os.PathLike, every: int = 1) -> None:
-        if every < 1:
-            raise ValueError(f"Checkpoint: every must be >= 1, got {every!r}")
-        self.sess, self.path, self.every = sess, Path(path), every
-        self.written: list[Path] = []
-
-    def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> None:
-        if (epoch + 1) % self.every == 0:
-            self.written.append(write_checkpoint(self.sess, self.path, epoch + 1))
+# (Callback, EarlyStopping, TerminateOnNaN, CSVLogger, ModelCheckpoint and
+# Checkpoint live in onnxtrain.callbacks; they are re-exported here.)
 
 
 def write_checkpoint(sess: Any, path: str | os.PathLike, epochs_done: int) -> Path:
-    """Export the training model with ``onnxtrain.checkpoint = {"epoch": epochs_done}``."""
+    """Export the training model with its fit position at ``epochs_done`` finished epochs."""
     from .io import write_model
 
     model = sess.to_model(training=True)
-    set_metadata(model, "checkpoint", {"epoch": int(epochs_done)})
+    position = dict(sess.fit_position or {})
+    if position.get("epoch") != int(epochs_done):
+        position = {"epoch": int(epochs_done)}
+    write_position(model, position)
     return write_model(model, path)
 
 
-def checkpoint_epoch(model: Any) -> int:
-    """How many epochs a checkpoint written by ``Checkpoint`` had finished (0 if none).
+def read_position(model: onnx.ModelProto) -> dict[str, Any] | None:
+    """The fit position a checkpoint records (``onnxtrain.checkpoint``), or None.
 
-    ``model`` is a TrainingSession or a ModelProto."""
-    proto = model if isinstance(model, onnx.ModelProto) else model.model
-    info = model_metadata(proto).get("checkpoint")
+    ``{"epoch": epochs finished, "batch": batches done of the next epoch,
+    "step": steps done, "source": "checkpoint"}``; older checkpoints hold
+    only the epoch."""
+    info = model_metadata(model).get("checkpoint")
     if info is None:
-        return 0
-    if not isinstance(info, dict) or not isinstance(info.get("epoch"), int) or info["epoch"] < 0:
-        raise TrainingModelError(f"metadata onnxtrain.checkpoint: expected {{'epoch': N}}, got {info!r}")
-    return info["epoch"]
+        return None
+    ok = isinstance(info, dict) and all(
+        isinstance(info.get(k, 0), int) and not isinstance(info.get(k, 0), bool) and info.get(k, 0) >= 0
+        for k in ("epoch", "batch", "step")) and "epoch" in info
+    if not ok:
+        raise TrainingModelError(
+            f"metadata onnxtrain.checkpoint: expected {{'epoch': N, 'batch': B, 'step': S}}, got {info!r}")
+    return {"epoch": info["epoch"], "batch": info.get("batch", 0), "step": info.get("step"),
+            "source": "checkpoint"}
 
 
-def _call(callbacks: Sequence[Any], hook: str, index: int, logs: dict[str, float]) -> bool:
+def write_position(model: onnx.ModelProto, position: Mapping[str, Any] | None) -> None:
+    """Record ``position`` (see ``read_position``) in ``model``'s metadata; None removes it."""
+    if position is None:
+        kept = [(e.key, e.value) for e in model.metadata_props if e.key != CHECKPOINT_KEY]
+        del model.metadata_props[:]
+        for k, v in kept:
+            model.metadata_props.add(key=k, value=v)
+        return
+    value = {"epoch": int(position.get("epoch", 0))}
+    if position.get("batch"):
+        value["batch"] = int(position["batch"])
+    if position.get("step") is not None:
+        value["step"] = int(position["step"])
+    set_metadata(model, "checkpoint", value)
+
+
+def checkpoint_epoch(model: Any) -> int:
+    """How many epochs a checkpoint had finished (0 if it records none).
+
+    ``model`` is a TrainingSession, a ModelProto or a path."""
+    if isinstance(model, (str, os.PathLike)):
+        model = onnx.load(str(model), load_external_data=False)
+    proto = model if isinstance(model, onnx.ModelProto) else model.model
+    position = read_position(proto)
+    return 0 if position is None else position["epoch"]
+
+
+def _call(callbacks: Sequence[Any], hook: str, *args: Any) -> bool:
     """Run one hook of every callback; True if one asked to stop."""
     stop = False
     for cb in callbacks:
@@ -596,7 +669,7 @@ def _call(callbacks: Sequence[Any], hook: str, index: int, logs: dict[str, float
         if fn is None:
             continue
         try:
-            if fn(index, logs) is True:
+            if fn(*args) is True:
                 stop = True
         except StopTraining:
             stop = True
@@ -606,60 +679,84 @@ def _call(callbacks: Sequence[Any], hook: str, index: int, logs: dict[str, float
 # ---------------------------------------------------------------------- fit
 def fit(
     sess: Any,
-    data: Any,
+    x: Any,
+    y: Any = None,
+    *,
     epochs: int = 1,
     batch_size: int = 32,
+    validation_data: Any = None,
+    validation_split: float = 0.0,
     shuffle: bool = True,
     seed: int = 0,
-    validation_data: Any = None,
+    callbacks: Sequence[Any] | None = None,
     metrics: Any = None,
-    progress: bool = True,
-    callbacks: Sequence[Any] = (),
-    initial_epoch: int = 0,
+    initial_epoch: int | None = None,
+    progress: bool | str = True,
+    drop_last: bool | None = None,
     log_every: int = 1,
     cycle: Sequence[int | None] | None = None,
 ) -> History:
-    """Train ``sess`` on ``data``; returns a History of per-epoch loss and metrics.
+    """Train ``sess``; returns a History of per-epoch loss, metrics and lr.
 
-    - ``data``: ``(X, y)`` (X feeds ``onnxtrain.inputs``, y ``onnxtrain.target``;
-      X may be a dict or tuple for several inputs), a dict of feeds, or an
-      iterable of batch dicts (used as given: no batching, no shuffling).
-      Arrays are converted once to the declared dtype when the kind matches.
-    - Epochs run from ``initial_epoch`` to ``epochs - 1``.  With ``shuffle``, the
-      order of epoch e is a permutation drawn from ``(seed, e)``, so a run
-      resumed at ``initial_epoch=e`` sees the batches an uninterrupted run would.
+    - ``x, y``: arrays (Keras style; x feeds ``onnxtrain.inputs``, y
+      ``onnxtrain.target``; x may be a dict or tuple for several inputs), or
+      ``x`` alone as ``(X, y)``, a dict of feeds, or an iterable of batch
+      dicts (used as given: no batching, no shuffling).  Arrays are converted
+      once to the declared dtype when the kind matches, and class labels are
+      checked against the loss before the first step (``check_targets``).
+    - ``validation_split``: hold out that fraction of the rows (the last
+      ones, before shuffling, as Keras does) as ``validation_data``.
+    - Epochs run from ``initial_epoch`` to ``epochs - 1``.  ``initial_epoch=None``:
+      where the checkpoint the session was loaded from stood (its epoch, and
+      the batch within it), else 0; an explicit number starts at that epoch's
+      first batch.  With ``shuffle``, the order of epoch e is a permutation
+      drawn from ``(seed, e)``, so a resumed run sees the batches an
+      uninterrupted run would.
+    - ``drop_last``: skip the last partial batch of each epoch.  None: True
+      when the model's inputs have a fixed batch dimension (with a note),
+      else False.
     - Batch k of the run (counted from the start of epoch 0, so resuming keeps
       the position) runs algorithm ``cycle[k % len(cycle)]`` through
       ``train_step``; the cycle comes from ``onnxtrain.cycle`` metadata (e.g.
       ``[0, 0, 1]`` for gradient accumulation over 3 batches) or, without it,
       every algorithm in order on each batch.
     - The loss (and the prediction, for training metrics) is fetched on every
-      ``log_every``-th batch only; the epoch values average those batches.
-      ``log_every=0`` is the tight loop: ``train_step(fetch=False)`` throughout,
-      so no training loss in the bar, the callbacks' logs or the History
-      (validation values are still computed).
+      ``log_every``-th batch only; ``log_every=0`` never fetches it.
     - ``metrics``: names (``"accuracy"``, ``"mse"``, ``"mae"``) or callables
-      ``fn(y_true, y_pred) -> float`` (averaged over batches by rows); None is
-      accuracy for classification and nothing for regression.
-    - ``validation_data`` (any form ``evaluate`` takes) adds ``val_loss`` and
-      ``val_<metric>`` after each epoch, computed without touching the state.
-    - ``progress``: a tqdm bar per epoch with the running loss.
-    - ``callbacks``: objects with ``on_batch_end(step, logs)`` and/or
-      ``on_epoch_end(epoch, logs)``; returning True or raising StopTraining
-      stops training (after the batch: the partial epoch is still logged).
+      ``fn(y_true, y_pred) -> float``; None is accuracy for classification.
+    - ``progress``: a ``tqdm.auto`` bar per epoch (a widget in notebooks)
+      with the running loss and lr; ``"epoch"``: one plain line per epoch on
+      stderr; False: silent.
+    - ``callbacks``: see ``onnxtrain.callbacks`` (Keras hooks).
 
+    ``sess.fit_position`` is updated after every batch, so ``export(training=True)``
+    at any point (a callback, after Ctrl-C) records where the run stands.
     A failed step raises and leaves the state as the previous step left it.
-    """
+
+    A NaN or infinite training loss raises ``NonFiniteLossError`` naming
+    the epoch, batch and step, unless a ``TerminateOnNaN`` callback is
+    given: then fit stops there and returns.  Either way that step was
+    committed (only its returned loss is checked)."""
     caller = "fit"
-    epochs, batch_size, initial_epoch = int(epochs), int(batch_size), int(initial_epoch)
+    epochs, batch_size = int(epochs), int(batch_size)
     if batch_size < 1:
         raise ValueError(f"fit: batch_size must be >= 1, got {batch_size}")
-    if epochs < 0 or initial_epoch < 0:
-        raise ValueError(f"fit: epochs and initial_epoch must be >= 0, got {epochs}, {initial_epoch}")
+    if not 0.0 <= float(validation_split) < 1.0:
+        raise ValueError(f"fit: validation_split must be in [0, 1), got {validation_split!r}")
     if log_every < 0:
         raise ValueError(f"fit: log_every must be >= 0, got {log_every}")
     if sess.num_algorithms == 0:
         raise TrainingModelError("fit: the model has no training_info: there is nothing to train")
+    position = sess.fit_position
+    skip = 0
+    if initial_epoch is None:
+        if position is not None and position.get("source") == "checkpoint":
+            initial_epoch, skip = int(position["epoch"]), int(position.get("batch") or 0)
+        else:
+            initial_epoch = 0
+    initial_epoch = int(initial_epoch)
+    if epochs < 0 or initial_epoch < 0:
+        raise ValueError(f"fit: epochs and initial_epoch must be >= 0, got {epochs}, {initial_epoch}")
     spec = fit_spec(sess)
     if cycle is not None:
         cycle = tuple(cycle)
@@ -668,9 +765,23 @@ def fit(
             raise ValueError(f"fit: cycle must list algorithm indices in [0, {n}) or None, got {cycle!r}")
     else:
         cycle = spec.cycle
-    train = _as_data(sess, spec, data, caller, need_target=True)
+    callbacks = check_callbacks(callbacks)
+    train = _as_data(sess, spec, x, caller, need_target=True, y=y)
+    if validation_split:
+        if train.arrays is None:
+            raise ValueError("fit: validation_split needs arrays, not an iterable of batches")
+        if validation_data is not None:
+            raise ValueError("fit: give validation_data or validation_split, not both")
+        n_val = int(train.rows * float(validation_split))
+        if not 0 < n_val < train.rows:
+            raise ValueError(f"fit: validation_split={validation_split} of {train.rows} rows leaves "
+                             "an empty part")
+        cut = train.rows - n_val
+        validation = _Data({k: v[cut:] for k, v in train.arrays.items()}, None)
+        train = _Data({k: v[:cut] for k, v in train.arrays.items()}, None)
+    else:
+        validation = None
     metric_fns = _metric_fns(spec, metrics, caller)
-    validation = None
     if validation_data is not None:
         validation = _as_data(sess, spec, validation_data, "fit(validation_data)", need_target=True)
     if validation is not None and spec.loss is None:
@@ -678,76 +789,179 @@ def fit(
             "fit: validation needs the loss output, and the model names none (no "
             "onnxtrain.loss metadata, no output named 'loss')"
         )
-    per_epoch = train.num_batches(batch_size)
+    drop_last = _decide_drop_last(sess, spec, train, batch_size, drop_last)
+    for cb in callbacks:
+        for path in getattr(cb, "output_paths", lambda: [])():
+            check_writable(path, f"fit: {type(cb).__name__}")
+    for cb in callbacks:
+        if callable(getattr(cb, "set_session", None)):
+            cb.set_session(sess)
+    terminate_on_nan = any(isinstance(cb, TerminateOnNaN) for cb in callbacks)
+    lr_known = _has_learning_rate(sess)
+
+    per_epoch = train.num_batches(batch_size, drop_last)
     # The cycle position continues across epochs (and across a resume).
-    position = initial_epoch * per_epoch if per_epoch is not None else 0
-    batch_hooks = [cb for cb in callbacks if getattr(cb, "on_batch_end", None) is not None]
+    cycle_pos = initial_epoch * per_epoch + skip if per_epoch is not None else 0
+    done_steps = (position or {}).get("step") if skip or initial_epoch else 0
+    base_step = done_steps if isinstance(done_steps, int) else cycle_pos
+    hooks = {h: [cb for cb in callbacks if getattr(cb, h, None) is not None] for h in HOOKS}
 
     history = History()
     step = 0
-    stop = broke = False
-    for epoch in range(initial_epoch, epochs):
-        start = time.perf_counter()
-        order = None
-        if shuffle and train.arrays is not None:
-            order = np.random.default_rng((int(seed), epoch)).permutation(train.rows)
-        loss_mean = _Mean()
-        metric_means = {name: _Mean() for name in metric_fns}
-        bar = _progress_bar(progress, per_epoch, f"epoch {epoch + 1}/{epochs}")
-        try:
-            for i, batch in enumerate(train.batches(batch_size, order)):
-                algorithm = cycle[position % len(cycle)]
-                fetch = bool(log_every) and i % log_every == 0
-                out = sess.train_step(batch, algorithm=algorithm, fetch=fetch)
-                position += 1
-                step += 1
-                rows = _rows_of(batch)
-                logs: dict[str, float] = {"epoch": epoch, "batch": i, "size": rows}
-                if fetch and spec.loss in out:
-                    logs["loss"] = float(np.mean(out[spec.loss]))
-                    loss_mean.add(logs["loss"], rows)
-                    if spec.prediction in out and spec.target in batch:
-                        for name, fn in metric_fns.items():
-                            value, weight = fn(batch[spec.target], out[spec.prediction])
-                            metric_means[name].add(value, weight)
+    stop = broke = nan_stop = False
+    _call(hooks["on_train_begin"], "on_train_begin",
+          {"epochs": epochs, "initial_epoch": initial_epoch, "steps_per_epoch": per_epoch})
+    try:
+        for epoch in range(initial_epoch, epochs):
+            start = time.perf_counter()
+            order = None
+            if shuffle and train.arrays is not None:
+                order = np.random.default_rng((int(seed), epoch)).permutation(train.rows)
+            loss_mean = _Mean()
+            metric_means = {name: _Mean() for name in metric_fns}
+            if _call(hooks["on_epoch_begin"], "on_epoch_begin", epoch, {}):
+                history.stopped_early = True
+                break
+            first = skip if epoch == initial_epoch else 0
+            lr = sess.learning_rate if lr_known else None
+            bar = _progress_bar(progress, per_epoch, f"epoch {epoch + 1}/{epochs}", first)
+            try:
+                for i, batch in enumerate(train.batches(batch_size, order, drop_last)):
+                    if i < first:
+                        continue
+                    if train.arrays is None and spec.target in batch:
+                        check_targets(sess, spec, np.asarray(batch[spec.target]), caller)
+                    if _call(hooks["on_batch_begin"], "on_batch_begin", i, {"epoch": epoch, "batch": i}):
+                        stop = broke = True
+                        break
+                    algorithm = cycle[cycle_pos % len(cycle)]
+                    fetch = bool(log_every) and i % log_every == 0
+                    if lr_known:
+                        lr = sess.learning_rate
+                    out = sess.train_step(batch, algorithm=algorithm, fetch=fetch)
+                    cycle_pos += 1
+                    step += 1
+                    sess.fit_position = {"epoch": epoch, "batch": i + 1, "step": base_step + step,
+                                         "source": "fit"}
+                    rows = _rows_of(batch)
+                    logs: dict[str, Any] = {"epoch": epoch, "batch": i, "step": step, "size": rows}
+                    if lr is not None:
+                        logs["lr"] = lr
+                    if fetch and spec.loss in out:
+                        logs["loss"] = float(np.mean(out[spec.loss]))
+                        if not math.isfinite(logs["loss"]):
+                            if terminate_on_nan:
+                                _call(hooks["on_batch_end"], "on_batch_end", i, logs)
+                                stop = broke = nan_stop = True
+                                break
+                            raise NonFiniteLossError(
+                                f"fit: the training loss is {logs['loss']} at epoch {epoch + 1}, "
+                                f"batch {i + 1} (step {step} of this run); training stopped. The "
+                                "step was committed: the state holds the parameters after it",
+                                epoch, i, step, logs["loss"],
+                            )
+                        loss_mean.add(logs["loss"], rows)
+                        if spec.prediction in out and spec.target in batch:
+                            for name, fn in metric_fns.items():
+                                value, weight = fn(batch[spec.target], out[spec.prediction])
+                                metric_means[name].add(value, weight)
+                    if bar is not None:
+                        if "loss" in logs:
+                            post = {"loss": f"{loss_mean.result():.4f}"}
+                            if lr is not None:
+                                post["lr"] = f"{lr:.3g}"
+                            bar.set_postfix(post, refresh=False)
+                        bar.update(1)
+                    if hooks["on_batch_end"] and _call(hooks["on_batch_end"], "on_batch_end", i, logs):
+                        stop = broke = True
+                        break
+                epoch_logs: dict[str, float] = {}
+                if loss_mean.weight:
+                    epoch_logs["loss"] = loss_mean.result()
+                for name, mean in metric_means.items():
+                    if mean.weight:
+                        epoch_logs[name] = mean.result()
+                if validation is not None and not nan_stop:  # no validation of NaN weights
+                    val = _evaluate_data(sess, spec, validation, DEFAULT_EVAL_BATCH, metric_fns)
+                    epoch_logs.update({f"val_{k}": v for k, v in val.items()})
+                if lr is not None:
+                    epoch_logs["lr"] = lr
                 if bar is not None:
-                    if "loss" in logs:
-                        bar.set_postfix(loss=f"{loss_mean.result():.4f}", refresh=False)
-                    bar.update(1)
-                if batch_hooks and _call(batch_hooks, "on_batch_end", step, logs):
-                    stop = broke = True
-                    break
-            epoch_logs: dict[str, float] = {}
-            if loss_mean.weight:
-                epoch_logs["loss"] = loss_mean.result()
-            for name, mean in metric_means.items():
-                if mean.weight:
-                    epoch_logs[name] = mean.result()
-            if validation is not None:
-                val = _evaluate_data(sess, spec, validation, DEFAULT_EVAL_BATCH, metric_fns)
-                epoch_logs.update({f"val_{k}": v for k, v in val.items()})
-            if bar is not None:
-                bar.set_postfix({k: f"{v:.4f}" for k, v in epoch_logs.items()}, refresh=False)
-        finally:
-            if bar is not None:
-                bar.close()
-        history.append(epoch, epoch_logs, time.perf_counter() - start)
+                    bar.set_postfix({k: f"{v:.4g}" for k, v in epoch_logs.items()}, refresh=False)
+            finally:
+                if bar is not None:
+                    bar.close()
+            seconds = time.perf_counter() - start
+            history.append(epoch, epoch_logs, seconds)
+            history.steps = step
+            if not broke:
+                sess.fit_position = {"epoch": epoch + 1, "batch": 0, "step": base_step + step,
+                                     "source": "fit"}
+            if progress == "epoch":
+                print(epoch_line(epoch, epochs, epoch_logs, seconds), file=sys.stderr, flush=True)
+            if _call(hooks["on_epoch_end"], "on_epoch_end", epoch, dict(epoch_logs)):
+                stop = True
+            if stop:
+                history.stopped_early = broke or epoch + 1 < epochs
+                break
+    finally:
         history.steps = step
-        if _call(callbacks, "on_epoch_end", epoch, dict(epoch_logs)):
-            stop = True
-        if stop:
-            history.stopped_early = broke or epoch + 1 < epochs
-            break
+    _call(hooks["on_train_end"], "on_train_end", dict(history.last))
     return history
 
 
-def _progress_bar(progress: bool, total: int | None, desc: str) -> Any:
-    if not progress:
+def epoch_line(epoch: int, epochs: int, logs: Mapping[str, float], seconds: float) -> str:
+    """``epoch 3/10: loss 0.4123, accuracy 0.9, lr 0.001 (1.2 s)``: one line per epoch."""
+    values = ", ".join(f"{k} {v:.4g}" for k, v in logs.items())
+    return f"epoch {epoch + 1}/{epochs}: {values or 'done'} ({seconds:.1f} s)"
+
+
+def _has_learning_rate(sess: Any) -> bool:
+    try:
+        sess.learning_rate
+    except (TrainingModelError, AttributeError):
+        return False
+    return True
+
+
+def _fixed_batch(sess: Any, spec: FitSpec) -> int | None:
+    """The fixed first dimension of the data inputs, if they declare one."""
+    for name in spec.inputs:
+        vi = _find_value_info(sess, name)
+        if vi is None or not vi.type.tensor_type.HasField("shape"):
+            continue
+        dims = vi.type.tensor_type.shape.dim
+        if dims and dims[0].HasField("dim_value") and dims[0].dim_value > 0:
+            return int(dims[0].dim_value)
+    return None
+
+
+def _decide_drop_last(sess: Any, spec: FitSpec, train: _Data, batch_size: int,
+                      drop_last: bool | None) -> bool:
+    fixed = _fixed_batch(sess, spec)
+    if fixed is not None and train.arrays is not None and batch_size != fixed:
+        raise ValueError(f"fit: the model's inputs have a fixed batch dimension of {fixed}; "
+                         f"pass batch_size={fixed} (got {batch_size})")
+    if drop_last is None:
+        drop_last = fixed is not None
+        if drop_last and train.arrays is not None and train.rows % batch_size:
+            warnings.warn(
+                f"fit: the model has a fixed batch size of {fixed}, so the last "
+                f"{train.rows % batch_size} row(s) of each epoch (a partial batch) are skipped "
+                "(drop_last=True); pass drop_last=False to keep them", UserWarning, stacklevel=3)
+    if drop_last and train.arrays is not None and train.rows < batch_size:
+        raise ValueError(f"fit: drop_last with {train.rows} rows and batch_size {batch_size} "
+                         "leaves no batch")
+    return bool(drop_last)
+
+
+def _progress_bar(progress: bool | str, total: int | None, desc: str, initial: int = 0) -> Any:
+    if progress is not True:
         return None
-    from tqdm import tqdm  # only the fit loop (and the CLI) use tqdm
+    from tqdm.auto import tqdm  # a widget in notebooks (ipywidgets), text elsewhere
 
     return tqdm(total=total, desc=desc, unit="batch", file=sys.stderr, leave=True,
-                dynamic_ncols=True, mininterval=0.2)
+                dynamic_ncols=True, mininterval=0.2, initial=initial)
 
 
 def _rows_of(batch: Mapping[str, Any]) -> int:
@@ -760,7 +974,7 @@ def _rows_of(batch: Mapping[str, Any]) -> int:
 
 # ------------------------------------------------------------------ evaluate
 def evaluate(
-    sess: Any, data: Any, batch_size: int = DEFAULT_EVAL_BATCH, metrics: Any = None
+    sess: Any, x: Any, y: Any = None, *, batch_size: int = DEFAULT_EVAL_BATCH, metrics: Any = None
 ) -> dict[str, float]:
     """The loss and metrics over ``data`` at the current state, which stays unchanged.
 
@@ -775,7 +989,7 @@ def evaluate(
             "evaluate: cannot tell which output is the loss (no onnxtrain.loss metadata, "
             "no output named 'loss')"
         )
-    data_ = _as_data(sess, spec, data, "evaluate", need_target=True)
+    data_ = _as_data(sess, spec, x, "evaluate", need_target=True, y=y)
     return _evaluate_data(sess, spec, data_, int(batch_size), _metric_fns(spec, metrics, "evaluate"))
 
 
@@ -786,7 +1000,18 @@ def _evaluate_data(sess: Any, spec: FitSpec, data: _Data, batch_size: int,
     names = [n for n in (spec.loss, spec.prediction) if n is not None]
     loss_mean = _Mean()
     metric_means = {name: _Mean() for name in metric_fns}
-    for batch in data.batches(batch_size):
+    fixed = _fixed_batch(sess, spec) if data.arrays is not None else None
+    if fixed is not None:
+        # A fixed batch dimension: whole batches only (a padded batch would
+        # count its padding in the loss); the rest is skipped with a note.
+        batch_size = fixed
+        if data.rows < fixed:
+            raise ValueError(f"evaluate: the model has a fixed batch size of {fixed}, and the data "
+                             f"has only {data.rows} rows")
+        if data.rows % fixed:
+            warnings.warn(f"evaluate: the model has a fixed batch size of {fixed}; the last "
+                          f"{data.rows % fixed} row(s) are not evaluated", UserWarning, stacklevel=3)
+    for batch in data.batches(batch_size, drop_last=fixed is not None):
         sess._check_names(batch, "evaluate")
         feeds = sess._user_feeds(program, batch, False, "evaluate")
         with sess._store.snapshot(program.state_inputs) as snap:
@@ -848,28 +1073,38 @@ def _loss_program(sess: Any, spec: FitSpec) -> Any:
 
 # ------------------------------------------------------------------- predict
 def predict(
-    sess: Any, data: Any, batch_size: int = DEFAULT_EVAL_BATCH, outputs: Any = None
+    sess: Any, x: Any, *, batch_size: int = DEFAULT_EVAL_BATCH, outputs: Any = None
 ) -> Any:
     """Run the main graph batch by batch and concatenate along the first axis.
 
-    ``data``: X, (X, y) (y ignored), a dict of feeds or an iterable of batch
+    ``x``: X, (X, y) (y ignored), a dict of feeds or an iterable of batch
     dicts.  Returns the prediction output (``onnxtrain.prediction``, else the
     first main-graph output) as one array, or a dict when ``outputs`` lists
     names."""
     if int(batch_size) < 1:
         raise ValueError(f"predict: batch_size must be >= 1, got {batch_size}")
     spec = fit_spec(sess)
-    data_ = _as_data(sess, spec, data, "predict", need_target=False)
+    data_ = _as_data(sess, spec, x, "predict", need_target=False)
     single = outputs is None
     names = [spec.prediction] if single else ([outputs] if isinstance(outputs, str) else list(outputs))
     if names == [None]:
         raise ValueError("predict: the main graph has no outputs")
     targets = _algo_only(sess)
     parts: dict[str, list[np.ndarray]] = {n: [] for n in names}
+    fixed = _fixed_batch(sess, spec) if data_.arrays is not None else None
+    if fixed is not None:
+        batch_size = fixed
     for batch in data_.batches(int(batch_size)):
+        rows = _rows_of(batch)
+        if fixed is not None and rows < fixed:
+            # A fixed batch dimension: pad the last batch by repeating its last
+            # row, and keep only the real rows' predictions (rows are independent).
+            batch = {k: np.concatenate([v, np.repeat(v[-1:], fixed - rows, axis=0)])
+                     for k, v in batch.items()}
         out = sess.run({k: v for k, v in batch.items() if k not in targets}, names)
         for n in names:
-            parts[n].append(out[n])
+            value = out[n]
+            parts[n].append(value[:rows] if fixed is not None and np.ndim(value) else value)
     if not parts[names[0]]:
         raise ValueError("predict: the data is empty")
     result = {n: np.concatenate(v, axis=0) if v[0].ndim else np.stack(v) for n, v in parts.items()}
@@ -918,6 +1153,10 @@ def load_npz(path: str | os.PathLike, sess: Any | None = None) -> Any:
     raise ValueError(f"{path}: expected {wanted}, found {sorted(arrays)}")
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during ``train_files``; the message says what the checkpoint holds."""
+
+
 @dataclass
 class TrainResult:
     """What ``train_files`` did."""
@@ -940,7 +1179,9 @@ def train_files(
     resume: str | os.PathLike | None = None,
     validation_data: str | os.PathLike | None = None,
     seed: int = 0,
-    progress: bool = True,
+    progress: bool | str = True,
+    callbacks: Sequence[Any] = (),
+    terminate_on_nan: bool = True,
 ) -> TrainResult:
     """``onnxtrain train``: fit a training model file on an .npz file.
 
@@ -948,13 +1189,23 @@ def train_files(
     metadata records the finished epochs); training goes on from there up to
     ``epochs``, exactly as if it had never stopped, provided ``data``,
     ``batch_size`` and ``seed`` are the same.  The checkpoint must hold the
-    state variables of ``model``.  ``output``: the trained inference model."""
+    state variables of ``model``.  ``output``: the trained inference model.
+
+    Every output path is checked before the first step.  ``terminate_on_nan``
+    (on, as in the CLI): a NaN/Inf loss stops the run through ``TerminateOnNaN``
+    and raises ``NonFiniteLossError`` afterwards, with the checkpoint of the last
+    finished epoch left as it was and no output written.  Ctrl-C raises
+    ``TrainingInterrupted`` naming the epoch the checkpoint holds."""
     from .model import load, validate
     from .session import TrainingSession
 
     start = time.perf_counter()
     if int(epochs) < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
+    if output is not None:
+        check_writable(output, "-o")
+    if checkpoint is not None:
+        check_writable(checkpoint, "--checkpoint")
     if resume is not None:
         base = validate(*load(model))
         sess = TrainingSession(resume)
@@ -970,14 +1221,36 @@ def train_files(
         )
     train = load_npz(data, sess)
     val = load_npz(validation_data, sess) if validation_data is not None else None
-    callbacks = [Checkpoint(sess, checkpoint)] if checkpoint is not None else []
-    history = fit(sess, train, epochs=int(epochs), batch_size=int(batch_size), seed=int(seed),
-                  validation_data=val, progress=progress, callbacks=callbacks,
-                  initial_epoch=min(initial, int(epochs)))
+    saver = ModelCheckpoint(checkpoint) if checkpoint is not None else None
+    nan_stop = TerminateOnNaN() if terminate_on_nan else None
+    all_callbacks = [cb for cb in (saver, nan_stop) if cb is not None] + list(callbacks)
+    try:
+        history = fit(sess, train, epochs=int(epochs), batch_size=int(batch_size), seed=int(seed),
+                      validation_data=val, progress=progress, callbacks=all_callbacks,
+                      # A resumed run continues where the checkpoint stood (mid-epoch too).
+                      initial_epoch=(None if resume is not None and initial <= int(epochs)
+                                     else min(initial, int(epochs))))
+    except KeyboardInterrupt:
+        at = sess.fit_position or {}
+        where = f" during epoch {at.get('epoch', initial) + 1}" if at.get("batch") else ""
+        if saver is not None:
+            saved = (f"the checkpoint {saver.written[-1]} holds epoch {checkpoint_epoch(saver.written[-1])}"
+                     if saver.written else
+                     f"no checkpoint was written ({checkpoint} still holds what it held)")
+        else:
+            saved = "nothing was saved (use --checkpoint to keep finished epochs)"
+        raise TrainingInterrupted(f"interrupted{where}: {saved}") from None
+    if nan_stop is not None and nan_stop.terminated is not None:
+        e, b, st, value = nan_stop.terminated
+        kept = (f"; the checkpoint {saver.written[-1]} holds epoch {checkpoint_epoch(saver.written[-1])}"
+                if saver is not None and saver.written else "")
+        raise NonFiniteLossError(
+            f"the training loss is {value} at epoch {e + 1}, batch {b + 1} (step {st} of this "
+            f"run); training stopped (TerminateOnNaN), nothing written{kept}", e, b, st, value)
     written_ckpt = None
-    if checkpoint is not None:
-        if callbacks[0].written:
-            written_ckpt = callbacks[0].written[-1]
+    if saver is not None:
+        if saver.written:
+            written_ckpt = saver.written[-1]
         else:  # no epoch ran (the checkpoint was that far already): write it all the same
             written_ckpt = write_checkpoint(sess, checkpoint, initial)
     out = sess.export(output) if output is not None else None

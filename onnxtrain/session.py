@@ -13,8 +13,10 @@ value of the wrong type, KeyboardInterrupt) leaves the state as it was.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -133,6 +135,13 @@ class TrainingSession:
         for p in self._algorithms:
             self._input_names |= set(p.feeds) | set(p.optional_feeds)
         self._known_names = frozenset(self._input_names | set(tm.state))
+        from .fit import read_position
+
+        #: Where the fit loop stands: {"epoch": epochs done, "batch": batches done
+        #: in the next epoch, "step": steps done, "source": "checkpoint" | "fit"}
+        #: or None.  Read from a checkpoint's metadata, kept up to date by ``fit``
+        #: and written back by ``export(training=True)``.
+        self.fit_position: dict[str, Any] | None = read_position(tm.proto)
 
     # ------------------------------------------------------------ properties
     @property
@@ -173,26 +182,106 @@ class TrainingSession:
         return session_html(self)
 
     # ------------------------------------------------------------- training loop
-    def fit(self, data: Any, **kwargs: Any) -> Any:
-        """Train over ``data`` for some epochs with a progress bar; returns a History.
+    def fit(
+        self,
+        x: Any,
+        y: Any = None,
+        *,
+        epochs: int = 1,
+        batch_size: int = 32,
+        validation_data: Any = None,
+        validation_split: float = 0.0,
+        shuffle: bool = True,
+        seed: int = 0,
+        callbacks: Sequence[Any] | None = None,
+        metrics: Any = None,
+        initial_epoch: int | None = None,
+        progress: bool | str = True,
+        drop_last: bool | None = None,
+        log_every: int = 1,
+        cycle: Sequence[int | None] | None = None,
+    ) -> Any:
+        """Train for some epochs, Keras style: ``sess.fit(X, y, epochs=5)``; returns a History.
 
-        See ``onnxtrain.fit.fit`` for the arguments (epochs, batch_size, shuffle,
-        seed, validation_data, metrics, progress, callbacks)."""
+        ``x`` may also be ``(X, y)``, a dict of feeds or an iterable of batch
+        dicts (then ``y`` stays None).  See ``onnxtrain.fit.fit`` and docs/fit.md."""
         from .fit import fit
 
-        return fit(self, data, **kwargs)
+        return fit(self, x, y, epochs=epochs, batch_size=batch_size,
+                   validation_data=validation_data, validation_split=validation_split,
+                   shuffle=shuffle, seed=seed, callbacks=callbacks, metrics=metrics,
+                   initial_epoch=initial_epoch, progress=progress, drop_last=drop_last,
+                   log_every=log_every, cycle=cycle)
 
-    def evaluate(self, data: Any, **kwargs: Any) -> dict[str, float]:
-        """Loss and metrics over ``data`` without changing state (``onnxtrain.fit.evaluate``)."""
+    def evaluate(
+        self, x: Any, y: Any = None, *, batch_size: int = 256, metrics: Any = None
+    ) -> dict[str, float]:
+        """Loss and metrics over ``x`` (and ``y``) without changing state (``onnxtrain.fit.evaluate``)."""
         from .fit import evaluate
 
-        return evaluate(self, data, **kwargs)
+        return evaluate(self, x, y, batch_size=batch_size, metrics=metrics)
 
-    def predict(self, data: Any, **kwargs: Any) -> Any:
+    def predict(
+        self, x: Any, *, batch_size: int = 256, outputs: str | Sequence[str] | None = None
+    ) -> Any:
         """Run the main graph batch by batch (``onnxtrain.fit.predict``)."""
         from .fit import predict
 
-        return predict(self, data, **kwargs)
+        return predict(self, x, batch_size=batch_size, outputs=outputs)
+
+    # ------------------------------------------------------------- learning rate
+    def _setting_state(self, key: str, what: str) -> str:
+        """The state variable that metadata ``onnxtrain.<key>`` names (a
+        setting the builder keeps as state), or a TrainingModelError."""
+        from .fit import model_metadata
+
+        info = model_metadata(self.model).get(key)
+        name = info.get("state") if isinstance(info, dict) else None
+        if not name or name not in self._model.state:
+            raise TrainingModelError(
+                f"{key}: the model has no {what} state variable (only models made by "
+                f"onnxtrain.build record one, in metadata onnxtrain.{key}"
+                + ("; build with clip_grad_norm=... to clip" if key == "clip_grad_norm" else
+                   "; rebuild older ones with onnxtrain.build.training_model") + ")"
+            )
+        return name
+
+    def _set_setting(self, key: str, what: str, value: float, positive: bool) -> None:
+        name = self._setting_state(key, what)
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+            raise TypeError(f"{key} must be a number, got {type(value).__name__}")
+        bad = float(value) <= 0 if positive else float(value) < 0
+        if not math.isfinite(float(value)) or bad:
+            raise ValueError(f"{key} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+        self.load_state({name: np.asarray(float(value), dtype=self._model.state[name].dtype)})
+
+    def _lr_state(self) -> str:
+        return self._setting_state("learning_rate", "learning-rate")
+
+    @property
+    def learning_rate(self) -> float:
+        """The base learning rate (a schedule scales it), read from its state variable.
+
+        Setting it changes the next step and every later one, nothing is
+        rebuilt; the value is state, so it is saved in a checkpoint and
+        ``initialize()`` resets it to the rate the model was built with."""
+        return float(self.state[self._lr_state()])
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        self._set_setting("learning_rate", "learning-rate", value, positive=False)
+
+    @property
+    def clip_grad_norm(self) -> float:
+        """The global-norm clipping threshold of a model built with
+        ``clip_grad_norm=c``, read from its state variable; setting it works
+        like ``learning_rate`` (the next step, nothing rebuilt, checkpointed,
+        reset by ``initialize()``)."""
+        return float(self.state[self._setting_state("clip_grad_norm", "clipping-threshold")])
+
+    @clip_grad_norm.setter
+    def clip_grad_norm(self, value: float) -> None:
+        self._set_setting("clip_grad_norm", "clipping-threshold", value, positive=True)
 
     # ------------------------------------------------------------- introspection
     @property
@@ -479,7 +568,18 @@ class TrainingSession:
         return outputs
 
     def initialize(self) -> None:
-        """Run every initialization graph in order and apply its initialization_binding."""
+        """Run every initialization graph in order and apply its initialization_binding.
+
+        On a session loaded from a checkpoint (or trained by ``fit``) this
+        discards the training done so far, so it warns."""
+        position = self.fit_position
+        if position is not None and position.get("source") == "checkpoint":
+            warnings.warn(
+                f"initialize() resets the training state of a checkpoint that had finished "
+                f"{position.get('epoch', 0)} epoch(s); a following fit starts at epoch 0",
+                UserWarning, stacklevel=2,
+            )
+        self.fit_position = None
         with self._lock:
             pending: dict[str, Any] = {}
             for program in self._initializations:
@@ -546,10 +646,19 @@ class TrainingSession:
             del keep.training_info[:]
             out = keep
         _write_state(out.graph, state)
+        from .fit import write_position
+
+        # The fit position: where training stands (none for an inference model).
+        write_position(out, self.fit_position if training else None)
         if training:
             for ti in out.training_info:
                 _write_state(ti.algorithm, state)
         else:
+            from .build import lora
+
+            if lora.info_of(out) is not None:
+                # LoRA: the original graph with W + (alpha/r)·A·B in each target.
+                out = lora.merge(out)
             _drop_unused_initializers(out.graph)
             if not uses_preview_ops(out.graph):
                 imports = [o for o in out.opset_import if o.domain != PREVIEW_DOMAIN]

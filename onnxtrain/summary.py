@@ -20,20 +20,20 @@ TrainingSession: 1 algorithm, 13 state variables (4 trainable, 23 parameters)
   outputs:  logits: float32[N, 2]
   training_info[0]: feeds X, label -> returns logits, loss; updates 13 variables; initialization sets 13
   state variables:
-    name  dtype    shape   role
-    W1    float32  [4, 3]  trainable
-    b1    float32  [3]     trainable
-    W2    float32  [3, 2]  trainable
-    b2    float32  [2]     trainable
-    W1_V  float32  [4, 3]  optimizer
-    b1_V  float32  [3]     optimizer
-    W2_V  float32  [3, 2]  optimizer
-    b2_V  float32  [2]     optimizer
-    W1_H  float32  [4, 3]  optimizer
-    b1_H  float32  [3]     optimizer
-    W2_H  float32  [3, 2]  optimizer
-    b2_H  float32  [2]     optimizer
-    step  int64    []      optimizer
+    name       dtype    shape   role
+    W1         float32  [4, 3]  trainable
+    b1         float32  [3]     trainable
+    W2         float32  [3, 2]  trainable
+    b2         float32  [2]     trainable
+    W1.adam_m  float32  [4, 3]  optimizer
+    b1.adam_m  float32  [3]     optimizer
+    W2.adam_m  float32  [3, 2]  optimizer
+    b2.adam_m  float32  [2]     optimizer
+    W1.adam_v  float32  [4, 3]  optimizer
+    b1.adam_v  float32  [3]     optimizer
+    W2.adam_v  float32  [3, 2]  optimizer
+    b2.adam_v  float32  [2]     optimizer
+    step       int64    []      optimizer
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-__all__ = ["session_text", "session_html", "state_rows", "algorithm_rows", "describe_value", "model_text"]
+__all__ = ["session_text", "session_html", "state_rows", "algorithm_rows", "describe_value", "model_text",
+           "parameter_text"]
 
 PREVIEW_DOMAIN = "ai.onnx.preview.training"
 ROLES = ("trainable", "state", "optimizer")
@@ -324,4 +325,47 @@ def model_text(model: Any) -> str:
     if meta:
         lines.append("metadata:")
         lines += [f"  {k} = {v}" for k, v in meta]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------ builder's choice
+def parameter_text(model: Any, indent: str = "  ") -> str:
+    """What ``build.training_model(trainable=None)`` would train in an inference
+    model: one row per floating-point initializer, "train" or "constant" with
+    a one-word reason (``build.parameter_choices`` states the rule), and a
+    note under each doubtful choice.
+
+    >>> from onnx import TensorProto, helper, numpy_helper
+    >>> g = helper.make_graph(
+    ...     [helper.make_node("MatMul", ["X", "W"], ["h"]), helper.make_node("Pow", ["h", "p"], ["Y"])],
+    ...     "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 2])],
+    ...     [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 2])],
+    ...     [numpy_helper.from_array(np.ones((2, 2), np.float32), "W"),
+    ...      numpy_helper.from_array(np.array(3.0, np.float32), "p")])
+    >>> print(parameter_text(helper.make_model(g)))
+    builder's default (trainable=None): 1 trained (4 parameters), 1 constant
+      name  dtype    shape   choice    reason
+      W     float32  [2, 2]  train     weight
+      p     float32  []      constant  scalar
+    """
+    from .build.parameters import parameter_choices
+    from .model import load
+
+    proto, _ = load(model)
+    inits = {t.name: t for t in proto.graph.initializer}
+    choices = parameter_choices(proto.graph)
+    trained = [c for c in choices if c.trainable]
+    size = sum(math.prod(inits[c.name].dims) for c in trained)
+    lines = [f"builder's default (trainable=None): {len(trained)} trained ({size:,} parameters), "
+             f"{_plural(len(choices) - len(trained), 'constant')}"]
+    rows = []
+    for c in choices:
+        t = inits[c.name]
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).name
+        rows.append((c.name, dtype, str(list(t.dims)), "train" if c.trainable else "constant",
+                     c.reason + (" (doubtful)" if c.doubt else "")))
+    lines += _table(("name", "dtype", "shape", "choice", "reason"), rows, indent)
+    for c in choices:
+        if c.doubt:
+            lines.append(f"{indent}note: {c.name}: {c.doubt}")
     return "\n".join(lines)

@@ -415,7 +415,7 @@ def scalar_model():
 def applied_factors(schedule, steps, lr=0.5):
     """The learning rate of each step, read off w under plain SGD with gradient 1."""
     tm = build.training_model(scalar_model(), loss=lambda e, p, t: e.reduce_sum(p, None, keepdims=False),
-                              optimizer=build.SGD(lr=lr), schedule=schedule)
+                              optimizer=build.SGD(lr=lr), schedule=schedule, trainable=["w"])
     sess = TrainingSession(tm)
     ws = [0.0]
     for _ in range(steps):
@@ -711,8 +711,10 @@ def test_metadata_for_the_fit_loop():
         "onnxtrain.optimizer_state": ["W1.adam_m", "W1.adam_v", "b1.adam_m", "b1.adam_v", "W2.adam_m",
                                       "W2.adam_v", "b2.adam_m", "b2.adam_v", "step", "W1.grad_accum",
                                       "b1.grad_accum", "W2.grad_accum", "b2.grad_accum", "accum.count",
-                                      "accum.step"],
+                                      "accum.step", "lr"],
         "onnxtrain.train_prediction": {},
+        "onnxtrain.learning_rate": {"state": "lr", "base": 0.01},
+        "onnxtrain.classes": {"count": 3, "axis": 1, "ignore_index": -100},
     }
     for i, ti in enumerate(tm.training_info):
         assert meta["onnxtrain.loss"] in {o.name for o in ti.algorithm.output}
@@ -728,8 +730,14 @@ def test_model_from_path(tmp_path):
     path = tmp_path / "mlp.onnx"
     onnx.save(mlp(), path)
     tm = build.training_model(str(path), optimizer=build.SGD(0.1))
+    direct = build.training_model(mlp(), optimizer=build.SGD(0.1))
+    assert tm.SerializeToString() == direct.SerializeToString()  # the same model as from memory
     x, labels = blobs()
-    TrainingSession(tm).train_step({"X": x, "target": labels})
+    sess = TrainingSession(tm)
+    before = dict(sess.state.items())
+    out = sess.train_step({"X": x, "target": labels})
+    assert np.isfinite(out["loss"]) and int(sess.state["step"]) == 1
+    assert not np.array_equal(before["W1"], sess.state["W1"])  # the step trained the weights
 
 
 def test_checkpoint_resumes_and_inference_export_runs(tmp_path):
@@ -788,7 +796,6 @@ def no_float_model():
     (lambda: build.training_model(mlp(batch_norm=True), trainable=["bn_mean"]), ValueError, "BatchNormalization"),
     (lambda: build.training_model(mlp(), output="probs"), ValueError, "'probs' is not an output"),
     (lambda: build.training_model(mlp(), target="X"), ValueError, "target name 'X' is already used"),
-    (lambda: build.training_model(mlp(opset=12)), ValueError, "opset >= 13"),
     (lambda: build.training_model(mlp(), accumulate=0), ValueError, "accumulate must be an integer >= 1"),
     (lambda: build.training_model(mlp(), clip_grad_norm=-1), ValueError, "clip_grad_norm"),
     (lambda: build.training_model(mlp(), optimizer="adam"), TypeError, "optimizer must be"),
@@ -832,3 +839,16 @@ def test_inference_export_of_an_accumulating_model_drops_training_only_initializ
     used = {i for n in exported.graph.node for i in n.input}
     assert all(t.name in used for t in exported.graph.initializer)
     onnx.checker.check_model(exported, full_check=True)
+
+
+def test_old_opset_model_is_upgraded_by_the_builder():
+    """An opset-12 model is upgraded to 13 by the builder (checked against the
+    original's outputs) instead of being refused."""
+    tm = build.training_model(mlp(opset=12), loss="cross_entropy")
+    assert max(o.version for o in tm.opset_import if o.domain in ("", "ai.onnx")) == 13
+    sess = TrainingSession(tm)
+    sess.initialize()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 4)).astype(np.float32)
+    y = rng.integers(0, 3, 8).astype(np.int64)
+    assert np.isfinite(float(sess.train_step({"X": x, "target": y})["loss"]))

@@ -185,7 +185,7 @@ def test_train_shows_progress_and_writes_an_inference_model(capsys, files, tmp_p
         (logits,) = plain.run(["logits"], {"X": test["X"]})
         accuracy = np.mean(logits.argmax(1) == test["y"])
     assert accuracy > 0.8
-    reported = float(lines[2].split("val_accuracy ")[1])
+    reported = float(lines[2].split("val_accuracy ")[1].split(",")[0])
     assert accuracy == pytest.approx(reported, abs=1e-4)
 
 
@@ -308,5 +308,28 @@ def test_checkpoint_metadata_is_json(files, tmp_path, capsys):
                  "--epochs", "1", "-o", str(tmp_path / "t.onnx"), "--checkpoint", str(ckpt),
                  "--no-progress"]) == 0
     props = {p.key: p.value for p in onnx.load(str(ckpt)).metadata_props}
-    assert json.loads(props["onnxtrain.checkpoint"]) == {"epoch": 1}
+    assert json.loads(props["onnxtrain.checkpoint"]) == {"epoch": 1, "step": 4}  # the fit position
     assert json.loads(props["onnxtrain.target"]) == "label"
+
+
+def test_train_stops_on_a_nan_loss(capsys, tmp_path):
+    """y = log(X w): a negative X makes the loss NaN at the first step; one error line, exit 1."""
+    from onnxtrain import build
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["X", "w"], ["z"]), helper.make_node("Log", ["z"], ["y"])],
+        "log_linear",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 1])],
+        [numpy_helper.from_array(np.ones((2, 1), np.float32), "w")],
+    )
+    tm = build.training_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+                              loss="mse")
+    onnx.save(tm, str(tmp_path / "log.onnx"))
+    data = npz_with(tmp_path / "neg.npz", X=-np.ones((8, 2), np.float32), y=np.zeros((8, 1), np.float32))
+    out = tmp_path / "out.onnx"
+    code, stdout, err = run_cli(capsys, "train", tmp_path / "log.onnx", "--data", data, "--epochs", 2,
+                                "--batch-size", 4, "-o", out, "--no-progress")
+    assert code == 1, (stdout, err)
+    assert_one_line_error(err, "training loss is nan", "epoch 1, batch 1 (step 1")
+    assert not out.exists()

@@ -82,14 +82,14 @@ def test_load_digits_shapes_and_ranges():
 def test_train_test_split_partitions_rows():
     X = np.arange(100).reshape(50, 2)
     y = np.arange(50)
-    X_tr, X_te, y_tr, y_te = train_test_split(X, y, test_fraction=0.2, seed=3)
+    X_tr, X_te, y_tr, y_te = train_test_split(X, y, test_size=0.2, seed=3)
     assert len(X_te) == 10 and len(X_tr) == 40
     assert sorted(np.concatenate([y_tr, y_te]).tolist()) == list(range(50))
     np.testing.assert_array_equal(X_tr[:, 0] // 2, y_tr)  # rows stay paired with labels
-    again = train_test_split(X, y, test_fraction=0.2, seed=3)
+    again = train_test_split(X, y, test_size=0.2, seed=3)
     np.testing.assert_array_equal(again[3], y_te)
-    with pytest.raises(ValueError, match="test_fraction"):
-        train_test_split(X, y, test_fraction=1.0)
+    with pytest.raises(ValueError, match="test_size"):
+        train_test_split(X, y, test_size=1.0)
     with pytest.raises(ValueError, match="rows"):
         train_test_split(X, y[:-1])
 
@@ -106,7 +106,7 @@ def test_build_classifier_is_a_valid_standard_model():
     ops = [n.op_type for n in info.algorithm.node]
     assert ops[:2] == ["SoftmaxCrossEntropyLoss", "Gradient"] and "Adam" in ops
     sess = TrainingSession(model)
-    expected = set(PARAMS) | {f"{p}_{k}" for p in PARAMS for k in "VH"} | {"step"}
+    expected = set(PARAMS) | {f"{p}.{k}" for p in PARAMS for k in ("adam_m", "adam_v")} | {"step"}
     assert set(sess.state) == expected
     assert {b.key for b in info.initialization_binding} == expected
     assert sess.state["step"].dtype == np.int64
@@ -208,7 +208,7 @@ def test_cli_inspect(capsys, classifier_path):
                      "X: float32[N, 64]", "logits: float32[N, 10]", "training_info: 1",
                      "label: int64[N]", "W1 <- W1_new", "step <- step_new",
                      "W1 <- W1_init", "state variables: 13", "W1: float32[64, 16]",
-                     "W2_H: float32[16, 10]", "step: int64[]", "validation: OK"]:
+                     "W2.adam_v: float32[16, 10]", "step: int64[]", "validation: OK"]:
         assert expected in out, expected
 
 

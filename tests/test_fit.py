@@ -38,7 +38,7 @@ def with_metadata(model: onnx.ModelProto, **entries) -> onnx.ModelProto:
 @pytest.fixture(scope="module")
 def digits():
     X, y = load_digits()
-    return train_test_split(X, y, test_fraction=0.2, seed=0)
+    return train_test_split(X, y, test_size=0.2, seed=0)
 
 
 def small_mlp(**kw) -> TrainingSession:
@@ -302,8 +302,8 @@ def test_callbacks_see_batches_and_epochs(digits):
     seen = []
 
     class Recorder(Callback):
-        def on_batch_end(self, step, logs):
-            seen.append(("batch", step, logs["epoch"], logs["batch"], logs["size"]))
+        def on_batch_end(self, batch, logs):  # Keras: batch index within the epoch
+            seen.append(("batch", logs["step"], logs["epoch"], batch, logs["size"]))
             assert logs["loss"] > 0
 
         def on_epoch_end(self, epoch, logs):
@@ -324,8 +324,8 @@ def test_batch_callback_returning_true_stops_after_that_batch(digits):
     sess = small_mlp()
 
     class StopAt(Callback):
-        def on_batch_end(self, step, logs):
-            return step == 3
+        def on_batch_end(self, batch, logs):
+            return logs["step"] == 3
 
     history = sess.fit((X_train[:256], y_train[:256]), epochs=5, batch_size=32, progress=False,
                        callbacks=[StopAt()])
@@ -353,8 +353,9 @@ def test_stop_training_raised_at_epoch_end(digits):
 def test_early_stopping():
     es = EarlyStopping("val_loss", patience=2)
     values = [1.0, 0.8, 0.9, 0.85, 0.95]
+    # Keras/Lightning: stop at the patience-th epoch without improvement.
     assert [es.on_epoch_end(i, {"val_loss": v}) for i, v in enumerate(values)] == [
-        False, False, False, False, True]
+        False, False, False, True, True]
     with pytest.raises(ValueError, match="no 'val_accuracy'"):
         EarlyStopping("val_accuracy", mode="max").on_epoch_end(0, {"loss": 1.0})
 
@@ -376,7 +377,7 @@ def test_custom_metric_and_early_stopping_in_fit(digits):
                               callbacks=[Worse("val_top2", patience=1, mode="max")])
     assert history.keys() == ["loss", "accuracy", "top2", "val_loss", "val_accuracy", "val_top2"]
     assert all(t >= a for t, a in zip(history["top2"], history["accuracy"]))
-    assert len(history) == 3 and history.stopped_early
+    assert len(history) == 2 and history.stopped_early  # patience=1: the first worse epoch stops
 
 
 def test_failed_step_propagates_and_keeps_state(digits):
@@ -466,17 +467,17 @@ def test_repr_lists_algorithms_io_and_state_roles():
     assert "training_info[0]: feeds X, label -> returns" in text
     rows = {line.split()[0]: line.split() for line in text.splitlines()[5:]}
     assert rows["W1"] == ["W1", "float32", "[64,", "16]", "trainable"]
-    assert rows["W1_V"][-1] == "optimizer" and rows["step"] == ["step", "int64", "[]", "optimizer"]
+    assert rows["W1.adam_m"][-1] == "optimizer" and rows["step"] == ["step", "int64", "[]", "optimizer"]
 
 
 def test_repr_uses_metadata_roles_and_shows_the_cycle():
     model = with_metadata(build_classifier(hidden=4), trainable=["W2", "b2"],
-                          optimizer_state={"adam": ["W2_V", "W2_H", "b2_V", "b2_H"]}, cycle=[0])
+                          optimizer_state={"adam": ["W2.adam_m", "W2.adam_v", "b2.adam_m", "b2.adam_v"]}, cycle=[0])
     text = repr(TrainingSession(model))
     roles = {line.split()[0]: line.split()[-1] for line in text.splitlines() if "float32  [" in line
              or "int64" in line}
     assert roles["W2"] == "trainable" and roles["W1"] == "state"
-    assert roles["W2_V"] == "optimizer" and roles["W1_V"] == "state"
+    assert roles["W2.adam_m"] == "optimizer" and roles["W1.adam_m"] == "state"
     assert "cycle (algorithm per batch): [0]" in text
 
 
@@ -501,15 +502,44 @@ def test_repr_of_two_algorithms_and_of_many_variables():
 def test_html_summary():
     html = small_mlp()._repr_html_()
     assert html.startswith("<div") and html.endswith("</div>")
-    assert "<th>state variable</th>" in html and "<td>W1_H</td>" in html
+    assert "<th>state variable</th>" in html and "<td>W1.adam_v</td>" in html
     assert "float32[N, 64]" in html and "trainable" in html
 
 
 # ------------------------------------------------------------------ doctests
-@pytest.mark.parametrize("module", ["onnxtrain.fit", "onnxtrain.summary", "onnxtrain.cli"])
+@pytest.mark.parametrize("module", ["onnxtrain.fit", "onnxtrain.summary", "onnxtrain.cli",
+                                    "onnxtrain.callbacks", "onnxtrain.datasets"])
 def test_docstring_examples(module):
     import doctest
     import importlib
 
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_infinite_loss_stops_fit_naming_the_step():
+    """y = log(X w): rows of zeros give log(0) = -inf, an infinite MSE at the third batch."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from onnxtrain import build
+    from onnxtrain.fit import NonFiniteLossError
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["X", "w"], ["z"]), helper.make_node("Log", ["z"], ["y"])],
+        "log_linear", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 1])],
+        [numpy_helper.from_array(np.ones((2, 1), np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    sess = TrainingSession(build.training_model(model, loss="mse", optimizer=build.SGD(lr=1e-3)))
+    x = np.ones((6, 2), np.float32)
+    x[4:] = 0.0
+    seen = []
+
+    class Record(Callback):
+        def on_batch_end(self, batch, logs):
+            seen.append(logs["step"])
+
+    with pytest.raises(NonFiniteLossError, match=r"training loss is inf at epoch 1, batch 3 \(step 3"):
+        sess.fit((x, np.zeros((6, 1), np.float32)), batch_size=2, shuffle=False, progress=False,
+                 callbacks=[Record()])
+    assert seen == [1, 2]  # the callbacks never saw the bad step

@@ -34,7 +34,8 @@ same uniqueness rule), so they move on the k - 1 accumulation batches.
 Metadata (JSON values) tells the fit loop how to drive the model:
 ``onnxtrain.inputs``, ``onnxtrain.target``, ``onnxtrain.loss``,
 ``onnxtrain.prediction``, ``onnxtrain.task``, ``onnxtrain.cycle``,
-``onnxtrain.trainable``, ``onnxtrain.optimizer_state``.
+``onnxtrain.trainable``, ``onnxtrain.optimizer_state`` and, where
+BatchNormalization statistics are trained, ``onnxtrain.batchnorm_var``.
 
 >>> import numpy as np
 >>> from onnx import TensorProto, helper, numpy_helper
@@ -55,8 +56,7 @@ Metadata (JSON values) tells the fit loop how to drive the model:
 from __future__ import annotations
 
 import json
-import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,15 +64,20 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..emitter import FLOAT_TYPES, Emitter, np_dtype
-from ..graph import DEFAULT_DOMAINS, PREVIEW_DOMAIN, infer_types, node_inputs, subgraphs
+from ..emitter import Emitter, np_dtype
+from ..graph import DEFAULT_DOMAINS, PREVIEW_DOMAIN, infer_types, subgraphs
 from ..model import ModelLike, load
 from ..names import NameGen
+from . import adapt as _adapt
+from . import lora as _lora
 from . import losses as _losses
 from . import optimizers as _optimizers
+from .lora import LoRA
 from .losses import Loss
 from .optimizers import Adam, Optimizer
+from .parameters import choose_trainable, untie_shared_initializers
 from .schedules import Schedule
+from .train_forward import resolve_batchnorm_var, training_forward
 
 #: IR version of the built model (TrainingInfoProto needs >= 7).
 IR_VERSION = 10
@@ -83,16 +88,6 @@ MIN_OPSET = 13
 
 INT64 = TensorProto.INT64
 F64 = TensorProto.DOUBLE
-
-#: Inputs of training-mode ops that are statistics or settings, never trained:
-#: (op_type, input index).  Initializers feeding them are left out of the
-#: default trainable set.
-NOT_TRAINABLE_INPUTS = {
-    ("BatchNormalization", 3),
-    ("BatchNormalization", 4),
-    ("Dropout", 1),
-    ("Dropout", 2),
-}
 
 META = "onnxtrain."
 
@@ -144,6 +139,12 @@ class Plan:
     accumulate: int
     train_mode: bool
     params: list[str]
+    #: "biased" (ONNX) or "unbiased" (PyTorch) running_var update.
+    batchnorm_var: str = "biased"
+    #: Whether some algorithm updates BatchNormalization running statistics.
+    running_stats: bool = False
+    #: Tensor types the main graph declares (value_info and outputs), by name.
+    declared: dict[str, onnx.ValueInfoProto] = field(default_factory=dict)
     #: Every name used in the main graph or given out for the model; each
     #: algorithm graph draws its own fresh names from a NameGen over these.
     taken: set[str] = field(default_factory=set)
@@ -157,6 +158,12 @@ class Plan:
     accum_step: str = ""
     #: Per algorithm: the training-mode copy's prediction, where there is a copy.
     train_predictions: dict[int, str] = field(default_factory=dict)
+    #: The LoRA description (``lora.apply``), metadata ``onnxtrain.lora``; None without LoRA.
+    lora: dict[str, Any] | None = None
+    #: State variables holding the base learning rate and the clipping threshold
+    #: (TrainingSession.learning_rate / clip_grad_norm set them between steps).
+    lr_state: str = ""
+    clip_state: str = ""
 
     @property
     def final(self) -> int:
@@ -187,25 +194,58 @@ def training_model(
     clip_grad_norm: float | None = None,
     accumulate: int = 1,
     train_mode: bool = True,
+    batchnorm_var: str = "auto",
+    lora: LoRA | None = None,
 ) -> onnx.ModelProto:
     """A standard ONNX training model that trains ``model`` (which is not modified).
 
     ``loss``: a name ("mse", "l1", "huber", "cross_entropy", "bce_with_logits",
     "nll"), a loss object, or ``fn(emit, prediction, target) -> loss name``.
     ``target``: name of the new target input.  ``output``: the main-graph
-    output the loss reads (default: the first).  ``optimizer``: build.SGD,
+    output the loss reads (default: the first floating-point one; a
+    cross-entropy on a probability output that ``adapt`` gave logits reads
+    those, see ``adapt.loss_output``).  ``optimizer``: build.SGD,
     build.Adagrad, build.Adam or build.AdamW (torch's update rules).
-    ``trainable``: None (every floating-point initializer of the main graph
-    except BatchNormalization statistics and Dropout settings), a list of
-    names, or a predicate name -> bool.  ``schedule``: build.cosine,
+    ``trainable``: None (the parameters of the main graph, see below), a
+    list of names (any floating-point initializer but BatchNormalization
+    statistics and Dropout settings), or a predicate name -> bool applied to
+    the default set.  ``schedule``: build.cosine,
     build.step_decay or build.linear_warmup, computed in the graph from the
     step counter.  ``clip_grad_norm``: scale all gradients by
     min(1, c / (||g||_2 + 1e-6)) over their global norm.  ``accumulate``: k
     micro-batches per update (two TrainingInfoProtos).  ``train_mode``: run
     Dropout / BatchNormalization in training mode inside the algorithm.
+    ``batchnorm_var``: how training-mode BatchNormalization updates
+    running_var: "biased" (the ONNX rule, biased batch variance),
+    "unbiased" (PyTorch's, the batch variance times n / (n - 1), n values
+    per channel) or "auto" (unbiased when ``producer_name`` is "pytorch",
+    biased otherwise); the choice is recorded as ``onnxtrain.batchnorm_var``.
+    ``lora``: build.LoRA(rank, alpha, targets, dropout) freezes the targeted
+    MatMul/Gemm weights and trains low-rank adapters ``W.lora_A``,
+    ``W.lora_B`` instead (see ``lora``); then only the adapters train by
+    default and ``trainable=`` adds others (biases, norms, heads), and
+    ``TrainingSession.export(path)`` writes the merged inference model.
+
+    The default trainable set (``trainable=None``): every floating-point
+    initializer is trained unless it is a **constant**: a 0-d scalar
+    (exporters store attention scales, mask fill values, GELU coefficients
+    and exponents that way), an additive mask (only zeros and fills <= -1e9
+    or -inf, as in causal masks), or an initializer whose every use is a setting
+    slot (BatchNormalization statistics, Dropout ratio, Pow exponent, Clip
+    bounds, a one-element fill of Where, Pad/OneHot values, shape-like,
+    axes and index inputs, comparisons, non-differentiable ops, casts to
+    non-float types).  Weights and biases of any shape are trained, a [1]
+    bias included.  ``parameter_choices(model)`` lists the choice and its
+    reason (``onnxtrain inspect`` prints it); a warning is issued when a
+    choice looks doubtful (a trained one-element initializer that is not a
+    bias, an initializer used both as a setting and as a weight).
+    Identity copies of a shared initializer (the TorchScript exporter stores
+    equal initializers once, e.g. every BatchNorm weight of one width) get
+    their own initializer first, so they train separately as in the source
+    model; the main graph computes the same.
     """
     plan = _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad_norm,
-                 accumulate, train_mode)
+                 accumulate, train_mode, batchnorm_var, lora)
     proto = plan.proto
     _add_main_state(plan)
     for index in range(plan.accumulate if plan.accumulate == 1 else 2):
@@ -219,10 +259,12 @@ def training_model(
 
 # ------------------------------------------------------------------ planning
 def _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad_norm,
-          accumulate, train_mode) -> Plan:
+          accumulate, train_mode, batchnorm_var="auto", lora=None) -> Plan:
     """Check every argument and decide the names and the state variables."""
-    proto = _inference_copy(model)
+    proto = _adapt.adapt(_inference_copy(model))
     opset = _default_opset(proto)
+    untie_shared_initializers(proto.graph)
+    lora_info = _lora.apply(proto, lora)[1] if lora is not None else None
     loss_obj = _losses.resolve(loss)
     optimizer = _optimizers.resolve(optimizer)
     if schedule is not None and not isinstance(schedule, Schedule):
@@ -241,26 +283,42 @@ def _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad
     main = proto.graph
     dtypes, shapes = infer_types(main, proto.opset_import)
     taken = _names_in(main)
-    prediction = _prediction(main, output)
+    prediction = _adapt.loss_output(proto, output, loss_obj)
     pred_type = dtypes.get(prediction)
     _losses.check_prediction_type(pred_type, prediction)
     if pred_type is None:
         raise ValueError(f"cannot determine the element type of output {prediction!r}")
+    loss_obj = loss_obj.for_model(main, prediction, shapes.get(prediction))
     target_vi = _target_input(loss_obj, target, pred_type, shapes.get(prediction), taken)
     taken.add(target)
 
-    params = _trainable(main, trainable)
+    if lora_info is None:
+        params = choose_trainable(main, trainable)
+    else:
+        params = _lora.trainable_params(main, lora_info, trainable)
+    bn_var = resolve_batchnorm_var(batchnorm_var, proto)
     plan = Plan(
         proto=proto, opset=opset, dtypes=dtypes, shapes=shapes,
         data_inputs=_data_inputs(main), prediction=prediction, target=target_vi,
         loss=loss_obj, loss_name="", optimizer=optimizer, schedule=schedule,
         clip_grad_norm=float(clip_grad_norm) if clip_grad_norm is not None else None,
         accumulate=accumulate, train_mode=bool(train_mode), params=params,
-        taken=taken, names=NameGen(taken),
+        taken=taken, names=NameGen(taken), batchnorm_var=bn_var,
+        declared=_declared_types(main), lora=lora_info,
     )
     plan.loss_name = plan.fresh("loss")  # the same name in every algorithm graph
     _plan_state(plan)
     return plan
+
+
+def _declared_types(main: onnx.GraphProto) -> dict[str, onnx.ValueInfoProto]:
+    """value_info and outputs of the main graph that give a tensor's type and shape."""
+    out = {}
+    for vi in list(main.value_info) + list(main.output):
+        t = vi.type
+        if t.WhichOneof("value") == "tensor_type" and t.tensor_type.elem_type and t.tensor_type.HasField("shape"):
+            out[vi.name] = vi
+    return out
 
 
 def _inference_copy(model: ModelLike) -> onnx.ModelProto:
@@ -308,17 +366,6 @@ def _names_in(graph: onnx.GraphProto) -> set[str]:
     return names
 
 
-def _prediction(main: onnx.GraphProto, output: str | None) -> str:
-    outputs = [o.name for o in main.output]
-    if not outputs:
-        raise ValueError("the main graph has no outputs")
-    if output is None:
-        return outputs[0]
-    if output not in outputs:
-        raise ValueError(f"output {output!r} is not an output of the main graph; outputs are {outputs}")
-    return output
-
-
 def _target_input(
     loss: Loss, target: str, pred_type: int, pred_shape: Any, taken: set[str]
 ) -> onnx.ValueInfoProto:
@@ -336,71 +383,6 @@ def _data_inputs(main: onnx.GraphProto) -> list[str]:
     """Main-graph inputs that are not initializers (IR 3 style inputs are parameters)."""
     inits = {t.name for t in main.initializer} | {t.values.name for t in main.sparse_initializer}
     return [i.name for i in main.input if i.name not in inits]
-
-
-def _not_trainable_by_default(main: onnx.GraphProto) -> set[str]:
-    """Initializers read only as BatchNormalization statistics or Dropout settings
-    (directly or through Identity nodes)."""
-    identity_of = {
-        n.output[0]: n.input[0]
-        for n in main.node
-        if n.op_type == "Identity" and n.domain in DEFAULT_DOMAINS and n.input and n.output
-    }
-
-    def source(name: str) -> str:
-        while name in identity_of:
-            name = identity_of[name]
-        return name
-
-    settings: set[str] = set()
-    other_uses: set[str] = set()
-    for n in main.node:
-        if n.op_type == "Identity" and n.domain in DEFAULT_DOMAINS:
-            continue  # its consumers count, not the Identity itself
-        setting_slots = n.domain in DEFAULT_DOMAINS
-        for idx, name in enumerate(node_inputs(n)):
-            is_setting = setting_slots and idx < len(n.input) and (n.op_type, idx) in NOT_TRAINABLE_INPUTS
-            (settings if is_setting else other_uses).add(source(name))
-    other_uses.update(source(o.name) for o in main.output)
-    return settings - other_uses
-
-
-def _trainable(main: onnx.GraphProto, trainable: Any) -> list[str]:
-    """The trainable parameters, in initializer order."""
-    floats = [t.name for t in main.initializer if t.data_type in FLOAT_TYPES]
-    if not floats:
-        raise ValueError(
-            "the main graph has no floating-point initializers: there is nothing to train"
-        )
-    excluded = _not_trainable_by_default(main)
-    candidates = [n for n in floats if n not in excluded]
-    if trainable is None:
-        chosen = candidates
-    elif callable(trainable):
-        chosen = [n for n in candidates if trainable(n)]
-    elif isinstance(trainable, str):
-        raise TypeError(f"trainable must be a list of names, not the string {trainable!r}")
-    elif isinstance(trainable, Iterable):
-        wanted = list(dict.fromkeys(trainable))
-        for name in wanted:
-            if name not in floats:
-                raise ValueError(
-                    f"unknown trainable name {name!r}: not a floating-point initializer of the "
-                    f"main graph; those are {floats}"
-                )
-            if name in excluded:
-                raise ValueError(
-                    f"{name!r} is a BatchNormalization statistic or a Dropout setting and "
-                    "cannot be trainable"
-                )
-        chosen = [n for n in floats if n in wanted]
-    else:
-        raise TypeError(
-            f"trainable must be None, a list of names or a predicate, not {type(trainable).__name__}"
-        )
-    if not chosen:
-        raise ValueError(f"no trainable parameters selected among {candidates}")
-    return chosen
 
 
 def _plan_state(plan: Plan) -> None:
@@ -461,6 +443,7 @@ class _Algorithm:
         loss = self.loss(prediction)
         grads = self.gradients(loss)
         if self.index == 0:
+            plan.running_stats = plan.running_stats or bool(running_stats)
             for key, value in running_stats:
                 self.bind(key, value)
         if self.index != plan.final:
@@ -508,7 +491,29 @@ class _Algorithm:
         plan = self.plan
         if not plan.train_mode:
             return plan.prediction, []
-        return _training_forward(self.e, plan.proto.graph, plan.prediction, plan.opset)
+        prediction, stats, value_info = training_forward(
+            self.e, plan.proto.graph, plan.prediction, plan.opset, self.copied_type,
+            plan.batchnorm_var,
+        )
+        self.value_info.extend(value_info)
+        return prediction, stats
+
+    def copied_type(self, original: str, new: str) -> onnx.ValueInfoProto | None:
+        """The value_info of ``original`` (declared in the main graph, else
+        inferred) under the name ``new``; None when nothing is known."""
+        plan = self.plan
+        declared = plan.declared.get(original)
+        if declared is not None:
+            vi = onnx.ValueInfoProto()
+            vi.CopyFrom(declared)
+            vi.name = new
+            return vi
+        elem = plan.dtypes.get(original)
+        if elem is None:
+            return None
+        shape = plan.shapes.get(original)
+        dims = None if shape is None else [d if isinstance(d, (int, str)) else None for d in shape]
+        return helper.make_tensor_value_info(new, elem, dims)
 
     def loss(self, prediction: str) -> str:
         plan = self.plan
@@ -558,22 +563,47 @@ class _Algorithm:
             out.append(e.Div(e.Add(kept, g), e.Cast(n, to=e.dtype(g))))
         return out
 
+    def hyperparameter(self, hint: str, value: float) -> str:
+        """A 0-D float64 state variable of this algorithm graph, reset to
+        ``value`` by this TrainingInfoProto's initialization_binding (which is
+        what makes it state per IR.md) and bound by no update: a setting the
+        session can change between steps without rebuilding anything, saved
+        with a checkpoint and read by the step like any other state."""
+        plan, e = self.plan, self.e
+        name = e.names.fresh(hint)
+        plan.taken.add(name)
+        plan.state[name] = StateSpec(name, F64, (), self.index, self.index, fill=float(value))
+        e.dtypes[name] = F64
+        return name
+
     def clip(self, grads: Sequence[str]) -> list[str]:
         """g *= min(1, c / (||g||_2 + 1e-6)), the norm over all gradients
-        (torch.nn.utils.clip_grad_norm_), computed in float64."""
+        (torch.nn.utils.clip_grad_norm_), computed in float64.  The threshold
+        c is a state variable (``hyperparameter``; metadata
+        ``onnxtrain.clip_grad_norm``), settable through
+        ``TrainingSession.clip_grad_norm``."""
         e = self.e
         e.hint = "clip"
+        self.plan.clip_state = self.hyperparameter("clip_grad_norm", self.plan.clip_grad_norm)
         squares = [e.Cast(e.reduce("ReduceSumSquare", g, None, keepdims=False), to=F64) for g in grads]
         norm = e.Sqrt(e.sum_all(squares))
-        coef = e.Div(e.const(self.plan.clip_grad_norm, dtype=F64), e.Add(norm, e.const(1e-6, dtype=F64)))
+        coef = e.Div(self.plan.clip_state, e.Add(norm, e.const(1e-6, dtype=F64)))
         coef = e.Min(coef, e.const(1.0, dtype=F64))
         return [e.Mul(g, e.cast_to(coef, e.dtype(g))) for g in grads]
 
     def learning_rate(self) -> str:
-        """lr * schedule(step) as a 0-D float64."""
+        """lr * schedule(step) as a 0-D float64.
+
+        The base rate lr is a state variable (a 0-D float64 initializer of
+        this algorithm graph, reset to ``optimizer.lr`` by this
+        TrainingInfoProto's initialization_binding, which is what makes it
+        state per IR.md), not a Constant: ``TrainingSession.learning_rate``
+        changes it between steps without rebuilding, it is saved with a
+        checkpoint, and the step reads it like any other state (one commit).
+        Metadata ``onnxtrain.learning_rate`` names it."""
         plan, e = self.plan, self.e
         e.hint = "lr"
-        lr = e.const(float(plan.optimizer.lr), dtype=F64)
+        lr = plan.lr_state = self.hyperparameter("lr", plan.optimizer.lr)
         if plan.schedule is None:
             return lr
         return e.Mul(lr, plan.schedule.emit(e, plan.step))
@@ -596,128 +626,6 @@ class _Algorithm:
         e = self.e
         e.hint = "counter"
         self.bind(self.plan.step, e.Add(self.plan.step, e.scalar_int(1)))
-
-
-# ------------------------------------------------------------------ train-mode copy
-def _training_forward(
-    e: Emitter, main: onnx.GraphProto, prediction: str, opset: int
-) -> tuple[str, list[tuple[str, str]]]:
-    """Copy the part of the forward pass that runs differently in training mode.
-
-    Nodes on the path to ``prediction`` are copied from the first Dropout or
-    BatchNormalization on: those ops in training mode, the nodes downstream
-    of them with renamed inputs; every copy writes fresh names.  Nodes
-    upstream are shared with the main graph (their values are the same).
-    Returns the copy's prediction (the main one when nothing differs) and
-    (running statistic initializer, its new value) pairs."""
-    nodes = list(main.node)
-    needed = _ancestors(nodes, prediction)
-    inits = {t.name for t in main.initializer}
-    renamed: dict[str, str] = {}
-    stats: list[tuple[str, str]] = []
-    for position, node in enumerate(nodes):
-        if position not in needed:
-            continue
-        kind = node.op_type if node.domain in DEFAULT_DOMAINS else ""
-        mode_op = kind in ("Dropout", "BatchNormalization")
-        if not mode_op and not any(i in renamed for i in node_inputs(node)):
-            continue
-        if subgraphs(node):
-            raise ValueError(
-                f"train_mode: node {node.name or node.op_type!r} ({node.op_type}) has a subgraph and "
-                "depends on Dropout/BatchNormalization; its training-mode copy is not supported "
-                "(use train_mode=False)"
-            )
-        copy = onnx.NodeProto()
-        copy.CopyFrom(node)
-        copy.name = e.names.fresh(f"train/{node.name or node.op_type}")
-        del copy.input[:]
-        copy.input.extend(renamed.get(i, i) for i in node.input)
-        if kind == "Dropout":
-            _dropout_training(e, copy)
-            slots = [(node.output[0], "output"), (_output(node, 1), "mask")]
-        elif kind == "BatchNormalization":
-            _batch_norm_training(copy, opset)
-            extra = ["running_mean", "running_var"] + (["saved_mean", "saved_var"] if opset < 14 else [])
-            slots = [(node.output[0], "Y")] + [("", hint) for hint in extra]
-        else:
-            slots = [(o, o) for o in node.output]
-        del copy.output[:]
-        for original, hint in slots:
-            if not original and hint == "":
-                copy.output.append("")
-                continue
-            new = e.names.fresh(f"train/{original or hint}")
-            copy.output.append(new)
-            if original:
-                renamed[original] = new
-                if original in e.dtypes:
-                    e.dtypes[new] = e.dtypes[original]
-        if kind == "Dropout":
-            e.dtypes[copy.output[1]] = TensorProto.BOOL
-        if kind == "BatchNormalization":
-            for stat, new in zip(node.input[3:5], copy.output[1:3]):
-                e.dtypes[new] = e.dtypes.get(stat, TensorProto.FLOAT)
-                if stat not in inits:
-                    warnings.warn(
-                        f"train_mode: BatchNormalization node {node.name or node.op_type!r} reads its "
-                        f"running statistic from {stat!r}, which is not an initializer; the statistic "
-                        "is not updated by training",
-                        stacklevel=5,  # the caller of training_model
-                    )
-                    continue
-                if any(key == stat for key, _ in stats):
-                    raise ValueError(
-                        f"train_mode: initializer {stat!r} is the running statistic of two "
-                        "BatchNormalization nodes; it can be updated by only one"
-                    )
-                stats.append((stat, new))
-        e.nodes.append(copy)
-    return renamed.get(prediction, prediction), stats
-
-
-def _output(node: onnx.NodeProto, i: int) -> str:
-    return node.output[i] if len(node.output) > i else ""
-
-
-def _ancestors(nodes: Sequence[onnx.NodeProto], output: str) -> set[int]:
-    """Positions of the nodes ``output`` depends on."""
-    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    seen: set[int] = set()
-    stack = [output]
-    while stack:
-        i = producer.get(stack.pop())
-        if i is None or i in seen:
-            continue
-        seen.add(i)
-        stack.extend(node_inputs(nodes[i]))
-    return seen
-
-
-def _dropout_training(e: Emitter, node: onnx.NodeProto) -> None:
-    """Inputs (data, ratio, training_mode=true); the seed attribute is kept.
-
-    ratio defaults to 0.5 as in the spec.  The caller names the outputs
-    (output, mask): the backward pass reuses the mask."""
-    ratio = node.input[1] if len(node.input) > 1 and node.input[1] else e.const(0.5, dtype=np.float32)
-    data = node.input[0]
-    del node.input[:]
-    node.input.extend([data, ratio, e.const(np.asarray(True))])
-
-
-def _batch_norm_training(node: onnx.NodeProto, opset: int) -> None:
-    """BatchNormalization in training mode (the caller names its outputs).
-
-    Opset >= 14: training_mode=1, outputs (Y, running_mean, running_var).
-    Opset 13: training mode is chosen by the extra outputs (Y, running_mean,
-    running_var, saved_mean, saved_var).  running = momentum * running +
-    (1 - momentum) * batch statistic, as ONNX defines it (the batch variance
-    is the biased one)."""
-    if opset >= 14:
-        kept = [a for a in node.attribute if a.name != "training_mode"]
-        del node.attribute[:]
-        node.attribute.extend(kept)
-        node.attribute.append(helper.make_attribute("training_mode", 1))
 
 
 # ------------------------------------------------------------------ initialization
@@ -790,7 +698,21 @@ def _set_metadata(plan: Plan) -> None:
         # The training-mode copy's prediction in each algorithm (evaluate swaps
         # it for the main graph's inference-mode prediction).
         "train_prediction": {str(i): name for i, name in plan.train_predictions.items()},
+        # The base learning rate's state variable and value (TrainingSession.learning_rate).
+        "learning_rate": {"state": plan.lr_state, "base": float(plan.optimizer.lr)},
+        # For the label check before training: the classes C (None: unknown),
+        # their axis in the prediction and the label that is skipped.
+        "classes": _classes(plan),
     }
+    if plan.clip_state:
+        # The clipping threshold's state variable (TrainingSession.clip_grad_norm).
+        entries["clip_grad_norm"] = {"state": plan.clip_state, "base": plan.clip_grad_norm}
+    if plan.lora is not None:
+        # What export needs to merge the adapters (lora.merge).
+        entries["lora"] = plan.lora
+    if plan.running_stats:
+        # How training-mode BatchNormalization updates running_var (only where it does).
+        entries["batchnorm_var"] = plan.batchnorm_var
     props = plan.proto.metadata_props
     kept = [(p.key, p.value) for p in props if not p.key.startswith(META)]
     del props[:]
@@ -798,3 +720,20 @@ def _set_metadata(plan: Plan) -> None:
         props.add(key=key, value=value)
     for key, value in entries.items():
         props.add(key=META + key, value=json.dumps(value))
+
+
+def _classes(plan: Plan) -> dict[str, Any] | None:
+    """{"count": C or None, "axis": 1 or -1, "ignore_index": n or None} for a
+    class-index loss (CrossEntropy, NLL), else None: what the fit loop checks
+    labels against before the first step."""
+    loss = plan.loss
+    axis = getattr(loss, "class_axis", None)
+    if axis not in (1, -1):
+        return None
+    shape = plan.shapes.get(plan.prediction)
+    count = None
+    if shape and len(shape) >= 2:
+        dim = shape[axis]
+        count = int(dim) if isinstance(dim, (int, np.integer)) and dim > 0 else None
+    ignore = getattr(loss, "ignore_index", None)
+    return {"count": count, "axis": axis, "ignore_index": None if ignore is None else int(ignore)}

@@ -400,8 +400,19 @@ def test_stale_temp_files_are_removed_and_live_ones_kept(tmp_path):
 
 def test_leftover_temp_files_do_not_break_loading(tmp_path):
     path = write_model(counter_model(), tmp_path / "m.onnx")
-    (tmp_path / f".m.onnx.{os.getpid()}.zzz.tmp").write_bytes(b"\x08garbage")
-    TrainingSession(path)
+    leftover = tmp_path / f".m.onnx.{os.getpid()}.zzz.tmp"
+    leftover.write_bytes(b"\x08garbage")
+    sess = TrainingSession(path)
+    # The model loads with its own values, not the leftover's bytes ...
+    expected = TrainingSession(counter_model()).state
+    assert set(sess.state) == set(expected)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(sess.state[name], value)
+    # ... trains, and a new atomic write beside the leftover lands intact.
+    sess.train_step({"X": np.zeros(1, np.float64)})
+    again = TrainingSession(sess.export(path, training=True))
+    assert float(again.state["c"]) == 1.0
+    assert leftover.read_bytes() == b"\x08garbage"  # another writer's temp file: not touched
 
 
 # ------------------------------------------------------- over 2 GiB (slow)

@@ -149,15 +149,26 @@ def test_dict_of_state_from_another_thread_with_proposed_view(monkeypatch):
     proposed_fixes.apply(monkeypatch)
     sess = TrainingSession(counter_model())
     stop = threading.Event()
+    first_commit = threading.Event()
 
     def train() -> None:
         while not stop.is_set():
             sess.train_step(COUNTER_FEED, fetch=False)
+            first_commit.set()
 
     t = threading.Thread(target=train)
     t.start()
     try:
-        versions = [counter_version(dict(sess.state)) for _ in range(300)]
+        # Deterministic under load: read only once the trainer has committed,
+        # and keep reading until a later commit is seen (not a fixed count of
+        # reads that a slow trainer thread might never interleave with).
+        assert first_commit.wait(60), "the training thread made no step"
+        versions = [counter_version(dict(sess.state)) for _ in range(100)]
+        deadline = time.monotonic() + 60
+        while versions[-1] <= versions[0]:
+            assert time.monotonic() < deadline, "no commit seen from the training thread"
+            versions.append(counter_version(dict(sess.state)))
+            time.sleep(0.0005)
     finally:
         stop.set()
         t.join()
