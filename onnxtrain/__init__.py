@@ -16,7 +16,7 @@ from .callbacks import (
     TerminateOnNaN,
 )
 from .datasets import train_test_split
-from .errors import GradientError, TrainingModelError
+from .errors import ExecutionError, GradientError, TrainingModelError
 from .fit import History, NonFiniteLossError, checkpoint_epoch
 from .session import TrainingSession
 
@@ -25,6 +25,7 @@ __all__ = [
     "Callback",
     "Checkpoint",
     "EarlyStopping",
+    "ExecutionError",
     "GradientError",
     "History",
     "ModelCheckpoint",

@@ -32,15 +32,16 @@ import onnx
 
 from . import __version__
 from .emitter import FLOAT_TYPES
-from .errors import TrainingModelError
+from .errors import ExecutionError, TrainingModelError
 from .model import load
 from .session import TrainingSession
 
 PROG = "onnxtrain"
 
 #: The exceptions that count as user mistakes (or a run that diverged: a NaN
-#: or infinite loss): reported in one line, exit 1.
-USER_ERRORS = (TrainingModelError, ValueError, OSError, FloatingPointError)
+#: or infinite loss; or onnxruntime failing on the data, e.g. an index out of
+#: range in a hand-written loss): reported in one line, exit 1.
+USER_ERRORS = (TrainingModelError, ValueError, OSError, FloatingPointError, ExecutionError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,3 +14,10 @@ class TrainingModelError(ValueError):
 
 class GradientError(TrainingModelError):
     """A Gradient node cannot be expanded (missing rule, non-differentiable op, ...)."""
+
+
+class ExecutionError(RuntimeError):
+    """onnxruntime failed while running a program (a kernel's error on the
+    fed data, an allocation failure, ...).  The message names the program
+    and carries onnxruntime's own message; a step that fails this way
+    commits nothing."""

@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from .errors import TrainingModelError
+from .errors import ExecutionError, TrainingModelError
 
 
 def _max_ir_version() -> int:
@@ -85,7 +85,9 @@ def default_session_options(threads: int | None = None) -> ort.SessionOptions:
         so.intra_op_num_threads = n
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.log_severity_level = 3
+    # Errors come back as ExecutionError with onnxruntime's message: its own
+    # logger would print them to stderr a second time.
+    so.log_severity_level = 4
     return so
 
 
@@ -152,7 +154,7 @@ class Executor:
         try:
             return self._sess.run(list(output_names) if output_names else None, dict(feeds))
         except Exception as exc:
-            raise RuntimeError(f"{self.label}: onnxruntime failed: {exc}") from exc
+            raise ExecutionError(f"{self.label}: onnxruntime failed: {exc}") from exc
 
     def run_bound(
         self,
@@ -193,7 +195,7 @@ class Executor:
         try:
             return entry.run(feeds, fetch, n_state_out, to_numpy)
         except Exception as exc:
-            raise RuntimeError(f"{self.label}: onnxruntime failed: {exc}") from exc
+            raise ExecutionError(f"{self.label}: onnxruntime failed: {exc}") from exc
 
 
 class _Binding:

@@ -248,6 +248,38 @@ def _infer_loss(sess: Any, main_outputs: list[str], algo_outputs: list[list[str]
     return candidates[0] if len(candidates) == 1 else None
 
 
+#: Class-index loss ops of the default domain: (scores, labels, [weights]) inputs.
+_CLASS_LOSS_OPS = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
+
+
+def _classes_from_loss_nodes(model: onnx.ModelProto, target: str) -> dict[str, Any] | None:
+    """The label check's facts for a model not made by ``onnxtrain.build``
+    (no metadata ``onnxtrain.classes``): an algorithm's SoftmaxCrossEntropyLoss
+    or NegativeLogLikelihoodLoss that reads ``target`` as its labels gives C
+    (dim 1 of its scores, where a graph declares it statically) and its
+    ignore_index.  None when no such node reads the target."""
+    declared: dict[str, onnx.ValueInfoProto] = {}
+    graphs = [model.graph] + [ti.algorithm for ti in model.training_info]
+    for g in graphs:
+        for vi in list(g.input) + list(g.output) + list(g.value_info):
+            declared.setdefault(vi.name, vi)
+    for g in graphs[1:]:
+        for node in g.node:
+            if node.op_type not in _CLASS_LOSS_OPS or node.domain not in ("", "ai.onnx"):
+                continue
+            if len(node.input) < 2 or node.input[1] != target:
+                continue
+            ignore = next((a.i for a in node.attribute if a.name == "ignore_index"), None)
+            count = None
+            vi = declared.get(node.input[0])
+            if vi is not None and vi.type.tensor_type.HasField("shape"):
+                dims = vi.type.tensor_type.shape.dim
+                if len(dims) >= 2 and dims[1].HasField("dim_value") and dims[1].dim_value > 0:
+                    count = int(dims[1].dim_value)
+            return {"count": count, "axis": 1, "ignore_index": ignore}
+    return None
+
+
 def _find_value_info(sess: Any, name: str) -> onnx.ValueInfoProto | None:
     for feeds in [sess.inference_inputs, *sess.algorithm_inputs]:
         if name in feeds:
@@ -370,8 +402,8 @@ def check_targets(sess: Any, spec: FitSpec, target: np.ndarray, caller: str) -> 
     silently to nonsense).  Regression targets: a float dtype, and the rank
     (and fixed dims) the model declares."""
     meta = model_metadata(sess.model)
-    classes = meta.get("classes")
     name = spec.target
+    classes = meta.get("classes") or _classes_from_loss_nodes(sess.model, name)
     if isinstance(classes, dict) and target.dtype.kind in "iu":
         count, ignore = classes.get("count"), classes.get("ignore_index")
         valid = target >= 0

@@ -161,3 +161,57 @@ def test_check_says_when_a_model_is_not_a_training_model(files):
 def test_every_command_refuses_an_output_folder_in_one_line(files, tmp_path):
     one_line_error(cli("export", files / "train.onnx", "-o", tmp_path), "-o:", "is a folder")
     one_line_error(cli("make-training", files / "plain.onnx", "-o", tmp_path), "-o:", "is a folder")
+
+
+def test_labels_of_a_hand_written_training_model_are_checked_too(tmp_path):
+    """A training model not made by onnxtrain.build (the demo's, written with
+    onnx.helper: SoftmaxCrossEntropyLoss on the main graph's logits) has no
+    onnxtrain metadata: the label check takes C from the loss node."""
+    from onnxtrain.demo import build_classifier
+
+    model = tmp_path / "demo.onnx"
+    onnx.save(build_classifier(), model)
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(40, 64)).astype(np.float32)
+    np.savez(tmp_path / "one_based.npz", X=X, label=rng.integers(1, 11, 40))
+    proc = cli("train", model, "--data", tmp_path / "one_based.npz", "--epochs", 2,
+               "-o", tmp_path / "t.onnx", "--no-progress")
+    one_line_error(proc, "target 'label' holds label 10", "C = 10", "subtract 1")
+
+
+def test_an_onnxruntime_failure_is_one_line(tmp_path):
+    """A failure inside onnxruntime on the fed data (here a hand-written loss
+    that gathers with the labels, GatherElements, with nothing to check them
+    against) is one line naming the program and onnxruntime's message."""
+    rng = np.random.default_rng(3)
+    W = numpy_helper.from_array(rng.normal(0, 0.3, (4, 3)).astype(np.float32), "W")
+    main = helper.make_graph([helper.make_node("MatMul", ["X", "W"], ["logits"])], "main",
+                             [helper.make_tensor_value_info("X", F32, ["N", 4])],
+                             [helper.make_tensor_value_info("logits", F32, ["N", 3])], [W])
+    nodes = [
+        helper.make_node("LogSoftmax", ["logits"], ["logp"], axis=1),
+        helper.make_node("Unsqueeze", ["label", "axis1"], ["label2"]),
+        helper.make_node("GatherElements", ["logp", "label2"], ["picked"], axis=1),
+        helper.make_node("ReduceMean", ["picked"], ["mean"], keepdims=0),
+        helper.make_node("Neg", ["mean"], ["loss"]),
+        helper.make_node("Gradient", ["W"], ["gW"], domain="ai.onnx.preview.training", xs=["W"], y="loss"),
+        helper.make_node("Mul", ["gW", "lr"], ["dW"]),
+        helper.make_node("Sub", ["W", "dW"], ["W_new"]),
+    ]
+    algo = helper.make_graph(
+        nodes, "algo", [helper.make_tensor_value_info("label", TensorProto.INT64, ["N"])],
+        [helper.make_tensor_value_info("loss", F32, []), helper.make_tensor_value_info("W_new", F32, [4, 3])],
+        [numpy_helper.from_array(np.array([1], np.int64), "axis1"),
+         numpy_helper.from_array(np.array(0.1, np.float32), "lr")])
+    m = helper.make_model(main, opset_imports=[helper.make_opsetid("", 17),
+                                               helper.make_opsetid("ai.onnx.preview.training", 1)])
+    m.ir_version = 10
+    ti = m.training_info.add()
+    ti.algorithm.CopyFrom(algo)
+    ti.update_binding.add(key="W", value="W_new")
+    onnx.save(m, tmp_path / "hand.onnx")
+    np.savez(tmp_path / "bad.npz", X=rng.normal(size=(8, 4)).astype(np.float32), label=np.full(8, 7))
+    proc = cli("train", tmp_path / "hand.onnx", "--data", tmp_path / "bad.npz", "--epochs", 1,
+               "-o", tmp_path / "t.onnx", "--no-progress")
+    one_line_error(proc, "training_info[0].algorithm: onnxruntime failed", "GatherElements")
+    assert not (tmp_path / "t.onnx").exists()
