@@ -11,13 +11,15 @@ from .callbacks import (
     Checkpoint,
     CSVLogger,
     EarlyStopping,
+    History,
     ModelCheckpoint,
     StopTraining,
     TerminateOnNaN,
 )
 from .datasets import train_test_split
 from .errors import ExecutionError, GradientError, TrainingModelError
-from .fit import History, NonFiniteLossError, checkpoint_epoch
+from .fit import NonFiniteLossError
+from .metadata import checkpoint_epoch
 from .session import TrainingSession
 
 __all__ = [

@@ -24,7 +24,8 @@ class stores it as ``self.session``), so ``ModelCheckpoint`` and
 ``EarlyStopping(restore_best_weights=True)`` need no session argument.
 
 Callbacks use only the session's public API (``state``, ``load_state``,
-``export``/``to_model``, ``fit_position``).
+``export``/``to_model``, ``fit_position``).  ``History`` (what ``fit``
+returns) and ``write_checkpoint`` live here too.
 """
 
 from __future__ import annotations
@@ -33,11 +34,14 @@ import csv
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .storage import write_model
+from .metadata import write_position
 
 __all__ = [
     "HOOKS",
@@ -45,11 +49,13 @@ __all__ = [
     "Callback",
     "Checkpoint",
     "EarlyStopping",
+    "History",
     "ModelCheckpoint",
     "StopTraining",
     "TerminateOnNaN",
     "check_callbacks",
     "check_writable",
+    "write_checkpoint",
 ]
 
 #: The hooks the loop calls, in the order of a run.
@@ -301,3 +307,99 @@ class Checkpoint(ModelCheckpoint):
     def set_session(self, sess: Any) -> None:
         if sess is not self.session:
             raise ValueError("Checkpoint: it was made for another session")
+
+
+# ------------------------------------------------------------------- history
+class History:
+    """Per-epoch training and validation values, as returned by ``fit``.
+
+    ``history["loss"]`` is the list of epoch losses (the batch-size weighted mean
+    of the batch losses), ``history["val_accuracy"]`` that of the validation
+    accuracy, and so on; ``history.epochs`` holds the (0-based) epoch indices and
+    ``history.seconds`` the wall time of each epoch.
+
+    >>> h = History()
+    >>> h.append(0, {"loss": 0.5}, 1.0); h.append(1, {"loss": 0.25}, 1.0)
+    >>> h["loss"], h.last
+    ([0.5, 0.25], {'loss': 0.25})
+    """
+
+    def __init__(self) -> None:
+        self.history: dict[str, list[float]] = {}
+        self.epochs: list[int] = []
+        self.seconds: list[float] = []
+        self.steps = 0
+        self.stopped_early = False
+
+    def append(self, epoch: int, logs: Mapping[str, float], seconds: float) -> None:
+        n = len(self.epochs)
+        for key in logs:
+            if key not in self.history:
+                self.history[key] = [float("nan")] * n
+        for key, values in self.history.items():
+            values.append(float(logs.get(key, float("nan"))))
+        self.epochs.append(epoch)
+        self.seconds.append(seconds)
+
+    def __getitem__(self, key: str) -> list[float]:
+        return self.history[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.history
+
+    def __len__(self) -> int:
+        return len(self.epochs)
+
+    def keys(self) -> list[str]:
+        return list(self.history)
+
+    @property
+    def last(self) -> dict[str, float]:
+        """The values of the last epoch."""
+        return {k: v[-1] for k, v in self.history.items()} if self.epochs else {}
+
+    def __repr__(self) -> str:
+        values = ", ".join(f"{k}={v:.4g}" for k, v in self.last.items())
+        return f"History({len(self)} epochs{': ' + values if values else ''})"
+
+    def plot(self, keys: Sequence[str] | None = None, ax: Any = None) -> Any:
+        """Plot the curves (default: every key; ``val_x`` dashed next to ``x``) with matplotlib.
+
+        Returns the matplotlib Axes.  matplotlib is an optional extra:
+        ``pip install 'onnxtrain[plot]'``."""
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError(
+                "History.plot needs matplotlib, which is not installed; "
+                "install it with: pip install 'onnxtrain[plot]'"
+            ) from None
+        from matplotlib.ticker import MaxNLocator
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(6, 3.5), layout="constrained")
+        # lr has another scale: plotted only when asked for.
+        names = list(keys) if keys is not None else [k for k in self.keys() if k != "lr"]
+        missing = [k for k in names if k not in self.history]
+        if missing:
+            raise KeyError(f"History.plot: no values for {missing}; available: {self.keys()}")
+        x = [e + 1 for e in self.epochs]
+        for name in names:
+            style = "--" if name.startswith("val_") else "-"
+            ax.plot(x, self.history[name], style, marker="o", markersize=3, label=name)
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
+        ax.legend()
+        ax.grid(alpha=0.3)
+        return ax
+
+
+# --------------------------------------------------------------- checkpoints
+def write_checkpoint(sess: Any, path: str | os.PathLike, epochs_done: int) -> Path:
+    """Export the training model with its fit position at ``epochs_done`` finished epochs."""
+    model = sess.to_model(training=True)
+    position = dict(sess.fit_position or {})
+    if position.get("epoch") != int(epochs_done):
+        position = {"epoch": int(epochs_done)}
+    write_position(model, position)
+    return write_model(model, path)

@@ -7,7 +7,7 @@
 - ``onnxtrain make-training MODEL -o OUT --loss L --target T --optimizer O --lr LR``
                                      build a training model (``onnxtrain.build.training_model``)
 - ``onnxtrain train MODEL --data DATA.npz --epochs N -o OUT [--checkpoint C] [--resume C]``
-                                     fit it with progress bars (``onnxtrain.fit.train_files``)
+                                     fit it with progress bars (``onnxtrain.cli_train.train_files``)
 
 User mistakes (a missing file, an invalid model, a bad option value) and a
 training run whose loss turns NaN or infinite end in one line
@@ -350,7 +350,7 @@ def _optimizer(args: argparse.Namespace):
 def _cmd_make_training(args: argparse.Namespace) -> int:
     from . import build
     from .callbacks import check_writable
-    from .io import write_model
+    from .storage import write_model
 
     check_writable(args.output, "-o")
     schedule = parse_schedule(args.schedule) if args.schedule else None
@@ -394,11 +394,10 @@ class _EpochLines:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .fit import train_files
+    from .cli_train import train_files
+    from .metadata import checkpoint_epoch
 
     if args.resume:
-        from .fit import checkpoint_epoch
-
         at = checkpoint_epoch(args.resume)
         if at:
             print(f"resumed from {args.resume} after epoch {at}", flush=True)

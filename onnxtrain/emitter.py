@@ -357,6 +357,81 @@ class Emitter:
             return self.op("Split", [x, self.ints(sizes)], outputs=n, axis=axis)
         return self.op("Split", [x], outputs=n, axis=axis, split=list(sizes))
 
+    def arange(self, n: str) -> str:
+        """[0, 1, ..., n - 1] (int64) for a runtime length n given as a 1-element tensor.
+
+        Range exists from opset 11; before it, the positions of the nonzeros of a
+        tensor of n ones are the same numbers."""
+        if self.opset >= 11:
+            return self.Range(self.scalar_int(0), self.reshape(n, []), self.scalar_int(1))
+        ones = self.op("ConstantOfShape", [n], value=numpy_helper.from_array(np.ones(1, np.int64)))
+        return self.reshape(self.NonZero(ones), [-1])
+
+    def slice_axis(self, x: str, start: str, end: str, axis: int) -> str:
+        """x[start:end] along ``axis`` with runtime bounds (1-element int64 tensors).
+
+        Slice takes runtime bounds from opset 10; before, Gather the positions."""
+        if self.opset >= 10:
+            return self.Slice(x, start, end, self.ints([axis]))
+        return self.Gather(x, self.Add(self.arange(self.Sub(end, start)), start), axis=axis)
+
+    def reshape_to(self, t: str, shape: str) -> str:
+        """Reshape ``t`` to the literal runtime shape ``shape`` (a Shape() of some tensor).
+
+        From opset 14 with allowzero=1: a 0 in ``shape`` is a zero-sized dim, never
+        'copy this dim of t' (before 14, Reshape has only the copy reading)."""
+        if self.opset >= 14:
+            return self.Reshape(t, shape, allowzero=1)
+        return self.Reshape(t, shape)
+
+    def float_equal(self, a: str, b: str) -> str:
+        """Boolean a == b for float tensors, valid in every opset.
+
+        Equal accepts floats only from opset 11; before, a == b is not(a < b or a > b)."""
+        if self.opset >= 11:
+            return self.Equal(a, b)
+        return self.Not(self.Or(self.Less(a, b), self.Greater(a, b)))
+
+    def dft(self, x: str, axis: int | str, inverse: bool = False, onesided: bool = False) -> str:
+        """DFT of x along ``axis`` (a static int, or a runtime 1-element int64
+        tensor) over its own length: the axis is an attribute at opset 17, an
+        input (possibly a runtime value) from 20."""
+        flags = {"inverse": 1 if inverse else None, "onesided": 1 if onesided else None}
+        if self.opset >= 20:
+            a = self.scalar_int(axis) if isinstance(axis, int) else self.reshape(axis, [])
+            return self.DFT(x, "", a, **flags)
+        return self.DFT(x, axis=axis, **flags)
+
+    def split_equal(self, x: str, parts: int, axis: int = 0) -> list[str]:
+        """Split into ``parts`` equal pieces (Split-18 wants num_outputs, earlier
+        ones split evenly by their output count)."""
+        if parts == 1:
+            return [x]
+        extra = {"num_outputs": parts} if self.opset >= 18 else {}
+        return self.op("Split", [x], outputs=parts, axis=axis, **extra)
+
+    def scatter_elements(self, data: str, indices: str, updates: str, axis: int = 0) -> str:
+        """ScatterElements (Scatter before opset 11; same semantics, no reduction)."""
+        op = "ScatterElements" if self.opset >= 11 else "Scatter"
+        return self.op(op, [data, indices, updates], axis=axis)
+
+    def gemm(self, a: str, b: str, c: str | None = None, **attrs: Any) -> str:
+        """Gemm with an optional C: before opset 11 C is required, so a zero
+        C with beta=0 stands in for an absent one."""
+        if c is None and self.opset < 11:
+            c = self.const(0.0, like=a)
+            attrs["beta"] = 0.0
+        return self.Gemm(a, b, c, **attrs)
+
+    def clip(self, x: str, lo: float, hi: float) -> str:
+        """min(max(x, lo), hi) with constant bounds: Clip with bound inputs from
+        opset 11; before, Max/Min (Clip-6 has float-only kernels in onnxruntime,
+        Max/Min run every float type)."""
+        lo_t, hi_t = self.const(lo, like=x), self.const(hi, like=x)
+        if self.opset >= 11:
+            return self.Clip(x, lo_t, hi_t)
+        return self.Min(self.Max(x, lo_t), hi_t)
+
     def sum_all(self, items: Sequence[str]) -> str:
         """Add up gradient contributions of equal shape."""
         if len(items) == 1:

@@ -1,15 +1,10 @@
 """The only module that imports onnxruntime: compile a program once, run it many times.
 
-Two pieces:
-
 - ``Executor``: one compiled onnxruntime session of one program.  ``run`` takes
   and returns numpy arrays; ``run_bound`` is the hot path: state tensors go in
   and out as OrtValues through IOBinding, so a training step copies no state.
-- ``StateStore``: the state variables, double-buffered in OrtValues.  A step
-  writes every updated variable into its spare buffer; ``commit`` swaps the
-  buffers, so a failed step leaves the current ones untouched.  Readers
-  (inference from other threads, ``state`` lookups) pin the buffers they read,
-  and a writer never writes into a pinned buffer: it allocates a new one.
+- ``new_buffer`` / ``empty_like``: the OrtValues that ``onnxtrain.state``'s
+  StateStore keeps the state variables in.
 """
 
 from __future__ import annotations
@@ -17,7 +12,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -263,119 +257,23 @@ class _Binding:
         return {name: values[n_state_out + i] for i, name in enumerate(fetch)}
 
 
-class StateStore:
-    """State variables in double-buffered OrtValues (see the module docstring)."""
+# ------------------------------------------------------- state buffers
+def new_buffer(arr: np.ndarray, device: tuple[str, int]) -> ort.OrtValue:
+    """An OrtValue on ``device`` holding its own copy of ``arr``."""
+    kind, index = device
+    if kind == "cpu":
+        # The OrtValue wraps (and keeps alive) its own copy of the array.
+        return ort.OrtValue.ortvalue_from_numpy(np.array(arr, copy=True, order="C"))
+    return ort.OrtValue.ortvalue_from_numpy(contiguous(arr), kind, index)
 
-    def __init__(self, arrays: Mapping[str, np.ndarray], device: tuple[str, int] = ("cpu", 0)):
-        self.device = device
-        # Reentrant: a StateView collected (its pins released) while this
-        # thread holds the mutex must not deadlock.
-        self._mutex = threading.RLock()
-        self._current: dict[str, ort.OrtValue] = {}
-        self._spare: dict[str, ort.OrtValue | None] = {}
-        self._pins: dict[int, int] = {}
-        self.version = 0
-        for name, arr in arrays.items():
-            self._current[name] = self._new_buffer(contiguous(arr))
-            self._spare[name] = None
 
-    # ---------------------------------------------------------- buffers
-    def _new_buffer(self, arr: np.ndarray) -> ort.OrtValue:
-        kind, index = self.device
-        if kind == "cpu":
-            # The OrtValue wraps (and keeps alive) its own copy of the array.
-            return ort.OrtValue.ortvalue_from_numpy(np.array(arr, copy=True, order="C"))
-        return ort.OrtValue.ortvalue_from_numpy(contiguous(arr), kind, index)
-
-    def _empty_like(self, value: ort.OrtValue) -> ort.OrtValue:
-        kind, index = self.device
-        dtype = _numpy_type(value.data_type())
-        if kind == "cpu":
-            return ort.OrtValue.ortvalue_from_numpy(np.empty(value.shape(), dtype=dtype))
-        return ort.OrtValue.ortvalue_from_shape_and_type(value.shape(), dtype, kind, index)
-
-    # ----------------------------------------------------------- access
-    def names(self) -> list[str]:
-        return list(self._current)
-
-    def current(self, names: Sequence[str]) -> dict[str, ort.OrtValue]:
-        """The current buffers of ``names`` (for the single writer, under its lock)."""
-        return {n: self._current[n] for n in names}
-
-    def targets(self, names: Sequence[str]) -> list[ort.OrtValue]:
-        """Spare buffers to write new values of ``names`` into (never a pinned one)."""
-        out = []
-        with self._mutex:
-            spares, pins = self._spare, self._pins
-            fresh = None
-            for n in names:
-                spare = spares[n]
-                if spare is None or (pins and pins.get(id(spare))):
-                    spare = self._empty_like(self._current[n])
-                    if fresh is None:
-                        fresh = dict(spares)  # installed maps are never changed in place
-                    fresh[n] = spare
-                out.append(spare)
-            if fresh is not None:
-                self._spare = fresh
-        return out
-
-    def commit(self, staged: Mapping[str, ort.OrtValue]) -> None:
-        """Make the staged buffers current (all at once); the old current
-        buffers become the spares.
-
-        The new maps are built aside and installed by one assignment, so an
-        exception or KeyboardInterrupt anywhere in here leaves every old
-        buffer current or every new one, never a mixture."""
-        with self._mutex:
-            current, spares = dict(self._current), dict(self._spare)
-            for n, value in staged.items():
-                spares[n] = current[n]
-                current[n] = value
-            self._current, self._spare, self.version = current, spares, self.version + 1
-
-    def install(self, expected: dict, current: dict, spare: dict) -> bool:
-        """A step plan's commit: if ``expected`` is still the current map, make
-        ``current``/``spare`` (maps the plan prepared) the new ones.  The maps
-        are never changed in place once installed, so a plan can hold them."""
-        with self._mutex:
-            if self._current is not expected:
-                return False
-            self._current, self._spare, self.version = current, spare, self.version + 1
-            return True
-
-    def replace(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """Set values from numpy arrays (copied into new buffers), all at once."""
-        fresh = {n: self._new_buffer(contiguous(a)) for n, a in arrays.items()}
-        with self._mutex:
-            current, spares = dict(self._current), dict(self._spare)
-            for n, value in fresh.items():
-                current[n] = value
-                spares[n] = None
-            self._current, self._spare, self.version = current, spares, self.version + 1
-
-    @contextmanager
-    def snapshot(self, names: Sequence[str] | None = None):
-        """Pin the current buffers of ``names`` (default: all) while in use."""
-        with self._mutex:
-            snap = dict(self._current) if names is None else {n: self._current[n] for n in names}
-            for v in snap.values():
-                self._pins[id(v)] = self._pins.get(id(v), 0) + 1
-        try:
-            yield snap
-        finally:
-            with self._mutex:
-                for v in snap.values():
-                    left = self._pins[id(v)] - 1
-                    if left:
-                        self._pins[id(v)] = left
-                    else:
-                        del self._pins[id(v)]
-
-    def to_numpy(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-        """Copies of the current values (a consistent snapshot)."""
-        with self.snapshot(names) as snap:
-            return {n: np.array(v.numpy(), copy=True) for n, v in snap.items()}
+def empty_like(value: ort.OrtValue, device: tuple[str, int]) -> ort.OrtValue:
+    """An uninitialized OrtValue on ``device`` of ``value``'s type and shape."""
+    kind, index = device
+    dtype = _numpy_type(value.data_type())
+    if kind == "cpu":
+        return ort.OrtValue.ortvalue_from_numpy(np.empty(value.shape(), dtype=dtype))
+    return ort.OrtValue.ortvalue_from_shape_and_type(value.shape(), dtype, kind, index)
 
 
 _NUMPY_OF_ORT = {

@@ -3,36 +3,19 @@
 ``TrainingSession.fit/evaluate/predict`` delegate here.  What the loop needs
 to know about a model (which inputs the data feeds, which output is the loss,
 which algorithm runs on which batch) comes from ``model.metadata_props``
-written by ``onnxtrain.build`` (JSON values), and is inferred from the graphs
-for hand-built models:
+written by ``onnxtrain.build`` (JSON values, ``onnxtrain.metadata`` lists the
+keys), and is inferred from the graphs for hand-built models.
 
-====================== =========================================== ==============================
-key                    meaning                                     inferred without metadata
-====================== =========================================== ==============================
-onnxtrain.inputs       main-graph data inputs, in order            the main graph's inputs
-onnxtrain.target       the target feed (the algorithm's extra      the one algorithm input the
-                       input)                                      main graph does not have
-onnxtrain.loss         the loss output                             'loss', else the one scalar
-                                                                   algorithm-only output
-onnxtrain.prediction   the main-graph output metrics read          the first main-graph output
-onnxtrain.task         "classification" or "regression"            integer target: classification
-onnxtrain.cycle        algorithm index per batch, repeated         one spec iteration per batch
-                       ([0, 0, 1]: accumulate over 3 batches)      (every algorithm in order)
-onnxtrain.classes      {"count": C, "axis": 1|-1, "ignore_index"}  no label range check
-                       for class-index losses (label check)
-onnxtrain.learning_    {"state": name, "base": lr}: the base       no ``sess.learning_rate``
-rate                   learning rate's state variable
-onnxtrain.checkpoint   the fit position {"epoch", "batch",         start at epoch 0
-                       "step"} (written by export(training=True))
-====================== =========================================== ==============================
+How ``evaluate`` computes the loss without training: through the session's
+*loss program* (``TrainingSession.evaluate_batch``, built by
+``programs.loss_program``): the combined graph M ⊕ A of the algorithm that
+produces the loss, pruned to the loss and the prediction, run on a pinned
+snapshot of the state and writing nothing back.  The loss is thus exactly the
+one training minimizes, whatever its kind, and the state cannot change.
 
-How ``evaluate`` computes the loss without training: it compiles a third kind
-of program, the *loss program*: the combined graph M ⊕ A of the algorithm that
-produces the loss, pruned to the loss and the prediction.  The Gradient and
-optimizer nodes are dead in it and vanish, so it is a forward pass through the
-model's own loss, fed with a pinned snapshot of the current state and writing
-nothing back.  The loss is thus exactly the one training minimizes, whatever
-its kind, and the state cannot change.
+History, the callbacks and checkpoints live in ``onnxtrain.callbacks``, the
+metadata contract in ``onnxtrain.metadata``, the file-based training of the
+CLI in ``onnxtrain.cli_train``; their names stay importable from here.
 
 >>> from onnxtrain.demo import build_classifier
 >>> from onnxtrain.datasets import load_digits
@@ -50,15 +33,12 @@ its kind, and the state cannot change.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -70,13 +50,16 @@ from .callbacks import (
     Checkpoint,
     CSVLogger,
     EarlyStopping,
+    History,
     ModelCheckpoint,
     StopTraining,
     TerminateOnNaN,
     check_callbacks,
     check_writable,
+    write_checkpoint,
 )
 from .errors import TrainingModelError
+from .metadata import checkpoint_epoch, model_metadata
 
 __all__ = [
     "CSVLogger",
@@ -89,22 +72,15 @@ __all__ = [
     "History",
     "NonFiniteLossError",
     "StopTraining",
-    "TrainResult",
     "checkpoint_epoch",
     "evaluate",
     "fit",
     "fit_spec",
-    "load_npz",
     "model_metadata",
     "predict",
-    "train_files",
     "write_checkpoint",
 ]
 
-#: Prefix of every metadata_props key onnxtrain reads or writes.
-PREFIX = "onnxtrain."
-#: Written by Checkpoint: where the fit loop stood when the file was written.
-CHECKPOINT_KEY = PREFIX + "checkpoint"
 TASKS = ("classification", "regression")
 DEFAULT_EVAL_BATCH = 256
 
@@ -119,39 +95,6 @@ class NonFiniteLossError(FloatingPointError):
     def __init__(self, message: str, epoch: int, batch: int, step: int, loss: float) -> None:
         super().__init__(message)
         self.epoch, self.batch, self.step, self.loss = epoch, batch, step, loss
-
-
-# ------------------------------------------------------------------ metadata
-def model_metadata(model: onnx.ModelProto) -> dict[str, Any]:
-    """The ``onnxtrain.*`` entries of ``model.metadata_props``, JSON-decoded, prefix dropped.
-
-    >>> m = onnx.ModelProto()
-    >>> _ = m.metadata_props.add(key="onnxtrain.target", value='"label"')
-    >>> _ = m.metadata_props.add(key="author", value="someone")
-    >>> model_metadata(m)
-    {'target': 'label'}
-    """
-    out: dict[str, Any] = {}
-    for entry in model.metadata_props:
-        if not entry.key.startswith(PREFIX):
-            continue
-        try:
-            out[entry.key[len(PREFIX):]] = json.loads(entry.value)
-        except json.JSONDecodeError as exc:
-            raise TrainingModelError(
-                f"metadata_props[{entry.key!r}]: expected a JSON value, found {entry.value!r} ({exc})"
-            ) from None
-    return out
-
-
-def set_metadata(model: onnx.ModelProto, key: str, value: Any) -> None:
-    """Set ``onnxtrain.<key>`` in ``model.metadata_props`` to ``value`` as JSON (replacing it)."""
-    full = PREFIX + key
-    kept = [(e.key, e.value) for e in model.metadata_props if e.key != full]
-    del model.metadata_props[:]
-    for k, v in kept:
-        model.metadata_props.add(key=k, value=v)
-    model.metadata_props.add(key=full, value=json.dumps(value))
 
 
 @dataclass(frozen=True)
@@ -545,154 +488,6 @@ def _rows_weighted(fn: Callable) -> Callable:
     return metric
 
 
-# ------------------------------------------------------------------- history
-class History:
-    """Per-epoch training and validation values, as returned by ``fit``.
-
-    ``history["loss"]`` is the list of epoch losses (the batch-size weighted mean
-    of the batch losses), ``history["val_accuracy"]`` that of the validation
-    accuracy, and so on; ``history.epochs`` holds the (0-based) epoch indices and
-    ``history.seconds`` the wall time of each epoch.
-
-    >>> h = History()
-    >>> h.append(0, {"loss": 0.5}, 1.0); h.append(1, {"loss": 0.25}, 1.0)
-    >>> h["loss"], h.last
-    ([0.5, 0.25], {'loss': 0.25})
-    """
-
-    def __init__(self) -> None:
-        self.history: dict[str, list[float]] = {}
-        self.epochs: list[int] = []
-        self.seconds: list[float] = []
-        self.steps = 0
-        self.stopped_early = False
-
-    def append(self, epoch: int, logs: Mapping[str, float], seconds: float) -> None:
-        n = len(self.epochs)
-        for key in logs:
-            if key not in self.history:
-                self.history[key] = [float("nan")] * n
-        for key, values in self.history.items():
-            values.append(float(logs.get(key, float("nan"))))
-        self.epochs.append(epoch)
-        self.seconds.append(seconds)
-
-    def __getitem__(self, key: str) -> list[float]:
-        return self.history[key]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.history
-
-    def __len__(self) -> int:
-        return len(self.epochs)
-
-    def keys(self) -> list[str]:
-        return list(self.history)
-
-    @property
-    def last(self) -> dict[str, float]:
-        """The values of the last epoch."""
-        return {k: v[-1] for k, v in self.history.items()} if self.epochs else {}
-
-    def __repr__(self) -> str:
-        values = ", ".join(f"{k}={v:.4g}" for k, v in self.last.items())
-        return f"History({len(self)} epochs{': ' + values if values else ''})"
-
-    def plot(self, keys: Sequence[str] | None = None, ax: Any = None) -> Any:
-        """Plot the curves (default: every key; ``val_x`` dashed next to ``x``) with matplotlib.
-
-        Returns the matplotlib Axes.  matplotlib is an optional extra:
-        ``pip install 'onnxtrain[plot]'``."""
-        try:
-            import matplotlib.pyplot as plt
-        except ImportError:
-            raise ImportError(
-                "History.plot needs matplotlib, which is not installed; "
-                "install it with: pip install 'onnxtrain[plot]'"
-            ) from None
-        from matplotlib.ticker import MaxNLocator
-
-        if ax is None:
-            _, ax = plt.subplots(figsize=(6, 3.5), layout="constrained")
-        # lr has another scale: plotted only when asked for.
-        names = list(keys) if keys is not None else [k for k in self.keys() if k != "lr"]
-        missing = [k for k in names if k not in self.history]
-        if missing:
-            raise KeyError(f"History.plot: no values for {missing}; available: {self.keys()}")
-        x = [e + 1 for e in self.epochs]
-        for name in names:
-            style = "--" if name.startswith("val_") else "-"
-            ax.plot(x, self.history[name], style, marker="o", markersize=3, label=name)
-        ax.set_xlabel("epoch")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
-        ax.legend()
-        ax.grid(alpha=0.3)
-        return ax
-
-
-# ----------------------------------------------------------------- callbacks
-# (Callback, EarlyStopping, TerminateOnNaN, CSVLogger, ModelCheckpoint and
-# Checkpoint live in onnxtrain.callbacks; they are re-exported here.)
-
-
-def write_checkpoint(sess: Any, path: str | os.PathLike, epochs_done: int) -> Path:
-    """Export the training model with its fit position at ``epochs_done`` finished epochs."""
-    from .io import write_model
-
-    model = sess.to_model(training=True)
-    position = dict(sess.fit_position or {})
-    if position.get("epoch") != int(epochs_done):
-        position = {"epoch": int(epochs_done)}
-    write_position(model, position)
-    return write_model(model, path)
-
-
-def read_position(model: onnx.ModelProto) -> dict[str, Any] | None:
-    """The fit position a checkpoint records (``onnxtrain.checkpoint``), or None.
-
-    ``{"epoch": epochs finished, "batch": batches done of the next epoch,
-    "step": steps done, "source": "checkpoint"}``; older checkpoints hold
-    only the epoch."""
-    info = model_metadata(model).get("checkpoint")
-    if info is None:
-        return None
-    ok = isinstance(info, dict) and all(
-        isinstance(info.get(k, 0), int) and not isinstance(info.get(k, 0), bool) and info.get(k, 0) >= 0
-        for k in ("epoch", "batch", "step")) and "epoch" in info
-    if not ok:
-        raise TrainingModelError(
-            f"metadata onnxtrain.checkpoint: expected {{'epoch': N, 'batch': B, 'step': S}}, got {info!r}")
-    return {"epoch": info["epoch"], "batch": info.get("batch", 0), "step": info.get("step"),
-            "source": "checkpoint"}
-
-
-def write_position(model: onnx.ModelProto, position: Mapping[str, Any] | None) -> None:
-    """Record ``position`` (see ``read_position``) in ``model``'s metadata; None removes it."""
-    if position is None:
-        kept = [(e.key, e.value) for e in model.metadata_props if e.key != CHECKPOINT_KEY]
-        del model.metadata_props[:]
-        for k, v in kept:
-            model.metadata_props.add(key=k, value=v)
-        return
-    value = {"epoch": int(position.get("epoch", 0))}
-    if position.get("batch"):
-        value["batch"] = int(position["batch"])
-    if position.get("step") is not None:
-        value["step"] = int(position["step"])
-    set_metadata(model, "checkpoint", value)
-
-
-def checkpoint_epoch(model: Any) -> int:
-    """How many epochs a checkpoint had finished (0 if it records none).
-
-    ``model`` is a TrainingSession, a ModelProto or a path."""
-    if isinstance(model, (str, os.PathLike)):
-        model = onnx.load(str(model), load_external_data=False)
-    proto = model if isinstance(model, onnx.ModelProto) else model.model
-    position = read_position(proto)
-    return 0 if position is None else position["epoch"]
-
-
 def _call(callbacks: Sequence[Any], hook: str, *args: Any) -> bool:
     """Run one hook of every callback; True if one asked to stop."""
     stop = False
@@ -990,10 +785,15 @@ def _decide_drop_last(sess: Any, spec: FitSpec, train: _Data, batch_size: int,
 def _progress_bar(progress: bool | str, total: int | None, desc: str, initial: int = 0) -> Any:
     if progress is not True:
         return None
+    from tqdm import tqdm as text_bar
     from tqdm.auto import tqdm  # a widget in notebooks (ipywidgets), text elsewhere
 
-    return tqdm(total=total, desc=desc, unit="batch", file=sys.stderr, leave=True,
-                dynamic_ncols=True, mininterval=0.2, initial=initial)
+    options = dict(total=total, desc=desc, unit="batch", file=sys.stderr, leave=True,
+                   dynamic_ncols=True, mininterval=0.2, initial=initial)
+    try:
+        return tqdm(**options)
+    except ImportError:  # older tqdm picks the widget in any notebook, then misses ipywidgets
+        return text_bar(**options)
 
 
 def _rows_of(batch: Mapping[str, Any]) -> int:
@@ -1027,9 +827,6 @@ def evaluate(
 
 def _evaluate_data(sess: Any, spec: FitSpec, data: _Data, batch_size: int,
                    metric_fns: Mapping[str, Callable]) -> dict[str, float]:
-    program = _loss_program(sess, spec)
-    executor = sess._executor(program)
-    names = [n for n in (spec.loss, spec.prediction) if n is not None]
     loss_mean = _Mean()
     metric_means = {name: _Mean() for name in metric_fns}
     fixed = _fixed_batch(sess, spec) if data.arrays is not None else None
@@ -1044,10 +841,7 @@ def _evaluate_data(sess: Any, spec: FitSpec, data: _Data, batch_size: int,
             warnings.warn(f"evaluate: the model has a fixed batch size of {fixed}; the last "
                           f"{data.rows % fixed} row(s) are not evaluated", UserWarning, stacklevel=3)
     for batch in data.batches(batch_size, drop_last=fixed is not None):
-        sess._check_names(batch, "evaluate")
-        feeds = sess._user_feeds(program, batch, False, "evaluate")
-        with sess._store.snapshot(program.state_inputs) as snap:
-            out = executor.run_bound(feeds, snap, {}, names)
+        out = sess.evaluate_batch(batch, spec.loss, spec.prediction, spec.loss_algorithm)
         rows = _rows_of(batch)
         loss_mean.add(float(np.mean(out[spec.loss])), rows)
         for name, fn in metric_fns.items():
@@ -1056,51 +850,6 @@ def _evaluate_data(sess: Any, spec: FitSpec, data: _Data, batch_size: int,
     result = {"loss": loss_mean.result()}
     result.update({name: mean.result() for name, mean in metric_means.items()})
     return result
-
-
-def _loss_program(sess: Any, spec: FitSpec) -> Any:
-    """The combined graph of the loss algorithm pruned to loss and prediction (cached).
-
-    Pruning happens before lowering: the Gradient and optimizer nodes are dead
-    here, and so are the inputs and state (moments, counters) only they read,
-    which are dropped so that the program is fed just what the forward pass needs."""
-    from .graph import node_inputs, prune
-    from .model import combined_graph
-    from .programs import build_program
-
-    cache = sess.__dict__.setdefault("_fit_loss_programs", {})
-    key = (spec.loss_algorithm, spec.loss, spec.prediction)
-    if key in cache:
-        return cache[key]
-    index = spec.loss_algorithm
-    graph = combined_graph(sess._model.proto, index)
-    outputs = [n for n in (spec.loss, spec.prediction) if n is not None]
-    by_name = {o.name: o for o in graph.output}
-    kept_outputs = [by_name[n] for n in outputs]
-    del graph.output[:]
-    graph.output.extend(kept_outputs)
-    # Evaluation is inference: a loss that reads a training-mode copy of the
-    # forward pass (Dropout/BatchNormalization active) reads the main graph's
-    # prediction instead, and the copy is pruned away.
-    train_prediction = model_metadata(sess.model).get("train_prediction", {}).get(str(index))
-    if train_prediction and spec.prediction:
-        for node in graph.node:
-            if train_prediction in node.input:
-                node.input[:] = [spec.prediction if i == train_prediction else i for i in node.input]
-    live = prune(list(graph.node), outputs)
-    del graph.node[:]
-    graph.node.extend(live)
-    used = set(outputs)
-    for node in live:
-        used.update(node_inputs(node))
-    for fld, name_of in (("input", lambda v: v.name), ("initializer", lambda t: t.name),
-                         ("sparse_initializer", lambda t: t.values.name)):
-        items = [x for x in getattr(graph, fld) if name_of(x) in used]
-        del getattr(graph, fld)[:]
-        getattr(graph, fld).extend(items)
-    program = build_program(sess._model, f"evaluate(training_info[{index}])", graph, [])
-    cache[key] = program
-    return program
 
 
 # ------------------------------------------------------------------- predict
@@ -1147,161 +896,3 @@ def _algo_only(sess: Any) -> set[str]:
     """Feeds only algorithms read (targets): dropped before inference."""
     main = set(sess.inference_inputs)
     return {n for feeds in sess.algorithm_inputs for n in feeds if n not in main}
-
-
-# ------------------------------------------------------------ files (the CLI)
-def load_npz(path: str | os.PathLike, sess: Any | None = None) -> Any:
-    """Training data from an .npz file: ``(X, y)`` from arrays ``X`` and ``y``, else a
-    dict of the arrays when their names are feeds of ``sess``."""
-    import zipfile
-
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"no such data file: {str(path)!r}") from None
-    if magic not in (b"PK\x03\x04", b"PK\x05\x06"):  # .npz files are zip archives
-        raise ValueError(f"{path}: not a .npz archive (write one with numpy.savez(path, X=..., y=...))")
-    try:
-        archive = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
-        raise ValueError(f"{path}: cannot read it as a .npz archive ({exc})") from None
-    with archive:
-        try:
-            arrays = {k: archive[k] for k in archive.files}
-        except (ValueError, OSError, zipfile.BadZipFile) as exc:
-            raise ValueError(f"{path}: cannot read its arrays ({exc})") from None
-    if "X" in arrays and "y" in arrays:
-        return arrays["X"], arrays["y"]
-    if sess is not None:
-        spec = fit_spec(sess)
-        needed = list(spec.inputs) + ([spec.target] if spec.target else [])
-        if needed and all(n in arrays for n in needed):
-            return {n: arrays[n] for n in needed}
-        wanted = f"arrays 'X' and 'y' (or {needed})"
-    else:
-        wanted = "arrays 'X' and 'y'"
-    raise ValueError(f"{path}: expected {wanted}, found {sorted(arrays)}")
-
-
-class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C during ``train_files``; the message says what the checkpoint holds."""
-
-
-@dataclass
-class TrainResult:
-    """What ``train_files`` did."""
-
-    history: History
-    output: Path | None
-    checkpoint: Path | None
-    initial_epoch: int
-    epochs: int
-    seconds: float
-
-
-def train_files(
-    model: str | os.PathLike,
-    data: str | os.PathLike,
-    epochs: int,
-    batch_size: int = 32,
-    output: str | os.PathLike | None = None,
-    checkpoint: str | os.PathLike | None = None,
-    resume: str | os.PathLike | None = None,
-    validation_data: str | os.PathLike | None = None,
-    seed: int = 0,
-    progress: bool | str = True,
-    callbacks: Sequence[Any] = (),
-    terminate_on_nan: bool = True,
-) -> TrainResult:
-    """``onnxtrain train``: fit a training model file on an .npz file.
-
-    ``resume``: a checkpoint written by ``checkpoint`` (a training model whose
-    metadata records the finished epochs); training goes on from there up to
-    ``epochs``, exactly as if it had never stopped, provided ``data``,
-    ``batch_size`` and ``seed`` are the same.  The checkpoint must hold the
-    state variables of ``model``.  ``output``: the trained inference model.
-
-    Every output path is checked before the first step.  ``terminate_on_nan``
-    (on, as in the CLI): a NaN/Inf loss stops the run through ``TerminateOnNaN``
-    and raises ``NonFiniteLossError`` afterwards, with the checkpoint of the last
-    finished epoch left as it was and no output written.  Ctrl-C raises
-    ``TrainingInterrupted`` naming the epoch the checkpoint holds."""
-    from .model import load, validate
-    from .session import TrainingSession
-
-    start = time.perf_counter()
-    if int(epochs) < 1:
-        raise ValueError(f"epochs must be >= 1, got {epochs}")
-    if output is not None:
-        check_writable(output, "-o")
-    if checkpoint is not None:
-        check_writable(checkpoint, "--checkpoint")
-    if resume is not None:
-        base = validate(*load(model))
-        sess = TrainingSession(resume)
-        _check_same_state(base.state, sess.state_info, model, resume)
-        initial = checkpoint_epoch(sess)
-    else:
-        sess = TrainingSession(model)
-        initial = 0
-    if sess.num_algorithms == 0:
-        raise TrainingModelError(
-            f"{resume or model}: the model has no training_info, so there is nothing to train; "
-            "make a training model first (onnxtrain make-training)"
-        )
-    train = load_npz(data, sess)
-    val = load_npz(validation_data, sess) if validation_data is not None else None
-    saver = ModelCheckpoint(checkpoint) if checkpoint is not None else None
-    nan_stop = TerminateOnNaN() if terminate_on_nan else None
-    all_callbacks = [cb for cb in (saver, nan_stop) if cb is not None] + list(callbacks)
-    try:
-        history = fit(sess, train, epochs=int(epochs), batch_size=int(batch_size), seed=int(seed),
-                      validation_data=val, progress=progress, callbacks=all_callbacks,
-                      # A resumed run continues where the checkpoint stood (mid-epoch too).
-                      initial_epoch=(None if resume is not None and initial <= int(epochs)
-                                     else min(initial, int(epochs))))
-    except KeyboardInterrupt:
-        at = sess.fit_position or {}
-        where = f" during epoch {at.get('epoch', initial) + 1}" if at.get("batch") else ""
-        if saver is not None:
-            saved = (f"the checkpoint {saver.written[-1]} holds epoch {checkpoint_epoch(saver.written[-1])}"
-                     if saver.written else
-                     f"no checkpoint was written ({checkpoint} still holds what it held)")
-        else:
-            saved = "nothing was saved (use --checkpoint to keep finished epochs)"
-        raise TrainingInterrupted(f"interrupted{where}: {saved}") from None
-    if nan_stop is not None and nan_stop.terminated is not None:
-        e, b, st, value = nan_stop.terminated
-        kept = (f"; the checkpoint {saver.written[-1]} holds epoch {checkpoint_epoch(saver.written[-1])}"
-                if saver is not None and saver.written else "")
-        raise NonFiniteLossError(
-            f"the training loss is {value} at epoch {e + 1}, batch {b + 1} (step {st} of this "
-            f"run); training stopped (TerminateOnNaN), nothing written{kept}", e, b, st, value)
-    written_ckpt = None
-    if saver is not None:
-        if saver.written:
-            written_ckpt = saver.written[-1]
-        else:  # no epoch ran (the checkpoint was that far already): write it all the same
-            written_ckpt = write_checkpoint(sess, checkpoint, initial)
-    out = sess.export(output) if output is not None else None
-    return TrainResult(history, Path(out) if out else None,
-                       Path(written_ckpt) if written_ckpt else None, initial, int(epochs),
-                       time.perf_counter() - start)
-
-
-def _check_same_state(expected: Mapping[str, Any], found: Mapping[str, Any], model: Any,
-                      ckpt: Any) -> None:
-    for name, var in expected.items():
-        other = found.get(name)
-        if other is None:
-            raise ValueError(f"{ckpt}: not a checkpoint of {model}: it has no state variable {name!r}")
-        if other.dtype != var.dtype or tuple(other.shape) != tuple(var.shape):
-            raise ValueError(
-                f"{ckpt}: not a checkpoint of {model}: {name!r} is {other.dtype}{list(other.shape)} "
-                f"there, {var.dtype}{list(var.shape)} in the model"
-            )
-    extra = sorted(set(found) - set(expected))
-    if extra:
-        raise ValueError(f"{ckpt}: not a checkpoint of {model}: unexpected state variables {extra[:5]}")

@@ -4,7 +4,7 @@ type and shape inference.  Each function has one job."""
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import onnx
@@ -25,6 +25,47 @@ def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
         elif a.type == onnx.AttributeProto.GRAPHS:
             out.extend(a.graphs)
     return out
+
+
+def graph_names(graph: onnx.GraphProto) -> set[str]:
+    """Every value and node name of a graph and of its subgraphs: inputs,
+    outputs, initializers (dense and sparse), value_info, node inputs, outputs
+    and names.  Seed a ``NameGen`` with it (``NameGen.from_graph``) so that
+    new names collide with none of them."""
+    names: set[str] = set()
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        names.update(v.name for v in g.input)
+        names.update(v.name for v in g.output)
+        names.update(v.name for v in g.value_info)
+        names.update(t.name for t in g.initializer)
+        names.update(t.values.name for t in g.sparse_initializer)
+        for n in g.node:
+            names.update(n.input)
+            names.update(n.output)
+            names.add(n.name)
+            stack.extend(subgraphs(n))
+    names.discard("")
+    return names
+
+
+def identity_source(graph: onnx.GraphProto) -> Callable[[str], str]:
+    """name -> the tensor it copies through a chain of Identity nodes (itself if none)."""
+    identity_of = {
+        n.output[0]: n.input[0]
+        for n in graph.node
+        if n.op_type == "Identity" and n.domain in DEFAULT_DOMAINS and n.input and n.output
+    }
+
+    def source(name: str) -> str:
+        seen = set()
+        while name in identity_of and name not in seen:
+            seen.add(name)
+            name = identity_of[name]
+        return name
+
+    return source
 
 
 def outer_references(graph: onnx.GraphProto) -> set[str]:
@@ -392,7 +433,8 @@ def _numel(dims) -> int:
 
 
 def opset_version(opset_imports: Iterable[onnx.OperatorSetIdProto], domain: str = "") -> int:
-    """The imported version of a domain (default domain: '' or 'ai.onnx')."""
+    """The imported version of a domain (default domain: '' or 'ai.onnx'); 0 if
+    the domain is not imported.  The one opset lookup of the package."""
     domains = DEFAULT_DOMAINS if domain in DEFAULT_DOMAINS else (domain,)
     for o in opset_imports:
         if o.domain in domains:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+import onnx
+
+from .graph import graph_names
+
 
 class NameGen:
     """Hands out names that collide with nothing already in use.
@@ -21,6 +25,15 @@ class NameGen:
     def __init__(self, used: Iterable[str] = ()) -> None:
         self._used: set[str] = set(used)
         self._counter: dict[str, int] = {}
+
+    @classmethod
+    def from_graph(cls, graph: onnx.GraphProto, *more: Iterable[str]) -> NameGen:
+        """A generator that avoids every name of ``graph`` (subgraphs included,
+        see ``graph.graph_names``) and the names in ``more``."""
+        names = cls(graph_names(graph))
+        for extra in more:
+            names.reserve(extra)
+        return names
 
     def reserve(self, names: Iterable[str]) -> None:
         """Mark names as taken."""

@@ -1,20 +1,21 @@
-"""Build the executable programs of a training model.
+"""The executable programs of a training model, and how their feeds are checked.
 
-One program per use: ``inference`` (M), ``algorithm i`` (M ⊕ A_i) and
-``initialization i`` (I_i).  Each is a plain ONNX model of standard ops:
+One program per use, each a plain ONNX model of standard ops built by the
+pipeline of ``onnxtrain.passes``:
 
-1. take the graph (combining M and A_i for an algorithm),
-2. turn every state variable it holds into a graph input (fed from the state),
-3. expand Gradient nodes into backward graphs (autodiff),
-4. lower Adam / Momentum / Adagrad to standard ops (optim),
-5. fold scaled updates of Gemm products into the Gemm (fuse),
-6. prune nodes no output needs and sort topologically,
-7. drop the ai.onnx.preview.training import; the executor caps the IR version.
+- ``inference``: the main graph M (``run``, ``predict``);
+- ``training_info[i].algorithm``: M ⊕ A_i (``train_step``);
+- ``training_info[i].initialization``: I_i (``initialize``);
+- ``evaluate(training_info[i])``: M ⊕ A_i pruned to the loss and prediction,
+  a forward pass through the model's own loss (``evaluate_batch``).
+
+Feed checking lives here too: ``check_feed_names`` (every name known) and
+``Program.check_feeds`` (dtype, rank, static sizes, shared symbolic sizes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,26 +23,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .autodiff import expand_gradients
-from .errors import TrainingModelError
-from .executor import MAX_IR_VERSION
-from .fuse import fuse_gemm_updates
-from .graph import (
-    PREVIEW_DOMAIN,
-    node_inputs,
-    opset_version,
-    outer_references,
-    prune,
-    subgraphs,
-    toposort,
-)
-from .model import TrainingModel, combined_graph, copy_graph, uses_preview_ops
-from .names import NameGen
-from .optim import lower_optimizers
-
-
-#: Default-domain opset given to programs of models that import none.
-DEFAULT_OPSET = 17
+from .model import TrainingModel
+from .passes import combine, loss_graph, run_pipeline
 
 
 @dataclass(frozen=True)
@@ -140,24 +123,59 @@ class Program:
     #: Every state variable a run writes: bound_keys, then the copies' keys.
     target_keys: tuple[str, ...] = ()
 
+    def check_feeds(
+        self, feeds: Mapping[str, Any], allow_state_override: bool, caller: str
+    ) -> dict[str, np.ndarray]:
+        """Checked numpy feeds (state variables come from the store unless
+        ``allow_state_override`` lets a feed override one for this call)."""
+        out: dict[str, np.ndarray] = {}
+        for spec in self.feed_specs:
+            try:
+                value = feeds[spec.name]
+            except KeyError:
+                raise ValueError(
+                    f"{caller}: missing feed {spec.name!r} (input of {self.label}, "
+                    f"expected {spec.text})"
+                ) from None
+            out[spec.name] = spec.check(value, caller)
+        if len(feeds) > len(out):
+            for name, spec in self.optional_specs.items():
+                if name in feeds:
+                    out[name] = spec.check(feeds[name], caller)
+            for name, spec in self.state_specs.items():
+                if name in feeds:
+                    if not allow_state_override:
+                        raise ValueError(
+                            f"{caller}: {name!r} is a state variable; set it with load_state(), "
+                            "not as a feed"
+                        )
+                    out[name] = spec.check(feeds[name], caller)
+        for symbol, places in self.shared_dims.items():
+            # Kernels trust the model's shapes: a batch of 8 inputs and 3 labels
+            # would make onnxruntime read past the shorter feed.
+            sizes = {(n, a): out[n].shape[a] for n, a in places if n in out}
+            if len(set(sizes.values())) > 1:
+                found = ", ".join(f"{n}[{a}]={v}" for (n, a), v in sizes.items())
+                raise ValueError(
+                    f"{caller}: feeds disagree on the symbolic dimension {symbol!r}: {found}"
+                )
+        return out
 
-def _all_names(graph: onnx.GraphProto) -> set[str]:
-    names = {i.name for i in graph.input} | {o.name for o in graph.output}
-    names |= {t.name for t in graph.initializer} | {v.name for v in graph.value_info}
-    names |= {t.values.name for t in graph.sparse_initializer}
-    stack = [graph]
-    while stack:
-        g = stack.pop()
-        for n in g.node:
-            names.update(n.input)
-            names.update(n.output)
-            names.add(n.name)
-            for a in n.attribute:
-                if a.type == onnx.AttributeProto.GRAPH:
-                    stack.append(a.g)
-                elif a.type == onnx.AttributeProto.GRAPHS:
-                    stack.extend(a.graphs)
-    return names
+
+def check_feed_names(feeds: Mapping[str, Any], known: frozenset[str], inputs: Iterable[str],
+                     caller: str) -> None:
+    """Refuse a feeds object that is not a mapping, or names nothing in ``known``."""
+    try:
+        if feeds.keys() <= known:
+            return
+    except AttributeError:
+        raise TypeError(
+            f"{caller}: feeds must be a dict of name -> array, not {type(feeds).__name__}"
+        ) from None
+    unknown = [k for k in feeds if k not in known]
+    raise ValueError(
+        f"{caller}: unknown feed {unknown[0]!r}; the model's inputs are {sorted(inputs)}"
+    )
 
 
 def build_program(
@@ -171,50 +189,7 @@ def build_program(
 
     ``state_left_out``: state variables whose initializers the caller already
     left out of ``graph`` (they become inputs all the same)."""
-    proto = tm.proto
-    state_here = {
-        name
-        for name in [t.name for t in graph.initializer]
-        + [t.values.name for t in graph.sparse_initializer]
-        if name in tm.state
-    } | set(state_left_out)
-    # State variables become inputs fed from the session's buffers: copying
-    # their initializer data here would double the memory of a large model.
-    g = copy_graph(graph, exclude_initializers=state_here)
-    _state_to_inputs(g, tm, state_here)
-
-    names = NameGen(_all_names(g))
-    available = [i.name for i in g.input] + [t.name for t in g.initializer]
-    available += [t.values.name for t in g.sparse_initializer]
-    opset_imports = list(proto.opset_import)
-    if not any(o.domain in ("", "ai.onnx") for o in opset_imports):
-        # Lowered Gradient/optimizer ops are default-domain ops; models that
-        # import only ai.onnx.preview.training (ONNX's own test cases) get one.
-        opset_imports.append(helper.make_opsetid("", DEFAULT_OPSET))
-    try:
-        if uses_preview_ops(g):
-            expand_gradients(g, opset_imports, names, available, proto.functions)
-            lower_optimizers(g, opset_imports, names)
-            fuse_gemm_updates(g, opset_imports)
-        outputs = [o.name for o in g.output]
-        nodes = prune(toposort(list(g.node), available, where=label), outputs)
-        nodes = _elide_output_identities(nodes, g)
-        nodes = _shield_batch_norm_inputs(nodes, g, opset_version(opset_imports), names)
-    except TrainingModelError as exc:
-        raise type(exc)(f"{label}: {exc}") from exc
-    del g.node[:]
-    g.node.extend(nodes)
-    if uses_preview_ops(g):
-        left = sorted({n.op_type for n in g.node if n.domain == PREVIEW_DOMAIN})
-        raise TrainingModelError(f"{label}: unsupported ai.onnx.preview.training ops {left}")
-    _prune_unused_initializers(g)
-
-    imports = [o for o in opset_imports if o.domain != PREVIEW_DOMAIN]
-    model = helper.make_model(g, opset_imports=imports, producer_name="onnxtrain")
-    ir = max(proto.ir_version, 4) if proto.ir_version else 8
-    model.ir_version = min(ir, MAX_IR_VERSION)
-    model.functions.extend(proto.functions)
-
+    g, model = run_pipeline(tm, label, graph, state_left_out)
     init_names = {t.name for t in g.initializer}
     program = Program(label=label, model=model, bindings=list(bindings or []))
     for vi in g.input:
@@ -254,114 +229,6 @@ def build_program(
     return program
 
 
-def _state_to_inputs(g: onnx.GraphProto, tm: TrainingModel, state_here: set[str]) -> None:
-    """Replace state initializers by graph inputs of the same type and shape."""
-    declared = {i.name for i in g.input}
-    kept = [t for t in g.initializer if t.name not in state_here]
-    kept_sparse = [t for t in g.sparse_initializer if t.values.name not in state_here]
-    del g.initializer[:]
-    g.initializer.extend(kept)
-    del g.sparse_initializer[:]
-    g.sparse_initializer.extend(kept_sparse)
-    for name in sorted(state_here, key=list(tm.state).index):
-        var = tm.state[name]
-        vi = helper.make_tensor_value_info(name, var.elem_type, list(var.shape))
-        if name in declared:
-            for existing in g.input:
-                if existing.name == name:
-                    existing.CopyFrom(vi)
-        else:
-            g.input.append(vi)
-
-
-def _elide_output_identities(nodes: list[onnx.NodeProto], g: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """Drop ``b = Identity(a)`` where b is a graph output, by letting a's
-    producer write b directly (onnxruntime keeps such Identities: one kernel
-    and one copy per step each, e.g. for a loss or a bound update).
-
-    Only when a is an intermediate value: produced by a node of this graph,
-    not a graph input, initializer or output, and not read by a subgraph."""
-    outputs = {o.name for o in g.output}
-    fixed = {i.name for i in g.input} | {t.name for t in g.initializer}
-    fixed |= {t.values.name for t in g.sparse_initializer} | outputs
-    producer = {o: n for n in nodes for o in n.output if o}
-    captured: set[str] = set()
-    for n in nodes:
-        for sub in subgraphs(n):
-            captured |= outer_references(sub)
-    rename: dict[str, str] = {}
-    kept = []
-    for n in nodes:
-        if (
-            n.op_type == "Identity"
-            and n.domain in ("", "ai.onnx")
-            and n.output[0] in outputs
-            and n.input[0] in producer
-            and n.input[0] not in fixed
-            and n.input[0] not in captured
-            and n.input[0] not in rename
-        ):
-            rename[n.input[0]] = n.output[0]
-            continue
-        kept.append(n)
-    if not rename:
-        return nodes
-    for n in kept:
-        for i, name in enumerate(n.input):
-            if name in rename:
-                n.input[i] = rename[name]
-        for i, name in enumerate(n.output):
-            if name in rename:
-                n.output[i] = rename[name]
-    keep_vi = [vi for vi in g.value_info if vi.name not in rename]
-    del g.value_info[:]
-    g.value_info.extend(keep_vi)
-    return kept
-
-
-def _shield_batch_norm_inputs(
-    nodes: list[onnx.NodeProto], g: onnx.GraphProto, opset: int, names: NameGen
-) -> list[onnx.NodeProto]:
-    """Give every training-mode BatchNormalization a private copy of its
-    mean/var inputs when they are graph inputs or initializers.
-
-    onnxruntime 1.31 writes the running statistics into the buffers of those
-    inputs when the running_mean/running_var outputs are not graph outputs.
-    Fed from state, that would change the committed state before the step
-    commits (and under a concurrent ``run()``).  The copy is Max(v, v): a
-    per-channel vector, which onnxruntime neither aliases nor removes (it does
-    both to Identity)."""
-    fixed = {i.name for i in g.input} | {t.name for t in g.initializer}
-    out: list[onnx.NodeProto] = []
-    for n in nodes:
-        if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx"):
-            training = (
-                any(a.name == "training_mode" and a.i for a in n.attribute)
-                if opset >= 14
-                else sum(1 for o in n.output if o) > 1
-            )
-            if training:
-                for k in (3, 4):
-                    if len(n.input) > k and n.input[k] in fixed:
-                        copy = names.fresh(f"{n.input[k]}/bn_private")
-                        out.append(helper.make_node("Max", [n.input[k], n.input[k]], [copy],
-                                                    name=names.fresh("bn_private_copy")))
-                        n.input[k] = copy
-        out.append(n)
-    return out
-
-
-def _prune_unused_initializers(g: onnx.GraphProto) -> None:
-    used: set[str] = {o.name for o in g.output}
-    for n in g.node:
-        used.update(node_inputs(n))
-    declared = {i.name for i in g.input}
-    kept = [t for t in g.initializer if t.name in used or t.name in declared]
-    if len(kept) != len(g.initializer):
-        del g.initializer[:]
-        g.initializer.extend(kept)
-
-
 def inference_program(tm: TrainingModel) -> Program:
     return build_program(tm, "inference", tm.proto.graph)
 
@@ -369,13 +236,7 @@ def inference_program(tm: TrainingModel) -> Program:
 def algorithm_program(tm: TrainingModel, index: int) -> Program:
     ti = tm.proto.training_info[index]
     bindings = [(e.key, e.value) for e in ti.update_binding]
-    state = {
-        name
-        for g in (tm.proto.graph, ti.algorithm)
-        for name in [t.name for t in g.initializer] + [t.values.name for t in g.sparse_initializer]
-        if name in tm.state
-    }
-    combined = combined_graph(tm.proto, index, exclude_initializers=state)
+    combined, state = combine(tm, index)
     return build_program(tm, f"training_info[{index}].algorithm", combined, bindings, state)
 
 
@@ -385,3 +246,12 @@ def initialization_program(tm: TrainingModel, index: int) -> Program | None:
         return None
     bindings = [(e.key, e.value) for e in ti.initialization_binding]
     return build_program(tm, f"training_info[{index}].initialization", ti.initialization, bindings)
+
+
+def loss_program(tm: TrainingModel, index: int, loss: str, prediction: str | None = None,
+                 train_prediction: str | None = None) -> Program:
+    """The evaluation program of algorithm ``index``: its combined graph pruned
+    to ``loss`` and ``prediction`` (see ``passes.loss_graph``); binds nothing."""
+    outputs = [n for n in (loss, prediction) if n is not None]
+    graph = loss_graph(tm, index, outputs, train_prediction, prediction)
+    return build_program(tm, f"evaluate(training_info[{index}])", graph, [])

@@ -19,7 +19,6 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +26,21 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from . import kernels
 from .errors import TrainingModelError
-from .executor import MAX_IR_VERSION, Executor, StateStore, device_of
-from .fuse import with_fused_kernels
-from .graph import PREVIEW_DOMAIN
-from .io import write_model
-from .model import ModelLike, TrainingModel, load, uses_preview_ops, validate
-from .programs import Program, algorithm_program, inference_program, initialization_program
+from .executor import Executor, device_of
+from .storage import write_model
+from .metadata import model_metadata, read_position, write_position
+from .model import ModelLike, TrainingModel, load, validate
+from .passes import KernelChoice, check_fused_kernels, inference_export, kernel_choice
+from .programs import (
+    Program,
+    algorithm_program,
+    check_feed_names,
+    inference_program,
+    initialization_program,
+    loss_program,
+)
+from .state import StateStore
 
 
 class StateView(Mapping):
@@ -63,19 +69,6 @@ class StateView(Mapping):
     def __repr__(self) -> str:
         items = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in self.items())
         return f"StateView({{{items}}})"
-
-
-@dataclass
-class _StepPlan:
-    """One of the two double-buffer configurations of a steady-state step (see
-    ``TrainingSession._plan_steps``): the state map it expects to be current,
-    its binding (and the state inputs bound there), and the maps its commit installs."""
-
-    expected: dict
-    binding: Any
-    state_in: dict
-    next_current: dict
-    next_spare: dict
 
 
 class TrainingSession:
@@ -113,19 +106,15 @@ class TrainingSession:
         self._initializations = [
             initialization_program(tm, i) for i in range(len(tm.training_info))
         ]
+        #: evaluate_batch's loss programs by (algorithm, loss, prediction).
+        self._loss_programs: dict[tuple[int, str, str | None], Program] = {}
         self._executors: dict[int, Executor] = {}
-        self._executed: dict[int, onnx.ModelProto] = {}
-        self._plans: tuple[Program, _StepPlan, _StepPlan] | None = None
-        if fused_kernels not in (None, True, False):
-            raise TypeError(f"fused_kernels must be None, True or False, not {fused_kernels!r}")
+        self._executed: dict[int, KernelChoice] = {}
+        self._plans: tuple[Program, tuple] | None = None
+        check_fused_kernels(fused_kernels, device_of(self._providers)[0])
         self._fused_kernels = fused_kernels
         #: Why fused kernels are not in use (empty while they are, or not yet asked).
         self.fused_kernels_note = ""
-        if fused_kernels:
-            if device_of(self._providers)[0] != "cpu":
-                raise ValueError("fused_kernels=True: the fused kernels run on the CPU provider only")
-            if kernels.library() is None:
-                raise RuntimeError(f"fused_kernels=True, but the kernel library is {kernels.status()}")
         self._check_finite = check_finite
         self._store = StateStore(
             {name: tm.initial_value(name, readonly=True) for name in tm.state},
@@ -135,8 +124,6 @@ class TrainingSession:
         for p in self._algorithms:
             self._input_names |= set(p.feeds) | set(p.optional_feeds)
         self._known_names = frozenset(self._input_names | set(tm.state))
-        from .fit import read_position
-
         #: Where the fit loop stands: {"epoch": epochs done, "batch": batches done
         #: in the next epoch, "step": steps done, "source": "checkpoint" | "fit"}
         #: or None.  Read from a checkpoint's metadata, kept up to date by ``fit``
@@ -233,8 +220,6 @@ class TrainingSession:
     def _setting_state(self, key: str, what: str) -> str:
         """The state variable that metadata ``onnxtrain.<key>`` names (a
         setting the builder keeps as state), or a TrainingModelError."""
-        from .fit import model_metadata
-
         info = model_metadata(self.model).get(key)
         name = info.get("state") if isinstance(info, dict) else None
         if not name or name not in self._model.state:
@@ -310,24 +295,17 @@ class TrainingSession:
 
     # ------------------------------------------------------------- execution
     def _program_model(self, program: Program) -> tuple[onnx.ModelProto, str | None]:
-        """The model to run for ``program`` and the custom-op library it needs."""
-        if self._fused_kernels is False or program not in self._algorithms:
+        """The model to run for ``program`` and the custom-op library it needs
+        (``passes.kernel_choice`` decides, once per training algorithm)."""
+        if program not in self._algorithms:
             return program.model, None
-        if device_of(self._providers)[0] != "cpu":
-            self.fused_kernels_note = "fused kernels run on the CPU provider only"
-            return program.model, None
-        key = id(program)
-        fused = self._executed.get(key)
-        if fused is None:
-            fused, _ = with_fused_kernels(program.model)
-            self._executed[key] = fused
-        if fused is program.model:
-            return program.model, None
-        library = kernels.library()
-        if library is None:
-            self.fused_kernels_note = kernels.status()
-            return program.model, None
-        return fused, library
+        choice = self._executed.get(id(program))
+        if choice is None:
+            choice = kernel_choice(program.model, self._fused_kernels, device_of(self._providers)[0])
+            self._executed[id(program)] = choice
+        if choice.note:
+            self.fused_kernels_note = choice.note
+        return choice.model, choice.library
 
     def _executor(self, program: Program) -> Executor:
         key = id(program)
@@ -341,61 +319,13 @@ class TrainingSession:
                     raise
                 # The standard program always works where the fused one cannot load.
                 self.fused_kernels_note = f"onnxruntime did not load the fused kernels: {exc}"
-                self._executed[key] = program.model
+                self._executed[key] = KernelChoice(program.model)
                 ex = Executor(program.model, self._providers, self._session_options, program.label)
             self._executors[key] = ex
         return ex
 
-    def _user_feeds(
-        self, program: Program, feeds: Mapping[str, Any], allow_state_override: bool, caller: str
-    ) -> dict[str, np.ndarray]:
-        """Checked numpy feeds for ``program`` (state variables come from the store)."""
-        out: dict[str, np.ndarray] = {}
-        for spec in program.feed_specs:
-            try:
-                value = feeds[spec.name]
-            except KeyError:
-                raise ValueError(
-                    f"{caller}: missing feed {spec.name!r} (input of {program.label}, "
-                    f"expected {spec.text})"
-                ) from None
-            out[spec.name] = spec.check(value, caller)
-        if len(feeds) > len(out):
-            for name, spec in program.optional_specs.items():
-                if name in feeds:
-                    out[name] = spec.check(feeds[name], caller)
-            for name, spec in program.state_specs.items():
-                if name in feeds:
-                    if not allow_state_override:
-                        raise ValueError(
-                            f"{caller}: {name!r} is a state variable; set it with load_state(), "
-                            "not as a feed"
-                        )
-                    out[name] = spec.check(feeds[name], caller)
-        for symbol, places in program.shared_dims.items():
-            # Kernels trust the model's shapes: a batch of 8 inputs and 3 labels
-            # would make onnxruntime read past the shorter feed.
-            sizes = {(n, a): out[n].shape[a] for n, a in places if n in out}
-            if len(set(sizes.values())) > 1:
-                found = ", ".join(f"{n}[{a}]={v}" for (n, a), v in sizes.items())
-                raise ValueError(
-                    f"{caller}: feeds disagree on the symbolic dimension {symbol!r}: {found}"
-                )
-        return out
-
     def _check_names(self, feeds: Mapping[str, Any], caller: str) -> None:
-        try:
-            if feeds.keys() <= self._known_names:
-                return
-        except AttributeError:
-            raise TypeError(
-                f"{caller}: feeds must be a dict of name -> array, not {type(feeds).__name__}"
-            ) from None
-        unknown = [k for k in feeds if k not in self._known_names]
-        raise ValueError(
-            f"{caller}: unknown feed {unknown[0]!r}; the model's inputs are "
-            f"{sorted(self._input_names)}"
-        )
+        check_feed_names(feeds, self._known_names, self._input_names, caller)
 
     def _run_and_stage(
         self,
@@ -484,7 +414,7 @@ class TrainingSession:
                 f"[0, {len(algorithms)}), got {algorithm!r}"
             )
         self._check_names(feeds, "train_step")
-        checked = [self._user_feeds(p, feeds, False, "train_step") for p in programs]
+        checked = [p.check_feeds(feeds, False, "train_step") for p in programs]
         with self._lock:
             if len(programs) == 1:
                 outputs = self._planned_step(programs[0], checked[0], fetch)
@@ -508,52 +438,28 @@ class TrainingSession:
 
     # ------------------------------------------------------------ step plans
     def _plan_steps(self, program: Program) -> None:
-        """Prepare the two alternating steps of ``program`` after a committed one.
-
-        Double buffering makes every step one of two configurations: state in
-        buffers A written to B, then B written to A.  A plan holds one of them
-        bound once, with the state maps its commit installs, so a steady-state
-        step does no per-variable Python work.  Any other state change
-        (load_state, a pinned snapshot, another program) makes the plans miss;
-        the general path runs and plans again."""
+        """Prepare the two alternating steps of ``program`` after a committed
+        one (``StateStore.plan_cycle``); the general path runs whenever they miss."""
         self._plans = None
-        store = self._store
-        if self._check_finite or program.bound_copies or store._pins:
+        if self._check_finite or program.bound_copies or self._store.pinned:
             return
         executor = self._executor(program)
+        outputs = program.bound_values
 
-        def plan(current: dict, spare: dict) -> _StepPlan | None:
-            targets = [spare.get(k) for k in program.bound_keys]
-            if any(t is None for t in targets):
-                return None
-            state_in = {n: current[n] for n in program.state_inputs}
-            state_out = dict(zip(program.bound_values, targets))
-            nxt_current, nxt_spare = dict(current), dict(spare)
-            for key, target in zip(program.bound_keys, targets):
-                nxt_spare[key] = current[key]
-                nxt_current[key] = target
-            return _StepPlan(current, executor.binding(state_in, state_out), state_in,
-                             nxt_current, nxt_spare)
+        def bind(state_in: dict, targets: list) -> Any:
+            return executor.binding(state_in, dict(zip(outputs, targets)))
 
-        first = plan(store._current, store._spare)
-        if first is None:
-            return
-        second = plan(first.next_current, first.next_spare)
-        if second is None:
-            return
-        # The cycle closes on the same maps: the second plan installs the first's.
-        second.next_current, second.next_spare = first.expected, store._spare
-        self._plans = (program, first, second)
+        cycle = self._store.plan_cycle(program.state_inputs, program.bound_keys, bind)
+        if cycle is not None:
+            self._plans = (program, cycle)
 
     def _planned_step(self, program: Program, feeds: dict, fetch: bool) -> dict | None:
         """A step through a plan, or None when no plan applies (see ``_plan_steps``)."""
         plans = self._plans
-        store = self._store
-        if plans is None or plans[0] is not program or store._pins:
+        if plans is None or plans[0] is not program:
             return None
-        current = store._current
-        _, a, b = plans
-        plan = a if a.expected is current else b if b.expected is current else None
+        store = self._store
+        plan = store.plan_for_current(plans[1])
         if plan is None:
             return None
         executor = self._executor(program)
@@ -563,9 +469,42 @@ class TrainingSession:
         except RuntimeError:
             self._diagnose(program, feeds, plan.state_in, "update_binding")
             raise
-        if not store.install(current, plan.next_current, plan.next_spare):  # pragma: no cover
+        if not store.install(plan):  # pragma: no cover
             return None  # (cannot happen: the store only changes under our lock)
         return outputs
+
+    def evaluate_batch(
+        self, feeds: Mapping[str, Any], loss: str, prediction: str | None = None,
+        algorithm: int = 0,
+    ) -> dict[str, np.ndarray]:
+        """The ``loss`` (and ``prediction``) of algorithm ``algorithm`` on one
+        batch, at the current state, which stays unchanged.
+
+        Runs the loss program (``programs.loss_program``, built on first use
+        and kept): the algorithm's combined graph pruned to those outputs, a
+        forward pass through the model's own loss on a pinned snapshot of the
+        state.  Where the builder recorded a training-mode copy of the forward
+        pass (metadata ``train_prediction``), the loss reads the inference-mode
+        ``prediction`` instead."""
+        n = len(self._algorithms)
+        if not (type(algorithm) is int or isinstance(algorithm, np.integer)) or not 0 <= algorithm < n:
+            raise ValueError(f"evaluate: algorithm must be an index in [0, {n}), got {algorithm!r}")
+        key = (int(algorithm), loss, prediction)
+        program = self._loss_programs.get(key)
+        if program is None:
+            returned = self._algorithms[algorithm].returned
+            if loss not in returned:
+                raise ValueError(f"evaluate: {loss!r} is not an output of algorithm {algorithm} "
+                                 f"{returned}")
+            train_prediction = model_metadata(self.model).get("train_prediction", {})
+            program = loss_program(self._model, int(algorithm), loss, prediction,
+                                   train_prediction.get(str(algorithm)))
+            self._loss_programs[key] = program
+        self._check_names(feeds, "evaluate")
+        checked = program.check_feeds(feeds, False, "evaluate")
+        executor = self._executor(program)
+        with self._store.snapshot(program.state_inputs) as snap:
+            return executor.run_bound(checked, snap, {}, program.outputs)
 
     def initialize(self) -> None:
         """Run every initialization graph in order and apply its initialization_binding.
@@ -605,7 +544,7 @@ class TrainingSession:
             raise ValueError(
                 f"run: {bad[0]!r} is not an output of the main graph; outputs are {program.outputs}"
             )
-        user = self._user_feeds(program, feeds, True, "run")
+        user = program.check_feeds(feeds, True, "run")
         reads = [n for n in program.state_inputs if n not in user]
         executor = self._executor(program)
         with self._store.snapshot(reads) as snap:
@@ -646,26 +585,13 @@ class TrainingSession:
             del keep.training_info[:]
             out = keep
         _write_state(out.graph, state)
-        from .fit import write_position
-
         # The fit position: where training stands (none for an inference model).
         write_position(out, self.fit_position if training else None)
         if training:
             for ti in out.training_info:
                 _write_state(ti.algorithm, state)
         else:
-            from .build import lora
-
-            if lora.info_of(out) is not None:
-                # LoRA: the original graph with W + (alpha/r)·A·B in each target.
-                out = lora.merge(out)
-            _drop_unused_initializers(out.graph)
-            if not uses_preview_ops(out.graph):
-                imports = [o for o in out.opset_import if o.domain != PREVIEW_DOMAIN]
-                del out.opset_import[:]
-                out.opset_import.extend(imports)
-            if out.ir_version > MAX_IR_VERSION:
-                out.ir_version = MAX_IR_VERSION
+            out = inference_export(out)
         return out
 
     def export(
@@ -678,20 +604,6 @@ class TrainingSession:
         default; protobuf cannot hold 2 GiB); True or False forces it."""
         model = self.to_model(training=training)
         return write_model(model, path, external_data=external_data)
-
-
-def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
-    """Initializers no node, subgraph or output reads (training-only state a
-    builder parked in the main graph, e.g. gradient accumulators)."""
-    from .graph import node_inputs
-
-    used = {o.name for o in graph.output} | {i.name for i in graph.input}
-    for node in graph.node:
-        used.update(node_inputs(node))
-    kept = [t for t in graph.initializer if t.name in used]
-    if len(kept) != len(graph.initializer):
-        del graph.initializer[:]
-        graph.initializer.extend(kept)
 
 
 def _write_state(graph: onnx.GraphProto, state: Mapping[str, np.ndarray]) -> None:

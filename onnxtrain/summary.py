@@ -47,6 +47,8 @@ from typing import Any
 import numpy as np
 import onnx
 
+from .metadata import model_metadata
+
 __all__ = ["session_text", "session_html", "state_rows", "algorithm_rows", "describe_value", "model_text",
            "parameter_text"]
 
@@ -120,8 +122,6 @@ def _gradient_xs(model: onnx.ModelProto) -> set[str]:
 
 def state_rows(sess: Any) -> list[StateRow]:
     """One row per state variable with its role: trainable first, then state, then optimizer."""
-    from .fit import model_metadata
-
     model = sess.model
     try:
         meta = model_metadata(model)
@@ -178,8 +178,6 @@ def _algorithm_line(a: AlgorithmRow) -> str:
 
 
 def _cycle_line(sess: Any) -> str | None:
-    from .fit import model_metadata
-
     try:
         cycle = model_metadata(sess.model).get("cycle")
     except ValueError:

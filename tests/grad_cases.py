@@ -26,7 +26,7 @@ import gradcheck
 import numpy as np
 import onnx
 import pytest
-from gradcheck import _all_names, _model, check_vjp
+from gradcheck import check_vjp, make_model
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
@@ -201,12 +201,12 @@ def check_vjp_squared(
     types["loss"] = onnx.TensorProto.DOUBLE
     shapes = {g: list(inputs[x].shape) for g, x in zip(grads, wrt)}
     shapes["loss"] = []
-    loss_model = _model(nodes, inputs, ["loss"], opset, types, shapes)
-    grad_model = _model(nodes + [gnode], inputs, ["loss"] + grads, opset, types, shapes)
-    for vi in grad_model.graph.input:
-        vi.CopyFrom(gradcheck._vi(vi.name, inputs[vi.name], True))
+    loss_model = make_model(nodes, inputs, ["loss"], opset, types, shapes)
+    grad_model = make_model(
+        nodes + [gnode], inputs, ["loss"] + grads, opset, types, shapes, symbolic=inputs
+    )
     expand_gradients(
-        grad_model.graph, grad_model.opset_import, NameGen(_all_names(grad_model)), list(inputs)
+        grad_model.graph, grad_model.opset_import, NameGen.from_graph(grad_model.graph), list(inputs)
     )
     onnx.checker.check_model(grad_model)
     analytic = gradcheck.Executor(grad_model).run(inputs, grads)
@@ -256,8 +256,8 @@ def run_case_float32(case: Case, opset: int) -> None:
     types = {}
     types.update({g: helper.np_dtype_to_tensor_dtype(inputs[x].dtype) for g, x in zip(grads, wrt)})
     shapes = {g: list(inputs[x].shape) for g, x in zip(grads, wrt)}
-    model = _model(nodes, inputs, grads, opset, types, shapes)
-    expand_gradients(model.graph, model.opset_import, NameGen(_all_names(model)), list(inputs))
+    model = make_model(nodes, inputs, grads, opset, types, shapes)
+    expand_gradients(model.graph, model.opset_import, NameGen.from_graph(model.graph), list(inputs))
     onnx.checker.check_model(model)
     values = Executor(model).run(inputs, grads)
     for g, x in zip(values, wrt):
@@ -283,8 +283,8 @@ def expand_only(op: str, inputs: dict[str, np.ndarray], attrs: dict | None = Non
             name="G",
         ),
     ]
-    model = _model(nodes, inputs, ["loss"], opset, {}, {"loss": []})
-    expand_gradients(model.graph, model.opset_import, NameGen(_all_names(model)), list(inputs))
+    model = make_model(nodes, inputs, ["loss"], opset, {}, {"loss": []})
+    expand_gradients(model.graph, model.opset_import, NameGen.from_graph(model.graph), list(inputs))
     return model
 
 

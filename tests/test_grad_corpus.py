@@ -634,15 +634,6 @@ def _convert_value(value: Any, vi: onnx.ValueInfoProto, target: int | None) -> A
     return np.asarray(value).astype(np.float64).astype(NP_OF[target])
 
 
-def _names(g: onnx.GraphProto) -> set[str]:
-    names = {v.name for v in list(g.input) + list(g.output) + list(g.value_info)}
-    names |= {t.name for t in g.initializer}
-    for n in _walk(g):
-        names.update(n.input)
-        names.update(n.output)
-    return names
-
-
 def _session_options() -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
@@ -669,7 +660,7 @@ def build(case: Case) -> tuple[onnx.ModelProto, onnx.ModelProto, dict[str, Any],
     wrt = [vi.name for vi in present if _is_float_tensor(vi)]
 
     rng = np.random.default_rng(_seed(case.name))
-    names = NameGen(_names(g))
+    names = NameGen.from_graph(g)
     terms: list[str] = []
     abs_terms: list[str] = []
     loss_nodes: list[onnx.NodeProto] = []

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 from onnx import helper
 
-from gradcheck import check_vjp
-from gradcheck_f32 import check_vjp_f32
+from gradcheck import check_vjp, check_vjp_f32
 from onnxtrain.errors import TrainingModelError
 
 

@@ -63,14 +63,6 @@ def _model(nodes, feeds, outputs, opset, ml_opset, symbolic=()):
     return model
 
 
-def _names(model: onnx.ModelProto) -> set[str]:
-    used = {i.name for i in model.graph.input} | {o.name for o in model.graph.output}
-    for n in model.graph.node:
-        used.update(n.input)
-        used.update(n.output)
-    return used
-
-
 def _declare_outputs(model: onnx.ModelProto, outputs: Sequence[str], probe) -> None:
     """Give out_k and R_k the same symbolic dims in the model.
 
@@ -158,7 +150,7 @@ def check_graph(
     )
     if opset < 13:
         _declare_outputs(model, outputs, probe)
-    expand_gradients(model.graph, model.opset_import, NameGen(_names(model)), list(feeds))
+    expand_gradients(model.graph, model.opset_import, NameGen.from_graph(model.graph), list(feeds))
     onnx.checker.check_model(model)
     analytic = Executor(model).run(feeds, grads)
     for g, x in zip(analytic, wrt):
@@ -223,7 +215,7 @@ def expand(nodes, inputs: Mapping[str, np.ndarray], y: str, opset: int = 17, ml_
     """Expand Gradient(y w.r.t. X) and return the graph (no run)."""
     g = helper.make_node("Gradient", ["X"], ["dX"], domain=PREVIEW_DOMAIN, xs=["X"], y=y, name="G")
     model = _model(list(nodes) + [g], inputs, [("dX", F32)], opset, ml_opset)
-    expand_gradients(model.graph, model.opset_import, NameGen(_names(model)), list(inputs))
+    expand_gradients(model.graph, model.opset_import, NameGen.from_graph(model.graph), list(inputs))
     return model
 
 
@@ -239,7 +231,7 @@ def weighted_gradient(nodes, x: np.ndarray, r: np.ndarray, opset: int = 17) -> n
     g = helper.make_node("Gradient", ["X"], ["dX"], domain=PREVIEW_DOMAIN, xs=["X"], y="loss")
     model = _model(nodes + [g], {"X": x, "R": r}, [("dX", F32, list(x.shape))], opset, 3)
     model.graph.value_info.append(helper.make_tensor_value_info("Y", F32, list(r.shape)))
-    expand_gradients(model.graph, model.opset_import, NameGen(_names(model)), ["X", "R"])
+    expand_gradients(model.graph, model.opset_import, NameGen.from_graph(model.graph), ["X", "R"])
     onnx.checker.check_model(model)
     (dx,) = Executor(model).run({"X": x, "R": r}, ["dX"])
     return dx
@@ -1001,7 +993,7 @@ def test_piecewise_constant_branch_gives_nothing(name):
                 helper.make_node("ReduceSum", ["w"], ["loss"], keepdims=0)]
         model = _model(nodes + loss + [g], {"X": x, "R": r}, [("dX", F32, [4, 3]), ("F", F32)],
                        17, ml_opset)
-        expand_gradients(model.graph, model.opset_import, NameGen(_names(model)), ["X", "R"])
+        expand_gradients(model.graph, model.opset_import, NameGen.from_graph(model.graph), ["X", "R"])
         dx, fx = Executor(model).run({"X": x, "R": r}, ["dX", "F"])
     else:
         dx = weighted_gradient(nodes, x, r)

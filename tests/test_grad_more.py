@@ -17,12 +17,10 @@ from __future__ import annotations
 import itertools
 
 import gradcheck
-import gradcheck_f32
 import numpy as np
 import onnx
 import pytest
-from gradcheck import check_vjp
-from gradcheck_f32 import check_vjp_f32
+from gradcheck import check_vjp, check_vjp_f32
 from grad_cases import Case, check_vjp_squared, const_node
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
@@ -43,12 +41,12 @@ def _rng(seed: int = 0) -> np.random.Generator:
 def only_x_symbolic(monkeypatch):
     """check_vjp_f32 with symbolic shapes for the data input only: sizes, scales
     and rois stay static (onnxruntime checks their lengths when loading)."""
-    original = gradcheck_f32._value_info
+    original = gradcheck.value_info
 
     def value_info(name, arr, symbolic):
         return original(name, arr, symbolic and name == "x")
 
-    monkeypatch.setattr(gradcheck_f32, "_value_info", value_info)
+    monkeypatch.setattr(gradcheck, "value_info", value_info)
 
 
 # ------------------------------------------------------------ Resize / Upsample

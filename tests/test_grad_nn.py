@@ -11,8 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradcheck import check_vjp
-from gradcheck_f32 import check_vjp_f32
+from gradcheck import check_vjp, check_vjp_f32
 from onnxtrain.errors import TrainingModelError
 
 

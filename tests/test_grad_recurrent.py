@@ -21,12 +21,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from gradcheck_f32 import check_vjp_f32
+from gradcheck import check_vjp_f32
 from models import F32, tensor, trainable_model, vi
 from onnxtrain import TrainingSession
 from onnxtrain.autodiff import expand_gradients
-from onnxtrain.autodiff.registry import REGISTRY, Rule
-from onnxtrain.autodiff.rules.recurrent import GATES, lower_recurrent, recurrent_vjp
+from onnxtrain.autodiff.rules.recurrent import GATES, lower_recurrent
 from onnxtrain.emitter import Emitter
 from onnxtrain.errors import TrainingModelError
 from onnxtrain.executor import Executor
@@ -34,22 +33,6 @@ from onnxtrain.graph import PREVIEW_DOMAIN
 from onnxtrain.names import NameGen
 
 OUTPUTS = {"RNN": 2, "GRU": 2, "LSTM": 3}
-
-
-@pytest.fixture(autouse=True)
-def generic_recurrent_rule():
-    """Check recurrent.py's rule even where nn.py's hand-derived rules are
-    registered for the same ops (they take precedence in the registry)."""
-    key = lambda op: ("", op)  # noqa: E731
-    saved = {op: REGISTRY._rules.get(key(op)) for op in GATES}
-    for op in GATES:
-        REGISTRY._rules[key(op)] = Rule(op, "", "vjp", recurrent_vjp)
-    yield
-    for op, rule in saved.items():
-        if rule is None:
-            REGISTRY._rules.pop(key(op), None)
-        else:
-            REGISTRY._rules[key(op)] = rule
 
 
 def _rand(rng, *shape, scale=0.5):

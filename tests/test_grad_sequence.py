@@ -42,14 +42,6 @@ def _model(nodes, feeds, outputs, opset, shapes=None):
     return m
 
 
-def _names(model: onnx.ModelProto) -> set[str]:
-    used = {i.name for i in model.graph.input} | {o.name for o in model.graph.output}
-    for n in model.graph.node:
-        used.update(n.input)
-        used.update(n.output)
-    return used
-
-
 def check_graph(
     nodes: Sequence[onnx.NodeProto],
     inputs: Mapping[str, np.ndarray],
@@ -79,7 +71,7 @@ def check_graph(
     loss_model = _model(nodes, feeds, ["loss"], opset, shapes)
     grad_model = _model(nodes + [gnode], feeds, ["loss"] + grads, opset, shapes)
     available = [i.name for i in grad_model.graph.input]
-    expand_gradients(grad_model.graph, grad_model.opset_import, NameGen(_names(grad_model)), available)
+    expand_gradients(grad_model.graph, grad_model.opset_import, NameGen.from_graph(grad_model.graph), available)
     onnx.checker.check_model(grad_model)
     analytic = Executor(grad_model).run(feeds, grads)
     forward = Executor(loss_model)

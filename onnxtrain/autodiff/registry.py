@@ -23,6 +23,7 @@ An op without any registration is an error too: never a silent zero.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +104,30 @@ def no_grad(*op_types: str, domain: str = "") -> None:
 def refuse(op_type: str, reason: str, domain: str = "") -> None:
     """Register an op that cannot be differentiated, with the reason shown to users."""
     REGISTRY.add(Rule(op_type, domain, "refused", reason=reason))
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_defaults(op_type: str, opset: int, domain: str) -> dict[str, Any]:
+    """{attribute: default value} of the schema of ``op_type`` in force at ``opset``."""
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, domain)
+    except onnx.defs.SchemaError:
+        return {}
+    out = {}
+    for name, a in schema.attributes.items():
+        if a.default_value.type != onnx.AttributeProto.UNDEFINED:
+            out[name] = helper.get_attribute_value(a.default_value)
+    return out
+
+
+def schema_default(node: onnx.NodeProto, opset: int, name: str) -> Any:
+    """The schema default of attribute ``name`` of ``node`` (an op of the default
+    domain, ``opset`` being that domain's version), or None where the schema
+    gives none.  Ops of other domains get None: their opset is not known here."""
+    if node.domain not in ("", "ai.onnx"):
+        return None
+    value = _schema_defaults(node.op_type, opset, "").get(name)
+    return list(value) if isinstance(value, list) else value
 
 
 class VJPContext:
@@ -187,13 +212,21 @@ class VJPContext:
         return self.node.input[i] if i < len(self.node.input) and self.node.input[i] else None
 
     def attr(self, name: str, default: Any = None) -> Any:
-        """Attribute value (strings decoded), or ``default`` when absent."""
-        v = self._attrs.get(name, default)
+        """Attribute value (strings decoded).  When the node does not set it:
+        ``default`` if given, else the default the ONNX schema of this op at
+        the model's opset declares (None where the schema has none)."""
+        v = self._attrs.get(name)
+        if v is None:
+            v = default if default is not None else schema_default(self.node, self.opset, name)
         if isinstance(v, bytes):
             return v.decode()
         if isinstance(v, list) and v and isinstance(v[0], bytes):
             return [s.decode() for s in v]
         return v
+
+    def has_attr(self, name: str) -> bool:
+        """Whether the node sets attribute ``name`` itself."""
+        return name in self._attrs
 
     def needs(self, i: int) -> bool:
         """Whether the gradient of input i is wanted."""
@@ -245,68 +278,99 @@ class VJPContext:
     def ones_like(self, x: str) -> str:
         return self.emit.ones_like(x)
 
-    def unbroadcast(self, dx: str, like: str, out: str | None = None) -> str:
-        """Sum ``dx`` (shaped like the broadcast result ``out``, default: the
-        node's first output) down to the shape of ``like``.
+    def unbroadcast(
+        self,
+        dx: str,
+        like: str,
+        out: str | None = None,
+        *,
+        out_dims: Sequence[Dim] | None = None,
+        like_dims: Sequence[Dim] | None = None,
+        like_shape: str | None = None,
+        runtime_from: int = 9,
+    ) -> str:
+        """Sum ``dx`` (a broadcast of ``like``) down to the shape of ``like``:
+        the one broadcasting reduction every rule uses.
 
-        Static shapes decide where they can; otherwise the axes are computed at
-        run time (opset >= 13), so symbolic dimensions are fine."""
-        out = out if out is not None else self.outputs[0]
-        sx, sy = self.shape(like), self.shape(out)
-        if sx is not None and sy is not None and len(sy) >= len(sx):
-            lead = len(sy) - len(sx)
-            axes: list[int] | None = list(range(lead))
-            for i, dxi in enumerate(sx):
-                dyi = sy[lead + i]
-                if dxi == dyi and dxi is not None:
-                    continue  # same static size or same symbol
-                if dxi == 1:
-                    axes.append(lead + i)
-                elif dxi is None or dyi is None or isinstance(dxi, str) or isinstance(dyi, str):
-                    axes = None  # cannot tell statically
-                    break
-                # else: dxi == dyi handled above; different known ints > 1 cannot broadcast
-            if axes is not None:
-                if not axes:
-                    return dx
-                if axes == list(range(lead)):
-                    # only leading axes go: one reduction that drops them
-                    return self.emit.reduce_sum(dx, axes, keepdims=False)
-                red = self.emit.reduce_sum(dx, axes, keepdims=True)
-                if lead:
-                    red = self.emit.squeeze(red, list(range(lead)))
-                return red
-            if self.emit.opset < 13:
-                return self._unbroadcast_by_axis(dx, like, sx, sy)
-        return self._unbroadcast_dynamic(dx, like)
-
-    def _unbroadcast_by_axis(self, dx: str, like: str, sx: Shape, sy: Shape) -> str:
-        """Before opset 13 (no runtime ReduceSum axes): reduce the axes known to
-        be broadcast; for each doubtful axis a, whose size s in x is 1 or the
-        full size n, take  Where(s == 1, Expand(sum_a(dx)), dx)  and then keep
-        its first s entries along a with a Gather of arange(s), built from
-        NonZero(ConstantOfShape(s)) so that it exists from opset 9 on."""
-        e = self.emit
-        lead = len(sy) - len(sx)
-        certain = list(range(lead))
-        doubtful = []
-        for i, dxi in enumerate(sx):
-            dyi = sy[lead + i]
-            if dxi == dyi and dxi is not None:
-                continue
-            if dxi == 1:
+        ``dx`` has the dims ``out_dims`` (default: the static shape of ``out``,
+        itself defaulting to the node's first output) and ``like`` the dims
+        ``like_dims`` (default: its static shape); ``like_shape`` is like's
+        runtime shape when ``like`` is not laid out as ``like_dims`` (default:
+        Shape(like)).  Axes that ``like`` lacks are summed away and axes where it
+        has size 1 are summed with keepdims.  Static dims decide where they
+        can (a known size > 1, or a result of size 1, is never broadcast);
+        otherwise the axes are found at run time: ReduceSum over runtime axes
+        from opset 13, a per-axis Where/Gather from opset 9 (see
+        ``_unbroadcast_by_axis``), and a clear refusal before that.
+        ``runtime_from`` raises that opset floor: the matrix-product rules keep
+        refusing opset 9 (10), as they always have; the per-axis form would
+        serve them there too."""
+        if out_dims is None:
+            out_dims = self.shape(out if out is not None else self.outputs[0])
+        if like_dims is None:
+            like_dims = self.shape(like)
+        if out_dims is None or like_dims is None:
+            return self._unbroadcast_dynamic(dx, like, like_shape)
+        lead = len(out_dims) - len(like_dims)
+        if lead < 0:
+            raise TrainingModelError(
+                f"gradient of {self.node.op_type} node {self.node.name!r}: {like!r} has more "
+                "dimensions than the gradient flowing into it"
+            )
+        certain: list[int] = list(range(lead))
+        doubtful: list[int] = []
+        for i, d in enumerate(like_dims):
+            o = out_dims[lead + i]
+            if d is not None and d == o:
+                continue  # same static size or same symbol
+            if d == 1:
                 certain.append(lead + i)
+            elif isinstance(d, int) or o == 1:
+                continue  # a known size > 1 is never broadcast; a size-1 result means size 1
             else:
                 doubtful.append(i)
-        if doubtful and e.opset < 9:  # no Where, ConstantOfShape or NonZero yet
+        e = self.emit
+        if doubtful:
+            if e.opset >= 13:
+                return self._unbroadcast_dynamic(dx, like, like_shape)
+            return self._unbroadcast_by_axis(dx, like, lead, certain, doubtful, like_shape, runtime_from)
+        if not certain:
+            return dx
+        if certain == list(range(lead)):
+            # only leading axes go: one reduction that drops them
+            return e.reduce_sum(dx, certain, keepdims=False)
+        red = e.reduce_sum(dx, certain, keepdims=True)
+        if lead:
+            red = e.squeeze(red, list(range(lead)))
+        return red
+
+    def _unbroadcast_by_axis(
+        self,
+        dx: str,
+        like: str,
+        lead: int,
+        certain: list[int],
+        doubtful: list[int],
+        like_shape: str | None,
+        runtime_from: int = 9,
+    ) -> str:
+        """Before opset 13 (no runtime ReduceSum axes): reduce the axes known to
+        be broadcast (``certain``); for each doubtful axis a (``doubtful`` counts
+        like's axes), whose size s in x is 1 or the full size n, take
+        Where(s == 1, Expand(sum_a(dx)), dx)  and then keep its first s entries
+        along a with a Gather of arange(s), built from NonZero(ConstantOfShape(s))
+        so that it exists from opset 9 on."""
+        e = self.emit
+        floor = max(9, runtime_from)  # no Where, ConstantOfShape or NonZero before 9
+        if doubtful and e.opset < floor:
             raise TrainingModelError(
                 f"gradient of {self.node.op_type} node {self.node.name!r}: whether {like!r} is "
                 f"broadcast along axes {[lead + i for i in doubtful]} is decided at run time, which "
-                f"needs opset >= 9, model has {e.opset} (give the input a static shape or upgrade "
-                "the model)"
+                f"needs opset >= {floor}; the model has opset {e.opset} < {floor} (give the input a "
+                "static shape or upgrade the model)"
             )
         cur = e.reduce_sum(dx, certain, keepdims=True) if certain else dx
-        x_shape = e.Shape(like)
+        x_shape = like_shape if like_shape is not None else e.Shape(like)
         one = numpy_helper.from_array(np.ones(1, dtype=np.int64))
         for i in doubtful:
             axis = lead + i
@@ -317,7 +381,9 @@ class VJPContext:
             cur = e.Gather(cur, arange, axis=axis)
         return e.Reshape(cur, x_shape)
 
-    def _unbroadcast_dynamic(self, dx: str, like: str) -> str:
+    def _unbroadcast_dynamic(self, dx: str, like: str, like_shape: str | None = None) -> str:
+        """Every axis decided at run time (opset >= 13): pad like's shape with
+        leading ones and sum every axis where it has size 1."""
         e = self.emit
         if e.opset < 13:
             raise TrainingModelError(
@@ -325,7 +391,7 @@ class VJPContext:
                 f"{like!r} and of the broadcast result are unknown, and opset {e.opset} < 13 "
                 "has no ReduceSum over runtime axes"
             )
-        sx = e.Shape(like)
+        sx = like_shape if like_shape is not None else e.Shape(like)
         sdx = e.Shape(dx)
         pad = e.Sub(e.Size(sdx), e.Size(sx))
         ones = e.op(

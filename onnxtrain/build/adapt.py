@@ -67,7 +67,6 @@ builder reads them with ``loss_output``.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
@@ -75,7 +74,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..emitter import FLOAT_TYPES
-from ..graph import DEFAULT_DOMAINS
+from ..graph import DEFAULT_DOMAINS, opset_version
+from ..metadata import PREFIX, model_metadata, set_metadata
 from ..names import NameGen
 from .losses import CrossEntropy
 
@@ -93,7 +93,7 @@ def adapt(proto: onnx.ModelProto) -> onnx.ModelProto:
     """The inference model the builder trains (``proto`` is not modified).
 
     Returns ``proto`` itself when nothing needs rewriting."""
-    opset = _default_opset(proto)
+    opset = opset_version(proto.opset_import) or None
     has_ml = any(o.domain == ML for o in proto.opset_import)
     rewrites = [n for n in proto.graph.node if n.domain == ML and n.op_type in _REWRITTEN]
     softmax_out = _ends_in_softmax(proto.graph)
@@ -116,10 +116,7 @@ def adapt(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 def logits_of(proto: onnx.ModelProto) -> dict[str, str]:
     """{probability output: logits output} recorded by ``adapt`` (empty if none)."""
-    for p in proto.metadata_props:
-        if p.key == LOGITS_OF:
-            return dict(json.loads(p.value))
-    return {}
+    return dict(model_metadata(proto).get(LOGITS_OF.removeprefix(PREFIX)) or {})
 
 
 def loss_output(proto: onnx.ModelProto, output: str | None, loss: Any) -> str:
@@ -149,13 +146,6 @@ def loss_output(proto: onnx.ModelProto, output: str | None, loss: Any) -> str:
 
 
 # ------------------------------------------------------------------ rewrites
-def _default_opset(proto: onnx.ModelProto) -> int | None:
-    for o in proto.opset_import:
-        if o.domain in DEFAULT_DOMAINS:
-            return int(o.version)
-    return None
-
-
 def _dedupe_imports(model: onnx.ModelProto) -> None:
     """One import per domain (skl2onnx may repeat the default domain's)."""
     seen: dict[str, onnx.OperatorSetIdProto] = {}
@@ -359,7 +349,7 @@ def _add_logits(model: onnx.ModelProto, softmax_only: bool = False) -> None:
     without ``ai.onnx.ml``, where a Sigmoid output is not a class probability)."""
     graph = model.graph
     producer = {o: n for n in graph.node for o in n.output if o}
-    opset = _default_opset(model) or MIN_OPSET
+    opset = opset_version(model.opset_import) or MIN_OPSET
     rewriter = _Rewriter(model, opset)
     pairs: dict[str, str] = {}
     for out in list(graph.output):
@@ -378,11 +368,7 @@ def _add_logits(model: onnx.ModelProto, softmax_only: bool = False) -> None:
         return
     graph.node.extend(rewriter.nodes)
     graph.initializer.extend(rewriter.inits)
-    kept = [(p.key, p.value) for p in model.metadata_props if p.key != LOGITS_OF]
-    del model.metadata_props[:]
-    for key, value in kept:
-        model.metadata_props.add(key=key, value=value)
-    model.metadata_props.add(key=LOGITS_OF, value=json.dumps(pairs))
+    set_metadata(model, LOGITS_OF.removeprefix(PREFIX), pairs)
 
 
 def _logits_for(rw: _Rewriter, producer: dict, graph: onnx.GraphProto, p: str, depth: int,

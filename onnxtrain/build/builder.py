@@ -55,7 +55,6 @@ BatchNormalization statistics are trained, ``onnxtrain.batchnorm_var``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,7 +64,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..emitter import Emitter, np_dtype
-from ..graph import DEFAULT_DOMAINS, PREVIEW_DOMAIN, infer_types, subgraphs
+from ..graph import PREVIEW_DOMAIN, graph_names, infer_types, opset_version
+from ..metadata import replace_metadata
 from ..model import ModelLike, load
 from ..names import NameGen
 from . import adapt as _adapt
@@ -88,8 +88,6 @@ MIN_OPSET = 13
 
 INT64 = TensorProto.INT64
 F64 = TensorProto.DOUBLE
-
-META = "onnxtrain."
 
 
 # ------------------------------------------------------------------ state
@@ -282,7 +280,7 @@ def _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad
 
     main = proto.graph
     dtypes, shapes = infer_types(main, proto.opset_import)
-    taken = _names_in(main)
+    taken = graph_names(main)
     prediction = _adapt.loss_output(proto, output, loss_obj)
     pred_type = dtypes.get(prediction)
     _losses.check_prediction_type(pred_type, prediction)
@@ -334,36 +332,17 @@ def _inference_copy(model: ModelLike) -> onnx.ModelProto:
 
 
 def _default_opset(proto: onnx.ModelProto) -> int:
-    for o in proto.opset_import:
-        if o.domain in DEFAULT_DOMAINS:
-            if o.version < MIN_OPSET:
-                raise ValueError(
-                    f"the model imports the default ONNX domain at opset {o.version}; the builder "
-                    f"needs opset >= {MIN_OPSET} (convert it first with "
-                    f"onnx.version_converter.convert_version(model, {MIN_OPSET}))"
-                )
-            return int(o.version)
-    raise ValueError("the model does not import the default ONNX domain")
-
-
-def _names_in(graph: onnx.GraphProto) -> set[str]:
-    """Every tensor and node name of a graph and of its subgraphs."""
-    names: set[str] = set()
-    stack = [graph]
-    while stack:
-        g = stack.pop()
-        names.update(i.name for i in g.input)
-        names.update(o.name for o in g.output)
-        names.update(t.name for t in g.initializer)
-        names.update(t.values.name for t in g.sparse_initializer)
-        names.update(v.name for v in g.value_info)
-        for n in g.node:
-            names.update(n.input)
-            names.update(n.output)
-            names.add(n.name)
-            stack.extend(subgraphs(n))
-    names.discard("")
-    return names
+    """The default-domain opset the builder works at (refused below MIN_OPSET)."""
+    version = opset_version(proto.opset_import)
+    if version == 0:
+        raise ValueError("the model does not import the default ONNX domain")
+    if version < MIN_OPSET:
+        raise ValueError(
+            f"the model imports the default ONNX domain at opset {version}; the builder "
+            f"needs opset >= {MIN_OPSET} (convert it first with "
+            f"onnx.version_converter.convert_version(model, {MIN_OPSET}))"
+        )
+    return version
 
 
 def _target_input(
@@ -713,13 +692,7 @@ def _set_metadata(plan: Plan) -> None:
     if plan.running_stats:
         # How training-mode BatchNormalization updates running_var (only where it does).
         entries["batchnorm_var"] = plan.batchnorm_var
-    props = plan.proto.metadata_props
-    kept = [(p.key, p.value) for p in props if not p.key.startswith(META)]
-    del props[:]
-    for key, value in kept:
-        props.add(key=key, value=value)
-    for key, value in entries.items():
-        props.add(key=META + key, value=json.dumps(value))
+    replace_metadata(plan.proto, entries)
 
 
 def _classes(plan: Plan) -> dict[str, Any] | None:

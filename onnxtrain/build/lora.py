@@ -72,7 +72,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..emitter import FLOAT_TYPES
-from ..graph import DEFAULT_DOMAINS, node_inputs
+from ..graph import DEFAULT_DOMAINS, graph_names, identity_source, node_inputs
+from ..metadata import PREFIX, drop_metadata, set_metadata
 from ..model import ModelLike, load
 from ..names import NameGen
 
@@ -153,23 +154,6 @@ class _Use:
     transposed: bool  # W stored [out, in]
 
 
-def _identity_source(graph: onnx.GraphProto) -> Callable[[str], str]:
-    identity_of = {
-        n.output[0]: n.input[0]
-        for n in graph.node
-        if n.op_type == "Identity" and n.domain in DEFAULT_DOMAINS and n.input and n.output
-    }
-
-    def source(name: str) -> str:
-        seen = set()
-        while name in identity_of and name not in seen:
-            seen.add(name)
-            name = identity_of[name]
-        return name
-
-    return source
-
-
 def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
     for a in node.attribute:
         if a.name == name:
@@ -184,7 +168,7 @@ def eligible_targets(graph: onnx.GraphProto) -> tuple[dict[str, list[_Use]], dic
     graph input or output, and every read of it (through Identity chains)
     is a MatMul/Gemm operand 0 or 1 whose other operand is not an
     initializer, with the same orientation (``transposed``) in every use."""
-    source = _identity_source(graph)
+    source = identity_source(graph)
     inits = {t.name: t for t in graph.initializer}
     floats2d = {n for n, t in inits.items() if t.data_type in FLOAT_TYPES and len(t.dims) == 2}
     uses: dict[str, list[_Use]] = {n: [] for n in floats2d}
@@ -264,27 +248,6 @@ def select_targets(graph: onnx.GraphProto, lora: LoRA) -> dict[str, list[_Use]]:
 
 
 # ------------------------------------------------------------------ the rewrite
-def _names_in(graph: onnx.GraphProto) -> set[str]:
-    from ..graph import subgraphs
-
-    names: set[str] = set()
-    stack = [graph]
-    while stack:
-        g = stack.pop()
-        names.update(i.name for i in g.input)
-        names.update(o.name for o in g.output)
-        names.update(t.name for t in g.initializer)
-        names.update(t.values.name for t in g.sparse_initializer)
-        names.update(v.name for v in g.value_info)
-        for n in g.node:
-            names.update(n.input)
-            names.update(n.output)
-            names.add(n.name)
-            stack.extend(subgraphs(n))
-    names.discard("")
-    return names
-
-
 def apply(proto: onnx.ModelProto, lora: LoRA) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """Rewrite ``proto``'s main graph in place for (1) and return (proto, info).
 
@@ -297,7 +260,7 @@ def apply(proto: onnx.ModelProto, lora: LoRA) -> tuple[onnx.ModelProto, dict[str
         raise TypeError(f"lora must be None or build.LoRA(...), not {type(lora).__name__}")
     graph = proto.graph
     targets = select_targets(graph, lora)
-    taken = _names_in(graph)
+    taken = graph_names(graph)
     for w in targets:
         for suffix in ("lora_A", "lora_B"):
             if f"{w}.{suffix}" in taken:
@@ -393,11 +356,7 @@ def _branch(node: onnx.NodeProto, use: _Use, a: str, b: str, elem_type: int, sca
 # ------------------------------------------------------------------ metadata
 def set_info(proto: onnx.ModelProto, info: Mapping[str, Any]) -> None:
     """Store ``info`` as metadata ``onnxtrain.lora`` (replacing any)."""
-    kept = [(p.key, p.value) for p in proto.metadata_props if p.key != META_KEY]
-    del proto.metadata_props[:]
-    for key, val in kept:
-        proto.metadata_props.add(key=key, value=val)
-    proto.metadata_props.add(key=META_KEY, value=json.dumps(info))
+    set_metadata(proto, META_KEY.removeprefix(PREFIX), dict(info))
 
 
 def info_of(proto: onnx.ModelProto) -> dict[str, Any] | None:
@@ -504,20 +463,21 @@ def merge(model: onnx.ModelProto, state: Mapping[str, np.ndarray] | None = None)
     vis = [v for v in graph.value_info if v.name not in removed_values]
     del graph.value_info[:]
     graph.value_info.extend(vis)
-    props = [(p.key, p.value) for p in out.metadata_props if p.key != META_KEY]
-    del out.metadata_props[:]
-    for key, val in props:
-        out.metadata_props.add(key=key, value=val)
+    drop_metadata(out, META_KEY.removeprefix(PREFIX))
     return out
 
 
 # ------------------------------------------------------------------ adapter files
 def _source_of(obj: Any) -> tuple[onnx.ModelProto, Mapping[str, np.ndarray] | None]:
-    """(model, state) of a TrainingSession, or (model, None) of a model."""
-    from ..session import TrainingSession
+    """(model, state) of a TrainingSession, or (model, None) of a model.
 
-    if isinstance(obj, TrainingSession):
-        return obj.model, obj.state
+    A session is recognised by its ``model`` (a ModelProto) and ``state``
+    properties, so that this module need not import the session's."""
+    if not isinstance(obj, (str, os.PathLike, bytes, bytearray, memoryview, onnx.ModelProto)):
+        model = getattr(obj, "model", None)
+        state = getattr(obj, "state", None)
+        if isinstance(model, onnx.ModelProto) and isinstance(state, Mapping):
+            return model, state
     return load(obj)[0], None
 
 

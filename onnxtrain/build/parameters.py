@@ -13,7 +13,7 @@ each copy trains as its own parameter, as in the source model.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..emitter import FLOAT_TYPES
-from ..graph import DEFAULT_DOMAINS, node_inputs
+from ..graph import DEFAULT_DOMAINS, identity_source, node_inputs
 from ..model import ModelLike, load
 
 
@@ -175,24 +175,6 @@ def _setting_reason(node: onnx.NodeProto, index: int, size: int) -> str | None:
     return None
 
 
-def _identity_source(graph: onnx.GraphProto) -> Callable[[str], str]:
-    """name -> the tensor it copies through a chain of Identity nodes (itself if none)."""
-    identity_of = {
-        n.output[0]: n.input[0]
-        for n in graph.node
-        if n.op_type == "Identity" and n.domain in DEFAULT_DOMAINS and n.input and n.output
-    }
-
-    def source(name: str) -> str:
-        seen = set()
-        while name in identity_of and name not in seen:
-            seen.add(name)
-            name = identity_of[name]
-        return name
-
-    return source
-
-
 def parameter_choices(model: ModelLike | onnx.GraphProto) -> list[ParameterChoice]:
     """The default trainable set (``trainable=None``), one entry per floating-point
     initializer of the main graph, in initializer order.
@@ -234,7 +216,7 @@ def parameter_choices(model: ModelLike | onnx.GraphProto) -> list[ParameterChoic
         untie_shared_initializers(untied)
         graph = untied
     floats = {t.name: t for t in graph.initializer if t.data_type in FLOAT_TYPES}
-    source = _identity_source(graph)
+    source = identity_source(graph)
     producer = {o: n for n in graph.node for o in n.output if o}
     settings: dict[str, str] = {}  # name -> first setting reason
     shape_only: set[str] = set()  # names read by Shape / Size
@@ -320,7 +302,7 @@ def _is_additive_mask(t: onnx.TensorProto) -> bool:
 def _not_trainable_by_default(main: onnx.GraphProto) -> set[str]:
     """Initializers read only as BatchNormalization statistics or Dropout settings
     (directly or through Identity nodes): never trainable, even by name."""
-    source = _identity_source(main)
+    source = identity_source(main)
     settings: set[str] = set()
     other_uses: set[str] = set()
     for n in main.node:

@@ -30,8 +30,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from onnxtrain import TrainingSession
-from onnxtrain.io import THRESHOLD_ENV
-from onnxtrain.model import all_tensors
+from onnxtrain.storage import THRESHOLD_ENV
+from onnxtrain.tensors import all_tensors
 
 from models import model, tensor, training_info, vi
 

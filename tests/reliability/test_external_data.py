@@ -25,9 +25,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain import TrainingModelError, TrainingSession
-from onnxtrain import io as otio
-from onnxtrain import model as otmodel
-from onnxtrain.io import THRESHOLD_ENV, write_model
+from onnxtrain import loading as otloading
+from onnxtrain import storage as otstorage
+from onnxtrain import tensors as ottensors
+from onnxtrain.storage import THRESHOLD_ENV, write_model
 
 from models import mlp_classifier, tensor, vi
 from reliability_models import assert_state_equal, counter_model, snapshot
@@ -160,7 +161,7 @@ def test_total_external_data_over_memory_is_refused_before_reading(tmp_path, mon
     (tmp_path / "p0.bin").write_bytes(P0_BYTES)
     (tmp_path / "model.onnx").write_bytes(m.SerializeToString())
     TrainingSession(tmp_path / "model.onnx")
-    monkeypatch.setattr(otmodel, "memory_limit", lambda: 1000)
+    monkeypatch.setattr(otstorage, "memory_limit", lambda: 1000)
     reads = []
     monkeypatch.setattr("builtins.open", _counting_open(reads))
     refused(tmp_path / "model.onnx", "adds up to 1600 bytes, more than this machine's memory")
@@ -229,7 +230,7 @@ def _external_names(path) -> set[str]:
     """Names of tensors stored externally in a model file (without loading the data)."""
     proto = onnx.ModelProto()
     proto.ParseFromString(open(path, "rb").read())
-    return {t.name for t in otmodel.all_tensors(proto) if t.data_location == TensorProto.EXTERNAL}
+    return {t.name for t in ottensors.all_tensors(proto) if t.data_location == TensorProto.EXTERNAL}
 
 
 FEEDS = {"X": np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32),
@@ -278,8 +279,8 @@ def test_onnx_helper_alone_misses_training_info_external_data(tmp_path):
     algo_external = [t.name for t in loaded.training_info[0].algorithm.initializer
                      if t.data_location == TensorProto.EXTERNAL]
     assert "algo_const" in algo_external
-    ours, _ = otmodel.load(path)
-    assert not any(t.data_location == TensorProto.EXTERNAL for t in otmodel.all_tensors(ours))
+    ours, _ = otloading.load(path)
+    assert not any(t.data_location == TensorProto.EXTERNAL for t in ottensors.all_tensors(ours))
 
 
 def test_exported_inference_model_with_external_data_runs_in_onnxruntime(tmp_path, monkeypatch):
@@ -395,7 +396,7 @@ def test_stale_temp_files_are_removed_and_live_ones_kept(tmp_path):
     write_model(counter_model(), tmp_path / "m.onnx")
     left = set(os.listdir(tmp_path))
     assert left == {"m.onnx", *live}, left
-    assert otio.remove_stale_temp_files(tmp_path, "other.onnx") == [live[1]]
+    assert otstorage.remove_stale_temp_files(tmp_path, "other.onnx") == [live[1]]
 
 
 def test_leftover_temp_files_do_not_break_loading(tmp_path):
@@ -443,14 +444,14 @@ def test_models_over_2gb_export_with_external_data(tmp_path, monkeypatch):
         algo.output.append(vi(f"{name}_new", TensorProto.FLOAT, [rows, 1024]))
     path = tmp_path / "big.onnx"
     if FULL:
-        assert otio.tensor_bytes(m) > otio.DEFAULT_EXTERNAL_DATA_THRESHOLD
+        assert otstorage.tensor_bytes(m) > otstorage.DEFAULT_EXTERNAL_DATA_THRESHOLD
         write_model(m, path)  # default: auto, 1.5 GiB
         del m
         assert os.path.getsize(path) < 2**20 and {"big0", "big1"} <= _external_names(path)
-        loaded, _ = otmodel.load(path)
+        loaded, _ = otloading.load(path)
         for i, t in enumerate(loaded.graph.initializer[-2:]):
             assert t.name == f"big{i}" and list(t.dims) == [rows, 1024]
-            assert otmodel._raw_length(t) == rows * 1024 * 4
+            assert ottensors.raw_length(t) == rows * 1024 * 4
         value = numpy_helper.to_array(loaded.graph.initializer[-1])
         assert value.shape == (rows, 1024) and value[0, 0] == 2 and value[-1, -1] == 2
         return

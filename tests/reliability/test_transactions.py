@@ -35,6 +35,7 @@ import pytest
 import onnxtrain.executor as executor_mod
 import onnxtrain.programs as programs_mod
 import onnxtrain.session as session_mod
+import onnxtrain.state as state_mod
 from onnxtrain import TrainingSession
 from onnxtrain.executor import Executor
 
@@ -53,6 +54,7 @@ SOURCES = {
     os.path.abspath(session_mod.__file__),
     os.path.abspath(executor_mod.__file__),
     os.path.abspath(programs_mod.__file__),
+    os.path.abspath(state_mod.__file__),
     os.path.abspath(proposed_fixes.__file__),
 }
 

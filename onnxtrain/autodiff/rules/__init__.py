@@ -1,16 +1,20 @@
 """Gradient rules, grouped by kind of op.  Importing this package registers them all."""
 
 from . import (  # noqa: F401
+    activation,
     control,
+    conv,
     elementwise,
     linalg,
     losses,
     ml,
-    nn,
+    norm,
+    pool,
     quant,
     recurrent,
-    sequence,
     reduce,
+    resample,
+    sequence,
     shape,
     spectral,
     zero,

@@ -27,16 +27,6 @@ def is_float(ctx: VJPContext, name: str) -> bool:
     return ctx.emit.dtypes.get(name) in FLOAT_TYPES
 
 
-def float_equal(ctx: VJPContext, a: str, b: str) -> str:
-    """Boolean a == b for float tensors, valid in every opset.
-
-    Equal accepts floats only from opset 11; before, a == b is not(a < b or a > b)."""
-    e = ctx.emit
-    if e.opset >= 11:
-        return e.Equal(a, b)
-    return e.Not(e.Or(e.Less(a, b), e.Greater(a, b)))
-
-
 def where_zero(ctx: VJPContext, cond: str, value: str) -> str:
     """``value`` where ``cond`` holds, 0 elsewhere (shaped like the broadcast of both)."""
     return ctx.emit.Where(cond, value, ctx.const(0.0, like=value))
@@ -165,7 +155,7 @@ def minmax_vjp(ctx, dy):
     if len(xs) == 1:
         return (dy,)
     et = ctx.dtype(y)
-    hits = [e.Cast(float_equal(ctx, x, y), to=et) for x in xs]
+    hits = [e.Cast(ctx.emit.float_equal(x, y), to=et) for x in xs]
     share = e.Div(dy, e.sum_all(hits))
     return tuple(
         ctx.unbroadcast(e.Mul(share, hit), like=x) if ctx.needs(i) else None
@@ -184,7 +174,7 @@ def mod_vjp(ctx, dy):
     e = ctx.emit
     if not (ctx.needs(0) or ctx.needs(1)):
         return None, None
-    if not ctx.attr("fmod", 0):
+    if not ctx.attr("fmod"):
         raise GradientError(f"Mod node {ctx.node.name!r}: float Mod needs fmod=1, found fmod=0")
     da = ctx.unbroadcast(dy, like=a) if ctx.needs(0) else None
     db = None
@@ -383,7 +373,7 @@ def leaky_relu_vjp(ctx, dy):
     """y = x > 0 ? x : alpha x  ->  dx = x > 0 ? dy : alpha dy"""
     (x,) = ctx.inputs
     e = ctx.emit
-    alpha = ctx.const(ctx.attr("alpha", 0.01), like=x)
+    alpha = ctx.const(ctx.attr("alpha"), like=x)
     positive = e.Greater(x, ctx.const(0.0, like=x))
     return (e.Where(positive, dy, e.Mul(dy, alpha)),)
 
@@ -410,7 +400,7 @@ def elu_vjp(ctx, dy):
     (x,) = ctx.inputs
     (y,) = ctx.outputs
     e = ctx.emit
-    alpha = ctx.const(ctx.attr("alpha", 1.0), like=x)
+    alpha = ctx.const(ctx.attr("alpha"), like=x)
     positive = e.Greater(x, ctx.const(0.0, like=x))
     return (e.Where(positive, dy, e.Mul(dy, e.Add(y, alpha))),)
 
@@ -439,7 +429,7 @@ def celu_vjp(ctx, dy):
     (x,) = ctx.inputs
     (y,) = ctx.outputs
     e = ctx.emit
-    alpha = ctx.const(ctx.attr("alpha", 1.0), like=x)
+    alpha = ctx.const(ctx.attr("alpha"), like=x)
     positive = e.Greater(x, ctx.const(0.0, like=x))
     slope = e.Add(e.Div(y, alpha), ctx.const(1.0, like=x))
     return (e.Where(positive, dy, e.Mul(dy, slope)),)
@@ -449,7 +439,7 @@ def celu_vjp(ctx, dy):
 def thresholded_relu_vjp(ctx, dy):
     """y = x > alpha ? x : 0  ->  dx = x > alpha ? dy : 0"""
     (x,) = ctx.inputs
-    above = ctx.emit.Greater(x, ctx.const(ctx.attr("alpha", 1.0), like=x))
+    above = ctx.emit.Greater(x, ctx.const(ctx.attr("alpha"), like=x))
     return (where_zero(ctx, above, dy),)
 
 
@@ -458,7 +448,7 @@ def shrink_vjp(ctx, dy):
     """y = x < -lambd ? x + bias : x > lambd ? x - bias : 0  ->  dx = |x| > lambd ? dy : 0"""
     (x,) = ctx.inputs
     e = ctx.emit
-    lambd = ctx.attr("lambd", 0.5)
+    lambd = ctx.attr("lambd")
     outside = e.Or(e.Less(x, ctx.const(-lambd, like=x)), e.Greater(x, ctx.const(lambd, like=x)))
     return (where_zero(ctx, outside, dy),)
 
@@ -468,7 +458,7 @@ def hard_sigmoid_vjp(ctx, dy):
     """y = max(0, min(1, alpha x + beta))  ->  dx = 0 < y < 1 ? alpha dy : 0   (reuses y)"""
     (y,) = ctx.outputs
     e = ctx.emit
-    alpha = ctx.attr("alpha", 0.2)
+    alpha = ctx.attr("alpha")
     inside = e.And(e.Greater(y, ctx.const(0.0, like=y)), e.Less(y, ctx.const(1.0, like=y)))
     return (where_zero(ctx, inside, e.Mul(dy, ctx.const(alpha, like=y))),)
 
@@ -525,7 +515,7 @@ def gelu_vjp(ctx, dy):
     (x,) = ctx.inputs
     e = ctx.emit
     half = ctx.const(0.5, like=x)
-    approximate = ctx.attr("approximate", "none")
+    approximate = ctx.attr("approximate")
     if approximate == "none":
         cdf = e.Mul(
             half, e.Add(ctx.const(1.0, like=x), e.Erf(e.Mul(x, ctx.const(math.sqrt(0.5), like=x))))
@@ -564,7 +554,9 @@ def clip_vjp(ctx, dy):
     e = ctx.emit
     x = ctx.inputs[0]
     if ctx.opset < 11:
-        lo_value, hi_value = ctx.attr("min"), ctx.attr("max")
+        # an absent bound is no bound (not the schema's float extremes)
+        lo_value = ctx.attr("min") if ctx.has_attr("min") else None
+        hi_value = ctx.attr("max") if ctx.has_attr("max") else None
         lo = None if lo_value is None else ctx.const(lo_value, like=x)
         hi = None if hi_value is None else ctx.const(hi_value, like=x)
     else:

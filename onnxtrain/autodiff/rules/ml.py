@@ -38,7 +38,6 @@ from onnx import TensorProto, numpy_helper
 
 from ...errors import GradientError
 from ..registry import VJPContext, no_grad, refuse, vjp
-from .elementwise import float_equal
 
 ML = "ai.onnx.ml"
 FLOAT = TensorProto.FLOAT
@@ -203,11 +202,11 @@ def normalizer_vjp(ctx, dy):
         n = e.Sqrt(_last(ctx, e.Mul(xf, xf), "ReduceSum"))
     else:
         raise GradientError(f"{_where(ctx)}: unknown norm {norm!r}")
-    zero = float_equal(ctx, n, _f32(ctx, 0.0))
+    zero = ctx.emit.float_equal(n, _f32(ctx, 0.0))
     safe = e.Where(zero, _f32(ctx, 1.0), n)
     dot = _last(ctx, e.Mul(dy, y), "ReduceSum")
     if norm == "MAX":
-        hits = e.Cast(float_equal(ctx, xf, n), to=FLOAT)
+        hits = e.Cast(ctx.emit.float_equal(xf, n), to=FLOAT)
         share = e.Div(hits, _last(ctx, hits, "ReduceSum"))
         corr = e.Where(zero, _f32(ctx, 0.0), e.Div(dot, safe))
         dx = e.Sub(e.Div(dy, safe), e.Mul(share, corr))
@@ -230,7 +229,7 @@ def imputer_vjp(ctx, dy):
     if math.isnan(replaced):
         kept = e.Not(e.IsNaN(x))
     else:
-        kept = e.Not(float_equal(ctx, x, ctx.const(replaced, like=x)))
+        kept = e.Not(ctx.emit.float_equal(x, ctx.const(replaced, like=x)))
     return (e.Where(kept, dy, ctx.const(0.0, like=x)),)
 
 

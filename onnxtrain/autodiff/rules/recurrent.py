@@ -1,9 +1,4 @@
-"""Gradient rules: recurrent layers (RNN, GRU, LSTM), the general path.
-
-The registered RNN/GRU/LSTM rules live in nn.py: direct backward Scans with
-hand-derived cell VJPs over the forward outputs (cheapest).  For the
-configurations those do not cover (clip, layout=1, Softsign/Softplus
-activations, unknown hidden size) they call ``recurrent_vjp`` here.
+"""Gradient rules: recurrent layers (RNN, GRU, LSTM).
 
 Each layer is lowered to an equivalent graph of standard ops: the input
 projections X W^T + Wb for every time step at once (one MatMul), then one Scan
@@ -50,7 +45,7 @@ from onnx import helper, numpy_helper
 
 from ...emitter import Emitter, np_dtype
 from ...errors import TrainingModelError
-from ..registry import VJPContext
+from ..registry import VJPContext, vjp
 from .control import _Slots
 
 GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
@@ -131,17 +126,9 @@ def _spec(node: onnx.NodeProto, opset: int) -> _Spec:
     )
 
 
-def _split_equal(e: Emitter, x: str, parts: int, axis: int = 0) -> list[str]:
-    """Split into equal parts (Split-18 wants num_outputs, earlier ones nothing)."""
-    if parts == 1:
-        return [x]
-    extra = {"num_outputs": parts} if e.opset >= 18 else {}
-    return e.op("Split", [x], outputs=parts, axis=axis, **extra)
-
-
 def _per_direction(e: Emitter, x: str, directions: int) -> list[str]:
     """[num_directions, ...] -> one tensor per direction without the leading axis."""
-    return [e.squeeze(p, [0]) for p in _split_equal(e, x, directions, 0)]
+    return [e.squeeze(p, [0]) for p in e.split_equal(x, directions, 0)]
 
 
 def _input(node: onnx.NodeProto, i: int) -> str | None:
@@ -185,7 +172,7 @@ def lower_recurrent(node: onnx.NodeProto, e: Emitter, outputs: list[str]) -> Non
         xw = e.MatMul(x, e.Transpose(w_d[d], perm=[1, 0]))
         rb = None
         if b_d is not None:
-            wb, rb = _split_equal(e, b_d[d], 2)
+            wb, rb = e.split_equal(b_d[d], 2)
             xw = e.Add(xw, wb)
         cell = _CELLS[s.op]
         body, n_states = cell(e, s, d, r_d[d], rb, p_d[d] if p_d is not None else None, et)
@@ -220,11 +207,7 @@ def _body_emitter(e: Emitter) -> Emitter:
 def _gate(be: Emitter, s: _Spec, act: str, pre: str) -> str:
     """act(clip(pre)): the clip attribute bounds every activation's input."""
     if s.clip is not None:
-        c = s.clip
-        if be.opset >= 11:
-            pre = be.Clip(pre, be.const(-c, like=pre), be.const(c, like=pre))
-        else:  # Clip-6 has float-only kernels in onnxruntime; Max/Min run every float type
-            pre = be.Min(be.Max(pre, be.const(-c, like=pre)), be.const(c, like=pre))
+        pre = be.clip(pre, -s.clip, s.clip)
     return be.op(act, [pre])
 
 
@@ -261,21 +244,21 @@ def _rnn_cell(e, s, d, r, rb, p, et):
 def _gru_cell(e, s, d, r, rb, p, et):
     """z, r gates from H' [Rz Rr]^T; candidate h with linear_before_reset 0 or 1."""
     f, g = s.activations[d]
-    rz, rr, rh = _split_equal(e, r, 3)
+    rz, rr, rh = e.split_equal(r, 3)
     rt_zr = e.Transpose(e.Concat(rz, rr, axis=0), perm=[1, 0])
     rt_h = e.Transpose(rh, perm=[1, 0])
     rb_zr = rb_h = None
     if rb is not None:
-        bz, br, rb_h = _split_equal(e, rb, 3)
+        bz, br, rb_h = e.split_equal(rb, 3)
         rb_zr = e.Concat(bz, br, axis=0)
     be = _body_emitter(e)
     h, xw = be.names.fresh("gru/h_prev"), be.names.fresh("gru/xw_t")
     be.dtypes.update({h: et, xw: et})
-    xz, xr, xh = _split_equal(be, xw, 3, axis=1)
+    xz, xr, xh = be.split_equal(xw, 3, axis=1)
     hzr = be.MatMul(h, rt_zr)
     if rb_zr is not None:
         hzr = be.Add(hzr, rb_zr)
-    hz, hr = _split_equal(be, hzr, 2, axis=1)
+    hz, hr = be.split_equal(hzr, 2, axis=1)
     z = _gate(be, s, f, be.Add(xz, hz))
     rg = _gate(be, s, f, be.Add(xr, hr))
     if s.linear_before_reset:
@@ -299,14 +282,14 @@ def _lstm_cell(e, s, d, r, rb, p, et):
     rt = e.Transpose(r, perm=[1, 0])
     pi = po = pf = None
     if p is not None:
-        pi, po, pf = _split_equal(e, p, 3)
+        pi, po, pf = e.split_equal(p, 3)
     be = _body_emitter(e)
     h, c, xw = be.names.fresh("lstm/h_prev"), be.names.fresh("lstm/c_prev"), be.names.fresh("lstm/xw_t")
     be.dtypes.update({h: et, c: et, xw: et})
     pre = be.Add(xw, be.MatMul(h, rt))
     if rb is not None:
         pre = be.Add(pre, rb)
-    gi, go, gf, gc = _split_equal(be, pre, 4, axis=1)
+    gi, go, gf, gc = be.split_equal(pre, 4, axis=1)
     if pi is not None:
         gi = be.Add(gi, be.Mul(pi, c))
         gf = be.Add(gf, be.Mul(pf, c))
@@ -326,6 +309,7 @@ _CELLS = {"RNN": _rnn_cell, "GRU": _gru_cell, "LSTM": _lstm_cell}
 
 
 # ---------------------------------------------------------------------- rule
+@vjp("RNN", "GRU", "LSTM")
 def recurrent_vjp(ctx: VJPContext, *dys):
     """Recompute the layer as standard ops + Scan (see the module docstring) and
     differentiate that: d(X, W, R, B, initial_h, initial_c, P) = vjp(lowered)(dY, dY_h, dY_c).

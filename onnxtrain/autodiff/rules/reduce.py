@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 
 from ..registry import VJPContext, vjp
-from .elementwise import float_equal
 
 
 def reduced_axes(ctx: VJPContext) -> list[int] | str | None:
@@ -73,7 +72,7 @@ def expand_back(ctx: VJPContext, dy: str, x: str, axes, keepdims: bool) -> str:
 def reduce_sum_vjp(ctx, dy):
     """y = sum_axes(x)  ->  dx = broadcast(dy)"""
     x = ctx.inputs[0]
-    return (expand_back(ctx, dy, x, reduced_axes(ctx), bool(ctx.attr("keepdims", 1))),)
+    return (expand_back(ctx, dy, x, reduced_axes(ctx), bool(ctx.attr("keepdims"))),)
 
 
 @vjp("ReduceMean")
@@ -91,7 +90,7 @@ def reduce_mean_vjp(ctx, dy):
         size_y = ctx.const(float(n_y), dtype=et) if n_y is not None else e.Cast(e.Size(y), to=et)
         ratio = e.Div(size_y, e.Cast(e.Size(x), to=et))
     # scale the (smaller) cotangent before broadcasting it back
-    return (expand_back(ctx, e.Mul(dy, ratio), x, reduced_axes(ctx), bool(ctx.attr("keepdims", 1))),)
+    return (expand_back(ctx, e.Mul(dy, ratio), x, reduced_axes(ctx), bool(ctx.attr("keepdims"))),)
 
 
 def _static_numel(shape) -> int | None:
@@ -174,7 +173,7 @@ def reduce_max_vjp(ctx, dy):
     Ties share the gradient evenly (the average of the one-sided derivatives)."""
     x, dyb, yb, axes = _broadcast_parts(ctx, dy)
     e = ctx.emit
-    hit = e.Cast(float_equal(ctx, x, yb), to=ctx.dtype(x))
+    hit = e.Cast(ctx.emit.float_equal(x, yb), to=ctx.dtype(x))
     count = reduce_as_forward(ctx, "ReduceSum", hit, axes)
     return (e.Mul(dyb, e.Div(hit, count)),)
 
@@ -189,12 +188,12 @@ def reduce_prod_vjp(ctx, dy):
     x, dyb, _, axes = _broadcast_parts(ctx, dy)
     e = ctx.emit
     zero, one = ctx.const(0.0, like=x), ctx.const(1.0, like=x)
-    is_zero = float_equal(ctx, x, zero)
+    is_zero = ctx.emit.float_equal(x, zero)
     zeros = reduce_as_forward(ctx, "ReduceSum", e.Cast(is_zero, to=ctx.dtype(x)), axes)
     nonzero_x = e.Where(is_zero, one, x)
     rest = reduce_as_forward(ctx, "ReduceProd", nonzero_x, axes)  # product of the nonzeros
-    at_zero = e.Where(float_equal(ctx, zeros, one), rest, zero)
-    elsewhere = e.Where(float_equal(ctx, zeros, zero), e.Div(rest, nonzero_x), zero)
+    at_zero = e.Where(ctx.emit.float_equal(zeros, one), rest, zero)
+    elsewhere = e.Where(ctx.emit.float_equal(zeros, zero), e.Div(rest, nonzero_x), zero)
     return (e.Mul(dyb, e.Where(is_zero, at_zero, elsewhere)),)
 
 
@@ -207,8 +206,8 @@ def cumsum_vjp(ctx, dy):
     ->  dx_j = sum_{i >= j} dy_i: CumSum(dy) with the same exclusive flag and
     the opposite direction; axis gets none"""
     x, axis = ctx.inputs
-    reverse = int(ctx.attr("reverse", 0))
-    exclusive = int(ctx.attr("exclusive", 0))
+    reverse = int(ctx.attr("reverse"))
+    exclusive = int(ctx.attr("exclusive"))
     return ctx.emit.CumSum(dy, axis, exclusive=exclusive, reverse=1 - reverse), None
 
 
@@ -231,17 +230,17 @@ def cumprod_vjp(ctx, dy):
     e = ctx.emit
     if not ctx.needs(0):
         return None, None
-    exclusive = int(ctx.attr("exclusive", 0)) or None
-    reverse = int(ctx.attr("reverse", 0))
+    exclusive = int(ctx.attr("exclusive")) or None
+    reverse = int(ctx.attr("reverse"))
     back = 1 - reverse or None  # the adjoint accumulates the other way
     forth = reverse or None
     zero, one = ctx.const(0.0, like=x), ctx.const(1.0, like=x)
-    is_zero = float_equal(ctx, x, zero)
+    is_zero = ctx.emit.float_equal(x, zero)
     safe = e.Where(is_zero, one, x)
     total = e.CumSum(e.Mul(dy, y), axis, exclusive=exclusive, reverse=back)
     nonzero_part = e.Div(total, safe)
     zeros_seen = e.CumSum(e.Cast(is_zero, to=ctx.dtype(x)), axis, exclusive=exclusive, reverse=forth)
-    one_zero = e.Cast(float_equal(ctx, zeros_seen, one), to=ctx.dtype(x))
+    one_zero = e.Cast(ctx.emit.float_equal(zeros_seen, one), to=ctx.dtype(x))
     products = e.CumProd(safe, axis, exclusive=exclusive, reverse=forth)
     zero_part = e.CumSum(e.Mul(e.Mul(dy, products), one_zero), axis, exclusive=exclusive, reverse=back)
     return e.Where(is_zero, zero_part, nonzero_part), None

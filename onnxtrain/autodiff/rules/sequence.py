@@ -116,7 +116,7 @@ def concat_from_sequence_vjp(ctx: VJPContext, dy):
     seq = ctx.inputs[0]
     axis = int(ctx.attr("axis"))
     et = ctx.dtype(ctx.outputs[0])
-    if ctx.attr("new_axis", 0):
+    if ctx.attr("new_axis"):
         ds = e.SplitToSequence(dy, axis=axis, keepdims=0)
         return _seq(e, ds, et)
 
@@ -141,8 +141,8 @@ def split_to_sequence_vjp(ctx: VJPContext, ds):
     """S = split(x, axis) -> dx = concat(dS, axis) (stacked back when the pieces
     were squeezed: no split input and keepdims=0)."""
     e = ctx.emit
-    axis = int(ctx.attr("axis", 0))
-    squeezed = not ctx.input(1) and not ctx.attr("keepdims", 1)
+    axis = int(ctx.attr("axis"))
+    squeezed = not ctx.input(1) and not ctx.attr("keepdims")
     dx = e.ConcatFromSequence(ds, axis=axis, new_axis=1 if squeezed else 0)
     e.dtypes[dx] = ctx.dtype(ctx.inputs[0])
     return dx, None

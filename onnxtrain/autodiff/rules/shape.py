@@ -32,17 +32,6 @@ def zeros_of_shape(e: Emitter, shape: str, et: int) -> str:
     return e.op("ConstantOfShape", [shape], value=fill)
 
 
-def arange(e: Emitter, n: str) -> str:
-    """[0, 1, ..., n - 1] (int64) for a runtime length n given as a 1-element tensor.
-
-    Range exists from opset 11; before it, the positions of the nonzeros of a
-    tensor of n ones are the same numbers."""
-    if e.opset >= 11:
-        return e.Range(e.scalar_int(0), e.reshape(n, []), e.scalar_int(1))
-    ones = e.op("ConstantOfShape", [n], value=numpy_helper.from_array(np.ones(1, np.int64)))
-    return e.reshape(e.NonZero(ones), [-1])
-
-
 def int64(e: Emitter, x: str) -> str:
     return e.cast_to(x, TensorProto.INT64)
 
@@ -67,12 +56,6 @@ def with_dim(e: Emitter, shape: str, axis: int, rank: int, from_shape: str) -> s
     """``shape`` with its entry at ``axis`` taken from ``from_shape``."""
     mask = e.const(np.arange(rank) == axis)
     return e.Where(mask, from_shape, shape)
-
-
-def scatter_unique(e: Emitter, data: str, indices: str, updates: str, axis: int) -> str:
-    """ScatterElements with indices that never repeat (Scatter before opset 11)."""
-    op = "ScatterElements" if e.opset >= 11 else "Scatter"
-    return e.op(op, [data, indices, updates], axis=axis)
 
 
 def one_hot(ctx: VJPContext, idx: str, n: str, n_static: int | None, idx_rank: int, et: int) -> str:
@@ -121,15 +104,6 @@ def scatter_add_axis(
     return e.Transpose(moved, perm=[int(p) for p in np.argsort(perm)])
 
 
-def slice_axis(e: Emitter, x: str, start: str, end: str, axis: int) -> str:
-    """x[start:end] along ``axis`` with runtime bounds (1-element int64 tensors).
-
-    Slice takes runtime bounds from opset 10; before, Gather the positions."""
-    if e.opset >= 10:
-        return e.Slice(x, start, end, e.ints([axis]))
-    return e.Gather(x, e.Add(arange(e, e.Sub(end, start)), start), axis=axis)
-
-
 def _static_dim(ctx: VJPContext, x: str, axis: int) -> int | None:
     shape = ctx.shape(x)
     if shape is None:
@@ -146,16 +120,6 @@ def _no_grad_rest(ctx: VJPContext, dx: str | None) -> tuple:
 # ------------------------------------------------------------ reshaping
 
 
-def reshape_to(e: Emitter, t: str, shape: str) -> str:
-    """Reshape ``t`` to the literal runtime shape ``shape`` (a Shape() of some tensor).
-
-    From opset 14 with allowzero=1: a 0 in ``shape`` is a zero-sized dim, never
-    'copy this dim of t' (before 14, Reshape has only the copy reading)."""
-    if e.opset >= 14:
-        return e.Reshape(t, shape, allowzero=1)
-    return e.Reshape(t, shape)
-
-
 @vjp("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 def reshape_vjp(ctx, dy):
     """y = reshape(x)  ->  dx = reshape(dy, shape(x))   (shape or axes inputs get none)
@@ -164,7 +128,7 @@ def reshape_vjp(ctx, dy):
     so a zero-sized dim of x stays zero-sized."""
     x = ctx.inputs[0]
     e = ctx.emit
-    return _no_grad_rest(ctx, reshape_to(e, dy, e.Shape(x)) if ctx.needs(0) else None)
+    return _no_grad_rest(ctx, e.reshape_to(dy, e.Shape(x)) if ctx.needs(0) else None)
 
 
 @vjp("Transpose")
@@ -259,7 +223,7 @@ def concat_vjp(ctx, dy):
     start = e.ints([0])
     for i, x in enumerate(xs):
         end = e.Add(start, e.dim(x, axis))
-        grads.append(slice_axis(e, dy, start, end, axis) if ctx.needs(i) else None)
+        grads.append(e.slice_axis(dy, start, end, axis) if ctx.needs(i) else None)
         start = end
     return tuple(grads)
 
@@ -360,10 +324,10 @@ def slice_vjp(ctx, dy):
         else:
             upper = n if sign > 0 else e.Sub(n, e.ints([1]))
         begin = clamp(e, begin, e.ints([0]), upper)
-        positions = e.Add(begin, e.Mul(step, arange(e, e.dim(grad, axis))))
+        positions = e.Add(begin, e.Mul(step, e.arange(e.dim(grad, axis))))
         where = e.Expand(along_axis(e, positions, axis, rank), e.Shape(grad))
         target = with_dim(e, e.Shape(grad), axis, rank, e.Shape(x))
-        grad = scatter_unique(e, zeros_of_shape(e, target, ctx.dtype(dy)), where, grad, axis)
+        grad = e.scatter_elements(zeros_of_shape(e, target, ctx.dtype(dy)), where, grad, axis)
     return _no_grad_rest(ctx, grad)
 
 
@@ -397,7 +361,7 @@ def gather_vjp(ctx, dy):
     if not ctx.needs(0):
         return None, None
     rank = ctx.require_rank(data)
-    axis = int(ctx.attr("axis", 0)) % rank
+    axis = int(ctx.attr("axis")) % rank
     n = e.dim(data, axis)
     idx = e.reshape(int64(e, indices), [-1])
     if e.opset >= 9:  # (before, one_hot wraps negative indices itself)
@@ -424,7 +388,7 @@ def gather_elements_vjp(ctx, dy):
     if not ctx.needs(0):
         return None, None
     rank = ctx.require_rank(data)
-    axis = int(ctx.attr("axis", 0)) % rank
+    axis = int(ctx.attr("axis")) % rank
     n = e.dim(data, axis)
     idx = wrap_negative(e, int64(e, indices), n)
     et = ctx.dtype(dy)
@@ -462,7 +426,7 @@ def _full_nd_indices(ctx: VJPContext, indices: str, batch_dims: int) -> str:
     lead = e.shape_of(indices, 0, q - 1)  # indices.shape[:-1]
     coords = []
     for b in range(batch_dims):
-        positions = e.reshape(arange(e, e.dim(indices, b)), [1] * b + [-1] + [1] * (q - 1 - b))
+        positions = e.reshape(e.arange(e.dim(indices, b)), [1] * b + [-1] + [1] * (q - 1 - b))
         coords.append(e.Expand(positions, e.Concat(lead, e.ints([1]), axis=0)))
     return e.Concat(*coords, idx, axis=q - 1)
 
@@ -470,7 +434,7 @@ def _full_nd_indices(ctx: VJPContext, indices: str, batch_dims: int) -> str:
 def _normalize_nd(ctx: VJPContext, idx: str, data: str) -> str:
     """Make negative GatherND/ScatterND coordinates non-negative (k = idx.shape[-1])."""
     e = ctx.emit
-    dims = slice_axis(e, e.Shape(data), e.ints([0]), e.dim(idx, -1), 0)
+    dims = e.slice_axis(e.Shape(data), e.ints([0]), e.dim(idx, -1), 0)
     return wrap_negative(e, idx, dims)
 
 
@@ -534,7 +498,7 @@ def scatter_elements_vjp(ctx, dy):
         du = gather_elements(dy, idx); idx gets none"""
     data, indices, updates = ctx.inputs
     e = ctx.emit
-    axis = int(ctx.attr("axis", 0))
+    axis = int(ctx.attr("axis"))
     reduction = _scatter_reduction(ctx)
     ddata = dupdates = None
     if ctx.needs(0):
@@ -600,7 +564,7 @@ def pad_vjp(ctx, dy):
     axis dx is the scatter-add of dy at those source positions."""
     x = ctx.inputs[0]
     e = ctx.emit
-    mode = ctx.attr("mode", "constant")
+    mode = ctx.attr("mode")
     if ctx.opset < 11:
         pads: list[int] | str = [int(p) for p in ctx.attr("pads")]
         axes_name = None
@@ -645,7 +609,7 @@ def pad_vjp(ctx, dy):
             source = e.const(_pad_source(mode, i, n_static))
         else:
             before = e.ints([int(static[j])]) if static is not None else e.slice(pads, [j], [j + 1])
-            source = _pad_index(e, mode, e.Sub(arange(e, e.dim(grad, axis)), before), n)
+            source = _pad_index(e, mode, e.Sub(e.arange(e.dim(grad, axis)), before), n)
         target = with_dim(e, e.Shape(grad), axis, rank, e.Shape(x))
         grad = scatter_add_axis(ctx, grad, source, n, axis, rank, target, n_static)
     return _no_grad_rest(ctx, grad)
@@ -657,7 +621,7 @@ def pad_vjp(ctx, dy):
 @vjp("Trilu")
 def trilu_vjp(ctx, dy):
     """y = triangle(x, k)  ->  dx = triangle(dy, k)   (the same mask; k gets none)"""
-    upper = int(ctx.attr("upper", 1))
+    upper = int(ctx.attr("upper"))
     return _no_grad_rest(ctx, ctx.emit.Trilu(dy, ctx.input(1), upper=upper))
 
 
@@ -673,13 +637,13 @@ def topk_vjp(ctx, dvalues, dindices=None):
     if dvalues is None or not ctx.needs(0):
         return (None,) * len(ctx.inputs)
     rank = ctx.require_rank(x)
-    axis = int(ctx.attr("axis", -1)) % rank
+    axis = int(ctx.attr("axis")) % rank
     indices = ctx.forward_output(1)
     if e.opset < 9:
         n_static = _static_dim(ctx, x, axis)
         dx = _scatter_add_elements(ctx, indices, dvalues, axis, rank, e.dim(x, axis), n_static, ctx.dtype(x))
         return (dx,) + (None,) * (len(ctx.inputs) - 1)
-    dx = scatter_unique(e, e.zeros_like(x), indices, dvalues, axis)
+    dx = e.scatter_elements(e.zeros_like(x), indices, dvalues, axis)
     return (dx,) + (None,) * (len(ctx.inputs) - 1)
 
 
@@ -701,7 +665,7 @@ def gather_elements(e: Emitter, data: str, idx: str, axis: int, rank: int) -> st
         if d == axis:
             coord = idx
         else:
-            coord = along_axis(e, arange(e, e.dim(idx, d)), d, rank)
+            coord = along_axis(e, e.arange(e.dim(idx, d)), d, rank)
         term = e.Mul(coord, stride)
         flat = term if flat is None else e.Add(flat, term)
         stride = e.Mul(stride, e.dim(data, d))
@@ -717,10 +681,10 @@ def scatter_vjp(ctx, dy):
     data, indices, updates = ctx.inputs
     e = ctx.emit
     rank = ctx.require_rank(data)
-    axis = int(ctx.attr("axis", 0)) % rank
+    axis = int(ctx.attr("axis")) % rank
     ddata = dupdates = None
     if ctx.needs(0):
-        ddata = scatter_unique(e, dy, indices, e.zeros_like(updates), axis)
+        ddata = e.scatter_elements(dy, indices, e.zeros_like(updates), axis)
     if ctx.needs(2):
         dupdates = gather_elements(e, dy, indices, axis, rank)
     return ddata, None, dupdates
@@ -740,12 +704,12 @@ def compress_vjp(ctx, dy):
     zeros = zeros_of_shape(e, e.Shape(x), ctx.dtype(dy))
     axis = ctx.attr("axis")
     if axis is None:
-        flat = scatter_unique(e, e.reshape(zeros, [-1]), positions, e.reshape(dy, [-1]), 0)
-        return reshape_to(e, flat, e.Shape(x)), None
+        flat = e.scatter_elements(e.reshape(zeros, [-1]), positions, e.reshape(dy, [-1]), 0)
+        return e.reshape_to(flat, e.Shape(x)), None
     rank = ctx.require_rank(x)
     axis = int(axis) % rank
     where = e.Expand(along_axis(e, positions, axis, rank), e.Shape(dy))
-    return scatter_unique(e, zeros, where, dy, axis), None
+    return e.scatter_elements(zeros, where, dy, axis), None
 
 
 @vjp("ReverseSequence")
@@ -766,8 +730,8 @@ def tensor_scatter_vjp(ctx, dy):
     past, update = ctx.inputs[:2]
     e = ctx.emit
     rank = ctx.require_rank(past)
-    axis = int(ctx.attr("axis", -2)) % rank
-    mode = ctx.attr("mode", "linear")
+    axis = int(ctx.attr("axis")) % rank
+    mode = ctx.attr("mode")
     if mode not in ("linear", "circular"):
         raise GradientError(f"TensorScatter node {ctx.node.name!r}: unknown mode {mode!r}")
     if axis == 0:
@@ -776,7 +740,7 @@ def tensor_scatter_vjp(ctx, dy):
             "write_indices index; the sequence axis must be another one"
         )
     write = ctx.input(2)
-    steps = e.unsqueeze(arange(e, e.dim(update, axis)), [0])  # [1, S]
+    steps = e.unsqueeze(e.arange(e.dim(update, axis)), [0])  # [1, S]
     if write is None:
         pos = steps
     else:
@@ -815,7 +779,7 @@ def unique_vjp(ctx, dy, *_):
     axis = ctx.attr("axis")
     if axis is None:
         flat = e.Div(e.Gather(dy, inverse, axis=0), share)
-        return (reshape_to(e, flat, e.Shape(x)),)
+        return (e.reshape_to(flat, e.Shape(x)),)
     rank = ctx.require_rank(x)
     axis = int(axis) % rank
     picked = e.Gather(dy, inverse, axis=axis)

@@ -24,20 +24,10 @@ from ...emitter import Emitter
 from ...errors import GradientError
 from ..registry import VJPContext, no_grad, vjp
 from .reduce import constant_value
-from .shape import arange, int64, scatter_add_axis
+from .shape import int64, scatter_add_axis
 
 
 Axis = int | str  # a static axis, or a runtime 1-element int64 tensor (non-negative)
-
-
-def _dft(e: Emitter, x: str, axis: Axis, inverse: bool = False, onesided: bool = False) -> str:
-    """DFT of x along ``axis`` over its own length (opset 17: axis attribute;
-    from 20: axis input, which may be a runtime value)."""
-    flags = {"inverse": 1 if inverse else None, "onesided": 1 if onesided else None}
-    if e.opset >= 20:
-        a = e.scalar_int(axis) if isinstance(axis, int) else e.reshape(axis, [])
-        return e.DFT(x, "", a, **flags)
-    return e.DFT(x, axis=axis, **flags)
 
 
 def _conj(ctx: VJPContext, z: str) -> str:
@@ -117,15 +107,15 @@ def dft_vjp(ctx, dy):
         return (None,) * len(ctx.inputs)
     rank = ctx.require_rank(x)
     axis = _dft_axis(ctx, rank)
-    inverse = bool(ctx.attr("inverse", 0))
-    onesided = bool(ctx.attr("onesided", 0))
+    inverse = bool(ctx.attr("inverse"))
+    onesided = bool(ctx.attr("onesided"))
     length = ctx.input(1)
     n_in = _length(e, x, axis)
     rest = (None,) * (len(ctx.inputs) - 1)
     if inverse and onesided:
         n = _length(e, ctx.outputs[0], axis)  # the real signal's length N
-        spectrum = _dft(e, dy, axis, onesided=True)  # F(dy), first K bins
-        k = arange(e, _length(e, spectrum, axis))
+        spectrum = e.dft(dy, axis, onesided=True)  # F(dy), first K bins
+        k = e.arange(_length(e, spectrum, axis))
         single = e.Or(e.Equal(k, e.ints([0])), e.Equal(e.Mul(k, e.ints([2])), n))
         weight = e.Div(
             e.Where(single, ctx.const(1.0, like=dy), ctx.const(2.0, like=dy)), e.Cast(n, to=ctx.dtype(dy))
@@ -136,7 +126,7 @@ def dft_vjp(ctx, dy):
     if onesided:
         n = int64(e, e.reshape(length, [1])) if length is not None else n_in
         g = _fit(e, g, n, axis, rank)
-    full = _conj(ctx, _dft(e, _conj(ctx, g), axis, inverse=inverse))
+    full = _conj(ctx, e.dft(_conj(ctx, g), axis, inverse=inverse))
     if length is not None:
         full = _fit(e, full, n_in, axis, rank)
     return (_like_input(e, full, x),) + rest
@@ -165,12 +155,12 @@ def stft_vjp(ctx, dy):
             f"gradient of STFT node {ctx.node.name!r}: needs a window or a frame_length"
         )
     frames = e.dim(ctx.outputs[0], 1)
-    starts = e.Mul(e.unsqueeze(arange(e, frames), [1]), int64(e, e.reshape(step, [1, 1])))
-    positions = e.Add(starts, e.unsqueeze(arange(e, length), [0]))  # [F, L]
+    starts = e.Mul(e.unsqueeze(e.arange(frames), [1]), int64(e, e.reshape(step, [1, 1])))
+    positions = e.Add(starts, e.unsqueeze(e.arange(length), [0]))  # [F, L]
     g = dy
-    if int(ctx.attr("onesided", 1)):
+    if int(ctx.attr("onesided")):
         g = _fit(e, g, length, 2, 4)
-    g = _like_input(e, _conj(ctx, _dft(e, _conj(ctx, g), 2)), signal)  # [B, F, L, c]
+    g = _like_input(e, _conj(ctx, e.dft(_conj(ctx, g), 2)), signal)  # [B, F, L, c]
     dsignal = dwindow = None
     if ctx.needs(0):
         weighted = g if window is None else e.Mul(g, e.reshape(window, [1, 1, -1, 1]))

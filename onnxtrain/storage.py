@@ -1,4 +1,11 @@
-"""Writing models to disk: atomically, and (for large models) with external data.
+"""Model files on disk: external tensor data read at load, and models written
+atomically, with external data for large ones.
+
+Reading: ``load_external_data(model, folder)`` checks every external
+location (relative, inside the model's folder, a regular file, a byte range
+that exactly fits the tensor) before reading any byte.
+
+Writing:
 
 ``write_model(model, path)`` never leaves a half-written file at ``path``:
 every file is written under a temporary name in the destination folder,
@@ -30,10 +37,11 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import stat
 import tempfile
 import time
-from collections.abc import Callable, Iterable
-from pathlib import Path
+from collections.abc import Callable
+from pathlib import Path, PureWindowsPath
 from typing import BinaryIO
 
 import onnx
@@ -41,6 +49,17 @@ from google.protobuf.message import EncodeError
 from onnx import numpy_helper
 
 from .errors import TrainingModelError
+from .tensors import (
+    all_tensors,
+    check_dims,
+    copy_fields,
+    data_type_name,
+    element_count,
+    labelled_tensors,
+    memory_limit,
+    raw_bytes,
+    stored_bytes,
+)
 
 #: Default tensor bytes above which ``write_model`` switches to external data.
 DEFAULT_EXTERNAL_DATA_THRESHOLD = 3 * 2**29  # 1.5 GiB
@@ -56,6 +75,100 @@ _PAGE = 4096
 STALE_TEMP_SECONDS = 24 * 3600
 
 
+# ------------------------------------------------------------------ reading
+def load_external_data(model: onnx.ModelProto, base: Path) -> list[onnx.TensorProto]:
+    """Read external tensor data into the model (in place).
+
+    Every location is checked before any byte is read: it must be relative,
+    stay inside ``base`` once symlinks are resolved, name a regular file, and
+    its [offset, offset + length) range must lie inside that file and hold
+    exactly the bytes the tensor's dims and type need.  The total must fit in
+    this machine's memory.  Then each tensor is read straight into the model
+    (one read per tensor).  Returns the tensors it filled (their data length
+    is checked already)."""
+    root = base.resolve()
+    plan: list[tuple[onnx.TensorProto, Path, int, int]] = []
+    for where, t in labelled_tensors(model):
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        plan.append((t, *_external_range(t, where, root)))
+    total = sum(length for _, _, _, length in plan)
+    limit = memory_limit()
+    if total > limit:
+        raise TrainingModelError(
+            f"the model's external data adds up to {total} bytes, more than this machine's "
+            f"memory ({limit} bytes)"
+        )
+    for t, target, offset, length in plan:
+        with open(target, "rb") as f:
+            f.seek(offset)
+            data = f.read(length)
+        if len(data) != length:
+            raise TrainingModelError(
+                f"tensor {t.name!r}: external data file {target.name!r} ended after "
+                f"{len(data)} of {length} bytes (was it truncated while loading?)"
+            )
+        t.raw_data = data
+        del data
+        del t.external_data[:]
+        t.data_location = onnx.TensorProto.DEFAULT
+    return [t for t, _, _, _ in plan]
+
+
+def _external_range(t: onnx.TensorProto, where: str, root: Path) -> tuple[Path, int, int]:
+    """(file, offset, length) of an external tensor, after every safety check."""
+    info = {e.key: e.value for e in t.external_data}
+    location = info.get("location", "")
+    if not location:
+        raise TrainingModelError(f"{where}: external data without a location")
+    if "\x00" in location:
+        raise TrainingModelError(f"{where}: external data location {location!r} has a NUL byte")
+    if (
+        os.path.isabs(location)
+        or location.startswith(("/", "\\"))
+        or PureWindowsPath(location).drive
+    ):
+        raise TrainingModelError(f"{where}: external data location {location!r} is absolute")
+    if t.data_type == onnx.TensorProto.STRING:
+        raise TrainingModelError(f"{where}: a STRING tensor cannot be stored as external data")
+    try:
+        target = (root / location).resolve()
+    except (OSError, RuntimeError, ValueError) as exc:  # RuntimeError: a symlink loop
+        raise TrainingModelError(f"{where}: bad external data location {location!r}: {exc}") from exc
+    if root not in target.parents:
+        raise TrainingModelError(
+            f"{where}: external data location {location!r} points outside the model's folder"
+        )
+    try:
+        st = target.stat()
+    except OSError as exc:
+        raise TrainingModelError(f"{where}: cannot read external data {location!r}: {exc}") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise TrainingModelError(f"{where}: external data {location!r} is not a regular file")
+    size = st.st_size
+    try:
+        offset = int(info.get("offset") or 0)
+        length = int(info["length"]) if info.get("length") else size - offset
+    except ValueError as exc:
+        raise TrainingModelError(f"{where}: bad external data offset or length: {exc}") from exc
+    if offset < 0 or length < 0 or offset + length > size:
+        raise TrainingModelError(
+            f"{where}: external data range [{offset}, {offset + length}) lies past the end "
+            f"of {location!r} ({size} bytes)"
+        )
+    check_dims(t, where)
+    expected = raw_bytes(t.data_type, element_count(t.dims))
+    if expected is None:
+        raise TrainingModelError(f"{where}: {data_type_name(t.data_type)} cannot be external data")
+    if expected != length:
+        raise TrainingModelError(
+            f"{where}: external data holds {length} bytes, but dims {list(t.dims)} of "
+            f"{data_type_name(t.data_type)} need {expected}"
+        )
+    return target, offset, length
+
+
+# ------------------------------------------------------------------ writing
 def external_data_threshold() -> int:
     """The auto-mode threshold in bytes: ``$ONNXTRAIN_EXTERNAL_DATA_THRESHOLD`` or 1.5 GiB."""
     text = os.environ.get(THRESHOLD_ENV, "").strip()
@@ -139,14 +252,9 @@ def write_model(
 def tensor_bytes(model: onnx.ModelProto) -> int:
     """Bytes of tensor data a model holds, from dims and types (nothing is copied)."""
     total = 0
-    for t in _every_tensor(model):
-        bits = _BITS.get(t.data_type)
-        if bits is None or t.data_location == onnx.TensorProto.EXTERNAL:
-            continue
-        n = 1
-        for d in t.dims:
-            n *= max(int(d), 0)
-        total += (n * bits + 7) // 8
+    for t in all_tensors(model):
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            total += stored_bytes(t) or 0
     return total
 
 
@@ -275,8 +383,8 @@ def _pid_alive(pid: int) -> bool:
 def _locations(model: onnx.ModelProto) -> set[str]:
     """External data files a model refers to."""
     out = set()
-    for t in _every_tensor(model):
-        if t.data_location == _T.EXTERNAL:
+    for t in all_tensors(model):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
             out.update(e.value for e in t.external_data if e.key == "location")
     return out
 
@@ -296,44 +404,6 @@ def _remove_old_data_files(folder: Path, name: str, keep: set[str]) -> None:
 
 
 # ----------------------------------------------------------- external data
-_T = onnx.TensorProto
-_BITS = {
-    _T.FLOAT: 32, _T.UINT8: 8, _T.INT8: 8, _T.UINT16: 16, _T.INT16: 16, _T.INT32: 32,
-    _T.INT64: 64, _T.BOOL: 8, _T.FLOAT16: 16, _T.DOUBLE: 64, _T.UINT32: 32, _T.UINT64: 64,
-    _T.COMPLEX64: 64, _T.COMPLEX128: 128, _T.BFLOAT16: 16,
-}
-for _name, _bits in (
-    ("FLOAT8E4M3FN", 8), ("FLOAT8E4M3FNUZ", 8), ("FLOAT8E5M2", 8), ("FLOAT8E5M2FNUZ", 8),
-    ("FLOAT8E8M0", 8), ("UINT4", 4), ("INT4", 4), ("FLOAT4E2M1", 4), ("UINT2", 2), ("INT2", 2),
-):
-    if _name in _T.DataType.keys():
-        _BITS[_T.DataType.Value(_name)] = _bits
-
-
-def _every_tensor(model: onnx.ModelProto) -> Iterable[onnx.TensorProto]:
-    """Initializers, sparse parts and attribute tensors of every graph."""
-    graphs = [model.graph] if model.HasField("graph") else []
-    for ti in model.training_info:
-        graphs += [g for f, g in (("initialization", ti.initialization),
-                                  ("algorithm", ti.algorithm)) if ti.HasField(f)]
-    while graphs:
-        g = graphs.pop()
-        yield from g.initializer
-        for st in g.sparse_initializer:
-            yield st.values
-            yield st.indices
-        for n in g.node:
-            for a in n.attribute:
-                if a.type == onnx.AttributeProto.TENSOR:
-                    yield a.t
-                elif a.type == onnx.AttributeProto.TENSORS:
-                    yield from a.tensors
-                elif a.type == onnx.AttributeProto.GRAPH:
-                    graphs.append(a.g)
-                elif a.type == onnx.AttributeProto.GRAPHS:
-                    graphs.extend(a.graphs)
-
-
 class _DataSink:
     """Appends tensor bytes to the data file and says where they went."""
 
@@ -344,13 +414,10 @@ class _DataSink:
         self.offset = 0
 
     def wants(self, t: onnx.TensorProto) -> bool:
-        bits = _BITS.get(t.data_type)
-        if bits is None or t.data_location == _T.EXTERNAL:
-            return False  # strings cannot be external; already-external ones stay as they are
-        n = 1
-        for d in t.dims:
-            n *= max(int(d), 0)
-        return (n * bits + 7) // 8 >= max(self.min_bytes, 1)
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            return False  # already-external ones stay as they are
+        size = stored_bytes(t)
+        return size is not None and size >= max(self.min_bytes, 1)  # strings cannot be external
 
     def write(self, t: onnx.TensorProto) -> tuple[int, int]:
         if t.HasField("raw_data"):
@@ -368,39 +435,15 @@ class _DataSink:
         return start, len(data)
 
 
-def _copy_fields(src, dst, skip: tuple[str, ...]) -> None:
-    """Copy every set field of ``src`` into ``dst`` except those in ``skip``."""
-    for fd in src.DESCRIPTOR.fields:
-        name = fd.name
-        if name in skip:
-            continue
-        value = getattr(src, name)
-        if _is_repeated(fd):
-            if len(value):
-                getattr(dst, name).extend(value)
-        elif src.HasField(name):
-            if fd.message_type is not None:
-                getattr(dst, name).CopyFrom(value)
-            else:
-                setattr(dst, name, value)
-
-
-def _is_repeated(fd) -> bool:
-    is_repeated = getattr(fd, "is_repeated", None)  # protobuf >= 5.28
-    if is_repeated is not None:
-        return bool(is_repeated)
-    return fd.label == fd.LABEL_REPEATED
-
-
 def _skeleton_model(model: onnx.ModelProto, sink: _DataSink) -> onnx.ModelProto:
     """A copy of ``model`` whose large initializers (every graph) live in ``sink``."""
     out = onnx.ModelProto()
-    _copy_fields(model, out, ("graph", "training_info"))
+    copy_fields(model, out, ("graph", "training_info"))
     if model.HasField("graph"):
         _skeleton_graph(model.graph, out.graph, sink)
     for ti in model.training_info:
         new = out.training_info.add()
-        _copy_fields(ti, new, ("initialization", "algorithm"))
+        copy_fields(ti, new, ("initialization", "algorithm"))
         for field in ("initialization", "algorithm"):
             if ti.HasField(field):
                 _skeleton_graph(getattr(ti, field), getattr(new, field), sink)
@@ -409,7 +452,7 @@ def _skeleton_model(model: onnx.ModelProto, sink: _DataSink) -> onnx.ModelProto:
 
 def _skeleton_graph(src: onnx.GraphProto, dst: onnx.GraphProto, sink: _DataSink) -> None:
     """Copy ``src`` into ``dst`` with large initializers and tensor attributes external."""
-    _copy_fields(src, dst, ("initializer", "node"))
+    copy_fields(src, dst, ("initializer", "node"))
     for t in src.initializer:
         _put_tensor(t, dst.initializer.add(), sink)
     for n in src.node:
@@ -417,25 +460,34 @@ def _skeleton_graph(src: onnx.GraphProto, dst: onnx.GraphProto, sink: _DataSink)
         if not any(_attribute_goes_external(a, sink) for a in n.attribute):
             new.CopyFrom(n)
             continue
-        _copy_fields(n, new, ("attribute",))
+        copy_fields(n, new, ("attribute",))
         for a in n.attribute:
-            na = new.attribute.add()
-            if a.type == onnx.AttributeProto.GRAPH:
-                _copy_fields(a, na, ("g",))
-                _skeleton_graph(a.g, na.g, sink)
-            elif a.type == onnx.AttributeProto.GRAPHS:
-                _copy_fields(a, na, ("graphs",))
-                for g in a.graphs:
-                    _skeleton_graph(g, na.graphs.add(), sink)
-            elif a.type == onnx.AttributeProto.TENSOR:
-                _copy_fields(a, na, ("t",))
-                _put_tensor(a.t, na.t, sink)
-            elif a.type == onnx.AttributeProto.TENSORS:
-                _copy_fields(a, na, ("tensors",))
-                for t in a.tensors:
-                    _put_tensor(t, na.tensors.add(), sink)
-            else:
-                na.CopyFrom(a)
+            _skeleton_attribute(a, new.attribute.add(), sink)
+
+
+#: attribute type -> the field holding its graph(s) or tensor(s)
+_ITEM_FIELDS = {
+    onnx.AttributeProto.GRAPH: "g",
+    onnx.AttributeProto.GRAPHS: "graphs",
+    onnx.AttributeProto.TENSOR: "t",
+    onnx.AttributeProto.TENSORS: "tensors",
+}
+
+
+def _skeleton_attribute(a: onnx.AttributeProto, dst: onnx.AttributeProto, sink: _DataSink) -> None:
+    """``dst`` = ``a``, with its graphs skeletonized and its large tensors in the sink."""
+    field = _ITEM_FIELDS.get(a.type)
+    if field is None:
+        dst.CopyFrom(a)
+        return
+    copy_fields(a, dst, (field,))
+    graphs = a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+    copy = _skeleton_graph if graphs else _put_tensor
+    if a.type in (onnx.AttributeProto.GRAPHS, onnx.AttributeProto.TENSORS):
+        for item in getattr(a, field):
+            copy(item, getattr(dst, field).add(), sink)
+    else:
+        copy(getattr(a, field), getattr(dst, field), sink)
 
 
 def _attribute_goes_external(a: onnx.AttributeProto, sink: _DataSink) -> bool:
@@ -454,9 +506,9 @@ def _put_tensor(t: onnx.TensorProto, dst: onnx.TensorProto, sink: _DataSink) -> 
     if not sink.wants(t):
         dst.CopyFrom(t)
         return
-    _copy_fields(t, dst, ("raw_data", "float_data", "int32_data", "string_data", "int64_data",
+    copy_fields(t, dst, ("raw_data", "float_data", "int32_data", "string_data", "int64_data",
                           "double_data", "uint64_data", "external_data", "data_location"))
     offset, length = sink.write(t)
-    dst.data_location = _T.EXTERNAL
+    dst.data_location = onnx.TensorProto.EXTERNAL
     for key, value in (("location", sink.location), ("offset", offset), ("length", length)):
         dst.external_data.add(key=key, value=str(value))

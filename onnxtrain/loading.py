@@ -1,0 +1,188 @@
+"""Load a model from a path, bytes or a ModelProto, refusing hostile files.
+
+Loading refuses hostile files with a message that says what is wrong:
+unparsable bytes, other ONNX messages, tensor data that does not match its
+dims (checked before anything is allocated, ``onnxtrain.tensors``), external
+data outside the model's folder (``onnxtrain.storage``), strings that are not
+UTF-8.
+
+>>> load(b"not a model")
+Traceback (most recent call last):
+...
+onnxtrain.errors.TrainingModelError: cannot parse the model (11 bytes): not a valid ONNX ModelProto: ...
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import onnx
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from .errors import TrainingModelError
+from .storage import load_external_data
+from .tensors import check_tensors, has_external, is_repeated
+
+ModelLike = str | os.PathLike | bytes | onnx.ModelProto
+
+
+# ---------------------------------------------------------------------- load
+#: protobuf cannot parse a message of 2 GiB or more; larger models keep their
+#: tensors in external data files.
+MAX_PROTO_BYTES = 2**31 - 1
+
+#: Other messages a file is often mistaken for: (type, a field that marks it).
+_LOOKALIKES = (
+    (onnx.GraphProto, ("node", "initializer", "input", "output")),
+    (onnx.NodeProto, ("op_type",)),
+    (onnx.TensorProto, ("dims", "raw_data", "float_data", "int64_data", "int32_data")),
+    (onnx.TrainingInfoProto, ("algorithm", "initialization", "update_binding")),
+    (onnx.FunctionProto, ("node", "domain")),
+)
+
+
+def load(model: ModelLike) -> tuple[onnx.ModelProto, Path | None]:
+    """Parse a model from a path, bytes or a ModelProto (never modified).
+
+    External data of every graph (main, training_info, subgraphs) is read here,
+    relative to the model's folder, and may not point outside it.  Every
+    tensor's stored data must match its dims and type (checked before any
+    value is materialized), so a hostile file gives a TrainingModelError,
+    never a MemoryError or a crash."""
+    if isinstance(model, onnx.ModelProto):
+        base = None
+        proto = model
+        if has_external(proto):
+            raise TrainingModelError(
+                "the ModelProto refers to external data; pass its path instead so "
+                "the data can be found"
+            )
+        check_strings(proto)
+        check_tensors(proto)
+        return proto, base
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        data = bytes(model)
+        base = None
+        source = f"{len(data)} bytes"
+    elif isinstance(model, (str, os.PathLike)):
+        path = Path(model)
+        data = _read_model_file(path)
+        base = path.resolve().parent
+        source = f"file {str(path)!r}"
+    else:
+        raise TypeError(
+            f"model must be a path, bytes or onnx.ModelProto, not {type(model).__name__}"
+        )
+    proto = _parse_model(data, source)
+    del data
+    check_strings(proto)
+    if has_external(proto):
+        if base is None:
+            raise TrainingModelError(
+                "the model refers to external data; load it from its path so the data can be found"
+            )
+        filled = load_external_data(proto, base)
+    else:
+        filled = []
+    check_tensors(proto, skip=filled)
+    return proto, base
+
+
+def _read_model_file(path: Path) -> bytes:
+    """The bytes of a model file: a regular file under protobuf's 2 GiB limit."""
+    try:
+        st = path.stat()
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise TrainingModelError(f"cannot read model file {str(path)!r}: {exc}") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise TrainingModelError(f"model file {str(path)!r} is not a regular file")
+    if st.st_size > MAX_PROTO_BYTES:
+        raise TrainingModelError(
+            f"model file {str(path)!r} is {st.st_size} bytes; protobuf cannot parse 2 GiB or "
+            "more, so models this large must keep their tensors in external data"
+        )
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise TrainingModelError(f"cannot read model file {str(path)!r}: {exc}") from exc
+
+
+def _parse_model(data: bytes, source: str) -> onnx.ModelProto:
+    """ModelProto.ParseFromString with errors that say what the bytes look like."""
+    proto = onnx.ModelProto()
+    if len(data) > MAX_PROTO_BYTES:
+        raise TrainingModelError(
+            f"cannot parse the model ({source}): {len(data)} bytes is over protobuf's 2 GiB limit"
+        )
+    try:
+        proto.ParseFromString(data)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        raise TrainingModelError(
+            f"cannot parse the model ({source}): not a valid ONNX ModelProto: "
+            f"{exc}{_lookalike(data)}"
+        ) from exc
+    if not proto.HasField("graph"):
+        raise TrainingModelError(
+            f"cannot parse the model ({source}): it has no main graph, so it is not an ONNX "
+            f"ModelProto{_lookalike(data)}"
+        )
+    return proto
+
+
+def _lookalike(data: bytes) -> str:
+    """'; the data parses as an onnx.X, ...' if the bytes are cleanly another ONNX message."""
+    if not data or len(data) > 64 * 2**20:
+        return ""
+    for cls, marks in _LOOKALIKES:
+        msg = cls()
+        try:
+            msg.ParseFromString(data)
+        except (DecodeError, RuntimeError, ValueError):
+            continue
+        if len(UnknownFieldSet(msg)) or not any(_is_set(msg, m) for m in marks):
+            continue
+        if msg.SerializeToString() != data:
+            continue
+        return f"; the data parses as an onnx.{cls.__name__}, not an onnx.ModelProto"
+    return ""
+
+
+def _is_set(msg, name: str) -> bool:
+    value = getattr(msg, name)
+    if isinstance(value, (str, bytes)):
+        return bool(value)
+    try:
+        return len(value) > 0
+    except TypeError:
+        return msg.HasField(name)
+
+
+def check_strings(message, path: str = "model") -> None:
+    """Every string field holds valid UTF-8.
+
+    proto2 does not check when parsing: for a bad string, protobuf's getter
+    returns ``bytes`` instead of ``str`` (or raises, depending on the
+    protobuf build), and the failure surfaces later, wherever the value is
+    first used.  Here it is found at load, with the field's path."""
+    for fd in message.DESCRIPTOR.fields:
+        if fd.type == FieldDescriptor.TYPE_STRING:
+            try:
+                value = getattr(message, fd.name)
+                values = list(value) if is_repeated(fd) else [value]
+                bad = next((v for v in values if not isinstance(v, str)), None)
+            except UnicodeDecodeError as exc:
+                bad = exc.object
+            if bad is not None:
+                raise TrainingModelError(
+                    f"{path}.{fd.name}: {bytes(bad)[:32]!r} is not valid UTF-8"
+                )
+        elif fd.type == FieldDescriptor.TYPE_MESSAGE:
+            if is_repeated(fd):
+                for i, sub in enumerate(getattr(message, fd.name)):
+                    check_strings(sub, f"{path}.{fd.name}[{i}]")
+            elif message.HasField(fd.name):
+                check_strings(getattr(message, fd.name), f"{path}.{fd.name}")

@@ -1,0 +1,399 @@
+"""The program pipeline: every graph pass between a training model and what
+onnxruntime runs, in order, one job each.
+
+A program starts as one graph: the main graph, an initialization graph, or
+the *combination* M ⊕ A_i of the main graph and an algorithm (``combine``;
+``loss_graph`` further prunes one to the loss for ``evaluate``).
+``run_pipeline`` then applies ``PIPELINE`` to a private copy:
+
+1. ``state_to_inputs``        state initializers become graph inputs, fed from the state
+2. ``expand_gradient_nodes``  Gradient nodes become backward graphs (autodiff)
+3. ``lower_optimizer_nodes``  Adam / Momentum / Adagrad become standard ops (optim)
+4. ``fuse_gemm_updates``      scaled updates of Gemm products fold into the Gemm (fuse)
+5. ``sort_and_prune``         topological order, without nodes no output needs
+6. ``elide_output_identities``  producers write graph outputs directly
+7. ``shield_batch_norm_inputs`` training-mode BatchNorm gets private mean/var copies
+8. ``refuse_preview_ops``     no ai.onnx.preview.training op may be left
+9. ``prune_unused_initializers``
+
+and ``to_model`` wraps the result without the preview import, its IR version
+capped to what this onnxruntime loads.  ``kernel_choice`` is the last,
+optional step: Adam updates fused into one custom kernel each where the
+kernel library is available (``onnxtrain.kernels``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import onnx
+from onnx import helper
+
+from . import kernels
+from .autodiff import expand_gradients
+from .errors import TrainingModelError
+from .executor import MAX_IR_VERSION
+from .fuse import fuse_gemm_updates as _fuse_gemm
+from .fuse import with_fused_kernels
+from .graph import (
+    PREVIEW_DOMAIN,
+    node_inputs,
+    opset_version,
+    outer_references,
+    prune,
+    subgraphs,
+    toposort,
+)
+from .model import TrainingModel, combined_graph, copy_graph, uses_preview_ops
+from .names import NameGen
+from .optim import lower_optimizers
+
+#: Default-domain opset given to programs of models that import none.
+DEFAULT_OPSET = 17
+
+
+@dataclass
+class Lowering:
+    """What the passes work on: one program's graph and what they share."""
+
+    tm: TrainingModel
+    label: str
+    graph: onnx.GraphProto
+    #: State variables held by the graph (as initializers, or left out by the caller).
+    state_here: set[str]
+    opset_imports: list[onnx.OperatorSetIdProto]
+    names: NameGen = field(init=False)
+    #: Names defined before the first node (inputs and initializers).
+    available: list[str] = field(init=False)
+    #: Whether the graph holds ai.onnx.preview.training ops to lower (passes 2-4).
+    training_ops: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.names = NameGen(())
+        self.available = []
+        self.training_ops = uses_preview_ops(self.graph)
+
+    def set_nodes(self, nodes: list[onnx.NodeProto]) -> None:
+        del self.graph.node[:]
+        self.graph.node.extend(nodes)
+
+
+# --------------------------------------------------------------- graphs in
+def combine(tm: TrainingModel, index: int) -> tuple[onnx.GraphProto, set[str]]:
+    """M ⊕ A_index without the state initializers (returned as the second
+    item: they become inputs, and copying their data would double the memory)."""
+    ti = tm.proto.training_info[index]
+    state = {
+        name
+        for g in (tm.proto.graph, ti.algorithm)
+        for name in [t.name for t in g.initializer] + [t.values.name for t in g.sparse_initializer]
+        if name in tm.state
+    }
+    return combined_graph(tm.proto, index, exclude_initializers=state), state
+
+
+def loss_graph(tm: TrainingModel, index: int, outputs: list[str],
+               train_prediction: str | None = None, prediction: str | None = None) -> onnx.GraphProto:
+    """M ⊕ A_index pruned to ``outputs`` (the loss, and the prediction).
+
+    The Gradient and optimizer nodes are dead here, and so are the inputs
+    and state (moments, counters) only they read, which are dropped so that
+    the program is fed just what the forward pass needs.  Evaluation is
+    inference: a loss that reads a training-mode copy of the forward pass
+    (``train_prediction``: Dropout/BatchNormalization active) reads the main
+    graph's ``prediction`` instead, and the copy is pruned away."""
+    graph = combined_graph(tm.proto, index)
+    by_name = {o.name: o for o in graph.output}
+    kept_outputs = [by_name[n] for n in outputs]
+    del graph.output[:]
+    graph.output.extend(kept_outputs)
+    if train_prediction and prediction:
+        for node in graph.node:
+            if train_prediction in node.input:
+                node.input[:] = [prediction if i == train_prediction else i for i in node.input]
+    live = prune(list(graph.node), outputs)
+    del graph.node[:]
+    graph.node.extend(live)
+    used = set(outputs)
+    for node in live:
+        used.update(node_inputs(node))
+    for fld, name_of in (("input", lambda v: v.name), ("initializer", lambda t: t.name),
+                         ("sparse_initializer", lambda t: t.values.name)):
+        items = [x for x in getattr(graph, fld) if name_of(x) in used]
+        del getattr(graph, fld)[:]
+        getattr(graph, fld).extend(items)
+    return graph
+
+
+# ------------------------------------------------------------------ passes
+def state_to_inputs(low: Lowering) -> None:
+    """Replace state initializers by graph inputs of the same type and shape."""
+    g, tm, state_here = low.graph, low.tm, low.state_here
+    declared = {i.name for i in g.input}
+    kept = [t for t in g.initializer if t.name not in state_here]
+    kept_sparse = [t for t in g.sparse_initializer if t.values.name not in state_here]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    del g.sparse_initializer[:]
+    g.sparse_initializer.extend(kept_sparse)
+    for name in sorted(state_here, key=list(tm.state).index):
+        var = tm.state[name]
+        vi = helper.make_tensor_value_info(name, var.elem_type, list(var.shape))
+        if name in declared:
+            for existing in g.input:
+                if existing.name == name:
+                    existing.CopyFrom(vi)
+        else:
+            g.input.append(vi)
+    low.available = [i.name for i in g.input] + [t.name for t in g.initializer]
+    low.available += [t.values.name for t in g.sparse_initializer]
+    low.names = NameGen.from_graph(g)  # fresh names avoid every name in the graph
+
+
+def expand_gradient_nodes(low: Lowering) -> None:
+    if low.training_ops:
+        expand_gradients(low.graph, low.opset_imports, low.names, low.available,
+                         low.tm.proto.functions)
+
+
+def lower_optimizer_nodes(low: Lowering) -> None:
+    if low.training_ops:
+        lower_optimizers(low.graph, low.opset_imports, low.names)
+
+
+def fuse_gemm_updates(low: Lowering) -> None:
+    if low.training_ops:  # updates come from lowered optimizers only
+        _fuse_gemm(low.graph, low.opset_imports)
+
+
+def sort_and_prune(low: Lowering) -> None:
+    outputs = [o.name for o in low.graph.output]
+    low.set_nodes(prune(toposort(list(low.graph.node), low.available, where=low.label), outputs))
+
+
+def elide_output_identities(low: Lowering) -> None:
+    """Drop ``b = Identity(a)`` where b is a graph output, by letting a's
+    producer write b directly (onnxruntime keeps such Identities: one kernel
+    and one copy per step each, e.g. for a loss or a bound update).
+
+    Only when a is an intermediate value: produced by a node of this graph,
+    not a graph input, initializer or output, and not read by a subgraph."""
+    g = low.graph
+    nodes = list(g.node)
+    outputs = {o.name for o in g.output}
+    fixed = {i.name for i in g.input} | {t.name for t in g.initializer}
+    fixed |= {t.values.name for t in g.sparse_initializer} | outputs
+    producer = {o: n for n in nodes for o in n.output if o}
+    captured: set[str] = set()
+    for n in nodes:
+        for sub in subgraphs(n):
+            captured |= outer_references(sub)
+    rename: dict[str, str] = {}
+    kept = []
+    for n in nodes:
+        if (
+            n.op_type == "Identity"
+            and n.domain in ("", "ai.onnx")
+            and n.output[0] in outputs
+            and n.input[0] in producer
+            and n.input[0] not in fixed
+            and n.input[0] not in captured
+            and n.input[0] not in rename
+        ):
+            rename[n.input[0]] = n.output[0]
+            continue
+        kept.append(n)
+    if not rename:
+        return
+    for n in kept:
+        for i, name in enumerate(n.input):
+            if name in rename:
+                n.input[i] = rename[name]
+        for i, name in enumerate(n.output):
+            if name in rename:
+                n.output[i] = rename[name]
+    keep_vi = [vi for vi in g.value_info if vi.name not in rename]
+    del g.value_info[:]
+    g.value_info.extend(keep_vi)
+    low.set_nodes(kept)
+
+
+def shield_batch_norm_inputs(low: Lowering) -> None:
+    """Give every training-mode BatchNormalization a private copy of its
+    mean/var inputs when they are graph inputs or initializers.
+
+    onnxruntime 1.31 writes the running statistics into the buffers of those
+    inputs when the running_mean/running_var outputs are not graph outputs.
+    Fed from state, that would change the committed state before the step
+    commits (and under a concurrent ``run()``).  The copy is Max(v, v): a
+    per-channel vector, which onnxruntime neither aliases nor removes (it does
+    both to Identity)."""
+    g, names = low.graph, low.names
+    opset = opset_version(low.opset_imports)
+    fixed = {i.name for i in g.input} | {t.name for t in g.initializer}
+    out: list[onnx.NodeProto] = []
+    changed = False
+    for n in g.node:
+        if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx"):
+            training = (
+                any(a.name == "training_mode" and a.i for a in n.attribute)
+                if opset >= 14
+                else sum(1 for o in n.output if o) > 1
+            )
+            if training:
+                for k in (3, 4):
+                    if len(n.input) > k and n.input[k] in fixed:
+                        copy = names.fresh(f"{n.input[k]}/bn_private")
+                        out.append(helper.make_node("Max", [n.input[k], n.input[k]], [copy],
+                                                    name=names.fresh("bn_private_copy")))
+                        n.input[k] = copy
+                        changed = True
+        out.append(n)
+    if changed:
+        low.set_nodes(out)
+
+
+def refuse_preview_ops(low: Lowering) -> None:
+    if uses_preview_ops(low.graph):
+        left = sorted({n.op_type for n in low.graph.node if n.domain == PREVIEW_DOMAIN})
+        raise TrainingModelError(f"unsupported ai.onnx.preview.training ops {left}")
+
+
+def prune_unused_initializers(low: Lowering) -> None:
+    g = low.graph
+    used: set[str] = {o.name for o in g.output}
+    for n in g.node:
+        used.update(node_inputs(n))
+    declared = {i.name for i in g.input}
+    kept = [t for t in g.initializer if t.name in used or t.name in declared]
+    if len(kept) != len(g.initializer):
+        del g.initializer[:]
+        g.initializer.extend(kept)
+
+
+#: The passes, in the order they run (see the module docstring).
+PIPELINE: tuple[Callable[[Lowering], None], ...] = (
+    state_to_inputs,
+    expand_gradient_nodes,
+    lower_optimizer_nodes,
+    fuse_gemm_updates,
+    sort_and_prune,
+    elide_output_identities,
+    shield_batch_norm_inputs,
+    refuse_preview_ops,
+    prune_unused_initializers,
+)
+
+
+def to_model(low: Lowering) -> onnx.ModelProto:
+    """The lowered graph as a model: no preview import, the IR version capped."""
+    proto = low.tm.proto
+    imports = [o for o in low.opset_imports if o.domain != PREVIEW_DOMAIN]
+    model = helper.make_model(low.graph, opset_imports=imports, producer_name="onnxtrain")
+    ir = max(proto.ir_version, 4) if proto.ir_version else 8
+    model.ir_version = min(ir, MAX_IR_VERSION)
+    model.functions.extend(proto.functions)
+    return model
+
+
+def run_pipeline(tm: TrainingModel, label: str, graph: onnx.GraphProto,
+                 state_left_out: Iterable[str] = ()) -> tuple[onnx.GraphProto, onnx.ModelProto]:
+    """Apply ``PIPELINE`` to a copy of ``graph``; the lowered graph and its model.
+
+    ``state_left_out``: state variables whose initializers the caller already
+    left out of ``graph`` (they become inputs all the same)."""
+    state_here = {
+        name
+        for name in [t.name for t in graph.initializer]
+        + [t.values.name for t in graph.sparse_initializer]
+        if name in tm.state
+    } | set(state_left_out)
+    # State variables become inputs fed from the session's buffers: copying
+    # their initializer data here would double the memory of a large model.
+    g = copy_graph(graph, exclude_initializers=state_here)
+    opset_imports = list(tm.proto.opset_import)
+    if not any(o.domain in ("", "ai.onnx") for o in opset_imports):
+        # Lowered Gradient/optimizer ops are default-domain ops; models that
+        # import only ai.onnx.preview.training (ONNX's own test cases) get one.
+        opset_imports.append(helper.make_opsetid("", DEFAULT_OPSET))
+    low = Lowering(tm, label, g, state_here, opset_imports)
+    for step in PIPELINE:
+        try:
+            step(low)
+        except TrainingModelError as exc:
+            raise type(exc)(f"{label}: {exc}") from exc
+    return g, to_model(low)
+
+
+# ------------------------------------------------------------------ export
+def drop_unused_initializers(graph: onnx.GraphProto) -> None:
+    """Initializers no node, subgraph or output reads (training-only state a
+    builder parked in the main graph, e.g. gradient accumulators)."""
+    used = {o.name for o in graph.output} | {i.name for i in graph.input}
+    for node in graph.node:
+        used.update(node_inputs(node))
+    kept = [t for t in graph.initializer if t.name in used]
+    if len(kept) != len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+
+
+def inference_export(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The passes of an exported inference model (training_info already
+    dropped, state written): LoRA adapters merged into their weights, unused
+    initializers dropped, the preview import dropped when no op needs it, the
+    IR version capped."""
+    from .build import lora  # the builder's LoRA format, imported on use
+
+    if lora.info_of(model) is not None:
+        # LoRA: the original graph with W + (alpha/r)·A·B in each target.
+        model = lora.merge(model)
+    drop_unused_initializers(model.graph)
+    if not uses_preview_ops(model.graph):
+        imports = [o for o in model.opset_import if o.domain != PREVIEW_DOMAIN]
+        del model.opset_import[:]
+        model.opset_import.extend(imports)
+    if model.ir_version > MAX_IR_VERSION:
+        model.ir_version = MAX_IR_VERSION
+    return model
+
+
+# ------------------------------------------------------------ kernels out
+@dataclass(frozen=True)
+class KernelChoice:
+    """The model to run for a program, the custom-op library it needs (None:
+    standard ops only), and why fused kernels are not used ("" if they are or
+    were not asked for)."""
+
+    model: onnx.ModelProto
+    library: str | None = None
+    note: str = ""
+
+
+def check_fused_kernels(fused_kernels: bool | None, device: str) -> None:
+    """Refuse ``fused_kernels=True`` where the fused kernels cannot run."""
+    if fused_kernels not in (None, True, False):
+        raise TypeError(f"fused_kernels must be None, True or False, not {fused_kernels!r}")
+    if fused_kernels:
+        if device != "cpu":
+            raise ValueError("fused_kernels=True: the fused kernels run on the CPU provider only")
+        if kernels.library() is None:
+            raise RuntimeError(f"fused_kernels=True, but the kernel library is {kernels.status()}")
+
+
+def kernel_choice(model: onnx.ModelProto, fused_kernels: bool | None, device: str) -> KernelChoice:
+    """Decide how a training algorithm's program runs: with each Adam/AdamW
+    update fused into one kernel where allowed (``fused_kernels`` not False),
+    possible (CPU provider) and available (the library built), else as is."""
+    if fused_kernels is False:
+        return KernelChoice(model)
+    if device != "cpu":
+        return KernelChoice(model, None, "fused kernels run on the CPU provider only")
+    fused, _ = with_fused_kernels(model)
+    if fused is model:
+        return KernelChoice(model)
+    library = kernels.library()
+    if library is None:
+        return KernelChoice(model, None, kernels.status())
+    return KernelChoice(fused, library)

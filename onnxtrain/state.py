@@ -1,0 +1,192 @@
+"""The state variables of a session, double-buffered, and the step plans over them.
+
+``StateStore`` keeps every state variable in an OrtValue (made by
+``executor.new_buffer``).  A step writes every updated variable into its
+spare buffer; ``commit`` swaps the buffers, so a failed step leaves the
+current ones untouched.  Readers (inference from other threads, ``state``
+lookups) pin the buffers they read, and a writer never writes into a pinned
+buffer: it allocates a new one.
+
+Double buffering makes every steady-state step of one program one of two
+configurations: state in buffers A written to B, then B written to A.
+``plan_cycle`` prepares both once (a ``StepPlan`` each, holding its
+binding and the maps its commit installs), so such a step does no
+per-variable Python work: ``plan_for_current`` picks the plan whose
+expected map is current and ``install`` commits it.  Any other state change
+(``replace``, a pinned snapshot, another program) makes the plans miss.
+Only this module touches the buffer maps.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .executor import contiguous, empty_like, new_buffer
+
+
+@dataclass
+class StepPlan:
+    """One of the two double-buffer configurations of a steady-state step:
+    the state map it expects to be current, its binding (and the state inputs
+    bound there), and the maps its commit installs."""
+
+    expected: dict
+    binding: Any
+    state_in: dict
+    next_current: dict
+    next_spare: dict
+
+
+class StateStore:
+    """State variables in double-buffered OrtValues (see the module docstring)."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], device: tuple[str, int] = ("cpu", 0)):
+        self.device = device
+        # Reentrant: a StateView collected (its pins released) while this
+        # thread holds the mutex must not deadlock.
+        self._mutex = threading.RLock()
+        self._current: dict[str, Any] = {}
+        self._spare: dict[str, Any] = {}
+        self._pins: dict[int, int] = {}
+        self.version = 0
+        for name, arr in arrays.items():
+            self._current[name] = new_buffer(contiguous(arr), device)
+            self._spare[name] = None
+
+    # ----------------------------------------------------------- access
+    def names(self) -> list[str]:
+        return list(self._current)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether a reader holds some buffers (then no plan applies)."""
+        return bool(self._pins)
+
+    def current(self, names: Sequence[str]) -> dict[str, Any]:
+        """The current buffers of ``names`` (for the single writer, under its lock)."""
+        return {n: self._current[n] for n in names}
+
+    def targets(self, names: Sequence[str]) -> list[Any]:
+        """Spare buffers to write new values of ``names`` into (never a pinned one)."""
+        out = []
+        with self._mutex:
+            spares, pins = self._spare, self._pins
+            fresh = None
+            for n in names:
+                spare = spares[n]
+                if spare is None or (pins and pins.get(id(spare))):
+                    spare = empty_like(self._current[n], self.device)
+                    if fresh is None:
+                        fresh = dict(spares)  # installed maps are never changed in place
+                    fresh[n] = spare
+                out.append(spare)
+            if fresh is not None:
+                self._spare = fresh
+        return out
+
+    def commit(self, staged: Mapping[str, Any]) -> None:
+        """Make the staged buffers current (all at once); the old current
+        buffers become the spares.
+
+        The new maps are built aside and installed by one assignment, so an
+        exception or KeyboardInterrupt anywhere in here leaves every old
+        buffer current or every new one, never a mixture."""
+        with self._mutex:
+            current, spares = dict(self._current), dict(self._spare)
+            for n, value in staged.items():
+                spares[n] = current[n]
+                current[n] = value
+            self._current, self._spare, self.version = current, spares, self.version + 1
+
+    def replace(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Set values from numpy arrays (copied into new buffers), all at once."""
+        fresh = {n: new_buffer(contiguous(a), self.device) for n, a in arrays.items()}
+        with self._mutex:
+            current, spares = dict(self._current), dict(self._spare)
+            for n, value in fresh.items():
+                current[n] = value
+                spares[n] = None
+            self._current, self._spare, self.version = current, spares, self.version + 1
+
+    @contextmanager
+    def snapshot(self, names: Sequence[str] | None = None):
+        """Pin the current buffers of ``names`` (default: all) while in use."""
+        with self._mutex:
+            snap = dict(self._current) if names is None else {n: self._current[n] for n in names}
+            for v in snap.values():
+                self._pins[id(v)] = self._pins.get(id(v), 0) + 1
+        try:
+            yield snap
+        finally:
+            with self._mutex:
+                for v in snap.values():
+                    left = self._pins[id(v)] - 1
+                    if left:
+                        self._pins[id(v)] = left
+                    else:
+                        del self._pins[id(v)]
+
+    def to_numpy(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Copies of the current values (a consistent snapshot)."""
+        with self.snapshot(names) as snap:
+            return {n: np.array(v.numpy(), copy=True) for n, v in snap.items()}
+
+    # ------------------------------------------------------- step plans
+    def plan_cycle(
+        self,
+        state_inputs: Sequence[str],
+        bound_keys: Sequence[str],
+        bind: Callable[[dict, list], Any],
+    ) -> tuple[StepPlan, StepPlan] | None:
+        """The two alternating plans of a program that reads ``state_inputs``
+        and writes ``bound_keys``, right after a committed step of it (None
+        while a spare is missing or a reader pins buffers).  ``bind(state_in,
+        targets)`` makes the binding of one configuration."""
+        if self._pins:
+            return None
+
+        def plan(current: dict, spare: dict) -> StepPlan | None:
+            targets = [spare.get(k) for k in bound_keys]
+            if any(t is None for t in targets):
+                return None
+            state_in = {n: current[n] for n in state_inputs}
+            nxt_current, nxt_spare = dict(current), dict(spare)
+            for key, target in zip(bound_keys, targets):
+                nxt_spare[key] = current[key]
+                nxt_current[key] = target
+            return StepPlan(current, bind(state_in, targets), state_in, nxt_current, nxt_spare)
+
+        first = plan(self._current, self._spare)
+        if first is None:
+            return None
+        second = plan(first.next_current, first.next_spare)
+        if second is None:
+            return None
+        # The cycle closes on the same maps: the second plan installs the first's.
+        second.next_current, second.next_spare = first.expected, self._spare
+        return first, second
+
+    def plan_for_current(self, cycle: tuple[StepPlan, StepPlan]) -> StepPlan | None:
+        """The plan of ``cycle`` that applies to the current buffers, or None."""
+        if self._pins:
+            return None
+        current = self._current
+        a, b = cycle
+        return a if a.expected is current else b if b.expected is current else None
+
+    def install(self, plan: StepPlan) -> bool:
+        """A plan's commit: if its expected map is still current, make the maps
+        it prepared the new ones.  The maps are never changed in place once
+        installed, so a plan can hold them."""
+        with self._mutex:
+            if self._current is not plan.expected:
+                return False
+            self._current, self._spare = plan.next_current, plan.next_spare
+            self.version += 1
+            return True

@@ -1,0 +1,349 @@
+"""Tensors of a model: one walker over every graph's tensors, their storage
+layout, and the checks that their stored data matches their dims and type.
+
+Loading (``onnxtrain.loading``, ``onnxtrain.storage``) and writing
+(``onnxtrain.storage.write_model``) both walk a model's tensors with
+``labelled_tensors`` / ``all_tensors`` and size them with ``raw_bytes``.
+
+>>> t = onnx.TensorProto(name="W", data_type=onnx.TensorProto.FLOAT, dims=[2**40, 2**40])
+>>> check_tensor(t, "graph.initializer[0]")
+Traceback (most recent call last):
+...
+onnxtrain.errors.TrainingModelError: graph.initializer[0]: float_data holds 0 values, but dims [1099511627776, 1099511627776] of FLOAT need 1208925819614629174706176
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import numpy as np
+import onnx
+from google.protobuf.message import EncodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
+from onnx import numpy_helper
+
+from .errors import TrainingModelError
+from .graph import subgraphs
+
+
+# ------------------------------------------------------------------ walkers
+def all_graphs(model: onnx.ModelProto) -> list[tuple[str, onnx.GraphProto]]:
+    """Every graph of a model with a label: main, training_info ones, subgraphs."""
+    out: list[tuple[str, onnx.GraphProto]] = [("graph", model.graph)]
+    for i, ti in enumerate(model.training_info):
+        if ti.HasField("initialization"):
+            out.append((f"training_info[{i}].initialization", ti.initialization))
+        if ti.HasField("algorithm"):
+            out.append((f"training_info[{i}].algorithm", ti.algorithm))
+    stack = list(out)
+    while stack:
+        label, g = stack.pop()
+        for n in g.node:
+            for sg in subgraphs(n):
+                item = (f"{label}/{n.name or n.op_type}", sg)
+                out.append(item)
+                stack.append(item)
+    return out
+
+
+def all_tensors(model: onnx.ModelProto) -> Iterable[onnx.TensorProto]:
+    """Every TensorProto a model holds: initializers, sparse values, attributes."""
+    for _, t in labelled_tensors(model):
+        yield t
+
+
+def labelled_tensors(model: onnx.ModelProto) -> Iterable[tuple[str, onnx.TensorProto]]:
+    """Every TensorProto of a model with where it is, for error messages."""
+    for label, g in all_graphs(model):
+        for i, t in enumerate(g.initializer):
+            yield f"{label}.initializer[{i}] ({t.name!r})", t
+        for i, st in enumerate(g.sparse_initializer):
+            yield f"{label}.sparse_initializer[{i}].values ({st.values.name!r})", st.values
+            yield f"{label}.sparse_initializer[{i}].indices ({st.values.name!r})", st.indices
+        for where, a in _node_attributes(label, g):
+            if a.type == onnx.AttributeProto.TENSOR:
+                yield where, a.t
+            elif a.type == onnx.AttributeProto.TENSORS:
+                for j, t in enumerate(a.tensors):
+                    yield f"{where}[{j}]", t
+            else:
+                for at, st in _sparse_attribute(where, a):
+                    yield f"{at}.values", st.values
+                    yield f"{at}.indices", st.indices
+
+
+def labelled_sparse_tensors(
+    model: onnx.ModelProto,
+) -> Iterable[tuple[str, onnx.SparseTensorProto]]:
+    """Every SparseTensorProto: sparse initializers and sparse attributes."""
+    for label, g in all_graphs(model):
+        for i, st in enumerate(g.sparse_initializer):
+            yield f"{label}.sparse_initializer[{i}] ({st.values.name!r})", st
+        for where, a in _node_attributes(label, g):
+            yield from _sparse_attribute(where, a)
+
+
+def _sparse_attribute(where: str, a: onnx.AttributeProto):
+    """The sparse tensors an attribute holds, with where each is."""
+    if a.type == onnx.AttributeProto.SPARSE_TENSOR:
+        yield where, a.sparse_tensor
+    elif a.type == onnx.AttributeProto.SPARSE_TENSORS:
+        for j, st in enumerate(a.sparse_tensors):
+            yield f"{where}[{j}]", st
+
+
+def _node_attributes(label: str, g: onnx.GraphProto):
+    for i, n in enumerate(g.node):
+        for a in n.attribute:
+            yield f"{label}.node[{i}] ({n.name or n.op_type!r}).{a.name}", a
+
+
+def has_external(model: onnx.ModelProto) -> bool:
+    """Whether some tensor of the model keeps its data in an external file."""
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in all_tensors(model))
+
+
+# ----------------------------------------------------------- protobuf fields
+def is_repeated(fd) -> bool:
+    """Whether a protobuf field descriptor is a repeated field."""
+    repeated = getattr(fd, "is_repeated", None)  # protobuf >= 5.28
+    if repeated is not None:
+        return bool(repeated)
+    return fd.label == fd.LABEL_REPEATED
+
+
+def copy_fields(src, dst, skip: Iterable[str] = ()) -> None:
+    """Copy every set field of the message ``src`` into ``dst`` except those in ``skip``."""
+    for fd in src.DESCRIPTOR.fields:
+        name = fd.name
+        if name in skip:
+            continue
+        value = getattr(src, name)
+        if is_repeated(fd):
+            if len(value):
+                getattr(dst, name).extend(value)
+        elif src.HasField(name):
+            if fd.message_type is not None:
+                getattr(dst, name).CopyFrom(value)
+            else:
+                setattr(dst, name, value)
+
+
+# ------------------------------------------------------------ tensor checks
+def memory_limit() -> int:
+    """Bytes of physical memory: no tensor or total may claim more."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 2**40
+
+
+
+_T = onnx.TensorProto
+#: data_type -> (bits per element, the typed field holding values without raw_data,
+#: typed entries per element).  Types below 8 bits pack their values into bytes,
+#: one byte per typed entry.
+_STORAGE: dict[int, tuple[int, str, int]] = {
+    _T.FLOAT: (32, "float_data", 1),
+    _T.UINT8: (8, "int32_data", 1),
+    _T.INT8: (8, "int32_data", 1),
+    _T.UINT16: (16, "int32_data", 1),
+    _T.INT16: (16, "int32_data", 1),
+    _T.INT32: (32, "int32_data", 1),
+    _T.INT64: (64, "int64_data", 1),
+    _T.BOOL: (8, "int32_data", 1),
+    _T.FLOAT16: (16, "int32_data", 1),
+    _T.DOUBLE: (64, "double_data", 1),
+    _T.UINT32: (32, "uint64_data", 1),
+    _T.UINT64: (64, "uint64_data", 1),
+    _T.COMPLEX64: (64, "float_data", 2),
+    _T.COMPLEX128: (128, "double_data", 2),
+    _T.BFLOAT16: (16, "int32_data", 1),
+}
+for _name, _bits in (
+    ("FLOAT8E4M3FN", 8), ("FLOAT8E4M3FNUZ", 8), ("FLOAT8E5M2", 8), ("FLOAT8E5M2FNUZ", 8),
+    ("FLOAT8E8M0", 8), ("UINT4", 4), ("INT4", 4), ("FLOAT4E2M1", 4), ("UINT2", 2), ("INT2", 2),
+):
+    if _name in _T.DataType.keys():
+        _STORAGE[_T.DataType.Value(_name)] = (_bits, "int32_data", 1)
+_TYPED_FIELDS = (
+    "float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data"
+)
+
+
+def data_type_name(data_type: int) -> str:
+    try:
+        return _T.DataType.Name(data_type)
+    except ValueError:
+        return f"data_type {data_type}"
+
+
+def raw_bytes(data_type: int, numel: int) -> int | None:
+    """Bytes of raw_data that ``numel`` elements need (None: not a fixed-size type)."""
+    storage = _STORAGE.get(data_type)
+    if storage is None:
+        return None
+    return (numel * storage[0] + 7) // 8
+
+
+def stored_bytes(t: onnx.TensorProto) -> int | None:
+    """Bytes of data ``t``'s dims and type need (negative dims count as 0;
+    None: a type without a fixed size, such as STRING).  Nothing is copied."""
+    n = 1
+    for d in t.dims:
+        n *= max(int(d), 0)
+    return raw_bytes(t.data_type, n)
+
+
+def check_dims(t: onnx.TensorProto, where: str) -> None:
+    for axis, d in enumerate(t.dims):
+        if d < 0:
+            raise TrainingModelError(f"{where}: dims[{axis}] is {d}; tensor dims must be >= 0")
+
+
+def raw_length(t: onnx.TensorProto) -> int:
+    """len(t.raw_data) without copying the bytes out of protobuf.
+
+    Reading ``raw_data`` copies it (a whole tensor), so the length comes from
+    the serialized sizes instead: the field costs 1 tag byte, a varint length
+    and the data, and every other field is copied into a bare TensorProto to
+    be measured.  Unknown fields, or sizes that do not add up, fall back to
+    the copy."""
+    if len(UnknownFieldSet(t)):
+        return len(t.raw_data)
+    meta = onnx.TensorProto()
+    copy_fields(t, meta, skip=("raw_data",))
+    try:
+        field = t.ByteSize() - meta.ByteSize()  # 1 + varint(len) + len
+    except EncodeError:  # a tensor of 2 GiB or more has no serialized size
+        return len(t.raw_data)
+    for width in range(1, 11):
+        n = field - 1 - width
+        if n >= 0 and _varint_width(n) == width:
+            return n
+    return len(t.raw_data)
+
+
+def _varint_width(n: int) -> int:
+    width = 1
+    while n >= 0x80:
+        n >>= 7
+        width += 1
+    return width
+
+
+def check_tensor(t: onnx.TensorProto, where: str) -> None:
+    """The stored data of ``t`` matches its dims and data_type (before any value is read).
+
+    Refuses unknown types, negative dims, data in both raw_data and a typed
+    field, data in the wrong typed field, and any count or byte length that
+    differs from what the dims need, e.g. dims [2**40, 2**40] with 16 bytes."""
+    data_type = t.data_type
+    if data_type not in _STORAGE and data_type != _T.STRING:
+        raise TrainingModelError(
+            f"{where}: {'no data_type' if data_type == 0 else data_type_name(data_type)}"
+            " is not a tensor element type onnxtrain can read"
+        )
+    check_dims(t, where)
+    if t.HasField("segment"):
+        raise TrainingModelError(f"{where}: segmented tensors are not supported")
+    if t.data_location == _T.EXTERNAL:
+        raise TrainingModelError(f"{where}: external data was not loaded")
+    numel = element_count(t.dims)
+    type_name = data_type_name(data_type)
+    shape = f"dims {list(t.dims)} of {type_name}"
+    typed = [f for f in _TYPED_FIELDS if len(getattr(t, f))]
+    has_raw = t.HasField("raw_data")
+    if has_raw and typed:
+        raise TrainingModelError(f"{where}: holds data both in raw_data and in {typed[0]}")
+    if data_type == _T.STRING:
+        if has_raw:
+            raise TrainingModelError(f"{where}: a STRING tensor cannot use raw_data")
+        found, expected, fld = len(t.string_data), numel, "string_data"
+    elif has_raw:
+        found, expected = raw_length(t), raw_bytes(data_type, numel)
+        if found != expected:
+            raise TrainingModelError(
+                f"{where}: raw_data holds {found} bytes, but {shape} need {expected}"
+            )
+        return
+    else:
+        bits, fld, per = _STORAGE[data_type]
+        expected = (numel * bits + 7) // 8 if bits < 8 else numel * per
+        if typed and typed != [fld]:
+            raise TrainingModelError(
+                f"{where}: a {type_name} tensor keeps its values in {fld} or raw_data, "
+                f"not in {typed[0]}"
+            )
+        found = len(getattr(t, fld))
+    if found != expected:
+        raise TrainingModelError(
+            f"{where}: {fld} holds {found} values, but {shape} need {expected}"
+        )
+
+
+def check_sparse_tensor(st: onnx.SparseTensorProto, where: str) -> None:
+    """A sparse tensor's values, indices and dims agree, indices are in range,
+    and its dense form would fit in memory."""
+    for axis, d in enumerate(st.dims):
+        if d < 0:
+            raise TrainingModelError(f"{where}: dims[{axis}] is {d}; tensor dims must be >= 0")
+    values, indices = st.values, st.indices
+    if len(values.dims) != 1:
+        raise TrainingModelError(
+            f"{where}: values must be 1-D [NNZ], found dims {list(values.dims)}"
+        )
+    nnz = int(values.dims[0])
+    rank = len(st.dims)
+    if indices.data_type != _T.INT64:
+        raise TrainingModelError(
+            f"{where}: indices must be INT64, found {data_type_name(indices.data_type)}"
+        )
+    if list(indices.dims) not in ([nnz], [nnz, rank]):
+        raise TrainingModelError(
+            f"{where}: indices dims {list(indices.dims)} must be [NNZ] or [NNZ, rank] "
+            f"= [{nnz}] or [{nnz}, {rank}]"
+        )
+    dense = element_count(st.dims)
+    dense_bytes = raw_bytes(values.data_type, dense) or dense
+    if dense_bytes > memory_limit():
+        raise TrainingModelError(
+            f"{where}: dims {list(st.dims)} would need {dense_bytes} bytes dense, more than "
+            f"this machine's memory"
+        )
+    if nnz == 0:
+        return
+    idx = numpy_helper.to_array(indices)
+    if idx.ndim == 1:
+        bad = (idx < 0) | (idx >= dense)
+    else:
+        bad = ((idx < 0) | (idx >= np.asarray(list(st.dims), dtype=np.int64))).any(axis=1)
+    if bad.any():
+        first = int(np.argmax(bad))
+        raise TrainingModelError(
+            f"{where}: index {idx[first].tolist()} is out of range for dims {list(st.dims)}"
+        )
+
+
+def check_tensors(model: onnx.ModelProto, skip: Iterable[onnx.TensorProto] = ()) -> None:
+    """Every tensor of every graph holds exactly the data its dims and type need.
+
+    Measuring a tensor's raw_data costs a pass over it (protobuf has no O(1)
+    length), so the tensors in ``skip`` (checked already) are not measured
+    again.  (They are matched by identity: protobuf keeps one Python object
+    per sub-message while it is referenced, and ``skip`` references them.)"""
+    checked = {id(t): t for t in skip}
+    for where, t in labelled_tensors(model):
+        if checked.get(id(t)) is not t:
+            check_tensor(t, where)
+    for where, st in labelled_sparse_tensors(model):
+        check_sparse_tensor(st, where)
+
+
+def element_count(dims: Iterable[int]) -> int:
+    """The number of elements of a tensor with these dims."""
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
