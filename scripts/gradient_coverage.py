@@ -4,9 +4,9 @@
     python scripts/gradient_coverage.py -n 4 --out /tmp/coverage.md
     python scripts/gradient_coverage.py --old-opsets-only  # no tests: that section only
 
-It runs pytest once over the gradient corpus (tests/test_grad_corpus.py, the
+It runs pytest once over the gradient corpus (tests/autodiff/test_grad_corpus.py, the
 ONNX node test cases as gradient checks) and the rule tables
-(tests/test_grad_*.py), with this module loaded as a pytest plugin.  The
+(tests/autodiff/test_grad_*.py), with this module loaded as a pytest plugin.  The
 plugin tags every test with the ops it checks and the controller writes one
 JSON line per test outcome; the script then counts, per op:
 
@@ -95,11 +95,11 @@ def render_old_opsets() -> str:
         "(Gather, TopK, Pad edge/reflect), Scatter a one-hot product (TopK) or a Pad-2 (Slice-1), and "
         "Max-6 (no broadcasting) a comparison.",
         "",
-        "Checked by `tests/test_zoo_light.py` (the model zoo's AlexNet, ZFNet-512, ResNet-50, Inception v1/v2, "
+        "Checked by `tests/autodiff/test_zoo_light.py` (the model zoo's AlexNet, ZFNet-512, ResNet-50, Inception v1/v2, "
         "SqueezeNet, ShuffleNet, DenseNet-121 and VGG-19 as the onnx package ships them, at opset 9 and "
         "relabelled to 7 and 8: gradients of every weight against float64 finite differences; SqueezeNet at "
         "opset 7 also trains through TrainingSession) and by the rule tables at "
-        "opsets 7 and 8 (`tests/test_grad_nn.py`: MaxPool, AveragePool, GlobalAveragePool, reductions, and "
+        "opsets 7 and 8 (`tests/autodiff/test_grad_nn.py`: MaxPool, AveragePool, GlobalAveragePool, reductions, and "
         "every elementwise / reduction / shape table case).",
         "",
         "What the rules still refuse at old opsets, with a clear error naming the node:",
@@ -227,8 +227,8 @@ class _ResultWriter:
 
 # ====================================================================== the script
 def run_tests(workers: int, results: Path) -> float:
-    tests = ["tests/test_grad_corpus.py"] + sorted(
-        str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_grad_*.py")
+    tests = ["tests/autodiff/test_grad_corpus.py"] + sorted(
+        str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "autodiff").glob("test_grad_*.py")
         if p.name != "test_grad_corpus.py"
     )
     env = dict(os.environ)
@@ -257,6 +257,7 @@ def _md_escape(text: str) -> str:
 
 
 def render(rows: list[dict], wall: float, workers: int) -> str:
+    sys.path.insert(0, str(ROOT / "tests" / "autodiff"))
     sys.path.insert(0, str(ROOT / "tests"))
     import onnx
     import onnxruntime
@@ -338,8 +339,8 @@ def render(rows: list[dict], wall: float, workers: int) -> str:
     w("python scripts/gradient_coverage.py")
     w("```")
     w("")
-    w(f"Generated from one pytest run (`-n {workers}`) of `tests/test_grad_corpus.py` and the rule "
-      f"tables `tests/test_grad_*.py`, with onnx {onnx.__version__} and onnxruntime "
+    w(f"Generated from one pytest run (`-n {workers}`) of `tests/autodiff/test_grad_corpus.py` and the rule "
+      f"tables `tests/autodiff/test_grad_*.py`, with onnx {onnx.__version__} and onnxruntime "
       f"{onnxruntime.__version__}.  The numbers change as rules are added; rerun the command.")
     w("")
     w("## Summary")
@@ -371,7 +372,7 @@ def render(rows: list[dict], wall: float, workers: int) -> str:
     w("")
     w(f"`onnx.backend.test.case.node.collect_testcases()` holds {len(cases)} cases.  Each case whose op "
       "has a 'vjp' rule or a function body, with floating tensor inputs and outputs, is one gradient "
-      "check (`tests/test_grad_corpus.py`: loss = sum(R * output) with random R, Gradient w.r.t. every "
+      "check (`tests/autodiff/test_grad_corpus.py`: loss = sum(R * output) with random R, Gradient w.r.t. every "
       "floating input, one central difference per input along a random direction, on onnxruntime).")
     w("")
     w("| cases | count |")
@@ -416,7 +417,7 @@ def render(rows: list[dict], wall: float, workers: int) -> str:
     if skip_count:
         w("### Skipped: what this onnxruntime cannot run")
         w("")
-        w("Probed per case (tests/test_grad_corpus.py): an op version newer than onnxruntime loads, "
+        w("Probed per case (tests/autodiff/test_grad_corpus.py): an op version newer than onnxruntime loads, "
           "or no CPU kernel for the case's types.  A newer onnxruntime turns these into checks.")
         w("")
         w("| cases | reason |")
@@ -435,7 +436,7 @@ def render(rows: list[dict], wall: float, workers: int) -> str:
     w("")
     w("## Per op")
     w("")
-    w(f"Rule-table checks: the tests of `tests/test_grad_*.py` that differentiate a node of the op "
+    w(f"Rule-table checks: the tests of `tests/autodiff/test_grad_*.py` that differentiate a node of the op "
       f"(pass / xfail / fail).  {sum(table_outcomes.values())} table tests ran: "
       f"{table_outcomes['pass']} pass, {table_outcomes['xfail']} xfail, {table_outcomes['fail']} fail, "
       f"{table_outcomes['xpass']} xpass, {table_outcomes['skip']} skip ({table_time:.0f} s of test time); "

@@ -24,7 +24,7 @@ from onnxtrain import build
 from onnxtrain.build import adapt
 from onnxtrain.datasets import load_digits
 
-DATA = Path(__file__).resolve().parent / "data" / "exporters"
+DATA = Path(__file__).resolve().parents[1] / "data" / "exporters"
 CLASSIFIERS = [f"logreg_{kind}__skl2onnx{variant}" for kind in ("digits", "binary")
                for variant in ("", "_opset9", "_black_op", "_nozipmap")]
 REGRESSORS = [f"linreg__skl2onnx{variant}" for variant in ("", "_opset9", "_black_op")]

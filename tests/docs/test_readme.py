@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_quick_start_runs(tmp_path):

@@ -22,7 +22,7 @@ from onnxtrain.datasets import load_digits, train_test_split
 from onnxtrain.demo import ADAM_ATTRS, DEFAULT_LR, build_classifier, demo_steps, run_demo
 from onnxtrain.optim import reference
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PARAMS = ("W1", "b1", "W2", "b2")
 
 

@@ -2,7 +2,7 @@
 
 The same MLP, data and hyperparameters are trained by torch.optim and by the
 built ONNX training model on onnxruntime; the parameters must agree after
-every step.  tests/test_build.py checks the same against a numpy
+every step.  tests/builder/test_build.py checks the same against a numpy
 transcription of torch's rules, so it runs without torch."""
 
 from __future__ import annotations

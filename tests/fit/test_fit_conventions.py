@@ -521,7 +521,7 @@ def test_accumulation_count_follows_the_cycle_the_loop_is_given():
 def test_readme_fit_section_shows_the_keras_call_and_docs_map_the_names():
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     readme = root.joinpath("README.md").read_text()
     section = readme.split("## Training loops", 1)[1].split("\n## ", 1)[0]
     assert "sess.fit(X, y, epochs=" in section and "initial_epoch" in section
@@ -539,7 +539,7 @@ def test_notebooks_extra_installs_what_the_notebooks_need():
     import tomllib
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     extras = tomllib.loads(root.joinpath("pyproject.toml").read_text())["project"]["optional-dependencies"]
     names = {req.split(">")[0].split("=")[0].split("[")[0].strip() for req in extras["notebooks"]}
     assert {"nbconvert", "ipykernel", "matplotlib", "ipywidgets"} <= names

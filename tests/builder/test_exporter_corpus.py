@@ -43,7 +43,7 @@ import pytest
 import onnxtrain
 from onnxtrain import build
 
-DATA = Path(__file__).resolve().parent / "data" / "exporters"
+DATA = Path(__file__).resolve().parents[1] / "data" / "exporters"
 MANIFEST = json.loads((DATA / "manifest.json").read_text()) if (DATA / "manifest.json").exists() else {}
 CASES = [c for c in MANIFEST.get("cases", []) if "file" in c]
 STEPS = 5

@@ -1,4 +1,4 @@
-"""Tables of gradient-rule cases shared by tests/test_grad_*.py.
+"""Tables of gradient-rule cases shared by tests/autodiff/test_grad_*.py.
 
 A ``Case`` names one op, its inputs (drawn from a domain where the op is
 smooth: positive for Log, away from kinks for Relu ...), its attributes and the

@@ -3,7 +3,7 @@
 The oracle is numpy: the forward and backward pass of a small MLP written by
 hand, and a transcription of PyTorch's documented update rules
 (torch.optim.SGD / Adam / AdamW / Adagrad, LambdaLR-style schedules,
-torch.nn.utils.clip_grad_norm_) and loss definitions.  tests/test_build_torch.py
+torch.nn.utils.clip_grad_norm_) and loss definitions.  tests/builder/test_build_torch.py
 checks the same trajectories against torch itself."""
 
 from __future__ import annotations
