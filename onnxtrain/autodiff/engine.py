@@ -32,6 +32,7 @@ from ..graph import (
     constant_values,
     infer_types,
     node_inputs,
+    opset_version,
     toposort,
     value_types,
 )
@@ -97,7 +98,7 @@ def expand_gradients(
     initializers); ``functions`` are the model's local functions.  Ops on a
     differentiated path that have no rule but an ONNX function body are
     inlined first.  The node list ends topologically sorted."""
-    opset = _default_opset(opset_imports)
+    opset = opset_version(opset_imports) or 1
     nodes = toposort([_copy(n) for n in graph.node], available)
     while True:
         idx = next((i for i, n in enumerate(nodes) if is_gradient(n)), None)
@@ -122,13 +123,6 @@ def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
     c = onnx.NodeProto()
     c.CopyFrom(node)
     return c
-
-
-def _default_opset(opset_imports: Sequence[onnx.OperatorSetIdProto]) -> int:
-    for o in opset_imports:
-        if o.domain in ("", "ai.onnx"):
-            return int(o.version)
-    return 1
 
 
 def _graph_of(nodes: list[onnx.NodeProto]) -> onnx.GraphProto:
@@ -362,7 +356,7 @@ def vjp_of_graph(
         expand_gradients(scratch, opset_imports, names, free, functions)
         nodes = list(scratch.node)
     else:
-        emit = Emitter(_default_opset(opset_imports), names, {w: types[w][0] for w in wrt})
+        emit = Emitter(opset_version(opset_imports) or 1, names, {w: types[w][0] for w in wrt})
         for w, g in zip(wrt, grads):
             emit.op("Identity", [emit.zeros_like(w)], outputs=[g])
         nodes = copies + emit.nodes

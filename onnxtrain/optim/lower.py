@@ -41,7 +41,7 @@ from onnx import TensorProto
 
 from ..emitter import Emitter, np_dtype
 from ..errors import TrainingModelError
-from ..graph import PREVIEW_DOMAIN, infer_types, opset_version, subgraphs
+from ..graph import PREVIEW_DOMAIN, graph_names, infer_types, opset_version, subgraphs
 from ..names import NameGen
 from .common import SIGNATURES, OptimizerCall, constant, describe, split_node
 
@@ -77,7 +77,7 @@ def lower_optimizers(
             f"graph {graph.name!r}: lowering Adam/Momentum/Adagrad needs the default "
             f"ONNX domain at opset >= {MIN_OPSET}, found {found}"
         )
-    names.reserve(_names_in(graph))
+    names.reserve(graph_names(graph))
     dtypes, _ = infer_types(graph, opset_imports)
 
     lowered: list[onnx.NodeProto] = []
@@ -292,17 +292,6 @@ def _refuse_nested(graph: onnx.GraphProto, where: str) -> None:
                         "lowered at the top level of a graph"
                     )
             _refuse_nested(sub, f"{where} > {node.op_type} {node.name!r}")
-
-
-def _names_in(graph: onnx.GraphProto) -> set[str]:
-    used = {v.name for v in graph.input} | {v.name for v in graph.output}
-    used |= {t.name for t in graph.initializer}
-    for node in graph.node:
-        used.update(node.input)
-        used.update(node.output)
-        if node.name:
-            used.add(node.name)
-    return used
 
 
 def _copy(node: onnx.NodeProto) -> onnx.NodeProto:

@@ -14,6 +14,7 @@ from onnx import helper
 
 from ...emitter import FLOAT_TYPES, Emitter
 from ...errors import TrainingModelError
+from ...graph import graph_names, shape_of_type
 from ..registry import VJPContext, vjp
 
 
@@ -69,41 +70,11 @@ def if_vjp(ctx, *dys):
 Type = tuple[int | None, tuple | None]
 
 
-def graph_names(g: onnx.GraphProto) -> set[str]:
-    """Every value and node name used in ``g`` and its nested subgraphs."""
-    names = {v.name for v in list(g.input) + list(g.output) + list(g.value_info)}
-    names |= {t.name for t in g.initializer}
-    for n in g.node:
-        names.update(n.input)
-        names.update(n.output)
-        names.add(n.name)
-        for a in n.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                names |= graph_names(a.g)
-            elif a.type == onnx.AttributeProto.GRAPHS:
-                for sub in a.graphs:
-                    names |= graph_names(sub)
-    names.discard("")
-    return names
-
-
 def _declared(v: onnx.ValueInfoProto) -> Type:
     """(elem_type, shape) a subgraph ValueInfo declares; None where it says nothing."""
     if not v.type.HasField("tensor_type"):
         return None, None
-    tt = v.type.tensor_type
-    et = tt.elem_type or None
-    if not tt.HasField("shape"):
-        return et, None
-    dims: list = []
-    for d in tt.shape.dim:
-        if d.HasField("dim_value"):
-            dims.append(int(d.dim_value))
-        elif d.HasField("dim_param") and d.dim_param:
-            dims.append(d.dim_param)
-        else:
-            dims.append(None)
-    return et, tuple(dims)
+    return v.type.tensor_type.elem_type or None, shape_of_type(v.type)
 
 
 def _merge(a: Type, b: Type) -> Type:
