@@ -100,7 +100,7 @@ def _outer(ctx: VJPContext, name: str) -> Type:
     return ctx.emit.dtypes.get(name), ctx.shape(name)
 
 
-class _Slots:
+class Slots:
     """Types handed to ``vjp_of_graph``.  Unknown dimensions get fresh symbols,
     one per slot, so two unrelated unknown sizes are never taken as equal
     (a '?' shared by all would let static broadcasting checks go wrong)."""
@@ -208,7 +208,7 @@ def _cotangent_types(ctx: VJPContext, types: list[Type], dys) -> list[Type]:
     ]
 
 
-def _add_outer_types(ctx: VJPContext, slots: _Slots) -> None:
+def _add_outer_types(ctx: VJPContext, slots: Slots) -> None:
     for v in ctx.implicit_inputs:
         if ctx.emit.dtypes.get(v) is not None:
             slots.add(v, slots.symbolic(_outer(ctx, v), v))
@@ -280,7 +280,7 @@ def scan_vjp(ctx, *dys):
 
     # Backward body: states (ds, accumulators), then scan inputs (recorded
     # states, the forward's scan inputs, output cotangents).
-    slots = _Slots(ctx)
+    slots = Slots(ctx)
     st_sym = [slots.symbolic(st_t[i], state_in[i]) for i in range(n)]
     for i in range(n):
         slots.add(state_in[i], st_sym[i])
@@ -427,7 +427,7 @@ def loop_vjp(ctx, *dys):
     trips = e.Gather(e.Shape(rec_iter), e.scalar_int(0), axis=0)
     last = e.Sub(trips, e.scalar_int(1))
 
-    slots = _Slots(ctx)
+    slots = Slots(ctx)
     slots.add(iter_name, int_scalar)
     slots.add(cond_name, (onnx.TensorProto.BOOL, ()))
     v_sym = [slots.symbolic(v_t[i], v_in[i]) for i in range(n)]

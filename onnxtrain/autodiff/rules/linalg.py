@@ -12,17 +12,10 @@ import numpy as np
 
 from ...errors import TrainingModelError
 from ..registry import Dim, VJPContext, vjp
+from ._common import dims_of
 
 
 # ----------------------------------------------------------------- helpers
-def dims_of(ctx: VJPContext, name: str, rank: int) -> tuple[Dim, ...]:
-    """Static dims of ``name`` (None where unknown), padded to ``rank`` entries."""
-    s = ctx.shape(name)
-    if s is None or len(s) != rank:
-        return (None,) * rank
-    return tuple(s)
-
-
 def _swap_last(ctx: VJPContext, x: str, rank: int) -> str:
     """Transpose the last two axes."""
     perm = list(range(rank - 2)) + [rank - 1, rank - 2]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ...errors import TrainingModelError
 from ..registry import VJPContext, vjp
-from .shape import int64, scatter_add_axis
+from ._common import int64, scatter_add_axis
 
 
 @dataclass

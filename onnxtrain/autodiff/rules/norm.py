@@ -8,7 +8,7 @@ import numpy as np
 
 from ...errors import TrainingModelError
 from ..registry import VJPContext, vjp
-from .linalg import dims_of
+from ._common import dims_of
 
 
 # ------------------------------------------------------------ normalization

@@ -12,7 +12,7 @@ from onnx import TensorProto, numpy_helper
 from ...emitter import np_dtype
 from ...errors import GradientError, TrainingModelError
 from ..registry import VJPContext, no_grad, vjp
-from .shape import int64, scatter_add_axis
+from ._common import int64, scatter_add_axis
 from .window import Window
 
 

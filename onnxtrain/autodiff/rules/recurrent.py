@@ -46,7 +46,7 @@ from onnx import helper, numpy_helper
 from ...emitter import Emitter, np_dtype
 from ...errors import TrainingModelError
 from ..registry import VJPContext, vjp
-from .control import _Slots
+from .control import Slots
 
 GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
 DEFAULT_ACTIVATIONS = {"RNN": ["Tanh"], "GRU": ["Sigmoid", "Tanh"], "LSTM": ["Sigmoid", "Tanh", "Tanh"]}
@@ -333,7 +333,7 @@ def recurrent_vjp(ctx: VJPContext, *dys):
         for k, o in enumerate(node.output)
     ]
     lower_recurrent(node, le, outs)
-    slots = _Slots(ctx)
+    slots = Slots(ctx)
     for i in differentiable:
         name = _input(node, i)
         if name:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..registry import VJPContext, vjp
+from ._common import constant_value
 
 
 def reduced_axes(ctx: VJPContext) -> list[int] | str | None:
@@ -31,11 +32,6 @@ def reduced_axes(ctx: VJPContext) -> list[int] | str | None:
     if const.size == 0:
         return [] if ctx.attr("noop_with_empty_axes", 0) else None
     return [int(a) for a in const.reshape(-1)]
-
-
-def constant_value(ctx: VJPContext, name: str) -> np.ndarray | None:
-    """The value of ``name`` when a Constant node of the program produced it."""
-    return ctx.emit.constants.get(name)
 
 
 def expand_back(ctx: VJPContext, dy: str, x: str, axes, keepdims: bool) -> str:

@@ -9,8 +9,7 @@ from onnx import TensorProto, numpy_helper
 from ...emitter import Emitter, np_dtype
 from ...errors import GradientError, TrainingModelError
 from ..registry import VJPContext, vjp
-from .reduce import constant_value
-from .shape import int64, zeros_of_shape
+from ._common import constant_value, int64, zeros_of_shape
 
 
 # ------------------------------------------------------------ Resize, Upsample

@@ -23,8 +23,7 @@ import numpy as np
 from ...emitter import Emitter
 from ...errors import GradientError
 from ..registry import VJPContext, no_grad, vjp
-from .reduce import constant_value
-from .shape import int64, scatter_add_axis
+from ._common import constant_value, int64, scatter_add_axis
 
 
 Axis = int | str  # a static axis, or a runtime 1-element int64 tensor (non-negative)
