@@ -335,7 +335,16 @@ def _as_data(sess: Any, spec: FitSpec, data: Any, caller: str, need_target: bool
     return _Data(arrays, None)
 
 
-def check_targets(sess: Any, spec: FitSpec, target: np.ndarray, caller: str) -> None:
+def label_classes(sess: Any, target: str) -> dict[str, Any] | None:
+    """What labels of ``target`` are checked against: metadata
+    ``onnxtrain.classes`` of a built model, else the class-index loss node that
+    reads the target (``_classes_from_loss_nodes``); None for other losses."""
+    return model_metadata(sess.model).get("classes") or _classes_from_loss_nodes(sess.model, target)
+
+
+def check_targets(
+    sess: Any, spec: FitSpec, target: np.ndarray, caller: str, classes: Any = ...
+) -> None:
     """Check the target array against the loss before the first step.
 
     Class-index losses (metadata ``onnxtrain.classes``: C, the class axis,
@@ -343,10 +352,11 @@ def check_targets(sess: Any, spec: FitSpec, target: np.ndarray, caller: str) -> 
     ValueError naming the target, the value and C (onnxruntime would fail
     deep inside with an out-of-range index, or a negative label would train
     silently to nonsense).  Regression targets: a float dtype, and the rank
-    (and fixed dims) the model declares."""
-    meta = model_metadata(sess.model)
+    (and fixed dims) the model declares.  ``classes``: ``label_classes``'s
+    answer when the caller already has it (checks of every batch)."""
     name = spec.target
-    classes = meta.get("classes") or _classes_from_loss_nodes(sess.model, name)
+    if classes is ...:
+        classes = label_classes(sess, name)
     if isinstance(classes, dict) and target.dtype.kind in "iu":
         count, ignore = classes.get("count"), classes.get("ignore_index")
         valid = target >= 0
@@ -625,6 +635,7 @@ def fit(
             cb.set_session(sess)
     terminate_on_nan = any(isinstance(cb, TerminateOnNaN) for cb in callbacks)
     lr_known = _has_learning_rate(sess)
+    classes = label_classes(sess, spec.target) if spec.target is not None else None
 
     per_epoch = train.num_batches(batch_size, drop_last)
     # The cycle position continues across epochs (and across a resume).
@@ -657,7 +668,7 @@ def fit(
                     if i < first:
                         continue
                     if train.arrays is None and spec.target in batch:
-                        check_targets(sess, spec, np.asarray(batch[spec.target]), caller)
+                        check_targets(sess, spec, np.asarray(batch[spec.target]), caller, classes)
                     if _call(hooks["on_batch_begin"], "on_batch_begin", i, {"epoch": epoch, "batch": i}):
                         stop = broke = True
                         break

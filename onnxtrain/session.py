@@ -106,6 +106,8 @@ class TrainingSession:
         self._initializations = [
             initialization_program(tm, i) for i in range(len(tm.training_info))
         ]
+        #: The model's onnxtrain.* metadata, decoded once (the model never changes).
+        self._metadata = model_metadata(proto)
         #: evaluate_batch's loss programs by (algorithm, loss, prediction).
         self._loss_programs: dict[tuple[int, str, str | None], Program] = {}
         self._executors: dict[int, Executor] = {}
@@ -220,7 +222,7 @@ class TrainingSession:
     def _setting_state(self, key: str, what: str) -> str:
         """The state variable that metadata ``onnxtrain.<key>`` names (a
         setting the builder keeps as state), or a TrainingModelError."""
-        info = model_metadata(self.model).get(key)
+        info = self._metadata.get(key)
         name = info.get("state") if isinstance(info, dict) else None
         if not name or name not in self._model.state:
             raise TrainingModelError(
@@ -496,7 +498,7 @@ class TrainingSession:
             if loss not in returned:
                 raise ValueError(f"evaluate: {loss!r} is not an output of algorithm {algorithm} "
                                  f"{returned}")
-            train_prediction = model_metadata(self.model).get("train_prediction", {})
+            train_prediction = self._metadata.get("train_prediction", {})
             program = loss_program(self._model, int(algorithm), loss, prediction,
                                    train_prediction.get(str(algorithm)))
             self._loss_programs[key] = program
