@@ -261,7 +261,10 @@ def parameter_choices(model: ModelLike | onnx.GraphProto) -> list[ParameterChoic
         if uses is None and name in shape_only:
             out.append(ParameterChoice(name, False, "shape"))
             continue
-        if _is_additive_mask(t):
+        # A mask is added to scores; a weight read by a product is never read for this check
+        # (reading every weight's values would cost a copy of the model).
+        added = uses and all(n.op_type in _MASK_READERS for n, _ in uses)
+        if added and _is_additive_mask(t):
             out.append(ParameterChoice(name, False, "mask"))
             continue
         doubt = ""
@@ -280,6 +283,10 @@ def parameter_choices(model: ModelLike | onnx.GraphProto) -> list[ParameterChoic
 _MASK_MAGNITUDE = 1e9
 #: Masks larger than this are not inspected (their values would have to be read).
 _MASK_MAX_ELEMENTS = 1 << 22
+
+
+#: Ops through which an additive mask reaches the scores it masks.
+_MASK_READERS = {"Add", "Sub", "Where", "Expand", "Reshape", "Slice", "Unsqueeze", "Cast"}
 
 
 def _is_additive_mask(t: onnx.TensorProto) -> bool:
