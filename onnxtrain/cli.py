@@ -7,6 +7,7 @@
 - ``onnxtrain make-training MODEL -o OUT --loss L --target T --optimizer O --lr LR``
                                      build a training model (``onnxtrain.build.training_model``)
 - ``onnxtrain train MODEL --data DATA.npz --epochs N -o OUT [--checkpoint C] [--resume C]``
+  ``[--distributed]`` (under ``mpiexec -n N``: data-parallel over MPI)
                                      fit it with progress bars (``onnxtrain.cli_train.train_files``)
 
 User mistakes (a missing file, an invalid model, a bad option value) and a
@@ -32,7 +33,7 @@ import onnx
 
 from . import __version__
 from .emitter import FLOAT_TYPES
-from .errors import ExecutionError, TrainingModelError
+from .errors import DistributedStepError, ExecutionError, TrainingModelError
 from .model import load
 from .session import TrainingSession
 
@@ -41,7 +42,8 @@ PROG = "onnxtrain"
 #: The exceptions that count as user mistakes (or a run that diverged: a NaN
 #: or infinite loss; or onnxruntime failing on the data, e.g. an index out of
 #: range in a hand-written loss): reported in one line, exit 1.
-USER_ERRORS = (TrainingModelError, ValueError, OSError, FloatingPointError, ExecutionError)
+USER_ERRORS = (TrainingModelError, ValueError, OSError, FloatingPointError, ExecutionError,
+               DistributedStepError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -286,6 +288,10 @@ def _add_training_commands(sub) -> None:
     train.add_argument("--seed", type=int, default=0, help="shuffling seed (default 0)")
     train.add_argument("--no-progress", action="store_true",
                        help="no progress bars (one line per epoch is printed either way)")
+    train.add_argument("--distributed", action="store_true",
+                       help="data-parallel training over MPI: launch with mpiexec -n N; each rank "
+                            "trains on its share of every global batch of N x B rows, rank 0 "
+                            "prints and writes (needs onnxtrain[mpi])")
     train.add_argument("--no-terminate-on-nan", action="store_true",
                        help="raise at a NaN/Inf loss instead of stopping through TerminateOnNaN "
                             "(either way: one error line, exit 1, no output)")
@@ -397,24 +403,47 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from .cli_train import train_files
     from .metadata import checkpoint_epoch
 
-    if args.resume:
+    comm = _world() if args.distributed else None
+    rank = comm.rank if comm is not None else 0
+    if args.resume and rank == 0:
         at = checkpoint_epoch(args.resume)
         if at:
             print(f"resumed from {args.resume} after epoch {at}", flush=True)
-    result = train_files(args.model, args.data, epochs=args.epochs, batch_size=args.batch_size,
-                         output=args.output, checkpoint=args.checkpoint, resume=args.resume,
-                         validation_data=args.validation_data, seed=args.seed,
-                         progress=not args.no_progress, callbacks=[_EpochLines(args.epochs)],
-                         terminate_on_nan=not args.no_terminate_on_nan)
+    try:
+        result = train_files(args.model, args.data, epochs=args.epochs, batch_size=args.batch_size,
+                             output=args.output, checkpoint=args.checkpoint, resume=args.resume,
+                             validation_data=args.validation_data, seed=args.seed,
+                             progress=not args.no_progress,
+                             callbacks=[_EpochLines(args.epochs)] if rank == 0 else [],
+                             terminate_on_nan=not args.no_terminate_on_nan, comm=comm)
+    except USER_ERRORS:
+        if rank == 0:
+            raise
+        return 1  # rank 0 reports it (its error names the failing rank): one line in all
+    if rank != 0:
+        return 0
     history = result.history
     if not history.epochs:
         print(f"nothing to train: the checkpoint is at epoch {result.initial_epoch} "
               f"of {result.epochs}")
-    print(f"trained {len(history)} epochs ({history.steps} steps) in {result.seconds:.1f} s")
+    ranks = f" on {comm.size} ranks" if comm is not None and comm.size > 1 else ""
+    print(f"trained {len(history)} epochs ({history.steps} steps{ranks}) in {result.seconds:.1f} s")
     if result.checkpoint is not None:
         print(f"wrote checkpoint {result.checkpoint}")
     print(f"wrote inference model {result.output}")
     return 0
+
+
+def _world():
+    """MPI.COMM_WORLD for --distributed, or a one-line error without mpi4py."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ValueError("--distributed needs mpi4py and an MPI library: "
+                         "pip install 'onnxtrain[mpi]', then launch with mpiexec -n N") from None
+    from .comm import MPICommunicator
+
+    return MPICommunicator(MPI.COMM_WORLD)
 
 
 # ------------------------------------------------------------------- helpers

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .callbacks import History, ModelCheckpoint, TerminateOnNaN, check_writable, write_checkpoint
+from .comm import as_communicator, together
 from .errors import TrainingModelError
 from .fit import NonFiniteLossError, fit, fit_spec
 from .metadata import checkpoint_epoch
@@ -92,6 +93,7 @@ def train_files(
     progress: bool | str = True,
     callbacks: Sequence[Any] = (),
     terminate_on_nan: bool = True,
+    comm: Any = None,
 ) -> TrainResult:
     """``onnxtrain train``: fit a training model file on an .npz file.
 
@@ -105,35 +107,53 @@ def train_files(
     (on, as in the CLI): a NaN/Inf loss stops the run through ``TerminateOnNaN``
     and raises ``NonFiniteLossError`` afterwards, with the checkpoint of the last
     finished epoch left as it was and no output written.  Ctrl-C raises
-    ``TrainingInterrupted`` naming the epoch the checkpoint holds."""
+    ``TrainingInterrupted`` naming the epoch the checkpoint holds.
+
+    ``comm`` (an ``onnxtrain.comm.Communicator`` or mpi4py communicator):
+    data-parallel training; every rank calls this with the same arguments,
+    each trains on its shard of every global batch of ``batch_size * ranks``
+    rows, and rank 0 alone shows progress and writes the checkpoint and the
+    output.  A failure on any rank (a missing file, a bad batch) stops every
+    rank."""
     start = time.perf_counter()
     if int(epochs) < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
-    if output is not None:
-        check_writable(output, "-o")
-    if checkpoint is not None:
-        check_writable(checkpoint, "--checkpoint")
-    if resume is not None:
-        base = validate(*load(model))
-        sess = TrainingSession(resume)
-        _check_same_state(base.state, sess.state_info, model, resume)
-        initial = checkpoint_epoch(sess)
-    else:
-        sess = TrainingSession(model)
+    comm = as_communicator(comm) if comm is not None else None
+    rank = comm.rank if comm is not None else 0
+    writes = rank == 0  # data-parallel: rank 0 alone writes files and shows progress
+
+    def check_paths() -> Any:
+        if writes and output is not None:
+            check_writable(output, "-o")
+        if writes and checkpoint is not None:
+            check_writable(checkpoint, "--checkpoint")
+        return validate(*load(model)) if resume is not None else None
+
+    base = _everywhere(comm, check_paths)
+    sess = TrainingSession(resume if resume is not None else model, comm=comm)
+
+    def check_session() -> tuple[Any, Any, int]:
         initial = 0
-    if sess.num_algorithms == 0:
-        raise TrainingModelError(
-            f"{resume or model}: the model has no training_info, so there is nothing to train; "
-            "make a training model first (onnxtrain make-training)"
-        )
-    train = load_npz(data, sess)
-    val = load_npz(validation_data, sess) if validation_data is not None else None
-    saver = ModelCheckpoint(checkpoint) if checkpoint is not None else None
+        if resume is not None:
+            _check_same_state(base.state, sess.state_info, model, resume)
+            initial = checkpoint_epoch(sess)
+        if sess.num_algorithms == 0:
+            raise TrainingModelError(
+                f"{resume or model}: the model has no training_info, so there is nothing to "
+                "train; make a training model first (onnxtrain make-training)"
+            )
+        train = load_npz(data, sess)
+        val = load_npz(validation_data, sess) if validation_data is not None else None
+        return train, val, initial
+
+    train, val, initial = _everywhere(comm, check_session)
+    saver = ModelCheckpoint(checkpoint) if checkpoint is not None and writes else None
     nan_stop = TerminateOnNaN() if terminate_on_nan else None
     all_callbacks = [cb for cb in (saver, nan_stop) if cb is not None] + list(callbacks)
     try:
         history = fit(sess, train, epochs=int(epochs), batch_size=int(batch_size), seed=int(seed),
-                      validation_data=val, progress=progress, callbacks=all_callbacks,
+                      validation_data=val, progress=progress if writes else False,
+                      callbacks=all_callbacks,
                       # A resumed run continues where the checkpoint stood (mid-epoch too).
                       initial_epoch=(None if resume is not None and initial <= int(epochs)
                                      else min(initial, int(epochs))))
@@ -160,10 +180,15 @@ def train_files(
             written_ckpt = saver.written[-1]
         else:  # no epoch ran (the checkpoint was that far already): write it all the same
             written_ckpt = write_checkpoint(sess, checkpoint, initial)
-    out = sess.export(output) if output is not None else None
+    out = sess.export(output) if output is not None and writes else None
     return TrainResult(history, Path(out) if out else None,
                        Path(written_ckpt) if written_ckpt else None, initial, int(epochs),
                        time.perf_counter() - start)
+
+
+def _everywhere(comm: Any, fn: Any) -> Any:
+    """``fn()``; data-parallel, on every rank, failing on all if it fails on one."""
+    return fn() if comm is None else together(comm, "onnxtrain train", fn)
 
 
 def _check_same_state(expected: Mapping[str, Any], found: Mapping[str, Any], model: Any,

@@ -21,3 +21,15 @@ class ExecutionError(RuntimeError):
     fed data, an allocation failure, ...).  The message names the program
     and carries onnxruntime's own message; a step that fails this way
     commits nothing."""
+
+
+class DistributedStepError(RuntimeError):
+    """A data-parallel step failed on another rank (``TrainingSession(comm=...)``).
+
+    Raised on every rank whose own part succeeded; the failing ranks raise
+    their own exception.  ``ranks`` lists the failing ranks.  Nothing was
+    committed on any rank."""
+
+    def __init__(self, message: str, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks or [])

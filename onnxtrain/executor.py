@@ -267,6 +267,15 @@ def new_buffer(arr: np.ndarray, device: tuple[str, int]) -> ort.OrtValue:
     return ort.OrtValue.ortvalue_from_numpy(contiguous(arr), kind, index)
 
 
+def wrap_buffer(arr: np.ndarray) -> ort.OrtValue:
+    """A CPU OrtValue over ``arr``'s own memory (no copy): what onnxruntime
+    writes into it, numpy sees, and the other way round.  ``arr`` must be
+    C-contiguous and outlive the OrtValue's use."""
+    if not arr.flags.c_contiguous:
+        raise ValueError("wrap_buffer: the array must be C-contiguous")
+    return ort.OrtValue.ortvalue_from_numpy(arr)
+
+
 def empty_like(value: ort.OrtValue, device: tuple[str, int]) -> ort.OrtValue:
     """An uninitialized OrtValue on ``device`` of ``value``'s type and shape."""
     kind, index = device

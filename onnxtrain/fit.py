@@ -58,6 +58,7 @@ from .callbacks import (
     check_writable,
     write_checkpoint,
 )
+from .comm import together
 from .errors import TrainingModelError
 from .metadata import checkpoint_epoch, model_metadata
 
@@ -250,23 +251,33 @@ class _Data:
         self.rows = len(next(iter(arrays.values()))) if arrays else None
         self._used = False
 
-    def num_batches(self, batch_size: int, drop_last: bool = False) -> int | None:
+    def num_batches(self, batch_size: int, drop_last: bool = False, ranks: int = 1) -> int | None:
+        """Batches per epoch (per rank: a global batch is ``batch_size * ranks`` rows,
+        and a last one too small to give every rank a row is dropped)."""
         if self.arrays is not None:
-            return self.rows // batch_size if drop_last else math.ceil(self.rows / batch_size)
+            step = batch_size * ranks
+            if drop_last:
+                return self.rows // step
+            return math.ceil(self.rows / step) - (1 if 0 < self.rows % step < ranks else 0)
         try:
             return len(self.iterable)  # type: ignore[arg-type]
         except TypeError:
             return None
 
     def batches(self, batch_size: int, order: np.ndarray | None = None,
-                drop_last: bool = False) -> Iterator[dict]:
+                drop_last: bool = False, shard: tuple[int, int] = (0, 1)) -> Iterator[dict]:
+        """The batches of one epoch in ``order``.  ``shard=(rank, ranks)``:
+        data-parallel, rank ``rank``'s part of each global batch of
+        ``batch_size * ranks`` rows (parts differ by at most one row)."""
         if self.arrays is not None:
-            end = self.rows - self.rows % batch_size if drop_last else self.rows
-            for begin in range(0, end, batch_size):
-                if order is None:
-                    rows: Any = slice(begin, begin + batch_size)
-                else:
-                    rows = order[begin:begin + batch_size]
+            rank, ranks = shard
+            step = batch_size * ranks
+            for k in range(self.num_batches(batch_size, drop_last, ranks) or 0):
+                begin = k * step
+                size = min(step, self.rows - begin)
+                lo = begin + rank * (size // ranks) + min(rank, size % ranks)
+                hi = lo + size // ranks + (1 if rank < size % ranks else 0)
+                rows: Any = slice(lo, hi) if order is None else order[lo:hi]
                 yield {k: v[rows] for k, v in self.arrays.items()}
             return
         iterator = iter(self.iterable)
@@ -627,6 +638,14 @@ def fit(
             "onnxtrain.loss metadata, no output named 'loss')"
         )
     drop_last = _decide_drop_last(sess, spec, train, batch_size, drop_last)
+    comm = getattr(sess, "comm", None)
+    rank, ranks = (comm.rank, comm.size) if comm is not None else (0, 1)
+    if ranks > 1:
+        _check_same_rows(comm, train, "fit")
+        if rank != 0:
+            # Rank 0 alone shows progress and writes files (checkpoints, logs).
+            progress = False
+            callbacks = [cb for cb in callbacks if not getattr(cb, "output_paths", None)]
     for cb in callbacks:
         for path in getattr(cb, "output_paths", lambda: [])():
             check_writable(path, f"fit: {type(cb).__name__}")
@@ -637,7 +656,7 @@ def fit(
     lr_known = _has_learning_rate(sess)
     classes = label_classes(sess, spec.target) if spec.target is not None else None
 
-    per_epoch = train.num_batches(batch_size, drop_last)
+    per_epoch = train.num_batches(batch_size, drop_last, ranks)
     # The cycle position continues across epochs (and across a resume).
     cycle_pos = initial_epoch * per_epoch + skip if per_epoch is not None else 0
     done_steps = (position or {}).get("step") if skip or initial_epoch else 0
@@ -663,12 +682,20 @@ def fit(
             first = skip if epoch == initial_epoch else 0
             lr = sess.learning_rate if lr_known else None
             bar = _progress_bar(progress, per_epoch, f"epoch {epoch + 1}/{epochs}", first)
+            batches = train.batches(batch_size, order, drop_last, (rank, ranks))
+            if ranks > 1 and train.arrays is None:
+                batches = _in_step(comm, batches)
             try:
-                for i, batch in enumerate(train.batches(batch_size, order, drop_last)):
+                for i, batch in enumerate(batches):
                     if i < first:
                         continue
                     if train.arrays is None and spec.target in batch:
-                        check_targets(sess, spec, np.asarray(batch[spec.target]), caller, classes)
+                        target = np.asarray(batch[spec.target])
+                        if ranks > 1:  # a bad batch on one rank stops every rank
+                            together(comm, "fit: the batch check", check_targets, sess, spec,
+                                     target, caller, classes)
+                        else:
+                            check_targets(sess, spec, target, caller, classes)
                     if _call(hooks["on_batch_begin"], "on_batch_begin", i, {"epoch": epoch, "batch": i}):
                         stop = broke = True
                         break
@@ -687,6 +714,9 @@ def fit(
                         logs["lr"] = lr
                     if fetch and spec.loss in out:
                         logs["loss"] = float(np.mean(out[spec.loss]))
+                        if ranks > 1:  # the global batch's loss, the same on every rank
+                            total, rows = comm_sum(comm, [logs["loss"] * rows, rows])
+                            logs["loss"], logs["size"] = total / rows, int(rows)
                         if not math.isfinite(logs["loss"]):
                             if terminate_on_nan:
                                 _call(hooks["on_batch_end"], "on_batch_end", i, logs)
@@ -714,13 +744,17 @@ def fit(
                         stop = broke = True
                         break
                 epoch_logs: dict[str, float] = {}
+                if ranks > 1:
+                    for mean in metric_means.values():
+                        mean.total, mean.weight = comm_sum(comm, [mean.total, mean.weight])
                 if loss_mean.weight:
                     epoch_logs["loss"] = loss_mean.result()
                 for name, mean in metric_means.items():
                     if mean.weight:
                         epoch_logs[name] = mean.result()
                 if validation is not None and not nan_stop:  # no validation of NaN weights
-                    val = _evaluate_data(sess, spec, validation, DEFAULT_EVAL_BATCH, metric_fns)
+                    val = _evaluate_data(sess, spec, validation, DEFAULT_EVAL_BATCH, metric_fns,
+                                         comm if ranks > 1 else None)
                     epoch_logs.update({f"val_{k}": v for k, v in val.items()})
                 if lr is not None:
                     epoch_logs["lr"] = lr
@@ -735,7 +769,7 @@ def fit(
             if not broke:
                 sess.fit_position = {"epoch": epoch + 1, "batch": 0, "step": base_step + step,
                                      "source": "fit"}
-            if progress == "epoch":
+            if progress == "epoch" and rank == 0:
                 print(epoch_line(epoch, epochs, epoch_logs, seconds), file=sys.stderr, flush=True)
             if _call(hooks["on_epoch_end"], "on_epoch_end", epoch, dict(epoch_logs)):
                 stop = True
@@ -815,6 +849,46 @@ def _rows_of(batch: Mapping[str, Any]) -> int:
     return 1
 
 
+# ------------------------------------------------------------ data parallel
+def comm_sum(comm: Any, values: Sequence[float]) -> list[float]:
+    """The sums over the ranks of a few numbers (float64)."""
+    buf = np.array(values, dtype=np.float64)
+    comm.allreduce_sum(buf)
+    return [float(v) for v in buf]
+
+
+def _check_same_rows(comm: Any, data: _Data, caller: str) -> None:
+    """Data-parallel fit shards one data set: every rank must hold the same rows."""
+    rows = -1 if data.rows is None else data.rows
+    table = comm.allgather(np.array([rows], dtype=np.int64))[:, 0]
+    if len(set(table.tolist())) > 1:
+        shown = ", ".join(f"rank {r}: {'an iterable' if n < 0 else f'{n} rows'}"
+                          for r, n in enumerate(table))
+        raise ValueError(f"{caller}: data-parallel ranks must be given the same data "
+                         f"(every rank shards it), got {shown}")
+
+
+def _in_step(comm: Any, batches: Iterator[dict]) -> Iterator[dict]:
+    """The batches of a per-rank iterable, checked to run out on every rank
+    at the same step (else a rank would wait for the others forever)."""
+    taken = 0
+    while True:
+        try:
+            batch, has = next(batches), 1
+        except StopIteration:
+            batch, has = None, 0
+        flags = comm.allgather(np.array([has], dtype=np.int64))[:, 0]
+        if flags.all():
+            taken += 1
+            yield batch
+        elif not flags.any():
+            return
+        else:
+            ended = [r for r, f in enumerate(flags) if not f]
+            raise ValueError(f"fit: the ranks' batch iterables differ in length: rank(s) {ended} "
+                             f"ran out after {taken} batches, the others did not")
+
+
 # ------------------------------------------------------------------ evaluate
 def evaluate(
     sess: Any, x: Any, y: Any = None, *, batch_size: int = DEFAULT_EVAL_BATCH, metrics: Any = None
@@ -837,7 +911,13 @@ def evaluate(
 
 
 def _evaluate_data(sess: Any, spec: FitSpec, data: _Data, batch_size: int,
-                   metric_fns: Mapping[str, Callable]) -> dict[str, float]:
+                   metric_fns: Mapping[str, Callable], comm: Any = None) -> dict[str, float]:
+    """Loss and metrics over ``data``; with ``comm`` (data-parallel fit), each
+    rank evaluates its share of the rows and the means combine over the ranks."""
+    if comm is not None and data.arrays is not None:
+        lo = comm.rank * data.rows // comm.size
+        hi = (comm.rank + 1) * data.rows // comm.size
+        data = _Data({k: v[lo:hi] for k, v in data.arrays.items()}, None)
     loss_mean = _Mean()
     metric_means = {name: _Mean() for name in metric_fns}
     fixed = _fixed_batch(sess, spec) if data.arrays is not None else None
@@ -858,6 +938,9 @@ def _evaluate_data(sess: Any, spec: FitSpec, data: _Data, batch_size: int,
         for name, fn in metric_fns.items():
             value, weight = fn(batch[spec.target], out[spec.prediction])
             metric_means[name].add(value, weight)
+    if comm is not None:
+        for mean in [loss_mean, *metric_means.values()]:
+            mean.total, mean.weight = comm_sum(comm, [mean.total, mean.weight])
     result = {"loss": loss_mean.result()}
     result.update({name: mean.result() for name, mean in metric_means.items()})
     return result

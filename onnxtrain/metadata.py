@@ -26,7 +26,10 @@ onnxtrain.checkpoint   the fit position {"epoch", "batch",         start at epoc
 
 The builder also records ``trainable``, ``optimizer_state``,
 ``train_prediction`` (per algorithm, the training-mode copy's prediction),
-``clip_grad_norm``, ``lora`` and ``batchnorm_var``.
+``clip_grad_norm``, ``lora``, ``batchnorm_var`` and, with ``accumulate=k``,
+``data_parallel`` (``{"local": [gradient sums], "reduce": {algorithm: [values]}}``:
+what a data-parallel session keeps per rank and reduces instead of the
+gradients, ``onnxtrain.split``).
 
 >>> m = onnx.ModelProto()
 >>> set_metadata(m, "target", "label")

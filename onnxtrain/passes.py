@@ -31,7 +31,7 @@ import onnx
 from onnx import helper
 
 from . import kernels
-from .autodiff import expand_gradients
+from .autodiff import expand_gradients, is_gradient
 from .errors import TrainingModelError
 from .executor import MAX_IR_VERSION
 from .fuse import fuse_gemm_updates as _fuse_gemm
@@ -68,11 +68,23 @@ class Lowering:
     available: list[str] = field(init=False)
     #: Whether the graph holds ai.onnx.preview.training ops to lower (passes 2-4).
     training_ops: bool = field(init=False)
+    #: Every value a top-level Gradient node defined: output -> the x it differentiates
+    #: by (filled by ``expand_gradient_nodes``; the data-parallel cut reduces them).
+    gradients: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.names = NameGen(())
         self.available = []
         self.training_ops = uses_preview_ops(self.graph)
+
+    def copy(self, graph: onnx.GraphProto, label: str | None = None) -> Lowering:
+        """The same lowering over another graph (a part of this one), sharing the names."""
+        low = Lowering(self.tm, label or self.label, graph, set(self.state_here),
+                       list(self.opset_imports))
+        low.names, low.gradients = self.names, dict(self.gradients)
+        low.available = [i.name for i in graph.input] + [t.name for t in graph.initializer]
+        low.available += [t.values.name for t in graph.sparse_initializer]
+        return low
 
     def set_nodes(self, nodes: list[onnx.NodeProto]) -> None:
         del self.graph.node[:]
@@ -153,6 +165,12 @@ def state_to_inputs(low: Lowering) -> None:
 
 def expand_gradient_nodes(low: Lowering) -> None:
     if low.training_ops:
+        for node in low.graph.node:
+            if is_gradient(node):
+                xs = next((list(a.strings) for a in node.attribute if a.name == "xs"), [])
+                for out, x in zip(node.output, xs):
+                    if out:
+                        low.gradients[out] = x.decode()
         expand_gradients(low.graph, low.opset_imports, low.names, low.available,
                          low.tm.proto.functions)
 
@@ -272,11 +290,16 @@ def prune_unused_initializers(low: Lowering) -> None:
         g.initializer.extend(kept)
 
 
-#: The passes, in the order they run (see the module docstring).
-PIPELINE: tuple[Callable[[Lowering], None], ...] = (
+#: The passes, in the order they run (see the module docstring).  A
+#: data-parallel algorithm is cut in two (``onnxtrain.split``) between the
+#: FRONT passes, which make it standard ops, and the BACK ones, which then
+#: run on each part.
+FRONT: tuple[Callable[[Lowering], None], ...] = (
     state_to_inputs,
     expand_gradient_nodes,
     lower_optimizer_nodes,
+)
+BACK: tuple[Callable[[Lowering], None], ...] = (
     fuse_gemm_updates,
     sort_and_prune,
     elide_output_identities,
@@ -284,6 +307,7 @@ PIPELINE: tuple[Callable[[Lowering], None], ...] = (
     refuse_preview_ops,
     prune_unused_initializers,
 )
+PIPELINE = FRONT + BACK
 
 
 def to_model(low: Lowering) -> onnx.ModelProto:
@@ -303,6 +327,13 @@ def run_pipeline(tm: TrainingModel, label: str, graph: onnx.GraphProto,
 
     ``state_left_out``: state variables whose initializers the caller already
     left out of ``graph`` (they become inputs all the same)."""
+    return finish(lower_front(tm, label, graph, state_left_out))
+
+
+def lower_front(tm: TrainingModel, label: str, graph: onnx.GraphProto,
+                state_left_out: Iterable[str] = ()) -> Lowering:
+    """The FRONT passes on a copy of ``graph``: state as inputs, Gradient
+    expanded, optimizers lowered (standard ops from here on)."""
     state_here = {
         name
         for name in [t.name for t in graph.initializer]
@@ -318,12 +349,22 @@ def run_pipeline(tm: TrainingModel, label: str, graph: onnx.GraphProto,
         # import only ai.onnx.preview.training (ONNX's own test cases) get one.
         opset_imports.append(helper.make_opsetid("", DEFAULT_OPSET))
     low = Lowering(tm, label, g, state_here, opset_imports)
-    for step in PIPELINE:
+    _run(low, FRONT)
+    return low
+
+
+def finish(low: Lowering) -> tuple[onnx.GraphProto, onnx.ModelProto]:
+    """The BACK passes (in place); the lowered graph and its model."""
+    _run(low, BACK)
+    return low.graph, to_model(low)
+
+
+def _run(low: Lowering, steps: Iterable[Callable[[Lowering], None]]) -> None:
+    for step in steps:
         try:
             step(low)
         except TrainingModelError as exc:
-            raise type(exc)(f"{label}: {exc}") from exc
-    return g, to_model(low)
+            raise type(exc)(f"{low.label}: {exc}") from exc
 
 
 # ------------------------------------------------------------------ export

@@ -7,7 +7,9 @@ pipeline of ``onnxtrain.passes``:
 - ``training_info[i].algorithm``: M ⊕ A_i (``train_step``);
 - ``training_info[i].initialization``: I_i (``initialize``);
 - ``evaluate(training_info[i])``: M ⊕ A_i pruned to the loss and prediction,
-  a forward pass through the model's own loss (``evaluate_batch``).
+  a forward pass through the model's own loss (``evaluate_batch``);
+- for data-parallel training, M ⊕ A_i cut in two (``SplitAlgorithm``):
+  forward + backward, then the update from the reduced gradients.
 
 Feed checking lives here too: ``check_feed_names`` (every name known) and
 ``Program.check_feeds`` (dtype, rank, static sizes, shared symbolic sizes).
@@ -24,7 +26,8 @@ import onnx
 from onnx import helper
 
 from .model import TrainingModel
-from .passes import combine, loss_graph, run_pipeline
+from .passes import combine, finish, loss_graph, lower_front, run_pipeline
+from .split import Reduced, cut
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,12 @@ def build_program(
     ``state_left_out``: state variables whose initializers the caller already
     left out of ``graph`` (they become inputs all the same)."""
     g, model = run_pipeline(tm, label, graph, state_left_out)
+    return program_of(tm, label, g, model, bindings)
+
+
+def program_of(tm: TrainingModel, label: str, g: onnx.GraphProto, model: onnx.ModelProto,
+               bindings: list[tuple[str, str]] | None = None) -> Program:
+    """The Program of a lowered graph ``g`` (and its model)."""
     init_names = {t.name for t in g.initializer}
     program = Program(label=label, model=model, bindings=list(bindings or []))
     for vi in g.input:
@@ -234,10 +243,53 @@ def inference_program(tm: TrainingModel) -> Program:
 
 
 def algorithm_program(tm: TrainingModel, index: int) -> Program:
+    return algorithm_programs(tm, index)[0]
+
+
+@dataclass
+class SplitAlgorithm:
+    """A training algorithm cut for data-parallel training (``onnxtrain.split``).
+
+    ``a`` binds the rank-local state; its outputs also include ``reduced``
+    (the values summed across ranks).  ``b`` (None when nothing needs it)
+    reads the reduced gradients and binds the other state.  ``bn`` binds
+    reduced BatchNormalization statistics: (state variable, value) pairs.
+    ``sums``: the reduced values are gradient sums over local accumulation
+    steps (the model named them), not one batch's gradients."""
+
+    label: str
+    a: Program
+    b: Program | None
+    reduced: list[Reduced]
+    bn: list[tuple[str, str]]
+    sums: bool = False
+
+
+def algorithm_programs(tm: TrainingModel, index: int, data_parallel: dict | None = None
+                       ) -> tuple[Program, SplitAlgorithm | None]:
+    """The program of ``training_info[index]``, and with ``data_parallel``
+    (``{"local": [...], "reduce": [...] or None}``) its cut as well; the
+    FRONT passes (autodiff) run once for both."""
     ti = tm.proto.training_info[index]
+    label = f"training_info[{index}].algorithm"
     bindings = [(e.key, e.value) for e in ti.update_binding]
     combined, state = combine(tm, index)
-    return build_program(tm, f"training_info[{index}].algorithm", combined, bindings, state)
+    low = lower_front(tm, label, combined, state)
+    if data_parallel is None:
+        return program_of(tm, label, *finish(low), bindings), None
+    whole = onnx.GraphProto()
+    whole.CopyFrom(low.graph)
+    program = program_of(tm, label, *finish(low.copy(whole)), bindings)
+    reduce = data_parallel.get("reduce")
+    c = cut(low, index, bindings, program.returned, data_parallel.get("local", ()), reduce)
+    a = program_of(tm, c.a.label, *finish(c.a), c.local)
+    a.returned = list(c.returned_a)
+    b = None
+    if c.b is not None:
+        b = program_of(tm, c.b.label, *finish(c.b), c.updates)
+        b.returned = list(c.returned_b)
+    bn = [(r.key, r.name) for r in c.reduced if r.key is not None]
+    return program, SplitAlgorithm(label, a, b, c.reduced, bn, sums=reduce is not None)
 
 
 def initialization_program(tm: TrainingModel, index: int) -> Program | None:

@@ -34,12 +34,15 @@ from .model import ModelLike, TrainingModel, load, validate
 from .passes import KernelChoice, check_fused_kernels, inference_export, kernel_choice
 from .programs import (
     Program,
-    algorithm_program,
+    SplitAlgorithm,
+    algorithm_programs,
     check_feed_names,
     inference_program,
     initialization_program,
     loss_program,
 )
+from .comm import Communicator, as_communicator
+from .distributed import BUCKET_BYTES, DataParallel, rows_of
 from .state import StateStore
 
 
@@ -88,26 +91,62 @@ class TrainingSession:
         session_options: Any = None,
         check_finite: bool = False,
         fused_kernels: bool | None = None,
+        comm: Any = None,
+        reduction: str = "weighted",
+        bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
         """``fused_kernels``: run each Adam/AdamW parameter update as one fused
         kernel (``onnxtrain.kernels``, a custom-op library built on first use)
         instead of eleven standard ones; same results, bit for bit.  None (the
         default) uses it where it can (CPU, a C compiler, not turned off with
-        ``ONNXTRAIN_FUSED_KERNELS=0``); True requires it; False never uses it."""
+        ``ONNXTRAIN_FUSED_KERNELS=0``); True requires it; False never uses it.
+
+        ``comm``: data-parallel training over an mpi4py communicator (or an
+        ``onnxtrain.comm.Communicator``); every rank constructs the session,
+        and rank 0's state is broadcast.  ``train_step`` then takes this
+        rank's shard of the global batch, and the optimizer sees the gradient
+        of the global batch: local gradients combined by ``reduction``
+        (``"weighted"`` by each rank's rows, exact for mean-reduced losses;
+        ``"mean"``; ``"sum"``) and summed in place in buckets of
+        ``bucket_bytes``.  See ``onnxtrain.distributed`` and docs/distributed.md."""
+        self._dp: DataParallel | None = None
+        if comm is None:
+            self._setup(model, providers, session_options, fused_kernels, check_finite)
+        else:
+            self._dp = DataParallel(as_communicator(comm), reduction, bucket_bytes)
+            error: BaseException | None = None
+            try:  # a rank that cannot load the model must not leave the others waiting
+                if device_of(list(providers) if providers else None)[0] != "cpu":
+                    raise ValueError("comm=: data-parallel training runs on the CPU provider")
+                self._setup(model, providers, session_options, fused_kernels, check_finite)
+            except BaseException as exc:
+                error = exc
+            self._dp.agree(error, 0, "TrainingSession()")
+            self._broadcast_state(list(self._model.state))
+
+    def _setup(self, model: ModelLike, providers: Sequence[Any] | None, session_options: Any,
+               fused_kernels: bool | None, check_finite: bool) -> None:
+        """Load and validate the model, build every program, seed the state."""
         proto, base = load(model)
         self._model: TrainingModel = validate(proto, base, tensors_checked=True)  # load() did
         self._providers = list(providers) if providers else None
         self._session_options = session_options
         self._lock = threading.RLock()
         tm = self._model
+        #: The model's onnxtrain.* metadata, decoded once (the model never changes).
+        self._metadata = model_metadata(proto)
         # Build every program now, so that model errors surface at construction.
         self._inference = inference_program(tm)
-        self._algorithms = [algorithm_program(tm, i) for i in range(len(tm.training_info))]
+        built = [algorithm_programs(tm, i, self._cut_options(i)) for i in range(len(tm.training_info))]
+        self._algorithms = [program for program, _ in built]
+        #: Data-parallel: each algorithm cut in two, and the buffers of its reduced values.
+        self._splits: list[SplitAlgorithm] = [split for _, split in built if split is not None]
+        self._grad_buffers = [self._dp.buffers(s.reduced) for s in self._splits] if self._dp else []
+        #: Rows of local accumulation steps since the last reduced sums (data-parallel).
+        self._local_rows = 0
         self._initializations = [
             initialization_program(tm, i) for i in range(len(tm.training_info))
         ]
-        #: The model's onnxtrain.* metadata, decoded once (the model never changes).
-        self._metadata = model_metadata(proto)
         #: evaluate_batch's loss programs by (algorithm, loss, prediction).
         self._loss_programs: dict[tuple[int, str, str | None], Program] = {}
         self._executors: dict[int, Executor] = {}
@@ -139,6 +178,17 @@ class TrainingSession:
         return StateView(self._store)
 
     @property
+    def comm(self) -> Communicator | None:
+        """The communicator of a data-parallel session (``comm=``), else None."""
+        return self._dp.comm if self._dp is not None else None
+
+    @property
+    def communication_seconds(self) -> float:
+        """Seconds this rank has spent in the collectives of data-parallel
+        steps (waiting for slower ranks included); 0.0 without ``comm``."""
+        return self._dp.comm_seconds if self._dp is not None else 0.0
+
+    @property
     def num_algorithms(self) -> int:
         return len(self._algorithms)
 
@@ -155,6 +205,10 @@ class TrainingSession:
         out = {"inference": self._inference.model}
         for p in self._algorithms:
             out[p.label] = self._program_model(p)[0] if executed else p.model
+        for split in self._splits:
+            for p in (split.a, split.b):
+                if p is not None:
+                    out[p.label] = self._program_model(p)[0] if executed else p.model
         for p in self._initializations:
             if p is not None:
                 out[p.label] = p.model
@@ -299,7 +353,7 @@ class TrainingSession:
     def _program_model(self, program: Program) -> tuple[onnx.ModelProto, str | None]:
         """The model to run for ``program`` and the custom-op library it needs
         (``passes.kernel_choice`` decides, once per training algorithm)."""
-        if program not in self._algorithms:
+        if program not in self._algorithms and not any(program is s.b for s in self._splits):
             return program.model, None
         choice = self._executed.get(id(program))
         if choice is None:
@@ -336,20 +390,28 @@ class TrainingSession:
         pending: dict[str, Any],
         fetch: bool,
         field: str,
+        extra_in: Mapping[str, Any] | None = None,
+        extra_out: Mapping[str, Any] | None = None,
     ) -> dict[str, np.ndarray]:
         """Run ``program`` writing its bound values into spare state buffers.
 
         ``pending`` holds the new (uncommitted) buffers of variables that
         earlier programs of the same transaction wrote; it is extended with
-        this program's.  Returns the unbound outputs (numpy) if ``fetch``."""
+        this program's.  Returns the unbound outputs (numpy) if ``fetch``.
+        ``extra_in``/``extra_out``: more OrtValues to bind, by input and
+        output name (the reduced values of a data-parallel step)."""
         store = self._store
         state_in = store.current(program.state_inputs)
         if pending:
             for n in program.state_inputs:
                 if n in pending:
                     state_in[n] = pending[n]
+        if extra_in:
+            state_in.update(extra_in)
         targets = store.targets(program.target_keys)
         state_out = dict(zip(program.bound_values, targets))
+        if extra_out:
+            state_out.update(extra_out)
         executor = self._executor(program)
         try:
             outputs = executor.run_bound(feeds, state_in, state_out, program.returned if fetch else ())
@@ -415,6 +477,9 @@ class TrainingSession:
                 f"train_step: algorithm must be None or an index in "
                 f"[0, {len(algorithms)}), got {algorithm!r}"
             )
+        if self._dp is not None:
+            indices = range(len(algorithms)) if algorithm is None else (int(algorithm),)
+            return self._data_parallel_step(indices, feeds, fetch)
         self._check_names(feeds, "train_step")
         checked = [p.check_feeds(feeds, False, "train_step") for p in programs]
         with self._lock:
@@ -436,6 +501,100 @@ class TrainingSession:
             self._store.commit(pending)  # all bindings at once (R9)
             if len(programs) == 1:
                 self._plan_steps(programs[0])
+        return outputs
+
+    # ------------------------------------------------------- data parallel
+    def _cut_options(self, index: int) -> dict | None:
+        """How ``training_info[index]`` is cut for data-parallel training
+        (None without ``comm``): the rank-local state and the values to
+        reduce that the builder recorded (metadata ``onnxtrain.data_parallel``)."""
+        if self._dp is None:
+            return None
+        info = self._metadata.get("data_parallel")
+        info = info if isinstance(info, dict) else {}
+        bound = {b.key for b in self._model.proto.training_info[index].update_binding}
+        local = [n for n in info.get("local", []) if n in bound]
+        reduce = (info.get("reduce") or {}).get(str(index))
+        return {"local": local, "reduce": list(reduce) if reduce else None}
+
+    def _broadcast_state(self, names: Sequence[str]) -> None:
+        """Rank 0's values of the state variables ``names`` to every rank."""
+        dp = self._dp
+        assert dp is not None
+        if dp.size == 1:
+            return
+        if dp.rank == 0:
+            arrays = self._store.to_numpy(names)
+        else:
+            arrays = {n: np.empty(self._model.state[n].shape, self._model.state[n].dtype)
+                      for n in names}
+        dp.broadcast_arrays({n: a.reshape(-1) for n, a in arrays.items()})
+        if dp.rank != 0:
+            with self._lock:
+                self._store.replace(arrays)
+
+    def _agree(self, error: BaseException | None, what: str) -> None:
+        """Raise ``error`` here, or DistributedStepError elsewhere, if any rank failed."""
+        if self._dp is not None:
+            self._dp.agree(error, 0, what)
+        elif error is not None:
+            raise error
+
+    def _data_parallel_step(self, indices: Sequence[int], feeds: Mapping[str, Any],
+                            fetch: bool) -> dict[str, np.ndarray]:
+        """``train_step`` of a data-parallel session: per algorithm, program A
+        (forward + backward) into the gradient buffers, the ranks agree, the
+        buffers are reduced, program B (update), the ranks agree; then every
+        rank commits (``onnxtrain.distributed``)."""
+        dp = self._dp
+        assert dp is not None
+        pending: dict[str, Any] = {}
+        outputs: dict[str, np.ndarray] = {}
+        local_rows = self._local_rows
+        with self._lock:
+            for i in indices:
+                split, buffers = self._splits[i], self._grad_buffers[i]
+                where = f"train_step (training_info[{i}])"
+                error: BaseException | None = None
+                rows = 0
+                try:
+                    self._check_names(feeds, "train_step")
+                    checked = self._algorithms[i].check_feeds(feeds, False, "train_step")
+                    rows = rows_of(checked)
+                    a = split.a
+                    wanted = {n: v for n, v in checked.items() if n in a.feeds or n in a.optional_feeds}
+                    outputs.update(self._run_and_stage(
+                        a, wanted, pending, fetch, "update_binding",
+                        extra_out={r.name: buffers.ortvalues[r.name] for r in split.reduced}))
+                except BaseException as exc:  # KeyboardInterrupt too: the others must hear of it
+                    error = exc
+                weight = rows + (local_rows if split.sums else 0)
+                total = dp.agree(error, weight, where)
+                dp.reduce(buffers, weight, total)
+                try:
+                    if split.b is not None:
+                        b = split.b
+                        outputs.update(self._run_and_stage(
+                            b, {}, pending, fetch, "update_binding",
+                            extra_in={n: buffers.ortvalues[n] for n in b.feeds}))
+                    if split.bn:
+                        targets = self._store.targets([k for k, _ in split.bn])
+                        staged = {}
+                        for (key, value), target in zip(split.bn, targets):
+                            target.update_inplace(buffers.views[value])
+                            staged[key] = target
+                        if self._check_finite:
+                            _check_finite(split.a, staged, "update_binding")
+                        pending.update(staged)
+                except BaseException as exc:
+                    error = exc
+                dp.agree(error, 0, where)
+                if split.sums:
+                    local_rows = 0
+                elif split.a.bindings:
+                    local_rows += rows
+            self._store.commit(pending)  # all bindings at once, on every rank
+            self._local_rows = local_rows
         return outputs
 
     # ------------------------------------------------------------ step plans
@@ -521,13 +680,21 @@ class TrainingSession:
                 UserWarning, stacklevel=2,
             )
         self.fit_position = None
+        self._local_rows = 0
         with self._lock:
             pending: dict[str, Any] = {}
-            for program in self._initializations:
-                if program is None or not program.bindings:
-                    continue
-                self._run_and_stage(program, {}, pending, False, "initialization_binding")
+            error: BaseException | None = None
+            try:
+                for program in self._initializations:
+                    if program is None or not program.bindings:
+                        continue
+                    self._run_and_stage(program, {}, pending, False, "initialization_binding")
+            except BaseException as exc:
+                error = exc
+            self._agree(error, "initialize()")
             self._store.commit(pending)
+            if self._dp is not None:  # random initializations differ: rank 0's win
+                self._broadcast_state([k for k in self._model.state if k in pending])
 
     def run(
         self, feeds: Mapping[str, Any], output_names: Sequence[str] | None = None
@@ -553,7 +720,24 @@ class TrainingSession:
             return executor.run_bound(user, snap, {}, names)
 
     def load_state(self, mapping: Mapping[str, Any]) -> None:
-        """Set some state variables.  Names, dtypes and shapes must match."""
+        """Set some state variables.  Names, dtypes and shapes must match.
+
+        Data-parallel (``comm``): every rank calls it, and the variables rank 0
+        set take rank 0's values everywhere."""
+        error: BaseException | None = None
+        staged: dict[str, np.ndarray] = {}
+        try:
+            staged = self._checked_state(mapping)
+        except BaseException as exc:
+            error = exc
+        self._agree(error, "load_state()")
+        with self._lock:
+            self._store.replace(staged)
+        if self._dp is not None and self._dp.size > 1:
+            names = self._dp.comm.allgather_object(sorted(staged))[0]
+            self._broadcast_state(names)
+
+    def _checked_state(self, mapping: Mapping[str, Any]) -> dict[str, np.ndarray]:
         staged: dict[str, np.ndarray] = {}
         for name, value in mapping.items():
             var = self._model.state.get(name)
@@ -567,8 +751,7 @@ class TrainingSession:
                     f"load_state: {name!r} must have shape {list(var.shape)}, got {list(arr.shape)}"
                 )
             staged[name] = arr
-        with self._lock:
-            self._store.replace(staged)
+        return staged
 
     # ---------------------------------------------------------------- export
     def to_model(self, training: bool = False) -> onnx.ModelProto:

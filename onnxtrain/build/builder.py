@@ -156,6 +156,10 @@ class Plan:
     accum_step: str = ""
     #: Per algorithm: the training-mode copy's prediction, where there is a copy.
     train_predictions: dict[int, str] = field(default_factory=dict)
+    #: With accumulate > 1: the gradient sums (sums + this batch's gradient)
+    #: the final algorithm divides, which data-parallel training reduces
+    #: across ranks once per optimizer step (metadata ``onnxtrain.data_parallel``).
+    reduce_points: list[str] = field(default_factory=list)
     #: The LoRA description (``lora.apply``), metadata ``onnxtrain.lora``; None without LoRA.
     lora: dict[str, Any] | None = None
     #: State variables holding the base learning rate and the clipping threshold
@@ -539,7 +543,9 @@ class _Algorithm:
         out = []
         for p, g in zip(plan.params, grads):
             kept = e.Where(current, plan.accum[p], e.const(0.0, like=g))
-            out.append(e.Div(e.Add(kept, g), e.Cast(n, to=e.dtype(g))))
+            total = e.Add(kept, g)
+            plan.reduce_points.append(total)
+            out.append(e.Div(total, e.Cast(n, to=e.dtype(g))))
         return out
 
     def hyperparameter(self, hint: str, value: float) -> str:
@@ -689,6 +695,14 @@ def _set_metadata(plan: Plan) -> None:
     if plan.lora is not None:
         # What export needs to merge the adapters (lora.merge).
         entries["lora"] = plan.lora
+    if k > 1:
+        # Data-parallel training (TrainingSession(comm=...)): the gradient sums
+        # stay on each rank (DDP's no_sync) and the final algorithm reduces the
+        # sums it divides, once per optimizer step (onnxtrain.split).
+        entries["data_parallel"] = {
+            "local": [plan.accum[p] for p in plan.params],
+            "reduce": {str(plan.final): list(plan.reduce_points)},
+        }
     if plan.running_stats:
         # How training-mode BatchNormalization updates running_var (only where it does).
         entries["batchnorm_var"] = plan.batchnorm_var

@@ -26,6 +26,6 @@ def test_quick_start_runs(tmp_path):
 def test_readme_gives_the_two_commands_and_ci_runs_the_test_one():
     text = README.read_text()
     ci = (README.parent / ".ci" / "run").read_text()
-    test_cmd = "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest -q -n 2"
+    test_cmd = "python3 -m venv .venv && .venv/bin/pip install -e '.[test,mpi]' && .venv/bin/python -m pytest -q -n 2"
     assert test_cmd in text and test_cmd in ci
     assert "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/onnxtrain demo" in text

@@ -1,0 +1,145 @@
+"""Data-parallel training: the gradient buffers and the collectives of a step.
+
+A data-parallel session (``TrainingSession(model, comm=...)``) runs each
+algorithm as its two cut programs (``onnxtrain.split``): A writes the values
+to reduce straight into ``GradientBuffers``, one flat numpy buffer per
+dtype that onnxruntime sees as OrtValues through IOBinding (no copies);
+``DataParallel.reduce`` scales them and sums them across ranks in place, in
+buckets of about ``bucket_bytes``; B reads them from the same memory.
+
+``DataParallel.agree`` is the step's transaction across ranks: every rank
+says whether its part succeeded (and how many rows its batch had) before
+anything is reduced or committed, so a failure on one rank fails the step on
+every rank, names the rank, and commits nothing anywhere, without a hang.
+
+How local gradients combine (``reduction``):
+
+- ``"weighted"`` (default): Σ_r (n_r / N) g_r with n_r the rows of rank r's
+  batch and N = Σ n_r: the gradient of a mean-reduced loss over the global
+  batch, exactly, uneven last batches included;
+- ``"mean"``: (1/size) Σ_r g_r;
+- ``"sum"``: Σ_r g_r (for sum-reduced losses).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .comm import Communicator, agree
+from .executor import wrap_buffer
+
+REDUCTIONS = ("weighted", "mean", "sum")
+#: Default bucket size of the gradient all-reduce (bytes), as PyTorch DDP's.
+BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass
+class GradientBuffers:
+    """The values one algorithm reduces, laid out in flat buffers per dtype.
+
+    ``views[name]`` is the numpy view of a value, ``ortvalues[name]`` the
+    OrtValue over the same memory, ``buckets`` the slices reduced together."""
+
+    flats: list[np.ndarray]
+    views: dict[str, np.ndarray]
+    ortvalues: dict[str, Any]
+    buckets: list[np.ndarray]
+
+    @classmethod
+    def allocate(cls, reduced: Sequence[Any], bucket_bytes: int) -> GradientBuffers:
+        by_dtype: dict[np.dtype, list[Any]] = {}
+        for r in reduced:
+            by_dtype.setdefault(r.dtype, []).append(r)
+        flats, views, ortvalues, buckets = [], {}, {}, []
+        for dtype, values in by_dtype.items():
+            # Backward passes produce the last layers' gradients first: lay them
+            # out first, so the first bucket is the first one complete.
+            values = values[::-1]
+            flat = np.empty(sum(r.size for r in values), dtype=dtype)
+            flats.append(flat)
+            at = 0
+            start = 0
+            for r in values:
+                view = flat[at:at + r.size].reshape(r.shape)
+                views[r.name] = view
+                ortvalues[r.name] = wrap_buffer(view)
+                at += r.size
+                if (at - start) * dtype.itemsize >= bucket_bytes:
+                    buckets.append(flat[start:at])
+                    start = at
+            if at > start:
+                buckets.append(flat[start:at])
+        return cls(flats, views, ortvalues, buckets)
+
+
+class DataParallel:
+    """The collectives of data-parallel steps over one communicator."""
+
+    def __init__(self, comm: Communicator, reduction: str = "weighted",
+                 bucket_bytes: int = BUCKET_BYTES) -> None:
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+        self.comm = comm
+        self.rank, self.size = comm.rank, comm.size
+        self.reduction = reduction
+        self.bucket_bytes = bucket_bytes
+        #: Seconds spent in collectives since the last ``reset_timing`` (benchmarks).
+        self.comm_seconds = 0.0
+
+    def buffers(self, reduced: Sequence[Any]) -> GradientBuffers:
+        return GradientBuffers.allocate(reduced, self.bucket_bytes)
+
+    # ----------------------------------------------------------- transaction
+    def agree(self, error: BaseException | None, rows: int, what: str) -> int:
+        """Every rank's outcome of one phase of the step (``comm.agree``: if
+        any rank failed, every rank raises); the global row count."""
+        return int(self._timed(lambda _: agree(self.comm, error, rows, what), None).sum())
+
+    # ----------------------------------------------------------------- reduce
+    def reduce(self, buffers: GradientBuffers, rows: int, total_rows: int) -> None:
+        """Combine the ranks' values in place (see ``reduction``)."""
+        if self.reduction == "weighted":
+            scale = rows / total_rows if total_rows else 1.0 / self.size
+        elif self.reduction == "mean":
+            scale = 1.0 / self.size
+        else:
+            scale = 1.0
+        if scale != 1.0:
+            for flat in buffers.flats:
+                np.multiply(flat, flat.dtype.type(scale), out=flat)
+        for bucket in buffers.buckets:
+            self._timed(self.comm.allreduce_sum, bucket)
+
+    def broadcast_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Rank 0's values of ``arrays`` into every rank's (in place, in key order)."""
+        for name in sorted(arrays):
+            self.comm.broadcast(arrays[name], 0)
+
+    def allreduce_values(self, values: Sequence[float]) -> np.ndarray:
+        """The sum over ranks of a few float64 numbers (metrics; off the hot path)."""
+        buf = np.array(values, dtype=np.float64)
+        self.comm.allreduce_sum(buf)
+        return buf
+
+    def _timed(self, fn: Any, arg: Any) -> Any:
+        from time import perf_counter
+
+        t = perf_counter()
+        try:
+            return fn(arg)
+        finally:
+            self.comm_seconds += perf_counter() - t
+
+
+def rows_of(feeds: dict[str, np.ndarray]) -> int:
+    """The rows of a batch: the leading dimension of its first non-scalar feed."""
+    for value in feeds.values():
+        if value.ndim:
+            return int(value.shape[0])
+    return 1
