@@ -19,6 +19,9 @@ How local gradients combine (``reduction``):
   batch, exactly, uneven last batches included;
 - ``"mean"``: (1/size) Σ_r g_r;
 - ``"sum"``: Σ_r g_r (for sum-reduced losses).
+
+BatchNormalization running statistics are averaged whatever ``reduction``
+says: weighted by rows ("weighted", "sum") or equally ("mean").
 """
 
 from __future__ import annotations
@@ -42,25 +45,27 @@ class GradientBuffers:
     """The values one algorithm reduces, laid out in flat buffers per dtype.
 
     ``views[name]`` is the numpy view of a value, ``ortvalues[name]`` the
-    OrtValue over the same memory, ``buckets`` the slices reduced together."""
+    OrtValue over the same memory, ``buckets`` the slices reduced together.
+    ``flats`` pairs each flat buffer with whether it holds statistics to
+    average (BatchNormalization's) rather than gradients."""
 
-    flats: list[np.ndarray]
+    flats: list[tuple[np.ndarray, bool]]
     views: dict[str, np.ndarray]
     ortvalues: dict[str, Any]
     buckets: list[np.ndarray]
 
     @classmethod
     def allocate(cls, reduced: Sequence[Any], bucket_bytes: int) -> GradientBuffers:
-        by_dtype: dict[np.dtype, list[Any]] = {}
+        groups: dict[tuple[np.dtype, bool], list[Any]] = {}
         for r in reduced:
-            by_dtype.setdefault(r.dtype, []).append(r)
+            groups.setdefault((r.dtype, r.key is not None), []).append(r)
         flats, views, ortvalues, buckets = [], {}, {}, []
-        for dtype, values in by_dtype.items():
+        for (dtype, statistics), values in groups.items():
             # Backward passes produce the last layers' gradients first: lay them
             # out first, so the first bucket is the first one complete.
             values = values[::-1]
             flat = np.empty(sum(r.size for r in values), dtype=dtype)
-            flats.append(flat)
+            flats.append((flat, statistics))
             at = 0
             start = 0
             for r in values:
@@ -103,15 +108,17 @@ class DataParallel:
 
     # ----------------------------------------------------------------- reduce
     def reduce(self, buffers: GradientBuffers, rows: int, total_rows: int) -> None:
-        """Combine the ranks' values in place (see ``reduction``)."""
-        if self.reduction == "weighted":
-            scale = rows / total_rows if total_rows else 1.0 / self.size
-        elif self.reduction == "mean":
-            scale = 1.0 / self.size
-        else:
-            scale = 1.0
-        if scale != 1.0:
-            for flat in buffers.flats:
+        """Combine the ranks' values in place: gradients as ``reduction``
+        says, statistics always averaged (by rows, or equally for "mean")."""
+        weight = rows / total_rows if total_rows else 1.0 / self.size
+        for flat, statistics in buffers.flats:
+            if self.reduction == "mean":
+                scale = 1.0 / self.size
+            elif self.reduction == "weighted" or statistics:
+                scale = weight
+            else:
+                scale = 1.0
+            if scale != 1.0:
                 np.multiply(flat, flat.dtype.type(scale), out=flat)
         for bucket in buffers.buckets:
             self._timed(self.comm.allreduce_sum, bucket)

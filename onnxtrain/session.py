@@ -680,7 +680,6 @@ class TrainingSession:
                 UserWarning, stacklevel=2,
             )
         self.fit_position = None
-        self._local_rows = 0
         with self._lock:
             pending: dict[str, Any] = {}
             error: BaseException | None = None
@@ -693,6 +692,7 @@ class TrainingSession:
                 error = exc
             self._agree(error, "initialize()")
             self._store.commit(pending)
+            self._local_rows = 0  # accumulated gradient sums start over
             if self._dp is not None:  # random initializations differ: rank 0's win
                 self._broadcast_state([k for k in self._model.state if k in pending])
 
