@@ -41,6 +41,10 @@ class Communicator:
         """Every rank's (picklable) ``obj``, by rank; for messages, off the hot path."""
         raise NotImplementedError
 
+    def local_size(self) -> int:
+        """How many ranks share this machine (collective); they share its cores."""
+        return self.size
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
 
@@ -81,6 +85,13 @@ class MPICommunicator(Communicator):
 
     def allgather_object(self, obj: Any) -> list[Any]:
         return self.comm.allgather(obj)
+
+    def local_size(self) -> int:
+        node = self.comm.Split_type(self._MPI.COMM_TYPE_SHARED)
+        try:
+            return node.Get_size()
+        finally:
+            node.Free()
 
 
 def as_communicator(comm: Any) -> Communicator:

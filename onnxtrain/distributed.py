@@ -26,6 +26,7 @@ says: weighted by rows ("weighted", "sum") or equally ("mean").
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +143,22 @@ class DataParallel:
             return fn(arg)
         finally:
             self.comm_seconds += perf_counter() - t
+
+
+def threads_per_rank(local_ranks: int) -> int:
+    """onnxruntime intra-op threads for one of ``local_ranks`` ranks on this
+    machine: the cores this process may use, shared out (ranks that each spin
+    a pool of one thread per core would fight over the cores, and the slowest
+    rank sets the pace of every all-reduce).  A launcher that bound the rank
+    to some cores (Open MPI's default, ``--map-by ...:PE=n``) has decided:
+    all of them."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    if cores < (os.cpu_count() or cores):
+        return max(1, cores)
+    return max(1, cores // max(1, local_ranks))
 
 
 def rows_of(feeds: dict[str, np.ndarray]) -> int:

@@ -27,7 +27,7 @@ import onnx
 from onnx import numpy_helper
 
 from .errors import TrainingModelError
-from .executor import Executor, device_of
+from .executor import Executor, default_session_options, device_of
 from .storage import write_model
 from .metadata import model_metadata, read_position, write_position
 from .model import ModelLike, TrainingModel, load, validate
@@ -42,7 +42,7 @@ from .programs import (
     loss_program,
 )
 from .comm import Communicator, as_communicator
-from .distributed import BUCKET_BYTES, DataParallel, rows_of
+from .distributed import BUCKET_BYTES, DataParallel, rows_of, threads_per_rank
 from .state import StateStore
 
 
@@ -114,6 +114,10 @@ class TrainingSession:
             self._setup(model, providers, session_options, fused_kernels, check_finite)
         else:
             self._dp = DataParallel(as_communicator(comm), reduction, bucket_bytes)
+            if session_options is None and not os.environ.get("ONNXTRAIN_THREADS"):
+                # Ranks on one machine share its cores (see distributed.threads_per_rank).
+                threads = threads_per_rank(self._dp.comm.local_size())
+                session_options = default_session_options(threads)
             error: BaseException | None = None
             try:  # a rank that cannot load the model must not leave the others waiting
                 if device_of(list(providers) if providers else None)[0] != "cpu":

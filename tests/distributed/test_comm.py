@@ -190,3 +190,16 @@ def test_train_step_refuses_a_type_error_in_feeds_on_every_rank():
     (n0, m0), (n1, _) = each_rank(2, fn)
     assert (n0, n1) == ("DistributedStepError", "TypeError")
     assert "rank 1: TypeError: train_step: feeds must be a dict" in m0
+
+
+def test_threads_per_rank_share_the_cores(monkeypatch):
+    import os
+
+    from onnxtrain import distributed
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert [distributed.threads_per_rank(n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
+    # A launcher that bound the rank to 2 cores has decided.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert distributed.threads_per_rank(4) == 2

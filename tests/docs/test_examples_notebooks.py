@@ -27,7 +27,11 @@ EXPECTED = {
     "two_algorithms.py": ["step0 = 1, step1 = 2", "fit with cycle [0, 1]: 90 batches -> "
                           "step0 = 45, step1 = 45"],
     "resume_checkpoint.py": ["identical to the uninterrupted run: True"],
+    "distributed_digits.py": ["ranks: 2, global batch 64",
+                              "matches one process with the global batch: True"],
 }
+#: Examples launched on 2 MPI ranks (mpiexec from the mpi extra, beside this Python).
+MPI_EXAMPLES = {"distributed_digits.py"}
 HELPERS = {"inference_models.py"}
 
 
@@ -39,8 +43,16 @@ def test_every_example_is_covered():
 @pytest.mark.parametrize("script", sorted(EXPECTED))
 def test_example_runs_quick(script, tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, str(EXAMPLES / script), "--quick"], capture_output=True,
-                          text=True, timeout=120, cwd=tmp_path, env=env)
+    launcher = []
+    if script in MPI_EXAMPLES:
+        pytest.importorskip("mpi4py")
+        mpiexec = Path(sys.executable).parent / "mpiexec"
+        if not mpiexec.exists():
+            pytest.skip("no mpiexec beside this Python (pip install 'onnxtrain[mpi]')")
+        launcher = [str(mpiexec), "-n", "2"]
+        env["ONNXTRAIN_THREADS"] = "1"
+    proc = subprocess.run(launcher + [sys.executable, str(EXAMPLES / script), "--quick"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for expected in EXPECTED[script]:
         assert expected in proc.stdout, (expected, proc.stdout)
