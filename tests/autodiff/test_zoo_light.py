@@ -54,13 +54,14 @@ import time
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
 from onnxtrain.autodiff import expand_gradients
-from onnxtrain.executor import Executor
+from onnxtrain.executor import Executor, default_session_options
 from onnxtrain.graph import PREVIEW_DOMAIN
 from onnxtrain.names import NameGen
 
@@ -404,15 +405,25 @@ def test_zoo_light_gradient(name, opset):
     model, weights, feeds, directions, numeric = zoo_case(name)
     prepared = time.perf_counter()
     gm, grads = _gradient_model(model, weights, opset)
-    values = dict(zip(weights, Executor(gm).run(feeds, grads)))
+    # The rules are checked with onnxruntime's float32 kernels short of its
+    # level-3 layout transforms; those (NCHWc convolutions on AVX-512 hosts)
+    # round differently along the long backward chains: on an AMD EPYC,
+    # shufflenet's first-conv direction is off by 1.6e-4 of sum |g * d| with
+    # them and by 6e-6 without.  The sessions' own setting is checked too,
+    # to ten times the bound.
+    extended = default_session_options()
+    extended.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     wrong, errors = [], []
-    for key, d in directions.items():
-        terms = [values[w].astype(np.float64) * d[w] for w in d]
-        predicted = sum(float(t.sum()) for t in terms)
-        scale = sum(float(np.abs(t).sum()) for t in terms)
-        errors.append(abs(predicted - numeric[key]) / scale)
-        if not abs(predicted - numeric[key]) <= RTOL * scale:
-            wrong.append(f"{key}: analytic {predicted:.8g}, numeric {numeric[key]:.8g}, scale {scale:.3g}")
+    for options, rtol in ((extended, RTOL), (None, 10 * RTOL)):
+        values = dict(zip(weights, Executor(gm, session_options=options).run(feeds, grads)))
+        for key, d in directions.items():
+            terms = [values[w].astype(np.float64) * d[w] for w in d]
+            predicted = sum(float(t.sum()) for t in terms)
+            scale = sum(float(np.abs(t).sum()) for t in terms)
+            errors.append(abs(predicted - numeric[key]) / scale)
+            if not abs(predicted - numeric[key]) <= rtol * scale:
+                wrong.append(f"{key}: analytic {predicted:.8g}, numeric {numeric[key]:.8g}, "
+                             f"scale {scale:.3g} ({'extended' if options else 'default'} options)")
     print(f"{name} opset {opset}: oracle {prepared - start:.2f}s, gradient {time.perf_counter() - prepared:.2f}s, "
           f"errors / scale {', '.join(f'{v:.1e}' for v in errors)}")
     assert not wrong, f"{name} at opset {opset}: " + "; ".join(wrong)

@@ -714,7 +714,14 @@ def test_metadata_for_the_fit_loop():
         "onnxtrain.train_prediction": {},
         "onnxtrain.learning_rate": {"state": "lr", "base": 0.01},
         "onnxtrain.classes": {"count": 3, "axis": 1, "ignore_index": -100},
+        "onnxtrain.data_parallel": meta.get("onnxtrain.data_parallel"),
     }
+    # Data-parallel training keeps the sums per rank and reduces what [1] divides.
+    dp = meta["onnxtrain.data_parallel"]
+    assert dp["local"] == ["W1.grad_accum", "b1.grad_accum", "W2.grad_accum", "b2.grad_accum"]
+    divided = {n.input[0] for n in tm.training_info[1].algorithm.node if n.op_type == "Div"}
+    assert list(dp["reduce"]) == ["1"] and len(dp["reduce"]["1"]) == 4
+    assert set(dp["reduce"]["1"]) <= divided
     for i, ti in enumerate(tm.training_info):
         assert meta["onnxtrain.loss"] in {o.name for o in ti.algorithm.output}
     reg = build.training_model(affine(), loss="huber", target="y_true", output="pred")
