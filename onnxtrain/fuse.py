@@ -1,6 +1,7 @@
 """Peephole fusions on a program before it is compiled.
 
-One job: fold a scaled update of a Gemm product into the Gemm itself.
+``fuse_gemm_updates`` folds a scaled update of a Gemm product into the Gemm
+itself:
 
     s1 * X  +/-  s2 * Gemm(A, B)     (s1, s2 scalar constants, X shaped like the product)
     ->  Gemm(A, B, C=X, alpha=+/- s2 * alpha, beta=s1)
@@ -15,16 +16,25 @@ multiply-add instead of separate Mul/Sub kernels).  Gemm's alpha and beta are
 float32 attributes, so the fusion applies only where the folded scalars are
 exactly representable in float32 (always for float32 models; a float64 model
 with lr = 0.1 keeps its exact unfused update).
+
+``with_fused_kernels`` (the optional last step, ``passes.kernel_choice``)
+replaces optimizer updates by the custom kernels of ``onnxtrain/kernels``,
+bit for bit: the builder's Adam/AdamW (``fuse_adam_updates``) and the
+lowered spec ops Adam, Momentum and Adagrad (``fuse_spec_optimizers``).
+See docs/fused-kernels.md.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .errors import TrainingModelError
 from .graph import infer_types, node_inputs, toposort
 
 
@@ -362,11 +372,292 @@ def fuse_adam_updates(
     return len(replaced)
 
 
+# ------------------------------------------------- spec optimizer updates
+#: Tensors with fewer elements than this (16 KiB of float32) share one
+#: multi-tensor node per optimizer node (its variadic form): for them the
+#: per-node cost of onnxruntime is a large part of the update.  Larger ones
+#: get a node each, which onnxruntime runs as soon as that tensor's gradient
+#: exists (while it is still in cache) instead of after the last gradient.
+BATCH_BELOW = 4096
+
+
+def _op(op_type: str, *args, keep: str | None = None):
+    """Pattern: a default-domain node of ``op_type`` whose inputs match
+    ``args`` (either order for Add and Mul); ``keep`` names its output as an
+    output of the fused node (others may read it), else it is internal."""
+    return ("op", op_type, args, keep)
+
+
+def _tensor(var: str):
+    """Pattern: any tensor, bound to ``var`` (the same name wherever ``var`` recurs)."""
+    return ("tensor", var)
+
+
+def _scalar(var: str):
+    """Pattern: a tensor of one element (static shape), bound to ``var``."""
+    return ("scalar", var)
+
+
+def _ref(var: str, pattern):
+    """Pattern: ``pattern`` the first time, then the very tensor it matched."""
+    return ("ref", var, pattern)
+
+
+def _alt(*patterns):
+    """Pattern: the first of ``patterns`` that leads to a whole match."""
+    return ("alt", patterns)
+
+
+#: gr: the regularized gradient, nc*X + G where the lowering writes it
+#: (norm_coefficient != 0, and the Gemm fusion did not fold it), else G.
+_GR = _ref("GR", _alt(_op("Add", _op("Mul", _scalar("nc"), _tensor("X")), _tensor("G")), _tensor("G")))
+_ADAM_STEP = _op(
+    "Div",
+    _op("Mul", _scalar("r"), _op("Add", _op("Mul", _scalar("alpha"), _tensor("V")),
+                                 _op("Mul", _scalar("oma"), _GR), keep="V_new")),
+    _op("Add",
+        _op("Sqrt", _op("Add", _op("Mul", _scalar("beta"), _tensor("H")),
+                        _op("Mul", _op("Mul", _scalar("omb"), _GR), _GR), keep="H_new")),
+        _scalar("eps")),
+)
+_MOMENTUM_V = _ref("V1", _op("Add", _op("Mul", _scalar("alpha"), _tensor("V")),
+                             _op("Mul", _scalar("beta"), _GR), keep="V_new"))
+_ADAGRAD_STEP = _op(
+    "Div",
+    _op("Mul", _scalar("r"), _GR),
+    _op("Add", _op("Sqrt", _op("Add", _tensor("H"), _op("Mul", _GR, _GR), keep="H_new")),
+        _scalar("eps")),
+)
+
+
+@dataclass(frozen=True)
+class _SpecKernel:
+    """One fused op family: its pattern (rooted at the node writing X_new),
+    scalar operands (in the kernel's order; nc and post optional), tensor
+    inputs and outputs per optimized tensor."""
+
+    op: str
+    pattern: tuple
+    scalars: tuple[str, ...]
+    tensors: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+#: Tried in this order: a larger pattern before one it contains.
+_SPEC_KERNELS = (
+    _SpecKernel("SpecAdam", _op("Mul", _scalar("post"), _op("Sub", _tensor("X"), _ADAM_STEP), keep="X_new"),
+                ("alpha", "oma", "beta", "omb", "eps", "r", "nc", "post"), ("X", "G", "V", "H"),
+                ("X_new", "V_new", "H_new")),
+    _SpecKernel("SpecAdam", _op("Sub", _tensor("X"), _ADAM_STEP, keep="X_new"),
+                ("alpha", "oma", "beta", "omb", "eps", "r", "nc", "post"), ("X", "G", "V", "H"),
+                ("X_new", "V_new", "H_new")),
+    _SpecKernel("Nesterov", _op("Sub", _tensor("X"), _op("Mul", _scalar("r"), _op(
+                    "Add", _GR, _op("Mul", _scalar("alpha2"), _MOMENTUM_V))), keep="X_new"),
+                ("alpha", "beta", "alpha2", "r", "nc"), ("X", "G", "V"), ("X_new", "V_new")),
+    _SpecKernel("Momentum", _op("Sub", _tensor("X"), _op("Mul", _scalar("r"), _MOMENTUM_V), keep="X_new"),
+                ("alpha", "beta", "r", "nc"), ("X", "G", "V"), ("X_new", "V_new")),
+    _SpecKernel("Adagrad", _op("Sub", _tensor("X"), _ADAGRAD_STEP, keep="X_new"),
+                ("eps", "r", "nc"), ("X", "G", "H"), ("X_new", "H_new")),
+)
+_OPTIONAL_SCALARS = ("nc", "post")
+_SUFFIX = {TensorProto.FLOAT: "F32", TensorProto.DOUBLE: "F64"}
+
+
+def fuse_spec_optimizers(
+    graph: onnx.GraphProto, opset_imports: Sequence[onnx.OperatorSetIdProto]
+) -> int:
+    """Replace the lowered per-tensor updates of the spec's Adam, Momentum
+    (standard and Nesterov) and Adagrad by fused kernels (in place).
+
+    ``optim/lower.py`` writes each optimized tensor's update as a chain of
+    standard ops (Mul, Add, Sub, Div, Sqrt) over X, G, the state tensors and
+    scalars it computes once per optimizer node (the learning rate, its bias
+    correction, the attributes as Constants).  Each chain that matches one of
+    ``_SPEC_KERNELS`` exactly becomes an operand of ``SpecAdam``,
+    ``Momentum``, ``Nesterov`` or ``Adagrad`` (``F32``/``F64``), which computes
+    the same IEEE operations in the same order: the scalars are the chain's
+    own operands, so the values stay bit for bit the standard kernels'.
+
+    Only exact matches are rewritten: X, G, the states and every value of the
+    chain of one static shape (rank <= 8) and element type float or double;
+    the scalars one element each; and nothing outside the chain reading its
+    intermediates (the new X and states may have any readers).  Chains with
+    the same scalar operands (one optimizer node) and fewer than
+    ``BATCH_BELOW`` elements share one node; larger tensors get one each.
+    Returns how many tensor updates were fused."""
+    nodes = list(graph.node)
+    roots = {k.pattern[1] for k in _SPEC_KERNELS}
+    if not any(n.op_type in roots for n in nodes):
+        return 0
+    # Plain tuples: protobuf field access is slow, and patterns read each node often.
+    view = [(n.op_type, n.domain, tuple(n.input), tuple(n.output)) for n in nodes]
+    producer = {o: k for k, (_, _, _, outs) in enumerate(view) for o in outs if o}
+    consumers: dict[str, list[int]] = {}
+    for k, n in enumerate(nodes):
+        for i in node_inputs(n):
+            consumers.setdefault(i, []).append(k)
+    graph_outputs = {o.name for o in graph.output}
+    types: dict[str, int] = {}
+    shapes: dict[str, tuple | None] = {}
+    check_shapes = False  # off: a structural pre-pass, before any shape inference
+
+    def static(name: str) -> tuple[int, ...] | None:
+        s = shapes.get(name)
+        return s if s is not None and all(isinstance(d, int) for d in s) else None
+
+    def one_element(name: str) -> bool:
+        if not check_shapes:
+            return True
+        s = static(name)
+        return s is not None and math.prod(s) == 1
+
+    def match(pattern, name: str, env: dict):
+        """Every binding of ``pattern`` at ``name`` extending ``env`` (generator)."""
+        kind = pattern[0]
+        if kind in ("tensor", "scalar"):
+            var = pattern[1]
+            if var in env:
+                if env[var] == name:
+                    yield env
+            elif kind == "tensor" or one_element(name):
+                yield {**env, var: name}
+        elif kind == "ref":
+            var = pattern[1]
+            if var in env:
+                if env[var] == name:
+                    yield env
+            else:
+                for found in match(pattern[2], name, env):
+                    yield {**found, var: name}
+        elif kind == "alt":
+            for p in pattern[1]:
+                yield from match(p, name, env)
+        else:
+            _, op_type, args, keep = pattern
+            k = producer.get(name)
+            if k is None:
+                return
+            node_op, domain, inputs, outputs = view[k]
+            if (
+                node_op != op_type
+                or domain not in ("", "ai.onnx")
+                or len(inputs) != len(args)
+                or len(outputs) != 1
+            ):
+                return
+            if keep is not None:
+                if keep in env and env[keep] != name:
+                    return
+                env = {**env, keep: name}
+            env = {**env, "__nodes": env.get("__nodes", ()) + (k,)}
+            if op_type in ("Add", "Mul"):
+                yield from match_all(args, inputs, env)
+                yield from match_all(args[::-1], inputs, env)
+            else:
+                yield from match_all(args, inputs, env)
+
+    def match_all(patterns, names, env):
+        if not patterns:
+            yield env
+            return
+        for found in match(patterns[0], names[0], env):
+            yield from match_all(patterns[1:], names[1:], found)
+
+    def valid(kernel: _SpecKernel, env: dict) -> bool:
+        matched = set(env["__nodes"])
+        kept = {env[o] for o in kernel.outputs}
+        shape = static(env["X"])
+        if shape is None or len(shape) > 8 or types.get(env["X"]) not in _SUFFIX:
+            return False
+        if any(static(env[t]) != shape for t in kernel.tensors):
+            return False
+        for k in matched:
+            out = view[k][3][0]
+            if static(out) != shape:
+                return False  # a broadcast: not elementwise over X's shape
+            if out not in kept and (
+                out in graph_outputs or any(c not in matched for c in consumers.get(out, ()))
+            ):
+                return False  # an intermediate read elsewhere must stay computed
+        return True
+
+    def candidates(kernel: _SpecKernel):
+        root = kernel.pattern[1]
+        return [k for k, v in enumerate(view) if v[0] == root and len(v[3]) == 1]
+
+    # Structure first: most programs have no optimizer chain, and then no
+    # shape inference is spent on them.
+    plausible = {
+        id(kernel): [k for k in candidates(kernel) if next(match(kernel.pattern, view[k][3][0], {}), None)]
+        for kernel in _SPEC_KERNELS
+    }
+    if not any(plausible.values()):
+        return 0
+    types, shapes = infer_types(graph, opset_imports)
+    check_shapes = True
+
+    taken: set[int] = set()
+    found: list[tuple[_SpecKernel, dict, int]] = []
+    for kernel in _SPEC_KERNELS:
+        for k in plausible[id(kernel)]:
+            if k in taken:
+                continue
+            for env in match(kernel.pattern, view[k][3][0], {}):
+                if valid(kernel, env) and not any(j in taken for j in env["__nodes"]):
+                    taken.update(env["__nodes"])
+                    found.append((kernel, env, k))
+                    break
+    if not found:
+        return 0
+
+    # Group: the same op, element type and scalar operands (one optimizer node).
+    groups: dict[tuple, list[int]] = {}
+    for k, (kernel, env, _) in enumerate(found):
+        size = math.prod(static(env["X"]))
+        scalars = tuple(env.get(s, "") for s in kernel.scalars)
+        key = (kernel.op, types[env["X"]], scalars) if size < BATCH_BELOW else ("single", k)
+        groups.setdefault(key, []).append(k)
+
+    def rewrite(batches: list[list[int]]) -> list[onnx.NodeProto]:
+        at: dict[int, onnx.NodeProto] = {}  # a batch sits where its last root was
+        for batch in batches:
+            kernel, env, root = found[batch[-1]]
+            op = kernel.op + _SUFFIX[types[env["X"]]]
+            inputs = [env.get(s, "") for s in kernel.scalars]
+            outputs: list[str] = []
+            for k in batch:
+                _, e, _ = found[k]
+                inputs += [e[t] for t in kernel.tensors]
+                outputs += [e[o] for o in kernel.outputs]
+            label = nodes[root].name or outputs[0]
+            at[root] = helper.make_node(
+                op, inputs, outputs, name=f"{label}/{op}" + ("_batched" if len(batch) > 1 else "_fused"),
+                domain=KERNEL_DOMAIN,
+            )
+        out = [at.get(k, n) for k, n in enumerate(nodes) if k not in taken or k in at]
+        available = [i.name for i in graph.input] + [t.name for t in graph.initializer]
+        return toposort(out, available, where="fused program")
+
+    try:
+        ordered = rewrite(list(groups.values()))
+    except TrainingModelError:
+        # A batch that would feed itself (tensors of one optimizer node never
+        # do): one node per tensor always keeps the graph acyclic.
+        ordered = rewrite([[k] for k in range(len(found))])
+    del graph.node[:]
+    graph.node.extend(ordered)
+    return len(found)
+
+
 def with_fused_kernels(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
-    """A copy of ``model`` with its Adam updates fused, and how many (0: ``model`` itself)."""
+    """A copy of ``model`` with its optimizer updates fused, and how many
+    (0: ``model`` itself): the builder's Adam/AdamW updates
+    (``fuse_adam_updates``) and the lowered spec Adam, Momentum and Adagrad
+    (``fuse_spec_optimizers``)."""
     fused = onnx.ModelProto()
     fused.CopyFrom(model)
     count = fuse_adam_updates(fused.graph, list(fused.opset_import))
+    count += fuse_spec_optimizers(fused.graph, list(fused.opset_import))
     if not count:
         return model, 0
     fused.opset_import.append(helper.make_opsetid(KERNEL_DOMAIN, 1))

@@ -95,9 +95,10 @@ class TrainingSession:
         reduction: str = "weighted",
         bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
-        """``fused_kernels``: run each Adam/AdamW parameter update as one fused
-        kernel (``onnxtrain.kernels``, a custom-op library built on first use)
-        instead of eleven standard ones; same results, bit for bit.  None (the
+        """``fused_kernels``: run each optimizer update (the builder's Adam/AdamW,
+        the spec's Adam, Momentum and Adagrad) as one fused kernel
+        (``onnxtrain.kernels``, a custom-op library built on first use) instead
+        of a chain of standard ones; same results, bit for bit (docs/fused-kernels.md).  None (the
         default) uses it where it can (CPU, a C compiler, not turned off with
         ``ONNXTRAIN_FUSED_KERNELS=0``); True requires it; False never uses it.
 

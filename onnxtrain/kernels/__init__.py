@@ -3,8 +3,11 @@
 Standard ONNX kernels stream every tensor through memory once per operation,
 so an Adam update written as eleven of them costs eleven passes over each
 parameter.  ``optim_kernels.c`` does the same arithmetic, in the same order and
-with the same IEEE rounding, in one pass (see ``fuse.fuse_adam_updates`` for
-the rewrite that uses it).
+with the same IEEE rounding, in one pass: the builder's Adam/AdamW
+(``AdamUpdate``, see ``fuse.fuse_adam_updates``) and the lowered spec ops
+Adam, Momentum (standard and Nesterov) and Adagrad (``SpecAdam``,
+``Momentum``, ``Nesterov``, ``Adagrad``: multi-tensor ops, one node for many
+small tensors; see ``fuse.fuse_spec_optimizers`` and docs/fused-kernels.md).
 
 The library is compiled on first use with the system C compiler (``$CC``,
 else ``cc``) and cached by the hash of its source and flags, in

@@ -1,6 +1,7 @@
 /* onnxtrain's fused optimizer kernels: an onnxruntime custom-op library.
  *
- * One op per element type, in the domain "ai.onnxtrain.kernels":
+ * Ops per element type (F32: float, F64: double), in the domain
+ * "ai.onnxtrain.kernels":
  *
  *   AdamUpdateF32 / AdamUpdateF64
  *     inputs : p, g, m, v, b1, c1, b2, c2, eps, step, decay
@@ -11,12 +12,33 @@
  *     v_new = b2*v + c2*(g*g)
  *     p_new = p*decay - step*(m_new / (sqrt(v_new) + eps))
  *
- * This is the Adam/AdamW update that onnxtrain's optimizer builder writes as
- * eleven standard ONNX kernels (see onnxtrain/fuse.py, fuse_adam_updates).
- * Every operation is one IEEE operation in the same order as there, and the
- * library is compiled with -ffp-contract=off (no fused multiply-adds), so the
- * results are bitwise those of the standard kernels: one pass over memory
- * instead of eleven.
+ * and the per-tensor updates of the ai.onnx.preview.training optimizers as
+ * onnxtrain/optim/lower.py writes them (fuse.fuse_spec_optimizers).  These
+ * take one-element scalars first (nc and post optional: '' when the lowering
+ * has no such operation), then any number of tensors, k inputs each (a
+ * variadic input: one node updates many tensors), and give per tensor its
+ * new state in the order shown.  gr below is nc*x + g with nc, else g.
+ *
+ *   SpecAdamF32/F64  alpha, 1-alpha, beta, 1-beta, eps, r, [nc], [post];
+ *                    (x, g, v, h)... -> (x', v', h')...
+ *       v' = alpha*v + (1-alpha)*gr
+ *       h' = beta*h + ((1-beta)*gr)*gr
+ *       x' = x - (r*v') / (sqrt(h') + eps)        [then x' = post*x']
+ *   MomentumF32/F64  alpha, beta, r, [nc];  (x, g, v)... -> (x', v')...
+ *       v' = alpha*v + beta*gr;  x' = x - r*v'
+ *   NesterovF32/F64  alpha, beta, alpha2, r, [nc];  (x, g, v)... -> (x', v')...
+ *       v' = alpha*v + beta*gr;  x' = x - r*(gr + alpha2*v')
+ *   AdagradF32/F64   eps, r, [nc];  (x, g, h)... -> (x', h')...
+ *       h' = h + gr*gr;  x' = x - (r*gr) / (sqrt(h') + eps)
+ *
+ * AdamUpdate is the Adam/AdamW update that onnxtrain's optimizer builder
+ * writes as eleven standard ONNX kernels (see onnxtrain/fuse.py,
+ * fuse_adam_updates).  In every op, every operation is one IEEE operation in
+ * the same order as in the standard kernels it replaces (multiplication and
+ * addition are commutative in IEEE arithmetic, so operand order does not
+ * matter), and the library is compiled with -ffp-contract=off (no fused
+ * multiply-adds), so the results are bitwise those of the standard kernels:
+ * one pass over memory instead of one per operation.
  *
  * The library needs no onnxruntime headers.  The onnxruntime C API is a table
  * of function pointers that only ever grows at its end (its ABI contract); the
@@ -62,6 +84,7 @@ enum {
     API_GetTensorShapeElementCount = 64,
     API_GetTensorTypeAndShape = 65,
     API_KernelContext_GetInputCount = 88,
+    API_KernelContext_GetOutputCount = 89,
     API_KernelContext_GetInput = 90,
     API_KernelContext_GetOutput = 91,
     API_ReleaseStatus = 93,
@@ -120,15 +143,24 @@ typedef struct CustomOp {
     void *ReleaseAliasMap;
 } CustomOp;
 
+enum { KIND_ADAM_UPDATE, KIND_SPEC_ADAM, KIND_MOMENTUM, KIND_NESTEROV, KIND_ADAGRAD };
+enum { INPUT_OUTPUT_REQUIRED = 0, INPUT_OUTPUT_OPTIONAL = 1, INPUT_OUTPUT_VARIADIC = 2 };
+
 typedef struct OpDef {
     CustomOp op;          /* first member: ORT hands back &op */
     const char *name;
     int elem_type;
+    int kind;
+    /* Spec optimizer ops: leading one-element inputs, the slots of the
+     * optional nc and post among them (-1: none), tensors in and out per
+     * optimized tensor. */
+    int n_scalars, nc_slot, post_slot, per_in, per_out;
 } OpDef;
 
 #define N_INPUTS 11
 #define N_OUTPUTS 3
 #define N_TENSORS 4
+#define MAX_SCALARS 8
 
 static OrtStatus *fail(const char *msg) {
     return API(API_CreateStatus, CreateStatusFn)(STATUS_INVALID_ARGUMENT, msg);
@@ -250,8 +282,206 @@ static OrtStatus *adam_compute(void *kernel, OrtKernelContext *ctx) {
     return NULL;
 }
 
+/* ------------------------------------------------- spec optimizer updates */
+/* One loop body per op; A and B are the op's state tensors (SpecAdam: v, h;
+ * Momentum, Nesterov: v; Adagrad: h), s its scalars.  NC and POST are 0 or 1
+ * at compile time: whether the lowering has the nc*x + g and post*x' steps.
+ * Each line is the standard kernels' operations, one IEEE operation each. */
+#define SPEC_ADAM_BODY(T, SQRT, NC, POST)                                                  \
+    const T alpha = s[0], oma = s[1], beta = s[2], omb = s[3], eps = s[4], r = s[5],       \
+            nc = s[6], post = s[7];                                                        \
+    for (size_t i = 0; i < n; ++i) {                                                       \
+        const T x = X[i];                                                                  \
+        const T gr = NC ? nc * x + G[i] : G[i];                                            \
+        const T v1 = alpha * A[i] + oma * gr;                                              \
+        const T h1 = beta * B[i] + (omb * gr) * gr;                                        \
+        const T x1 = x - (r * v1) / (SQRT(h1) + eps);                                      \
+        XO[i] = POST ? post * x1 : x1;                                                     \
+        AO[i] = v1;                                                                        \
+        BO[i] = h1;                                                                        \
+    }
+#define MOMENTUM_BODY(T, SQRT, NC, POST)                                                   \
+    const T alpha = s[0], beta = s[1], r = s[2], nc = s[3];                                \
+    (void)B; (void)BO;                                                                     \
+    for (size_t i = 0; i < n; ++i) {                                                       \
+        const T x = X[i];                                                                  \
+        const T gr = NC ? nc * x + G[i] : G[i];                                            \
+        const T v1 = alpha * A[i] + beta * gr;                                             \
+        XO[i] = x - r * v1;                                                                \
+        AO[i] = v1;                                                                        \
+    }
+#define NESTEROV_BODY(T, SQRT, NC, POST)                                                   \
+    const T alpha = s[0], beta = s[1], alpha2 = s[2], r = s[3], nc = s[4];                 \
+    (void)B; (void)BO;                                                                     \
+    for (size_t i = 0; i < n; ++i) {                                                       \
+        const T x = X[i];                                                                  \
+        const T gr = NC ? nc * x + G[i] : G[i];                                            \
+        const T v1 = alpha * A[i] + beta * gr;                                             \
+        XO[i] = x - r * (gr + alpha2 * v1);                                                \
+        AO[i] = v1;                                                                        \
+    }
+#define ADAGRAD_BODY(T, SQRT, NC, POST)                                                    \
+    const T eps = s[0], r = s[1], nc = s[2];                                               \
+    (void)B; (void)BO;                                                                     \
+    for (size_t i = 0; i < n; ++i) {                                                       \
+        const T x = X[i];                                                                  \
+        const T gr = NC ? nc * x + G[i] : G[i];                                            \
+        const T h1 = A[i] + gr * gr;                                                       \
+        XO[i] = x - (r * gr) / (SQRT(h1) + eps);                                           \
+        AO[i] = h1;                                                                        \
+    }
+
+#define LOOP_ARGS(T, R)                                                                    \
+    size_t n, const T *R X, const T *R G, const T *R A, const T *R B, T *R XO, T *R AO,    \
+        T *R BO, const T *R s
+
+typedef void (*Loopf32_t)(LOOP_ARGS(float, ));
+typedef void (*Loopf64_t)(LOOP_ARGS(double, ));
+
+/* Each variant twice: for any buffers (element i is read before it is
+ * written, so in place is exact) and for distinct ones (vectorized without
+ * alias checks, with AVX2 where the CPU has it). */
+#define DEFINE_LOOP(NAME, BODY, T, SQRT, NC, POST)                                         \
+    static void NAME##_any(LOOP_ARGS(T, )) { BODY(T, SQRT, NC, POST) }                     \
+    CLONES static void NAME##_distinct(LOOP_ARGS(T, restrict)) { BODY(T, SQRT, NC, POST) }
+
+#define DEFINE_LOOPS(T, SQRT, SUF)                                                         \
+    DEFINE_LOOP(spec_adam_##SUF##_00, SPEC_ADAM_BODY, T, SQRT, 0, 0)                       \
+    DEFINE_LOOP(spec_adam_##SUF##_01, SPEC_ADAM_BODY, T, SQRT, 0, 1)                       \
+    DEFINE_LOOP(spec_adam_##SUF##_10, SPEC_ADAM_BODY, T, SQRT, 1, 0)                       \
+    DEFINE_LOOP(spec_adam_##SUF##_11, SPEC_ADAM_BODY, T, SQRT, 1, 1)                       \
+    DEFINE_LOOP(momentum_##SUF##_0, MOMENTUM_BODY, T, SQRT, 0, 0)                          \
+    DEFINE_LOOP(momentum_##SUF##_1, MOMENTUM_BODY, T, SQRT, 1, 0)                          \
+    DEFINE_LOOP(nesterov_##SUF##_0, NESTEROV_BODY, T, SQRT, 0, 0)                          \
+    DEFINE_LOOP(nesterov_##SUF##_1, NESTEROV_BODY, T, SQRT, 1, 0)                          \
+    DEFINE_LOOP(adagrad_##SUF##_0, ADAGRAD_BODY, T, SQRT, 0, 0)                            \
+    DEFINE_LOOP(adagrad_##SUF##_1, ADAGRAD_BODY, T, SQRT, 1, 0)                            \
+    /* [kind - KIND_SPEC_ADAM][nc][post][distinct] */                                      \
+    static const Loop##SUF##_t loops_##SUF[4][2][2][2] = {                                 \
+        {{{spec_adam_##SUF##_00_any, spec_adam_##SUF##_00_distinct},                        \
+          {spec_adam_##SUF##_01_any, spec_adam_##SUF##_01_distinct}},                       \
+         {{spec_adam_##SUF##_10_any, spec_adam_##SUF##_10_distinct},                        \
+          {spec_adam_##SUF##_11_any, spec_adam_##SUF##_11_distinct}}},                      \
+        {{{momentum_##SUF##_0_any, momentum_##SUF##_0_distinct},                            \
+          {momentum_##SUF##_0_any, momentum_##SUF##_0_distinct}},                           \
+         {{momentum_##SUF##_1_any, momentum_##SUF##_1_distinct},                            \
+          {momentum_##SUF##_1_any, momentum_##SUF##_1_distinct}}},                          \
+        {{{nesterov_##SUF##_0_any, nesterov_##SUF##_0_distinct},                            \
+          {nesterov_##SUF##_0_any, nesterov_##SUF##_0_distinct}},                           \
+         {{nesterov_##SUF##_1_any, nesterov_##SUF##_1_distinct},                            \
+          {nesterov_##SUF##_1_any, nesterov_##SUF##_1_distinct}}},                          \
+        {{{adagrad_##SUF##_0_any, adagrad_##SUF##_0_distinct},                              \
+          {adagrad_##SUF##_0_any, adagrad_##SUF##_0_distinct}},                             \
+         {{adagrad_##SUF##_1_any, adagrad_##SUF##_1_distinct},                              \
+          {adagrad_##SUF##_1_any, adagrad_##SUF##_1_distinct}}},                            \
+    };
+
+DEFINE_LOOPS(float, sqrtf, f32)
+DEFINE_LOOPS(double, sqrt, f64)
+
+/* A status naming the op: "<op>: <what>". */
+static OrtStatus *op_fail(const OpDef *def, const char *what) {
+    char msg[200];
+    size_t k = strlen(def->name);
+    if (k > 60) k = 60;
+    memcpy(msg, def->name, k);
+    memcpy(msg + k, ": ", 2);
+    strncpy(msg + k + 2, what, sizeof(msg) - k - 3);
+    msg[sizeof(msg) - 1] = '\0';
+    return fail(msg);
+}
+
+static OrtStatus *spec_compute(const OpDef *def, OrtKernelContext *ctx) {
+    size_t n_in = 0, n_out = 0;
+    OrtStatus *st = API(API_KernelContext_GetInputCount, InputCountFn)(ctx, &n_in);
+    if (!st) st = API(API_KernelContext_GetOutputCount, InputCountFn)(ctx, &n_out);
+    if (st) return st;
+    const size_t ns = (size_t)def->n_scalars, pi = (size_t)def->per_in, po = (size_t)def->per_out;
+    if (n_in < ns + pi || (n_in - ns) % pi)
+        return op_fail(def, "expects its scalars, then k inputs per optimized tensor");
+    const size_t nt = (n_in - ns) / pi;
+    if (n_out != nt * po) return op_fail(def, "expects k outputs per optimized tensor");
+
+    /* The scalars, as given (the element type of the op; no conversion). */
+    float sf[MAX_SCALARS] = {0};
+    double sd[MAX_SCALARS] = {0};
+    int present[MAX_SCALARS] = {0};
+    for (size_t i = 0; i < ns; ++i) {
+        const OrtValue *value = NULL;
+        st = API(API_KernelContext_GetInput, GetInputFn)(ctx, i, &value);
+        if (st) return st;
+        if (!value) {
+            if ((int)i == def->nc_slot || (int)i == def->post_slot) continue;
+            return op_fail(def, "a required scalar input is missing");
+        }
+        int elem = 0;
+        size_t count = 0;
+        void *data = NULL;
+        st = describe(value, &elem, &count, NULL, NULL);
+        if (st) return st;
+        if (elem != def->elem_type) return op_fail(def, "input of the wrong element type");
+        if (count != 1) return op_fail(def, "scalar inputs must hold exactly one element");
+        st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)value, &data);
+        if (st) return st;
+        if (def->elem_type == ELEM_FLOAT) sf[i] = *(const float *)data;
+        else sd[i] = *(const double *)data;
+        present[i] = 1;
+    }
+    const int nc = def->nc_slot >= 0 && present[def->nc_slot];
+    const int post = def->post_slot >= 0 && present[def->post_slot];
+    const size_t width = def->elem_type == ELEM_FLOAT ? sizeof(float) : sizeof(double);
+
+    for (size_t t = 0; t < nt; ++t) {
+        void *in[4] = {NULL, NULL, NULL, NULL}, *out[3] = {NULL, NULL, NULL};
+        size_t count0 = 0, rank = 0;
+        int64_t dims[8];
+        for (size_t k = 0; k < pi; ++k) {
+            const OrtValue *value = NULL;
+            st = API(API_KernelContext_GetInput, GetInputFn)(ctx, ns + t * pi + k, &value);
+            if (st) return st;
+            if (!value) return op_fail(def, "missing tensor input");
+            int elem = 0;
+            size_t count = 0;
+            st = describe(value, &elem, &count, k == 0 ? dims : NULL, &rank);
+            if (st) return st;
+            if (elem != def->elem_type) return op_fail(def, "input of the wrong element type");
+            if (k == 0) count0 = count;
+            else if (count != count0)
+                return op_fail(def, "the tensors of one update must have the same number of elements");
+            st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)value, &in[k]);
+            if (st) return st;
+        }
+        for (size_t k = 0; k < po; ++k) {
+            OrtValue *value = NULL;
+            st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, t * po + k, dims, rank, &value);
+            if (st) return st;
+            st = API(API_GetTensorMutableData, MutableDataFn)(value, &out[k]);
+            if (st) return st;
+        }
+        if (count0 == 0) continue;
+        int overlap = 0;
+        for (size_t k = 0; k < po; ++k)
+            for (size_t j = 0; j < pi; ++j)
+                overlap |= ranges_overlap(out[k], in[j], count0 * width);
+        const int kind = def->kind - KIND_SPEC_ADAM;
+        if (def->elem_type == ELEM_FLOAT)
+            loops_f32[kind][nc][post][!overlap](count0, in[0], in[1], in[2], in[3], out[0], out[1],
+                                                out[2], sf);
+        else
+            loops_f64[kind][nc][post][!overlap](count0, in[0], in[1], in[2], in[3], out[0], out[1],
+                                                out[2], sd);
+    }
+    return NULL;
+}
+
+static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
+    const OpDef *def = (const OpDef *)kernel;
+    return def->kind == KIND_ADAM_UPDATE ? adam_compute(kernel, ctx) : spec_compute(def, ctx);
+}
+
 /* ------------------------------------------------------------ op table */
 static const OpDef *as_def(const CustomOp *op) { return (const OpDef *)op; }
+static int is_spec(const CustomOp *op) { return as_def(op)->kind != KIND_ADAM_UPDATE; }
 static void *create_kernel(const CustomOp *op, const OrtApi *api, const OrtKernelInfo *info) {
     (void)api; (void)info;
     return (void *)op;
@@ -263,29 +493,53 @@ static OrtStatus *create_kernel_v2(const CustomOp *op, const OrtApi *api, const 
     return NULL;
 }
 static void compute_v1(void *kernel, OrtKernelContext *ctx) {
-    OrtStatus *st = adam_compute(kernel, ctx);
+    OrtStatus *st = compute(kernel, ctx);
     if (st) API(API_ReleaseStatus, ReleaseStatusFn)(st);
 }
 static void destroy_kernel(void *kernel) { (void)kernel; }
 static const char *get_name(const CustomOp *op) { return as_def(op)->name; }
 static const char *get_provider(const CustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const CustomOp *op, size_t i) { (void)i; return as_def(op)->elem_type; }
-static size_t input_count(const CustomOp *op) { (void)op; return N_INPUTS; }
+/* Spec ops: the scalars, then one variadic input holding every tensor. */
+static size_t input_count(const CustomOp *op) {
+    return is_spec(op) ? (size_t)as_def(op)->n_scalars + 1 : N_INPUTS;
+}
 static int output_type(const CustomOp *op, size_t i) { (void)i; return as_def(op)->elem_type; }
-static size_t output_count(const CustomOp *op) { (void)op; return N_OUTPUTS; }
-static int required(const CustomOp *op, size_t i) { (void)op; (void)i; return 0; }
+static size_t output_count(const CustomOp *op) { return is_spec(op) ? 1 : N_OUTPUTS; }
+static int input_characteristic(const CustomOp *op, size_t i) {
+    const OpDef *def = as_def(op);
+    if (!is_spec(op)) return INPUT_OUTPUT_REQUIRED;
+    if (i >= (size_t)def->n_scalars) return INPUT_OUTPUT_VARIADIC;
+    return ((int)i == def->nc_slot || (int)i == def->post_slot) ? INPUT_OUTPUT_OPTIONAL
+                                                                 : INPUT_OUTPUT_REQUIRED;
+}
+static int output_characteristic(const CustomOp *op, size_t i) {
+    (void)i;
+    return is_spec(op) ? INPUT_OUTPUT_VARIADIC : INPUT_OUTPUT_REQUIRED;
+}
 static int default_memory(const CustomOp *op, size_t i) { (void)op; (void)i; return 0; }
 static int one(const CustomOp *op) { (void)op; return 1; }
+static int input_min_arity(const CustomOp *op) { return is_spec(op) ? as_def(op)->per_in : 1; }
+static int output_min_arity(const CustomOp *op) { return is_spec(op) ? as_def(op)->per_out : 1; }
 
-#define OP_DEF(NAME, ELEM)                                                                  \
+#define OP_DEF(NAME, ELEM, KIND, NS, NC, POST, PI, PO)                                      \
     {{16, create_kernel, get_name, get_provider, input_type, input_count, output_type,      \
-      output_count, compute_v1, destroy_kernel, required, required, default_memory, one, one, \
-      one, one, create_kernel_v2, adam_compute, NULL, NULL, NULL, NULL, NULL, NULL, NULL},   \
-     NAME, ELEM}
+      output_count, compute_v1, destroy_kernel, input_characteristic, output_characteristic, \
+      default_memory, input_min_arity, one, output_min_arity, one, create_kernel_v2, compute, \
+      NULL, NULL, NULL, NULL, NULL, NULL, NULL},                                            \
+     NAME, ELEM, KIND, NS, NC, POST, PI, PO}
 
 static OpDef g_ops[] = {
-    OP_DEF("AdamUpdateF32", ELEM_FLOAT),
-    OP_DEF("AdamUpdateF64", ELEM_DOUBLE),
+    OP_DEF("AdamUpdateF32", ELEM_FLOAT, KIND_ADAM_UPDATE, 0, -1, -1, 0, 0),
+    OP_DEF("AdamUpdateF64", ELEM_DOUBLE, KIND_ADAM_UPDATE, 0, -1, -1, 0, 0),
+    OP_DEF("SpecAdamF32", ELEM_FLOAT, KIND_SPEC_ADAM, 8, 6, 7, 4, 3),
+    OP_DEF("SpecAdamF64", ELEM_DOUBLE, KIND_SPEC_ADAM, 8, 6, 7, 4, 3),
+    OP_DEF("MomentumF32", ELEM_FLOAT, KIND_MOMENTUM, 4, 3, -1, 3, 2),
+    OP_DEF("MomentumF64", ELEM_DOUBLE, KIND_MOMENTUM, 4, 3, -1, 3, 2),
+    OP_DEF("NesterovF32", ELEM_FLOAT, KIND_NESTEROV, 5, 4, -1, 3, 2),
+    OP_DEF("NesterovF64", ELEM_DOUBLE, KIND_NESTEROV, 5, 4, -1, 3, 2),
+    OP_DEF("AdagradF32", ELEM_FLOAT, KIND_ADAGRAD, 3, 2, -1, 3, 2),
+    OP_DEF("AdagradF64", ELEM_DOUBLE, KIND_ADAGRAD, 3, 2, -1, 3, 2),
 };
 
 /* The API table is addressed by index: check a few entries at both ends of
@@ -320,4 +574,4 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
 }
 
 /* For the loader's self-check. */
-__attribute__((visibility("default"))) int onnxtrain_kernels_abi(void) { return 1; }
+__attribute__((visibility("default"))) int onnxtrain_kernels_abi(void) { return 2; }

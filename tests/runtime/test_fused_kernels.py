@@ -1,4 +1,7 @@
-"""The fused Adam kernel (onnxtrain/kernels): the rewrite, the library, the fallbacks.
+"""The fused optimizer kernels (onnxtrain/kernels): the rewrites, the library, the fallbacks.
+
+The builder's Adam/AdamW update (AdamUpdate), and the lowered spec ops:
+Adam (SpecAdam), Momentum (Momentum, Nesterov) and Adagrad (Adagrad).
 
 The fused program must give bit-for-bit the standard program's results, so
 each check runs both and compares exactly."""
@@ -14,8 +17,11 @@ import pytest
 from onnx import TensorProto, helper
 
 from onnxtrain import TrainingSession, build, kernels
-from onnxtrain.fuse import KERNEL_DOMAIN, fuse_adam_updates, with_fused_kernels
+from onnxtrain import fuse
+from onnxtrain.fuse import KERNEL_DOMAIN, fuse_adam_updates, fuse_spec_optimizers, with_fused_kernels
 
+from models import PREVIEW, linear_regression, mlp_classifier
+from test_optim import _attrs, lower, make_model, random_state
 from test_build import (TorchRule, assert_trajectories_close, blobs, initial_params, mlp, run_oracle,
                         run_session)
 
@@ -229,16 +235,6 @@ def test_library_is_cached_by_source_hash(monkeypatch, tmp_path):
         kernels._reset_for_tests()
 
 
-@pytest.mark.parametrize("case", ["default", "custom"])
-def test_spec_adam_op_keeps_its_own_lowering(case):
-    """The spec's Adam op (eps added before the bias correction, post-update
-    decay) is lowered differently; the rewrite only takes the builder's form."""
-    from test_optim import _attrs, lower, make_model
-
-    model = make_model("Adam", [(4,), (2, 3)], TensorProto.FLOAT, TensorProto.FLOAT, _attrs("Adam", case))
-    assert with_fused_kernels(lower(model))[1] == 0
-
-
 @needs_library
 def test_fused_kernels_true_is_refused_off_cpu():
     model = mlp()
@@ -247,3 +243,303 @@ def test_fused_kernels_true_is_refused_off_cpu():
         TrainingSession(tm, providers=["CUDAExecutionProvider"], fused_kernels=True)
     with pytest.raises(TypeError):
         TrainingSession(tm, fused_kernels="yes")
+
+
+# ----------------------------------------------- spec ops: Adam, Momentum, Adagrad
+#: optimizer of tests/models.py, attributes set on its node, fused op.
+SPEC_CASES = {
+    "adam": ("adam", {}, "SpecAdam"),
+    "adam-nc": ("adam", {"norm_coefficient": 0.01}, "SpecAdam"),
+    "adam-post": ("adam", {"norm_coefficient_post": 0.001}, "SpecAdam"),
+    "adam-nc-post": ("adam", {"alpha": 0.8, "beta": 0.95, "epsilon": 1e-3, "norm_coefficient": 0.05,
+                              "norm_coefficient_post": 0.01}, "SpecAdam"),
+    "momentum": ("momentum", {"beta": 0.1}, "Momentum"),
+    "momentum-nc": ("momentum", {"alpha": 0.7, "beta": 0.6, "norm_coefficient": 0.03}, "Momentum"),
+    "nesterov": ("nesterov", {"norm_coefficient": 0.0}, "Nesterov"),
+    "nesterov-nc": ("nesterov", {}, "Nesterov"),  # norm_coefficient 0.001
+    "adagrad": ("adagrad", {}, "Adagrad"),  # decay_factor 0.1
+    "adagrad-nc": ("adagrad", {"decay_factor": 0.3, "epsilon": 1e-2, "norm_coefficient": 0.02}, "Adagrad"),
+}
+#: Outputs per optimized tensor of each fused op (the new X and state).
+PER_OUT = {"SpecAdam": 3, "Momentum": 2, "Nesterov": 2, "Adagrad": 2}
+
+
+def spec_model(case: str, net: str, dtype):
+    """A hand-written training model (Gradient + the spec op + a step counter
+    from T = 0) of tests/models.py, with the case's optimizer attributes."""
+    optimizer, attrs, _ = SPEC_CASES[case]
+    if net == "linreg":  # W [3, 1] and a one-element bias
+        tm = linear_regression(optimizer, dtype=dtype, lr=0.05)
+        rng = np.random.default_rng(4)
+        x = rng.standard_normal((16, 3)).astype(dtype)
+        feeds = {"X": x, "T": (x @ np.array([[1.0], [-2.0], [0.5]]) + 0.3).astype(dtype)}
+    else:
+        tm = mlp_classifier(optimizer, sizes=(4, 16, 3), lr=0.05, dtype=dtype)
+        x, labels = blobs(dtype=dtype)
+        feeds = {"X": x, "label": labels}
+    node = next(n for n in tm.training_info[0].algorithm.node
+                if n.domain == PREVIEW and n.op_type != "Gradient")
+    for name, value in attrs.items():
+        for a in node.attribute:
+            if a.name == name:
+                node.attribute.remove(a)
+                break
+        node.attribute.append(helper.make_attribute(name, value))
+    return tm, feeds
+
+
+def spec_ops(sess: TrainingSession) -> list[tuple[str, int]]:
+    """The fused nodes of the executed program: (op, number of tensors updated)."""
+    prog = sess.programs(executed=True)[ALGORITHM]
+    return [(n.op_type, len(n.output) // PER_OUT[n.op_type[:-3]])
+            for n in prog.graph.node if n.domain == KERNEL_DOMAIN]
+
+
+def run_steps(tm, feeds, steps=12, **kwargs):
+    sess = TrainingSession(tm, **kwargs)
+    losses = [float(sess.train_step(feeds)["loss"]) for _ in range(steps)]
+    return sess, losses
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("net", ["mlp", "mlp-per-tensor", "linreg"])
+@pytest.mark.parametrize("case", list(SPEC_CASES))
+def test_spec_op_fused_equals_standard_bit_for_bit(case, net, dtype, monkeypatch):
+    """12 steps from T = 0 (Adam's uncorrected and corrected steps, Momentum's
+    beta_adjusted = 1 then beta): every loss and state bit for bit.  "mlp"
+    batches its four tensors into one multi-tensor node per optimizer node;
+    "mlp-per-tensor" gives each its own node; "linreg" updates a one-element
+    bias."""
+    if net == "mlp-per-tensor":
+        monkeypatch.setattr(fuse, "BATCH_BELOW", 1)
+        # A rewrite made with a patched threshold must not reach the program cache.
+        monkeypatch.setenv("ONNXTRAIN_PROGRAM_CACHE", "0")
+    tm, feeds = spec_model(case, "linreg" if net == "linreg" else "mlp", dtype)
+    fused, fused_losses = run_steps(tm, feeds, fused_kernels=True)
+    plain, plain_losses = run_steps(tm, feeds, fused_kernels=False)
+    op = SPEC_CASES[case][2] + ("F32" if dtype == np.float32 else "F64")
+    found = spec_ops(fused)
+    assert {o for o, _ in found} == {op}
+    assert sum(k for _, k in found) == (2 if net == "linreg" else 4)  # every parameter fused
+    if net == "mlp-per-tensor":
+        assert all(k == 1 for _, k in found)
+    elif "-nc" in case:
+        # Where the Gemm fusion folded nc*W + dW into the weight gradient's
+        # Gemm, the weights take the kernel without nc: a second node.
+        assert len(found) <= 2
+    else:
+        assert len(found) == 1  # one multi-tensor node
+    assert spec_ops(plain) == []
+    assert fused_losses == plain_losses
+    for name, value in plain.state.items():
+        np.testing.assert_array_equal(fused.state[name], value, err_msg=name)
+    assert fused_losses[-1] < fused_losses[0]
+
+
+@needs_library
+def test_spec_op_with_gemm_folded_regularization_splits_into_two_nodes():
+    """With norm_coefficient the Gemm fusion folds nc*W + dW into the weight
+    gradient's Gemm; the weights then take the kernel without nc, the biases
+    the one with nc: two multi-tensor nodes, both exact."""
+    tm, feeds = spec_model("nesterov-nc", "mlp", np.float32)
+    sess, _ = run_steps(tm, feeds, steps=2, fused_kernels=True)
+    prog = sess.programs(executed=True)[ALGORITHM]
+    nodes = [n for n in prog.graph.node if n.domain == KERNEL_DOMAIN]
+    assert sorted(len(n.output) // 2 for n in nodes) == [2, 2]
+    assert sorted(n.input[4] != "" for n in nodes) == [False, True]  # nc: absent, present
+
+
+def _ort(model, library=None):
+    so = ort.SessionOptions()
+    if library:
+        so.register_custom_ops_library(library)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+SPEC_OPS = {"Adam": "SpecAdam", "Adagrad": "Adagrad", "Momentum-standard": "Momentum",
+            "Momentum-nesterov": "Nesterov"}
+
+
+@needs_library
+@pytest.mark.parametrize("which", ["default", "custom"])
+@pytest.mark.parametrize("case", list(SPEC_OPS))
+@pytest.mark.parametrize("x_type", [TensorProto.FLOAT, TensorProto.DOUBLE])
+def test_spec_op_lowering_fuses_every_tensor_shape(case, which, x_type):
+    """One optimizer node over a 0-d, a one-element, an empty, a small and a
+    large tensor: the large one gets its own node, the others share one; the
+    outputs equal the standard program's bit for bit at T = 0, 1 and 7."""
+    op = case.split("-")[0]
+    shapes = [(), (1,), (0, 3), (2, 3), (300, 300)]
+    model = lower(make_model(op, shapes, x_type, TensorProto.FLOAT, _attrs(case, which)))
+    fused, count = with_fused_kernels(model)
+    assert count == len(shapes)
+    nodes = [n for n in fused.graph.node if n.domain == KERNEL_DOMAIN]
+    name = SPEC_OPS[case] + ("F32" if x_type == TensorProto.FLOAT else "F64")
+    per_out = PER_OUT[SPEC_OPS[case]]
+    assert [(n.op_type, len(n.output) // per_out) for n in nodes] == [(name, 4), (name, 1)]
+    dtype = np.float32 if x_type == TensorProto.FLOAT else np.float64
+    feeds = random_state(op, shapes, dtype, np.random.default_rng(1))
+    feeds["R"] = np.array(0.1, np.float32)
+    standard, fast = _ort(model), _ort(fused, kernels.library())
+    for t in (0, 1, 7):
+        feeds["T"] = np.array(t, np.int64)
+        for a, b in zip(standard.run(None, feeds), fast.run(None, feeds)):
+            assert a.shape == b.shape
+            np.testing.assert_array_equal(a, b)
+
+
+def _lowered_adam(shapes=((3, 4),), attrs=None):
+    return lower(make_model("Adam", list(shapes), TensorProto.FLOAT, TensorProto.FLOAT, attrs or {}))
+
+
+def _adam_chain(model) -> dict[str, str]:
+    """Intermediates of X1's lowered Adam update, by role."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    step = producer["X1_new"].input[1]                  # X - step
+    den = producer[step].input[1]                       # r*V' / den
+    sqrt = producer[den].input[0]                       # Sqrt(H') + eps
+    scaled_v = producer[step].input[0]                  # r * V'
+    h_terms = producer["H1_new"].input                  # beta*H + ((1-beta)*gr)*gr
+    gr_sq = next(t for t in h_terms if producer[t].input[1] == "G1")
+    return {"step": step, "den": den, "sqrt": sqrt, "scaled_v": scaled_v, "gr_sq": gr_sq,
+            "gr_scaled": producer[gr_sq].input[0]}
+
+
+@pytest.mark.parametrize("reader", ["step", "den", "sqrt", "scaled_v", "gr_sq", "gr_scaled"])
+def test_spec_rewrite_leaves_updates_whose_intermediates_are_read(reader):
+    """An intermediate that something else reads (here: a graph output) must
+    still be computed: that tensor's update stays standard ops, the other
+    tensor's is fused."""
+    model = _lowered_adam(shapes=[(3, 4), (5,)])
+    name = _adam_chain(model)[reader]
+    model.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, [3, 4]))
+    fused, count = with_fused_kernels(model)
+    assert count == 1
+    node = next(n for n in fused.graph.node if n.domain == KERNEL_DOMAIN)
+    assert node.input[8] == "X2"
+    assert name in {o for n in fused.graph.node if n.domain != KERNEL_DOMAIN for o in n.output}
+    if kernels.library():
+        feeds = random_state("Adam", [(3, 4), (5,)], np.float32, np.random.default_rng(0))
+        feeds.update(R=np.array(0.1, np.float32), T=np.array(3, np.int64))
+        for a, b in zip(_ort(model).run(None, feeds), _ort(fused, kernels.library()).run(None, feeds)):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_spec_rewrite_keeps_a_read_pre_decay_value_and_fuses_the_rest():
+    """X - step read elsewhere: the kernel writes it, the post-decay Mul stays."""
+    model = _lowered_adam(attrs={"norm_coefficient_post": 0.01})
+    final = next(n for n in model.graph.node if "X1_new" in n.output)
+    assert final.op_type == "Mul"
+    pre = final.input[1]
+    model.graph.output.append(helper.make_tensor_value_info(pre, TensorProto.FLOAT, [3, 4]))
+    fused, count = with_fused_kernels(model)
+    assert count == 1
+    node = next(n for n in fused.graph.node if n.domain == KERNEL_DOMAIN)
+    assert node.output[0] == pre and node.input[7] == ""  # no post in the kernel
+    assert any(n.op_type == "Mul" and "X1_new" in n.output for n in fused.graph.node)
+    if kernels.library():
+        feeds = random_state("Adam", [(3, 4)], np.float32, np.random.default_rng(0))
+        feeds.update(R=np.array(0.1, np.float32), T=np.array(3, np.int64))
+        for a, b in zip(_ort(model).run(None, feeds), _ort(fused, kernels.library()).run(None, feeds)):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("change", ["none", "dynamic", "broadcast", "unknown-r"])
+def test_spec_rewrite_needs_static_shapes_and_true_scalars(change):
+    """Dynamic shapes, a broadcast state and a learning rate of unknown shape
+    stay standard ops (the kernel is elementwise over X's static shape)."""
+    shapes = [(3, 4)]
+    model = make_model("Momentum", shapes, TensorProto.FLOAT, TensorProto.FLOAT, _attrs("Momentum-standard", "default"))
+    ins = {i.name: i for i in model.graph.input}
+    if change == "dynamic":
+        for name in ("X1", "G1", "V1"):
+            ins[name].type.tensor_type.shape.dim[0].dim_param = "N"
+        for o in model.graph.output:
+            o.type.tensor_type.shape.dim[0].dim_param = "N"
+    elif change == "broadcast":
+        del ins["G1"].type.tensor_type.shape.dim[0]  # G [4] broadcast over X [3, 4]
+    lowered = lower(model)
+    if change == "unknown-r":  # (a model the checker refuses: cleared after lowering)
+        next(i for i in lowered.graph.input if i.name == "R").type.tensor_type.ClearField("shape")
+    expected = 1 if change == "none" else 0
+    assert fuse_spec_optimizers(lowered.graph, list(lowered.opset_import)) == expected
+
+
+@needs_library
+def test_spec_batch_that_would_feed_itself_falls_back_to_one_node_per_tensor():
+    """Tensors sharing scalars where one's gradient reads the other's new
+    value cannot share a node (a cycle): each gets its own, still exact."""
+    model = lower(make_model("Momentum", [(3,), (3,)], TensorProto.FLOAT, TensorProto.FLOAT,
+                             _attrs("Momentum-standard", "default")))
+    for n in model.graph.node:
+        for k, name in enumerate(n.input):
+            if name == "G2":
+                n.input[k] = "G2_late"
+    model.graph.node.append(helper.make_node("Add", ["G2", "X1_new"], ["G2_late"]))
+    from onnxtrain.graph import toposort
+    ordered = toposort(list(model.graph.node), [i.name for i in model.graph.input])
+    del model.graph.node[:]
+    model.graph.node.extend(ordered)
+    fused, count = with_fused_kernels(model)
+    assert count == 2
+    nodes = [n for n in fused.graph.node if n.domain == KERNEL_DOMAIN]
+    assert [len(n.output) for n in nodes] == [2, 2]
+    feeds = random_state("Momentum", [(3,), (3,)], np.float32, np.random.default_rng(0))
+    feeds.update(R=np.array(0.1, np.float32), T=np.array(2, np.int64))
+    for a, b in zip(_ort(model).run(None, feeds), _ort(fused, kernels.library()).run(None, feeds)):
+        np.testing.assert_array_equal(a, b)
+
+
+@needs_library
+def test_spec_kernel_rejects_bad_operands_with_an_error():
+    """The kernel checks its operands and fails the run (no crash, no garbage)."""
+    vi = helper.make_tensor_value_info
+    scalars = ["alpha", "beta", "r"]
+    node = helper.make_node("MomentumF32", scalars + ["", "x", "g", "v"], ["x2", "v2"], domain=KERNEL_DOMAIN)
+    graph = helper.make_graph(
+        [node], "k", [vi(n, TensorProto.FLOAT, ["S"]) for n in scalars + ["x", "g", "v"]],
+        [vi("x2", TensorProto.FLOAT, None), vi("v2", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid(KERNEL_DOMAIN, 1)])
+    model.ir_version = 8
+    sess = _ort(model, kernels.library())
+    one, f = np.ones(1, np.float32), np.arange(4, dtype=np.float32)
+    x2, v2 = sess.run(None, {"alpha": one * 0.5, "beta": one, "r": one * 0.1, "x": f, "g": f, "v": f})
+    np.testing.assert_array_equal(v2, np.float32(0.5) * f + f)
+    np.testing.assert_array_equal(x2, f - np.float32(0.1) * v2)
+    with pytest.raises(Exception, match="same number of elements"):
+        sess.run(None, {"alpha": one, "beta": one, "r": one, "x": f, "g": f[:3], "v": f})
+    with pytest.raises(Exception, match="exactly one element"):
+        sess.run(None, {"alpha": f, "beta": one, "r": one, "x": f, "g": f, "v": f})
+
+
+def test_spec_op_without_compiler_runs_the_standard_kernels(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("ONNXTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    kernels._reset_for_tests()
+    try:
+        tm, feeds = spec_model("adam-nc-post", "linreg", np.float32)
+        standard = TrainingSession(tm, fused_kernels=False).programs(executed=True)[ALGORITHM]
+        assert with_fused_kernels(standard)[1] == 2  # what a compiler would have fused
+        sess, losses = run_steps(tm, feeds, steps=3)
+        assert spec_ops(sess) == []
+        assert "no C compiler" in sess.fused_kernels_note
+        assert losses[-1] < losses[0]
+        with pytest.raises(RuntimeError, match="no C compiler"):
+            TrainingSession(tm, fused_kernels=True)
+    finally:
+        monkeypatch.undo()
+        kernels._reset_for_tests()
+
+
+def test_spec_adam_is_not_taken_for_the_builders_adam():
+    """The spec's Adam (eps added before the bias correction, post-update
+    decay) and the builder's AdamW have different updates: each gets its own
+    kernel, never the other's."""
+    model = make_model("Adam", [(4,), (2, 3)], TensorProto.FLOAT, TensorProto.FLOAT, _attrs("Adam", "custom"))
+    fused, count = with_fused_kernels(lower(model))
+    assert count == 2
+    assert {n.op_type for n in fused.graph.node if n.domain == KERNEL_DOMAIN} == {"SpecAdamF32"}
+    builder = _adam_graph()
+    assert fuse_spec_optimizers(builder.graph, list(builder.opset_import)) == 0
