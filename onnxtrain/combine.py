@@ -38,10 +38,12 @@ def combined_graph(
     return g
 
 
-def copy_graph(graph: onnx.GraphProto, exclude_initializers: Container[str] = ()) -> onnx.GraphProto:
+def copy_graph(graph: onnx.GraphProto, exclude_initializers: Container[str] = (),
+               into: onnx.GraphProto | None = None) -> onnx.GraphProto:
     """A copy of ``graph`` without the initializers (dense or sparse) named in
-    ``exclude_initializers`` (their data is never copied)."""
-    g = onnx.GraphProto()
+    ``exclude_initializers`` (their data is never copied); ``into``: an
+    empty GraphProto to copy into (e.g. the graph of a model), returned."""
+    g = onnx.GraphProto() if into is None else into
     copy_fields(graph, g, skip=("initializer", "sparse_initializer"))
     g.initializer.extend(t for t in graph.initializer if t.name not in exclude_initializers)
     g.sparse_initializer.extend(

@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from . import cache
 from .errors import ExecutionError, TrainingModelError
 
 
@@ -126,14 +127,21 @@ class Executor:
             capped.ir_version = MAX_IR_VERSION
             model = capped
         so = session_options or default_session_options()
+        data = model.SerializeToString()
+        providers = list(providers) if providers else ["CPUExecutionProvider"]
         try:
             if custom_ops_library:
                 _register_library(so, custom_ops_library)
-            self._sess = ort.InferenceSession(
-                model.SerializeToString(),
-                sess_options=so,
-                providers=list(providers) if providers else ["CPUExecutionProvider"],
-            )
+            # onnxruntime's own optimized form of this model, where the cache has it
+            optimized = cache.ort_model(data, so, providers, custom_ops_library, label)
+            self._sess = None
+            if optimized is not None:
+                try:
+                    self._sess = ort.InferenceSession(optimized[0], sess_options=so, providers=providers)
+                except Exception:  # not trusted: drop it and load the model itself
+                    optimized[1]()
+            if self._sess is None:
+                self._sess = ort.InferenceSession(data, sess_options=so, providers=providers)
         except Exception as exc:  # onnxruntime raises its own exception types
             raise TrainingModelError(f"{label}: onnxruntime cannot load it: {exc}") from exc
         self.device = device_of(self._sess.get_providers())

@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from . import cache
 from .errors import TrainingModelError
 
 PREVIEW_DOMAIN = "ai.onnx.preview.training"
@@ -178,15 +179,31 @@ def infer_types(
 ) -> tuple[dict[str, int], dict[str, tuple | None]]:
     """Element types and static shapes of every value shape inference can reach.
 
-    Large initializers are replaced by their type before inference, so this
-    costs time proportional to the node count, not to the weights."""
-    g = onnx.GraphProto()
+    Large initializers and Constant nodes are replaced by their type before
+    inference, so this costs time proportional to the node count, not to the
+    weights."""
+    model = onnx.ModelProto()  # built in place: the graph is copied once
+    g = model.graph
     g.name = graph.name or "g"
-    g.node.extend(graph.node)
+    known = {v.name for v in graph.input}
+    nodes = list(graph.node)
+    big = [i for i, n in enumerate(nodes) if n.op_type == "Constant" and _large_constant(n)]
+    stand_ins = []
+    if big:
+        # Only their type matters (values reach inference through 1-D integer
+        # tensors alone, the rule for initializers below): typed inputs instead.
+        for i in reversed(big):
+            n = nodes[i]
+            t = n.attribute[0].t
+            if n.output[0] not in known:
+                del nodes[i]
+                stand_ins.append(helper.make_tensor_value_info(n.output[0], t.data_type, list(t.dims)))
+                known.add(n.output[0])
+    g.node.extend(nodes)
     g.input.extend(graph.input)
+    g.input.extend(reversed(stand_ins))
     g.output.extend(graph.output)
     g.value_info.extend(graph.value_info)
-    known = {v.name for v in graph.input}
     for t in graph.initializer:
         if t.data_type in (TensorProto.INT64, TensorProto.INT32) and len(t.dims) <= 1:
             g.initializer.append(t)  # small shape-like constants help inference
@@ -198,29 +215,67 @@ def infer_types(
             g.input.append(
                 helper.make_tensor_value_info(st.values.name, st.values.data_type, list(st.dims))
             )
-    model = helper.make_model(g, opset_imports=list(opset_imports))
+    model.opset_import.extend(opset_imports)
     model.ir_version = max(ir_version, 4)
     model.functions.extend(functions)
-    ig = _infer(model, g)
+    data = model.SerializeToString()
+    # The answer is a function of these bytes and of what the steps below
+    # read besides them: every initializer's type and dims, and the values
+    # of the small ones (``constant_values``).  Memoized on disk (onnxtrain.cache).
+    key = cache.types_key(model, data, _initializer_facts(graph))
+    if key is not None:
+        known_types = cache.get_types(key)
+        if known_types is not None:
+            return known_types
+    ig = _infer_in_place(model, data)
     dtypes, shapes = _collect(ig)
-    seeded = _seed_ml_outputs(ig, dtypes, shapes)
+    seeded = _seed_ml_outputs(g.node, dtypes, shapes)
     if seeded:
         # onnx has no inference for most ai.onnx.ml ops: declare their outputs
         # (float, rank known) and infer again so the ops after them get types.
         g.value_info.extend(seeded)
-        ig = _infer(model, g)
+        ig = _infer_in_place(model)
         dtypes, shapes = _collect(ig)
     for t in graph.initializer:
         dtypes[t.name] = t.data_type
         shapes[t.name] = tuple(int(d) for d in t.dims)
-    for node in ig.node:
+    for node in graph.node:
         if node.op_type == "Constant":
             for a in node.attribute:
                 if a.name == "value":
                     dtypes[node.output[0]] = a.t.data_type
                     shapes[node.output[0]] = tuple(int(d) for d in a.t.dims)
-    _propagate_ranks(ig.node, shapes, dtypes, graph)
+    _propagate_ranks(graph.node, shapes, dtypes, graph)
+    if key is not None:
+        cache.put_types(key, dtypes, shapes)
     return dtypes, shapes
+
+
+def _initializer_facts(graph: onnx.GraphProto) -> bytes:
+    """Every initializer's name, type and dims, with the data of those
+    ``constant_values`` reads (at most 1024 elements, stored in the model)."""
+    facts = onnx.GraphProto()
+    for t in graph.initializer:
+        if _numel(t.dims) <= 1024 and t.data_location != TensorProto.EXTERNAL:
+            facts.initializer.append(t)
+        else:
+            facts.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)
+    return facts.SerializeToString()
+
+
+def _large_constant(node: onnx.NodeProto) -> bool:
+    """A default-domain Constant whose ``value`` is a tensor of over 1024
+    elements that is not a 1-D integer tensor (the values of those may
+    reach shapes through data propagation)."""
+    if node.domain not in DEFAULT_DOMAINS or len(node.attribute) != 1 or len(node.output) != 1:
+        return False
+    a = node.attribute[0]
+    if a.name != "value" or a.type != onnx.AttributeProto.TENSOR or not node.output[0]:
+        return False
+    t = a.t
+    if t.data_type in (TensorProto.INT64, TensorProto.INT32) and len(t.dims) <= 1:
+        return False
+    return _numel(t.dims) > 1024
 
 
 #: Ops whose outputs have the rank of their first input.
@@ -352,6 +407,17 @@ def value_types(
     return {vi.name: vi.type for vi in list(ig.input) + list(ig.value_info) + list(ig.output)}
 
 
+def _infer_in_place(model: onnx.ModelProto, data: bytes | None = None) -> onnx.GraphProto:
+    """The graph onnx infers for ``model`` (``data``: its bytes, if at hand);
+    the model's own graph where inference fails."""
+    try:
+        if data is None:
+            data = model.SerializeToString()
+        return onnx.shape_inference.infer_shapes(data, strict_mode=False, data_prop=True).graph
+    except Exception:  # inference is best effort; rules fall back to runtime shapes
+        return model.graph
+
+
 def _infer(model: onnx.ModelProto, g: onnx.GraphProto) -> onnx.GraphProto:
     del model.graph.value_info[:]
     model.graph.value_info.extend(g.value_info)
@@ -382,11 +448,11 @@ _ML_MATRIX = {"LinearRegressor", "SVMRegressor", "TreeEnsembleRegressor", "Featu
 
 
 def _seed_ml_outputs(
-    ig: onnx.GraphProto, dtypes: dict[str, int], shapes: dict[str, tuple | None]
+    nodes: Sequence[onnx.NodeProto], dtypes: dict[str, int], shapes: dict[str, tuple | None]
 ) -> list[onnx.ValueInfoProto]:
     """Value infos for the float outputs of ai.onnx.ml ops inference left untyped."""
     out = []
-    for node in ig.node:
+    for node in nodes:
         if node.domain != "ai.onnx.ml" or not node.output or not node.output[0]:
             continue
         name = node.output[0]

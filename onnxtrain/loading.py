@@ -168,6 +168,55 @@ def check_strings(message, path: str = "model") -> None:
     returns ``bytes`` instead of ``str`` (or raises, depending on the
     protobuf build), and the failure surfaces later, wherever the value is
     first used.  Here it is found at load, with the field's path."""
+    try:
+        if _strings_ok(message):
+            return
+    except Exception:  # the walk below finds it again, and says where
+        pass
+    _check_strings(message, path)
+
+
+#: Per message type: its (singular string, repeated string, singular
+#: message, repeated message) field names.
+_PLANS: dict = {}
+
+
+def _plan(desc) -> tuple[tuple[str, ...], ...]:
+    plan = _PLANS.get(desc)
+    if plan is None:
+        parts: tuple[list[str], ...] = ([], [], [], [])
+        for fd in desc.fields:
+            rep = is_repeated(fd)
+            if fd.type == FieldDescriptor.TYPE_STRING:
+                parts[1 if rep else 0].append(fd.name)
+            elif fd.type == FieldDescriptor.TYPE_MESSAGE:
+                parts[3 if rep else 2].append(fd.name)
+        plan = _PLANS[desc] = tuple(tuple(p) for p in parts)
+    return plan
+
+
+def _strings_ok(message) -> bool:
+    """The fast path of ``check_strings``: True if every string is text (no paths kept)."""
+    strings, repeated_strings, messages, repeated_messages = _plan(message.DESCRIPTOR)
+    for name in strings:
+        if getattr(message, name).__class__ is not str:
+            return False
+    for name in repeated_strings:
+        for v in getattr(message, name):
+            if v.__class__ is not str:
+                return False
+    for name in messages:
+        if message.HasField(name) and not _strings_ok(getattr(message, name)):
+            return False
+    for name in repeated_messages:
+        for sub in getattr(message, name):
+            if not _strings_ok(sub):
+                return False
+    return True
+
+
+def _check_strings(message, path: str) -> None:
+    """The walk of ``check_strings`` that keeps the path, for its error message."""
     for fd in message.DESCRIPTOR.fields:
         if fd.type == FieldDescriptor.TYPE_STRING:
             try:
@@ -183,6 +232,6 @@ def check_strings(message, path: str = "model") -> None:
         elif fd.type == FieldDescriptor.TYPE_MESSAGE:
             if is_repeated(fd):
                 for i, sub in enumerate(getattr(message, fd.name)):
-                    check_strings(sub, f"{path}.{fd.name}[{i}]")
+                    _check_strings(sub, f"{path}.{fd.name}[{i}]")
             elif message.HasField(fd.name):
-                check_strings(getattr(message, fd.name), f"{path}.{fd.name}")
+                _check_strings(getattr(message, fd.name), f"{path}.{fd.name}")

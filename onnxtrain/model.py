@@ -93,6 +93,8 @@ class TrainingModel:
     proto: onnx.ModelProto
     base_dir: Path | None
     state: dict[str, StateVar] = field(default_factory=dict)
+    #: The program cache's key of this model (``onnxtrain.cache.model_key``, computed on first use).
+    cache_key: bytes | None = field(default=None, repr=False, compare=False)
 
     @property
     def training_info(self):

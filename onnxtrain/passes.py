@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 import onnx
 from onnx import helper
 
-from . import kernels
+from . import cache, kernels
 from .autodiff import expand_gradients, is_gradient
 from .errors import TrainingModelError
 from .executor import MAX_IR_VERSION
 from .fuse import fuse_gemm_updates as _fuse_gemm
-from .fuse import with_fused_kernels
+from .fuse import with_fused_kernels as _with_fused_kernels
 from .graph import (
     PREVIEW_DOMAIN,
     node_inputs,
@@ -51,6 +51,12 @@ from .optim import lower_optimizers
 
 #: Default-domain opset given to programs of models that import none.
 DEFAULT_OPSET = 17
+
+
+def with_fused_kernels(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """``fuse.with_fused_kernels``, answered from the program cache for the
+    program models it handed out (``cache.fused_for``)."""
+    return cache.fused_for(model, _with_fused_kernels)
 
 
 @dataclass
@@ -71,6 +77,9 @@ class Lowering:
     #: Every value a top-level Gradient node defined: output -> the x it differentiates
     #: by (filled by ``expand_gradient_nodes``; the data-parallel cut reduces them).
     gradients: dict[str, str] = field(default_factory=dict)
+    #: The model whose graph ``graph`` is, if any: ``to_model`` fills it in
+    #: instead of copying the graph into a new one.
+    model: onnx.ModelProto | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.names = NameGen(())
@@ -187,7 +196,10 @@ def fuse_gemm_updates(low: Lowering) -> None:
 
 def sort_and_prune(low: Lowering) -> None:
     outputs = [o.name for o in low.graph.output]
-    low.set_nodes(prune(toposort(list(low.graph.node), low.available, where=low.label), outputs))
+    nodes = list(low.graph.node)
+    kept = prune(toposort(nodes, low.available, where=low.label), outputs)
+    if len(kept) != len(nodes) or any(a is not b for a, b in zip(kept, nodes)):
+        low.set_nodes(kept)  # (rewriting the node list copies every node: only when it changed)
 
 
 def elide_output_identities(low: Lowering) -> None:
@@ -314,7 +326,16 @@ def to_model(low: Lowering) -> onnx.ModelProto:
     """The lowered graph as a model: no preview import, the IR version capped."""
     proto = low.tm.proto
     imports = [o for o in low.opset_imports if o.domain != PREVIEW_DOMAIN]
-    model = helper.make_model(low.graph, opset_imports=imports, producer_name="onnxtrain")
+    if low.model is not None and low.model.graph is low.graph:
+        # The graph was built inside its model (``lower_front``): no copy.
+        # The fields helper.make_model sets:
+        model = low.model
+        model.ir_version = onnx.IR_VERSION
+        model.opset_import.extend(imports)
+        model.producer_name = "onnxtrain"
+        low.model = None  # handed out
+    else:
+        model = helper.make_model(low.graph, opset_imports=imports, producer_name="onnxtrain")
     ir = max(proto.ir_version, 4) if proto.ir_version else 8
     model.ir_version = min(ir, MAX_IR_VERSION)
     model.functions.extend(proto.functions)
@@ -342,13 +363,14 @@ def lower_front(tm: TrainingModel, label: str, graph: onnx.GraphProto,
     } | set(state_left_out)
     # State variables become inputs fed from the session's buffers: copying
     # their initializer data here would double the memory of a large model.
-    g = copy_graph(graph, exclude_initializers=state_here)
+    model = onnx.ModelProto()  # the program's model: its graph is built in place
+    g = copy_graph(graph, exclude_initializers=state_here, into=model.graph)
     opset_imports = list(tm.proto.opset_import)
     if not any(o.domain in ("", "ai.onnx") for o in opset_imports):
         # Lowered Gradient/optimizer ops are default-domain ops; models that
         # import only ai.onnx.preview.training (ONNX's own test cases) get one.
         opset_imports.append(helper.make_opsetid("", DEFAULT_OPSET))
-    low = Lowering(tm, label, g, state_here, opset_imports)
+    low = Lowering(tm, label, g, state_here, opset_imports, model=model)
     _run(low, FRONT)
     return low
 
@@ -424,8 +446,9 @@ def check_fused_kernels(fused_kernels: bool | None, device: str) -> None:
 
 
 def kernel_choice(model: onnx.ModelProto, fused_kernels: bool | None, device: str) -> KernelChoice:
-    """Decide how a training algorithm's program runs: with each Adam/AdamW
-    update fused into one kernel where allowed (``fused_kernels`` not False),
+    """Decide how a training algorithm's program runs: with each optimizer
+    update (the builder's Adam/AdamW, the spec's Adam, Momentum and Adagrad)
+    fused into one kernel where allowed (``fused_kernels`` not False),
     possible (CPU provider) and available (the library built), else as is."""
     if fused_kernels is False:
         return KernelChoice(model)

@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from . import cache
 from .model import TrainingModel
 from .passes import combine, finish, loss_graph, lower_front, run_pipeline
 from .split import Reduced, cut
@@ -238,8 +239,18 @@ def program_of(tm: TrainingModel, label: str, g: onnx.GraphProto, model: onnx.Mo
     return program
 
 
+def cached_program(tm: TrainingModel, label: str, lower: Any,
+                   bindings: list[tuple[str, str]] | None = None) -> Program:
+    """The Program of ``label``, its lowered model from the program cache
+    (``onnxtrain.cache``) or from ``lower()`` (a model, whose errors are
+    raised as usual), which is then stored.  ``label`` must name the program
+    of ``tm`` exactly: it is part of the key."""
+    model = cache.program_model(tm, label, lower)
+    return program_of(tm, label, model.graph, model, bindings)
+
+
 def inference_program(tm: TrainingModel) -> Program:
-    return build_program(tm, "inference", tm.proto.graph)
+    return cached_program(tm, "inference", lambda: run_pipeline(tm, "inference", tm.proto.graph)[1])
 
 
 def algorithm_program(tm: TrainingModel, index: int) -> Program:
@@ -273,10 +284,11 @@ def algorithm_programs(tm: TrainingModel, index: int, data_parallel: dict | None
     ti = tm.proto.training_info[index]
     label = f"training_info[{index}].algorithm"
     bindings = [(e.key, e.value) for e in ti.update_binding]
+    if data_parallel is None:
+        return cached_program(tm, label, lambda: finish(lower_front(tm, label, *combine(tm, index)))[1],
+                              bindings), None
     combined, state = combine(tm, index)
     low = lower_front(tm, label, combined, state)
-    if data_parallel is None:
-        return program_of(tm, label, *finish(low), bindings), None
     whole = onnx.GraphProto()
     whole.CopyFrom(low.graph)
     program = program_of(tm, label, *finish(low.copy(whole)), bindings)
@@ -297,6 +309,8 @@ def initialization_program(tm: TrainingModel, index: int) -> Program | None:
     if not ti.HasField("initialization"):
         return None
     bindings = [(e.key, e.value) for e in ti.initialization_binding]
+    # Not cached: the cache key leaves initialization graphs out (a builder's
+    # holds the initial weights), and they have no training ops to lower.
     return build_program(tm, f"training_info[{index}].initialization", ti.initialization, bindings)
 
 

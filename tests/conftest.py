@@ -12,3 +12,9 @@ for folder in ("", "autodiff", "builder", "runtime", "fit", "docs", "reliability
     path = os.path.join(HERE, folder)
     if path not in sys.path:
         sys.path.insert(0, path)
+
+# The on-disk program cache (onnxtrain.cache) persists across processes and
+# runs: tests that patch onnxtrain's internals would leave entries other tests
+# then read.  The suite runs without it; tests/runtime/test_startup.py turns it
+# on, in a folder of its own, and tests it there.
+os.environ.setdefault("ONNXTRAIN_PROGRAM_CACHE", "0")

@@ -1,0 +1,203 @@
+"""Where the time to first step goes: per-phase wall-clock of onnxtrain's construction and first step.
+
+    python benchmarks/startup_phases.py [--runs 7] [--workloads W1,W2,W4] [--baseline DIR] [--json OUT]
+
+Each sample is a fresh child process doing what ``worker.py``'s onnxtrain
+trainer does between its two clocks (imports done first): load the
+inference model, make the training model (``onnxtrain.build``, and by hand:
+both forms are measured), ``TrainingSession(model)`` and the first
+``train_step``.  Inside it, the pipeline's functions are wrapped with
+timers: loading, validation, every program built (and its passes), shape
+inference, the fused-kernel choice, onnxruntime session creation.  Modes:
+``before`` (the package in ``--baseline DIR``, e.g. a copy of an earlier
+version), ``no-cache``, ``cold`` and ``warm`` (see ``startup.py``).  The
+modes of a round run one after the other; medians over ``--runs`` rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+#: Phases reported, in order: (label, timer key).
+PHASES = [
+    ("construction + first step", "startup_ms"),
+    ("  load the inference model (onnx.load)", "onnx.load"),
+    ("  make the training model", "training_model()"),
+    ("  TrainingSession(model)", "TrainingSession()"),
+    ("    load (parse, hostile-file checks)", "session.load"),
+    ("    validate (spec rules, binding types)", "session.validate"),
+    ("    inference program", "session.inference_program"),
+    ("    algorithm program", "session.algorithm_programs"),
+    ("      autodiff (Gradient expansion)", "pass.expand_gradient_nodes"),
+    ("      optimizer lowering", "pass.lower_optimizer_nodes"),
+    ("      fuse Gemm updates", "pass.fuse_gemm_updates"),
+    ("      sort and prune", "pass.sort_and_prune"),
+    ("    initialization program", "session.initialization_program"),
+    ("  first train_step", "first_step"),
+    ("    fused-kernel choice (rewrite)", "session.kernel_choice"),
+    ("    onnxruntime session creation", "ort.InferenceSession"),
+    ("    the run itself (binding, kernel library registration)", "first_run"),
+    ("onnx shape inference, all calls", "onnx.infer_shapes"),
+    ("  calls", "onnx.infer_shapes.count"),
+]
+
+
+# ------------------------------------------------------------------ child
+def child(workdir: Path) -> None:
+    import functools
+    import time
+    from collections import defaultdict
+
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "ONNXTRAIN_THREADS"):
+        os.environ.setdefault(var, "2")
+    sys.path.insert(0, str(HERE))
+    import worker
+
+    worker.import_framework("onnxtrain")
+    import onnx
+    import onnxruntime
+
+    import onnxtrain.autodiff.engine
+    import onnxtrain.graph
+    import onnxtrain.kernels
+    import onnxtrain.model
+    import onnxtrain.passes
+    import onnxtrain.programs
+    import onnxtrain.session
+    from training_model import training_model
+    from workloads import WORKLOADS
+
+    acc: dict = defaultdict(float)
+    count: dict = defaultdict(int)
+
+    def timed(label, fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[label] += time.perf_counter() - t
+                count[label] += 1
+        return wrapper
+
+    def wrap(mod, name, label):
+        if hasattr(mod, name):
+            setattr(mod, name, timed(label, getattr(mod, name)))
+
+    S, P, PS = onnxtrain.session, onnxtrain.programs, onnxtrain.passes
+    import onnx.shape_inference as SI
+
+    wrap(SI, "infer_shapes", "onnx.infer_shapes")
+    for name, label in (("load", "session.load"), ("validate", "session.validate"),
+                        ("inference_program", "session.inference_program"),
+                        ("algorithm_programs", "session.algorithm_programs"),
+                        ("initialization_program", "session.initialization_program"),
+                        ("kernel_choice", "session.kernel_choice")):
+        wrap(S, name, label)
+    PS.FRONT = tuple(timed("pass." + f.__name__, f) for f in PS.FRONT)
+    PS.BACK = tuple(timed("pass." + f.__name__, f) for f in PS.BACK)
+    PS.PIPELINE = PS.FRONT + PS.BACK
+    init = onnxruntime.InferenceSession.__init__
+    onnxruntime.InferenceSession.__init__ = timed("ort.InferenceSession", init)
+
+    spec, params, batch = worker.load_workdir(workdir)
+    so = worker.onnxtrain_session_options()
+    t0 = time.perf_counter()
+    inference = onnx.load(str(workdir / "model.onnx"))
+    t1 = time.perf_counter()
+    model, how = training_model(inference, WORKLOADS[spec["key"]], use_builder=spec.get("builder", True))
+    t2 = time.perf_counter()
+    sess = onnxtrain.TrainingSession(model, session_options=so)
+    t3 = time.perf_counter()
+    loss = float(sess.train_step(dict(batch))["loss"])
+    t4 = time.perf_counter()
+    out = {k: v * 1e3 for k, v in acc.items()}
+    out.update({"how": how, "loss": loss, "onnx.load": (t1 - t0) * 1e3, "training_model()": (t2 - t1) * 1e3,
+                "TrainingSession()": (t3 - t2) * 1e3, "first_step": (t4 - t3) * 1e3,
+                "startup_ms": (t4 - t0) * 1e3,
+                "onnx.infer_shapes.count": float(count.get("onnx.infer_shapes", 0))})
+    out["first_run"] = out["first_step"] - out.get("session.kernel_choice", 0) - out.get("ort.InferenceSession", 0)
+    print(json.dumps(out))
+
+
+# ------------------------------------------------------------------ parent
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--workloads", default="W1,W2,W4")
+    ap.add_argument("--forms", default="builder,hand-built")
+    ap.add_argument("--modes", default="no-cache,cold,warm")
+    ap.add_argument("--baseline", help="folder holding an older onnxtrain package (mode 'before')")
+    ap.add_argument("--json")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        child(Path(args.child))
+        return 0
+    sys.path.insert(0, str(HERE))
+    import run
+
+    modes = ([ "before"] if args.baseline else []) + [m for m in args.modes.split(",") if m]
+    tmp = Path(tempfile.mkdtemp(prefix="onnxtrain-phases-"))
+    cache = tmp / "cache"
+    cache.mkdir()
+    from onnxtrain import kernels
+
+    lib = kernels.library()
+    if lib:
+        shutil.copy2(lib, cache / Path(lib).name)
+    results: dict = {}
+    try:
+        cases = []
+        for key in args.workloads.split(","):
+            for form in args.forms.split(","):
+                wd = run.prepare(key, tmp / form, form == "builder")
+                cases.append((f"{key} {form}", wd))
+        for r in range(args.runs + 1):  # round 0 fills the cache for "warm" and is not kept
+            for label, wd in cases:
+                for mode in modes:
+                    env = dict(os.environ, ONNXTRAIN_CACHE_DIR=str(cache),
+                               ONNXTRAIN_PROGRAM_CACHE="0" if mode in ("no-cache", "before") else "1")
+                    env["PYTHONPATH"] = os.pathsep.join(
+                        ([args.baseline] if mode == "before" else []) + [str(HERE)])
+                    if mode == "cold":
+                        shutil.rmtree(cache / "startup", ignore_errors=True)
+                    if mode == "warm" and r == 0:
+                        continue
+                    proc = subprocess.run([sys.executable, __file__, "--child", str(wd)], env=env,
+                                          capture_output=True, text=True)
+                    if proc.returncode:
+                        raise SystemExit(proc.stderr[-3000:])
+                    if r:
+                        results.setdefault(label, {}).setdefault(mode, []).append(
+                            json.loads(proc.stdout.strip().splitlines()[-1]))
+        header = "| phase (median ms) | " + " | ".join(f"{c} {m}" for c in results for m in modes) + " |"
+        print(header)
+        print("|---" * (1 + len(results) * len(modes)) + "|")
+        for name, key in PHASES:
+            cells = []
+            for c in results:
+                for m in modes:
+                    vals = [d.get(key, 0.0) for d in results[c][m]]
+                    cells.append(f"{statistics.median(vals):.1f}")
+            print(f"| {name} | " + " | ".join(cells) + " |")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"modes": modes, "runs": args.runs, "results": results}))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
