@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from time import perf_counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,7 +106,7 @@ class DataParallel:
     def agree(self, error: BaseException | None, rows: int, what: str) -> int:
         """Every rank's outcome of one phase of the step (``comm.agree``: if
         any rank failed, every rank raises); the global row count."""
-        return int(self._timed(lambda _: agree(self.comm, error, rows, what), None).sum())
+        return int(self._timed(agree, self.comm, error, rows, what).sum())
 
     # ----------------------------------------------------------------- reduce
     def reduce(self, buffers: GradientBuffers, rows: int, total_rows: int) -> None:
@@ -129,18 +130,11 @@ class DataParallel:
         for name in sorted(arrays):
             self.comm.broadcast(arrays[name], 0)
 
-    def allreduce_values(self, values: Sequence[float]) -> np.ndarray:
-        """The sum over ranks of a few float64 numbers (metrics; off the hot path)."""
-        buf = np.array(values, dtype=np.float64)
-        self.comm.allreduce_sum(buf)
-        return buf
-
-    def _timed(self, fn: Any, arg: Any) -> Any:
-        from time import perf_counter
-
+    def _timed(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, its time added to ``comm_seconds``."""
         t = perf_counter()
         try:
-            return fn(arg)
+            return fn(*args)
         finally:
             self.comm_seconds += perf_counter() - t
 

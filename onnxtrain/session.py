@@ -570,7 +570,7 @@ class TrainingSession:
                     wanted = {n: v for n, v in checked.items() if n in a.feeds or n in a.optional_feeds}
                     outputs.update(self._run_and_stage(
                         a, wanted, pending, fetch, "update_binding",
-                        extra_out={r.name: buffers.ortvalues[r.name] for r in split.reduced}))
+                        extra_out=buffers.ortvalues))  # every reduced value, by name
                 except BaseException as exc:  # KeyboardInterrupt too: the others must hear of it
                     error = exc
                 weight = rows + (local_rows if split.sums else 0)

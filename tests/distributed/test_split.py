@@ -506,6 +506,19 @@ def test_bad_feeds_on_every_rank_raise_each_ranks_own_error():
     assert_bitwise(state_of(ranks[1]), before)
 
 
+def failed_then_good_step(monkeypatch, ranks, local, step, fired, before, model):
+    """Run the failing ``step`` on both ranks: it fired once, on rank 1, and
+    each state is unchanged; then undo the injection, run a good step on both
+    and return a plain session of ``model`` to compare them with."""
+    run_ranks(2, step)
+    assert fired == [1]
+    for r in range(2):
+        assert_bitwise(state_of(ranks[r]), before[r], f"rank {r}: ")
+    monkeypatch.undo()
+    run_ranks(2, lambda r: ranks[r].train_step(local[r]))
+    return TrainingSession(model)
+
+
 def inject(monkeypatch, rank: int, label_end: str, exc: BaseException) -> list[int]:
     """Make Executor.run_bound raise ``exc`` once, in rank ``rank``'s thread,
     for the program whose label ends with ``label_end``; returns a list that
@@ -543,13 +556,7 @@ def test_interrupt_in_either_program_on_one_rank_commits_nothing(monkeypatch, ph
             assert info.value.ranks == [failing]
             assert f"rank {failing}" in str(info.value) and exc_type.__name__ in str(info.value)
 
-    run_ranks(2, step)
-    assert fired == [1]
-    for r in range(2):
-        assert_bitwise(state_of(ranks[r]), before[r], f"rank {r}: ")
-    monkeypatch.undo()
-    run_ranks(2, lambda r: ranks[r].train_step(local[r]))
-    one = TrainingSession(model)
+    one = failed_then_good_step(monkeypatch, ranks, local, step, fired, before, model)
     glob = {"X": np.concatenate([f["X"] for f in local]),
             "target": np.concatenate([f["target"] for f in local])}
     for _ in range(2):
@@ -574,13 +581,7 @@ def test_interrupt_in_the_last_algorithm_of_a_cycle_rolls_back_the_whole_cycle(m
         with pytest.raises(KeyboardInterrupt if r == 1 else DistributedStepError):
             ranks[r].train_step(local[r])
 
-    run_ranks(2, step)
-    assert fired == [1]
-    for r in range(2):
-        assert_bitwise(state_of(ranks[r]), before[r], f"rank {r}: ")
-    monkeypatch.undo()
-    run_ranks(2, lambda r: ranks[r].train_step(local[r]))
-    one = TrainingSession(model)
+    one = failed_then_good_step(monkeypatch, ranks, local, step, fired, before, model)
     for _ in range(2):
         one.train_step({"X": x, "target": labels})
     assert_rel_close(shared_state(ranks[0]), shared_state(one), 1e-9)
