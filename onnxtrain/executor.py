@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from . import cache
+from . import cache, mapped, tensors
 from .errors import ExecutionError, TrainingModelError
 
 
@@ -109,6 +110,39 @@ def _register_library(so: ort.SessionOptions, path: str) -> None:
             _registered[key] = so
 
 
+#: Weights and state of at least this many bytes make a session's model large
+#: (see ``Executor``): memory then matters more than allocation speed.
+LARGE_MODEL_BYTES = 2**28
+#: Shared (mapped) weights of at least this many bytes in one program turn
+#: onnxruntime's weight prepacking off (``Executor._share_mapped``).
+PREPACK_LIMIT = int(float(os.environ.get("ONNXTRAIN_PREPACK_LIMIT", 2**28)))
+#: id(SessionOptions) -> (the options, {name: OrtValue given as an initializer}).
+_shared_names: dict[int, tuple[ort.SessionOptions, dict[str, ort.OrtValue]]] = {}
+#: (path, offset, dtype, shape) -> the OrtValue over that mapped range, while in use.
+_shared_values: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_shared_lock = threading.Lock()
+
+
+def _shared_value(t: onnx.TensorProto) -> ort.OrtValue:
+    """One OrtValue per mapped range in the process (over ``mapped.array``)."""
+    arr = mapped.array(t)
+    key = (*mapped.source(t), arr.dtype.str, arr.shape)
+    with _shared_lock:
+        value = _shared_values.get(key)
+        if value is None:
+            value = ort.OrtValue.ortvalue_from_numpy(arr)  # keeps arr (the map) alive
+            _shared_values[key] = value
+    return value
+
+
+def _set_default(so: ort.SessionOptions, key: str, value: str) -> None:
+    """Set a config entry unless the options have one already."""
+    try:
+        so.get_session_config_entry(key)
+    except Exception:  # not set
+        so.add_session_config_entry(key, value)
+
+
 class Executor:
     """One compiled onnxruntime session of one program."""
 
@@ -119,7 +153,13 @@ class Executor:
         session_options: ort.SessionOptions | None = None,
         label: str = "program",
         custom_ops_library: str | None = None,
+        large: bool = False,
     ) -> None:
+        """``large``: the model's weights and state are large (``LARGE_MODEL_BYTES``
+        or more): with default options, onnxruntime's CPU arena and memory
+        patterns are off, so a step's temporaries (gradients the size of the
+        weights) are freed after each run instead of kept, and kept twice
+        (the first run's blocks, then the planned pattern's)."""
         self.label = label
         if model.ir_version > MAX_IR_VERSION:
             capped = onnx.ModelProto()
@@ -127,13 +167,22 @@ class Executor:
             capped.ir_version = MAX_IR_VERSION
             model = capped
         so = session_options or default_session_options()
-        data = model.SerializeToString()
+        if large and session_options is None:
+            so.enable_cpu_mem_arena = False
+            so.enable_mem_pattern = False
         providers = list(providers) if providers else ["CPUExecutionProvider"]
+        #: OrtValues over mapped weights, handed to onnxruntime without a copy (kept alive here).
+        self.shared: dict[str, ort.OrtValue] = {}
+        if tensors.has_mapped(model):
+            model = self._share_mapped(model, so, label, own=session_options is None)
+        data = model.SerializeToString()
         try:
             if custom_ops_library:
                 _register_library(so, custom_ops_library)
-            # onnxruntime's own optimized form of this model, where the cache has it
-            optimized = cache.ort_model(data, so, providers, custom_ops_library, label)
+            # onnxruntime's own optimized form of this model, where the cache has
+            # it (not for shared weights: their data is not in the model)
+            optimized = None if self.shared else cache.ort_model(data, so, providers,
+                                                                 custom_ops_library, label)
             self._sess = None
             if optimized is not None:
                 try:
@@ -148,6 +197,61 @@ class Executor:
         self.input_names = [i.name for i in self._sess.get_inputs()]
         self.output_names = [o.name for o in self._sess.get_outputs()]
         self._local = threading.local()
+
+    def _share_mapped(self, model: onnx.ModelProto, so: ort.SessionOptions, label: str,
+                      own: bool) -> onnx.ModelProto:
+        """Hand the model's mapped weights (``onnxtrain.mapped``) to onnxruntime
+        without copying them, and return the model to compile.
+
+        Each main-graph initializer that is mapped becomes a shared initializer
+        (``SessionOptions.add_initializer``) over the process-wide memory map
+        of its range, so every program of every session reads the same pages.
+        The placeholders keep pointing at the real file (relative to "/"),
+        so that onnxruntime's checks of external data pass and anything it
+        might read itself is the right data.  Prepacking, which would copy
+        each MatMul/Gemm weight into a packed buffer of the same size, is
+        turned off when the shared weights reach ``PREPACK_LIMIT`` bytes (see
+        docs/large-models.md for its cost), unless the session options say
+        otherwise."""
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
+        # A main-graph Constant of a mapped value (an initialization graph's
+        # starting weights) becomes an initializer, shared like the others.
+        constants = [n for n in out.graph.node if n.op_type == "Constant" and n.domain in ("", "ai.onnx")
+                     and len(n.attribute) == 1 and n.attribute[0].name == "value"
+                     and mapped.is_mapped(n.attribute[0].t)]
+        for n in constants:
+            t = out.graph.initializer.add()
+            t.CopyFrom(n.attribute[0].t)
+            t.name = n.output[0]
+            out.graph.node.remove(n)
+        # Options of our own serve this executor alone; the caller's may serve
+        # several programs, which must agree on what each name holds.
+        added = {} if own else _shared_names.setdefault(id(so), (so, {}))[1]
+        total = 0
+        for t in out.graph.initializer:
+            if not mapped.is_mapped(t):
+                continue
+            value = _shared_value(t)
+            known = added.get(t.name)
+            if known is None:
+                so.add_initializer(t.name, value)
+                added[t.name] = value
+            elif known is not value:
+                raise TrainingModelError(
+                    f"{label}: these session options already give onnxruntime another tensor "
+                    f"named {t.name!r} (from another model); pass fresh session options"
+                )
+            self.shared[t.name] = value
+            total += mapped.source(t)[2]
+        for t in tensors.all_tensors(out):
+            if mapped.is_mapped(t):
+                path, offset, length = mapped.source(t)
+                mapped.point(t, os.path.relpath(path, "/"), offset, length)
+        _set_default(so, "session.model_external_initializers_file_folder_path", "/")
+        if total >= PREPACK_LIMIT:
+            _set_default(so, "session.disable_prepacking", "1")
+        return out
 
     def run(
         self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str] | None = None

@@ -48,15 +48,19 @@ _LOOKALIKES = (
 def load(model: ModelLike) -> tuple[onnx.ModelProto, Path | None]:
     """Parse a model from a path, bytes or a ModelProto (never modified).
 
-    External data of every graph (main, training_info, subgraphs) is read here,
-    relative to the model's folder, and may not point outside it.  Every
+    External data of every graph (main, training_info, subgraphs) is resolved
+    here, relative to the model's folder, and may not point outside it: large
+    tensors stay in their files, memory-mapped when used (``onnxtrain.mapped``),
+    small ones are read in.  Every
     tensor's stored data must match its dims and type (checked before any
     value is materialized), so a hostile file gives a TrainingModelError,
     never a MemoryError or a crash."""
     if isinstance(model, onnx.ModelProto):
         base = None
         proto = model
-        if has_external(proto):
+        # Mapped placeholders (a model built from a loaded one) are fine:
+        # check_tensors checks their files are the ones validated at load.
+        if has_external(proto, mapped_ok=True):
             raise TrainingModelError(
                 "the ModelProto refers to external data; pass its path instead so "
                 "the data can be found"

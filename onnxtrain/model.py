@@ -31,6 +31,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from . import mapped
 from .combine import combined_graph, copy_graph, uses_preview_ops
 from .errors import TrainingModelError
 from .graph import PREVIEW_DOMAIN, infer_types, shape_of_type, subgraphs
@@ -104,7 +105,9 @@ class TrainingModel:
         """The initializer value of a state variable (a fresh array).
 
         ``readonly=True`` skips one copy of the tensor: the array may then be
-        read-only (for callers that copy it anyway, such as the state store)."""
+        read-only (for callers that copy it anyway, such as the state store).
+        A mapped tensor (``onnxtrain.mapped``) is read from its file into a
+        fresh array either way (see ``fresh_values``)."""
         var = self.state[name]
         graph = self._origin_graph(var.origin)
         if var.sparse:
@@ -113,9 +116,27 @@ class TrainingModel:
                     return _dense(st)
         for t in graph.initializer:
             if t.name == name:
+                if mapped.is_mapped(t):
+                    return mapped.read(t)
                 value = numpy_helper.to_array(t)
                 return value if readonly else value.copy()
         raise KeyError(name)
+
+    def tensor_bytes(self) -> int:
+        """Bytes of the initializers of every graph, mapped ones included."""
+        from .storage import tensor_bytes
+
+        return tensor_bytes(self.proto)
+
+    def fresh_values(self) -> set[str]:
+        """State variables whose ``initial_value`` is always a fresh array the
+        caller owns (those read from mapped external data)."""
+        out = set()
+        for name, var in self.state.items():
+            if not var.sparse:
+                out.update(t.name for t in self._origin_graph(var.origin).initializer
+                           if t.name == name and mapped.is_mapped(t))
+        return out
 
     def _origin_graph(self, origin: str) -> onnx.GraphProto:
         if origin == "graph":

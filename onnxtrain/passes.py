@@ -8,6 +8,7 @@ the *combination* M ⊕ A_i of the main graph and an algorithm (``combine``;
 
 1. ``state_to_inputs``        state initializers become graph inputs, fed from the state
 2. ``expand_gradient_nodes``  Gradient nodes become backward graphs (autodiff)
+   ``recompute_activations``  where the model asks: saved activations recomputed (recompute)
 3. ``lower_optimizer_nodes``  Adam / Momentum / Adagrad become standard ops (optim)
 4. ``fuse_gemm_updates``      scaled updates of Gemm products fold into the Gemm (fuse)
 5. ``sort_and_prune``         topological order, without nodes no output needs
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 import onnx
 from onnx import helper
 
-from . import cache, kernels
+from . import cache, kernels, recompute
 from .autodiff import expand_gradients, is_gradient
 from .errors import TrainingModelError
 from .executor import MAX_IR_VERSION
@@ -77,6 +78,8 @@ class Lowering:
     #: Every value a top-level Gradient node defined: output -> the x it differentiates
     #: by (filled by ``expand_gradient_nodes``; the data-parallel cut reduces them).
     gradients: dict[str, str] = field(default_factory=dict)
+    #: The y of every top-level Gradient node (filled by ``expand_gradient_nodes``).
+    differentiated: list[str] = field(default_factory=list)
     #: The model whose graph ``graph`` is, if any: ``to_model`` fills it in
     #: instead of copying the graph into a new one.
     model: onnx.ModelProto | None = field(default=None, repr=False)
@@ -180,8 +183,22 @@ def expand_gradient_nodes(low: Lowering) -> None:
                 for out, x in zip(node.output, xs):
                     if out:
                         low.gradients[out] = x.decode()
+                low.differentiated += [a.s.decode() for a in node.attribute if a.name == "y"]
         expand_gradients(low.graph, low.opset_imports, low.names, low.available,
                          low.tm.proto.functions)
+
+
+def recompute_activations(low: Lowering) -> None:
+    """Recompute saved activations in the backward pass, as the model's
+    metadata ``onnxtrain.recompute`` asks (``onnxtrain.recompute``)."""
+    if low.differentiated:
+        spec = recompute.spec_of(low.tm.proto)
+        if spec is not None:
+            g = low.graph
+            fixed = low.state_here | {t.name for t in g.initializer}
+            data = [i.name for i in g.input if i.name not in fixed]
+            recompute.apply(g, spec, low.differentiated, low.names, low.opset_imports, data,
+                            low.tm.proto.functions)
 
 
 def lower_optimizer_nodes(low: Lowering) -> None:
@@ -309,6 +326,7 @@ def prune_unused_initializers(low: Lowering) -> None:
 FRONT: tuple[Callable[[Lowering], None], ...] = (
     state_to_inputs,
     expand_gradient_nodes,
+    recompute_activations,
     lower_optimizer_nodes,
 )
 BACK: tuple[Callable[[Lowering], None], ...] = (
@@ -402,16 +420,17 @@ def drop_unused_initializers(graph: onnx.GraphProto) -> None:
         graph.initializer.extend(kept)
 
 
-def inference_export(model: onnx.ModelProto) -> onnx.ModelProto:
+def inference_export(model: onnx.ModelProto, deferred: dict | None = None) -> onnx.ModelProto:
     """The passes of an exported inference model (training_info already
     dropped, state written): LoRA adapters merged into their weights, unused
     initializers dropped, the preview import dropped when no op needs it, the
-    IR version capped."""
+    IR version capped.  ``deferred``: the table of deferred placeholders
+    (``onnxtrain.mapped``) the state was written as; merged weights join it."""
     from .build import lora  # the builder's LoRA format, imported on use
 
     if lora.info_of(model) is not None:
         # LoRA: the original graph with W + (alpha/r)·A·B in each target.
-        model = lora.merge(model)
+        model = lora.merge(model, deferred=deferred)
     drop_unused_initializers(model.graph)
     if not uses_preview_ops(model.graph):
         imports = [o for o in model.opset_import if o.domain != PREVIEW_DOMAIN]

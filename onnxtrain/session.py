@@ -26,9 +26,11 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from . import mapped
 from .errors import TrainingModelError
-from .executor import Executor, default_session_options, device_of
+from .executor import LARGE_MODEL_BYTES, Executor, default_session_options, device_of
 from .storage import write_model
+from .tensors import has_mapped
 from .metadata import model_metadata, read_position, write_position
 from .model import ModelLike, TrainingModel, load, validate
 from .passes import KernelChoice, check_fused_kernels, inference_export, kernel_choice
@@ -165,7 +167,10 @@ class TrainingSession:
         self._store = StateStore(
             {name: tm.initial_value(name, readonly=True) for name in tm.state},
             device_of(self._providers),
+            adopt=tm.fresh_values(),
         )
+        #: Large weights: onnxruntime frees step temporaries (``Executor``'s ``large``).
+        self._large = tm.tensor_bytes() >= LARGE_MODEL_BYTES
         self._input_names = set(self._inference.feeds) | set(self._inference.optional_feeds)
         for p in self._algorithms:
             self._input_names |= set(p.feeds) | set(p.optional_feeds)
@@ -374,14 +379,16 @@ class TrainingSession:
         if ex is None:
             model, library = self._program_model(program)
             try:
-                ex = Executor(model, self._providers, self._session_options, program.label, library)
+                ex = Executor(model, self._providers, self._session_options, program.label, library,
+                              large=self._large)
             except TrainingModelError as exc:
                 if library is None or self._fused_kernels:
                     raise
                 # The standard program always works where the fused one cannot load.
                 self.fused_kernels_note = f"onnxruntime did not load the fused kernels: {exc}"
                 self._executed[key] = KernelChoice(program.model)
-                ex = Executor(program.model, self._providers, self._session_options, program.label)
+                ex = Executor(program.model, self._providers, self._session_options, program.label,
+                              large=self._large)
             self._executors[key] = ex
         return ex
 
@@ -763,25 +770,31 @@ class TrainingSession:
         """The model with the current state written into its initializers.
 
         ``training=False``: a plain inference model (training_info dropped).
-        ``training=True``: the whole training model, a complete checkpoint."""
-        state = self._store.to_numpy()
+        ``training=True``: the whole training model, a complete checkpoint.
+        Weights the session maps from external data (``onnxtrain.mapped``)
+        stay references to their files; ``export`` writes a complete file."""
+        with self._store.snapshot() as snap:
+            state = {n: np.array(v.numpy(), copy=True) for n, v in snap.items()}
+        return self._snapshot(training, state, None)
+
+    def _snapshot(self, training: bool, state: Mapping[str, np.ndarray],
+                  deferred: dict[str, mapped.Deferred] | None) -> onnx.ModelProto:
+        """``to_model``'s result; with ``deferred``, state values and merged
+        weights are placeholders registered there (written by ``export``
+        straight from their buffers)."""
         src = self._model.proto
         out = onnx.ModelProto()
-        if training:
-            out.CopyFrom(src)
-        else:
-            keep = onnx.ModelProto()
-            keep.CopyFrom(src)
-            del keep.training_info[:]
-            out = keep
-        _write_state(out.graph, state)
+        out.CopyFrom(src)
+        if not training:
+            del out.training_info[:]
+        _write_state(out.graph, state, deferred)
         # The fit position: where training stands (none for an inference model).
         write_position(out, self.fit_position if training else None)
         if training:
             for ti in out.training_info:
-                _write_state(ti.algorithm, state)
+                _write_state(ti.algorithm, state, deferred)
         else:
-            out = inference_export(out)
+            out = inference_export(out, deferred)
         return out
 
     def export(
@@ -791,15 +804,35 @@ class TrainingSession:
 
         ``external_data``: None writes tensors to a data file beside the model
         when they exceed ``ONNXTRAIN_EXTERNAL_DATA_THRESHOLD`` (1.5 GiB by
-        default; protobuf cannot hold 2 GiB); True or False forces it."""
-        model = self.to_model(training=training)
-        return write_model(model, path, external_data=external_data)
+        default; protobuf cannot hold 2 GiB) or the session maps weights
+        from external data; True or False forces it.  Tensors are streamed: state from its buffers (pinned meanwhile, so a
+        step from another thread writes elsewhere), mapped weights file to
+        file, merged LoRA weights block by block."""
+        deferred: dict[str, mapped.Deferred] = {}
+        if external_data is None and has_mapped(self._model.proto):
+            external_data = True  # a model loaded with external data keeps it
+        with self._store.snapshot() as snap:
+            state = {n: v.numpy() for n, v in snap.items()}  # views of the pinned buffers
+            model = self._snapshot(training, state, deferred)
+            return write_model(model, path, external_data=external_data, deferred=deferred)
 
 
-def _write_state(graph: onnx.GraphProto, state: Mapping[str, np.ndarray]) -> None:
-    for i, t in enumerate(graph.initializer):
+def _write_state(graph: onnx.GraphProto, state: Mapping[str, np.ndarray],
+                 deferred: dict[str, mapped.Deferred] | None = None) -> None:
+    """Write state values into ``graph``'s initializers: copies, or with
+    ``deferred`` placeholders for the arrays themselves."""
+
+    def put(t: onnx.TensorProto, name: str) -> None:
+        if deferred is None:
+            t.CopyFrom(numpy_helper.from_array(state[name], name))
+        else:
+            t.Clear()
+            t.name = name
+            mapped.defer(t, f"state/{name}", mapped.of_array(np.asarray(state[name])), deferred)
+
+    for t in graph.initializer:
         if t.name in state:
-            graph.initializer[i].CopyFrom(numpy_helper.from_array(state[t.name], t.name))
+            put(t, t.name)
     sparse_state = [st for st in graph.sparse_initializer if st.values.name in state]
     if sparse_state:
         # Sparse state variables are written back dense: training fills them in.
@@ -807,7 +840,7 @@ def _write_state(graph: onnx.GraphProto, state: Mapping[str, np.ndarray]) -> Non
         del graph.sparse_initializer[:]
         graph.sparse_initializer.extend(kept)
         for st in sparse_state:
-            graph.initializer.append(numpy_helper.from_array(state[st.values.name], st.values.name))
+            put(graph.initializer.add(), st.values.name)
 
 
 def _check_finite(program: Program, targets: Mapping[str, Any], field: str) -> None:

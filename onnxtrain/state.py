@@ -20,14 +20,14 @@ Only this module touches the buffer maps.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .executor import contiguous, empty_like, new_buffer
+from .executor import contiguous, empty_like, new_buffer, wrap_buffer
 
 
 @dataclass
@@ -46,7 +46,10 @@ class StepPlan:
 class StateStore:
     """State variables in double-buffered OrtValues (see the module docstring)."""
 
-    def __init__(self, arrays: Mapping[str, np.ndarray], device: tuple[str, int] = ("cpu", 0)):
+    def __init__(self, arrays: Mapping[str, np.ndarray], device: tuple[str, int] = ("cpu", 0),
+                 adopt: Container[str] = ()):
+        """``adopt``: names whose arrays the store may keep as they are (the
+        caller hands them over: no copy on the CPU)."""
         self.device = device
         # Reentrant: a StateView collected (its pins released) while this
         # thread holds the mutex must not deadlock.
@@ -56,7 +59,10 @@ class StateStore:
         self._pins: dict[int, int] = {}
         self.version = 0
         for name, arr in arrays.items():
-            self._current[name] = new_buffer(contiguous(arr), device)
+            if name in adopt and device[0] == "cpu" and arr.flags.c_contiguous and arr.flags.writeable:
+                self._current[name] = wrap_buffer(arr)
+            else:
+                self._current[name] = new_buffer(contiguous(arr), device)
             self._spare[name] = None
 
     # ----------------------------------------------------------- access

@@ -40,14 +40,16 @@ import secrets
 import stat
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path, PureWindowsPath
 from typing import BinaryIO
 
+import numpy as np
 import onnx
 from google.protobuf.message import EncodeError
 from onnx import numpy_helper
 
+from . import mapped, tensors
 from .errors import TrainingModelError
 from .tensors import (
     all_tensors,
@@ -76,30 +78,41 @@ STALE_TEMP_SECONDS = 24 * 3600
 
 
 # ------------------------------------------------------------------ reading
-def load_external_data(model: onnx.ModelProto, base: Path) -> list[onnx.TensorProto]:
-    """Read external tensor data into the model (in place).
+def load_external_data(
+    model: onnx.ModelProto, base: Path, map_from: int | None = None
+) -> list[onnx.TensorProto]:
+    """Resolve the model's external tensor data (in place).
 
     Every location is checked before any byte is read: it must be relative,
     stay inside ``base`` once symlinks are resolved, name a regular file, and
     its [offset, offset + length) range must lie inside that file and hold
-    exactly the bytes the tensor's dims and type need.  The total must fit in
-    this machine's memory.  Then each tensor is read straight into the model
-    (one read per tensor).  Returns the tensors it filled (their data length
-    is checked already)."""
+    exactly the bytes the tensor's dims and type need.  Then tensors of at
+    least ``map_from`` bytes (default ``mapped.MAP_FROM``) of a type numpy
+    views natively stay in their file: their location becomes the file's
+    absolute path, trusted in this process (``onnxtrain.mapped``), and their
+    data is memory-mapped when used.  Smaller ones are read into the model
+    (one read per tensor; their total must fit in this machine's memory).
+    Returns the tensors it resolved (their data length is checked already)."""
     root = base.resolve()
+    floor = mapped.MAP_FROM if map_from is None else map_from
     plan: list[tuple[onnx.TensorProto, Path, int, int]] = []
     for where, t in labelled_tensors(model):
         if t.data_location != onnx.TensorProto.EXTERNAL:
             continue
         plan.append((t, *_external_range(t, where, root)))
-    total = sum(length for _, _, _, length in plan)
+    keep = [p for p in plan if p[3] >= max(floor, 1) and mapped.mappable(p[0].data_type)]
+    kept = {id(p[0]) for p in keep}
+    read = [p for p in plan if id(p[0]) not in kept]
+    total = sum(length for _, _, _, length in read)
     limit = memory_limit()
     if total > limit:
         raise TrainingModelError(
             f"the model's external data adds up to {total} bytes, more than this machine's "
             f"memory ({limit} bytes)"
         )
-    for t, target, offset, length in plan:
+    for t, target, offset, length in keep:
+        mapped.point(t, mapped.trust(target), offset, length)
+    for t, target, offset, length in read:
         with open(target, "rb") as f:
             f.seek(offset)
             data = f.read(length)
@@ -189,6 +202,7 @@ def write_model(
     external_data: bool | None = None,
     threshold: int | None = None,
     min_tensor_bytes: int = DEFAULT_MIN_EXTERNAL_BYTES,
+    deferred: Mapping[str, mapped.Deferred] | None = None,
 ) -> Path:
     """Serialize ``model`` to ``path`` atomically: temp file in the same folder, fsync, rename.
 
@@ -198,9 +212,14 @@ def write_model(
     file next to the model;
     ``False`` writes one self-contained file (which protobuf limits to 2 GiB);
     ``None`` (default) chooses external data when the model's tensor bytes
-    exceed ``threshold`` (default: ``external_data_threshold()``).
+    exceed ``threshold`` (default: ``external_data_threshold()``) or some of
+    its tensors are mapped from external data already.  Placeholders (``onnxtrain.mapped``) are streamed into the data file:
+    mapped tensors are copied file to file, ``deferred`` values (keyed by
+    their placeholder's location) chunk by chunk, so no tensor is copied into
+    a protobuf message; in a self-contained file they are written inline.
     ``model`` is not modified.  Returns the model's path."""
     target = Path(path)
+    deferred = deferred or {}
     # The path as given, not resolved: a symlink at ``path`` is replaced by the
     # new file (as ``mv`` would), and the temporary files live next to it.
     folder = Path(os.path.abspath(target)).parent
@@ -209,14 +228,18 @@ def write_model(
     remove_stale_temp_files(folder, name)
     if external_data is None:
         limit = external_data_threshold() if threshold is None else threshold
-        external_data = tensor_bytes(model) > limit
+        # Data that came from external data (mapped) stays external.
+        external_data = tensor_bytes(model, deferred) > limit or (
+            isinstance(model, onnx.ModelProto) and tensors.has_mapped(model))
     if not external_data:
+        if _has_placeholders(model):
+            model = _skeleton_model(model, _DataSink("", None, deferred))
         _atomic_write(folder, name, _serialize(model, ""))
         _remove_old_data_files(folder, name, keep=_locations(model))
         return target
 
     data_name = f"{name}.{secrets.token_hex(4)}.data"
-    sink = _DataSink(data_name, min_tensor_bytes)
+    sink = _DataSink(data_name, min_tensor_bytes, deferred)
     holder: list[onnx.ModelProto] = []
 
     def write_data(f: BinaryIO) -> None:
@@ -245,20 +268,31 @@ def write_model(
             _unlink(data_tmp)
         raise
     _fsync_dir(folder)
+    # The new files are onnxtrain's own: a later load may map them.
     _remove_old_data_files(folder, name, keep=_locations(skeleton))
     return target
 
 
-def tensor_bytes(model: onnx.ModelProto) -> int:
-    """Bytes of tensor data a model holds, from dims and types (nothing is copied)."""
+def tensor_bytes(model: onnx.ModelProto, deferred: Mapping[str, mapped.Deferred] | None = None) -> int:
+    """Bytes of tensor data a model holds, from dims and types (nothing is
+    copied), placeholders (``onnxtrain.mapped``) included."""
     total = 0
     for t in all_tensors(model):
         if t.data_location != onnx.TensorProto.EXTERNAL:
             total += stored_bytes(t) or 0
+        elif mapped.is_mapped(t):
+            total += mapped.source(t)[2]
+        elif deferred and (value := mapped.deferred_of(t, deferred)) is not None:
+            total += value.nbytes
     return total
 
 
-# ------------------------------------------------------------ atomic files
+def _has_placeholders(model: onnx.ModelProto) -> bool:
+    if not isinstance(model, onnx.ModelProto):
+        return False  # a stand-in with its own serialization
+    return any(mapped.is_mapped(t) or mapped.is_deferred(t) for t in all_tensors(model))
+
+
 def _serialize(model: onnx.ModelProto, how: str) -> bytes:
     try:
         return model.SerializeToString()
@@ -405,34 +439,121 @@ def _remove_old_data_files(folder: Path, name: str, keep: set[str]) -> None:
 
 # ----------------------------------------------------------- external data
 class _DataSink:
-    """Appends tensor bytes to the data file and says where they went."""
+    """Appends tensor bytes to the data file and says where they went.
 
-    def __init__(self, location: str, min_bytes: int) -> None:
+    With ``min_bytes=None`` nothing goes to a file: placeholders are written
+    inline (a self-contained model)."""
+
+    def __init__(self, location: str, min_bytes: int | None,
+                 deferred: Mapping[str, mapped.Deferred] | None = None) -> None:
         self.location = location
         self.min_bytes = min_bytes
+        self.deferred = dict(deferred or {})
         self.file: BinaryIO | None = None
         self.offset = 0
+        #: (path, offset, length) of a mapped range -> its offset in the data file.
+        self.copied: dict[tuple[str, int, int], int] = {}
+
+    def placeholder(self, t: onnx.TensorProto) -> bool:
+        return mapped.is_mapped(t) or mapped.is_deferred(t)
 
     def wants(self, t: onnx.TensorProto) -> bool:
-        if t.data_location == onnx.TensorProto.EXTERNAL:
+        """Whether ``t`` must be rewritten: a placeholder, or data large enough for the file."""
+        if self.placeholder(t):
+            return True
+        if t.data_location == onnx.TensorProto.EXTERNAL or self.min_bytes is None:
             return False  # already-external ones stay as they are
         size = stored_bytes(t)
         return size is not None and size >= max(self.min_bytes, 1)  # strings cannot be external
 
-    def write(self, t: onnx.TensorProto) -> tuple[int, int]:
-        if t.HasField("raw_data"):
-            data = t.raw_data  # one copy of this tensor, released below
-        else:
-            data = numpy_helper.from_array(numpy_helper.to_array(t)).raw_data
-        align = _PAGE if len(data) >= _PAGE_ALIGN_FROM else 64
+    def streams(self, t: onnx.TensorProto) -> bool:
+        """Whether a placeholder goes to the data file (else it is written inline)."""
+        return self.min_bytes is not None and self._length(t) >= max(self.min_bytes, 1)
+
+    def _length(self, t: onnx.TensorProto) -> int:
+        if mapped.is_mapped(t):
+            return mapped.source(t)[2]
+        return self._deferred(t).nbytes
+
+    def _deferred(self, t: onnx.TensorProto) -> mapped.Deferred:
+        value = mapped.deferred_of(t, self.deferred)
+        if value is None:
+            raise ValueError(f"tensor {t.name!r}: no value for deferred placeholder")
+        return value
+
+    def inline(self, t: onnx.TensorProto) -> bytes:
+        """A placeholder's bytes, for a tensor written inline."""
+        if mapped.is_mapped(t):
+            return np.ascontiguousarray(mapped.array(t)).tobytes()
+        return np.ascontiguousarray(self._deferred(t).value()).tobytes()
+
+    def _align(self, size: int) -> int:
+        align = _PAGE if size >= _PAGE_ALIGN_FROM else 64
         pad = -self.offset % align
         if pad:
             self.file.write(b"\0" * pad)
             self.offset += pad
-        start = self.offset
+        return self.offset
+
+    def write(self, t: onnx.TensorProto) -> tuple[int, int]:
+        if self.placeholder(t):
+            return self._stream(t)
+        if t.HasField("raw_data"):
+            data = t.raw_data  # one copy of this tensor, released below
+        else:
+            data = numpy_helper.from_array(numpy_helper.to_array(t)).raw_data
+        start = self._align(len(data))
         self.file.write(data)
         self.offset += len(data)
         return start, len(data)
+
+    def _stream(self, t: onnx.TensorProto) -> tuple[int, int]:
+        """A placeholder's bytes into the file without a protobuf copy: a
+        mapped range file to file (copy_file_range where the OS has it), a
+        deferred value chunk by chunk."""
+        length = self._length(t)
+        if mapped.is_mapped(t):
+            # A range written already (a weight and its starting value) is shared.
+            key = mapped.source(t)
+            if key in self.copied:
+                return self.copied[key], length
+            start = self.copied[key] = self._align(length)
+            _copy_range(key[0], key[1], length, self.file)
+        else:
+            start = self._align(length)
+            written = 0
+            for chunk in self._deferred(t).chunks():
+                self.file.write(chunk)
+                written += len(chunk)
+            if written != length:
+                raise ValueError(f"tensor {t.name!r}: its value gave {written} of {length} bytes")
+        self.offset += length
+        return start, length
+
+
+def _copy_range(path: str, offset: int, length: int, out: BinaryIO) -> None:
+    """Append ``length`` bytes of ``path`` from ``offset`` to the open file ``out``."""
+    out.flush()
+    fd = out.fileno()
+    with open(path, "rb", buffering=0) as src:
+        left, pos = length, offset
+        fast = hasattr(os, "copy_file_range")
+        while left:
+            n = 0
+            if fast:
+                try:
+                    n = os.copy_file_range(src.fileno(), fd, min(left, 2**30), pos)
+                except OSError:
+                    fast = False  # another file system, or an old kernel: copy through memory
+            if not fast:
+                src.seek(pos)
+                block = src.read(min(left, mapped.CHUNK_BYTES))
+                n = os.write(fd, block) if block else 0
+            if n <= 0:
+                raise TrainingModelError(f"external data {path!r} ended before its range did")
+            left -= n
+            pos += n
+    out.seek(0, os.SEEK_END)
 
 
 def _skeleton_model(model: onnx.ModelProto, sink: _DataSink) -> onnx.ModelProto:
@@ -508,6 +629,9 @@ def _put_tensor(t: onnx.TensorProto, dst: onnx.TensorProto, sink: _DataSink) -> 
         return
     copy_fields(t, dst, ("raw_data", "float_data", "int32_data", "string_data", "int64_data",
                           "double_data", "uint64_data", "external_data", "data_location"))
+    if sink.placeholder(t) and not sink.streams(t):
+        dst.raw_data = sink.inline(t)
+        return
     offset, length = sink.write(t)
     dst.data_location = onnx.TensorProto.EXTERNAL
     for key, value in (("location", sink.location), ("offset", offset), ("length", length)):

@@ -23,6 +23,7 @@ from google.protobuf.message import EncodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 from onnx import numpy_helper
 
+from . import mapped
 from .errors import TrainingModelError
 from .graph import subgraphs
 
@@ -99,9 +100,16 @@ def _node_attributes(label: str, g: onnx.GraphProto):
             yield f"{label}.node[{i}] ({n.name or n.op_type!r}).{a.name}", a
 
 
-def has_external(model: onnx.ModelProto) -> bool:
-    """Whether some tensor of the model keeps its data in an external file."""
-    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in all_tensors(model))
+def has_external(model: onnx.ModelProto, mapped_ok: bool = False) -> bool:
+    """Whether some tensor of the model keeps its data in an external file
+    (``mapped_ok``: other than the mapped placeholders of ``onnxtrain.mapped``)."""
+    return any(t.data_location == onnx.TensorProto.EXTERNAL
+               and not (mapped_ok and mapped.is_mapped(t)) for t in all_tensors(model))
+
+
+def has_mapped(model: onnx.ModelProto) -> bool:
+    """Whether some tensor of the model is a mapped placeholder."""
+    return any(mapped.is_mapped(t) for t in all_tensors(model))
 
 
 # ----------------------------------------------------------- protobuf fields
@@ -249,6 +257,17 @@ def check_tensor(t: onnx.TensorProto, where: str) -> None:
     if t.HasField("segment"):
         raise TrainingModelError(f"{where}: segmented tensors are not supported")
     if t.data_location == _T.EXTERNAL:
+        if mapped.is_mapped(t):
+            mapped.check_trusted(t, where)
+            length = mapped.source(t)[2]
+            if raw_bytes(data_type, element_count(t.dims)) != length:
+                raise TrainingModelError(
+                    f"{where}: external data holds {length} bytes, which dims {list(t.dims)} "
+                    f"of {data_type_name(data_type)} do not need"
+                )
+            if t.HasField("raw_data") or any(len(getattr(t, f)) for f in _TYPED_FIELDS):
+                raise TrainingModelError(f"{where}: holds data and refers to external data")
+            return
         raise TrainingModelError(f"{where}: external data was not loaded")
     numel = element_count(t.dims)
     type_name = data_type_name(data_type)

@@ -73,6 +73,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .. import mapped
 from ..emitter import FLOAT_TYPES
 from ..graph import DEFAULT_DOMAINS, opset_version
 from ..metadata import PREFIX, model_metadata, set_metadata
@@ -432,7 +433,7 @@ def _is_l1_norm_of(producer: dict, div: onnx.NodeProto) -> bool:
 def _is_one(graph: onnx.GraphProto, name: str) -> bool:
     for t in graph.initializer:
         if t.name == name:
-            return bool(np.all(numpy_helper.to_array(t) == 1))
+            return bool(np.all(mapped.to_array(t) == 1))
     return False
 
 

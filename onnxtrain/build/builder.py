@@ -34,8 +34,9 @@ same uniqueness rule), so they move on the k - 1 accumulation batches.
 Metadata (JSON values) tells the fit loop how to drive the model:
 ``onnxtrain.inputs``, ``onnxtrain.target``, ``onnxtrain.loss``,
 ``onnxtrain.prediction``, ``onnxtrain.task``, ``onnxtrain.cycle``,
-``onnxtrain.trainable``, ``onnxtrain.optimizer_state`` and, where
-BatchNormalization statistics are trained, ``onnxtrain.batchnorm_var``.
+``onnxtrain.trainable``, ``onnxtrain.optimizer_state``, where
+BatchNormalization statistics are trained, ``onnxtrain.batchnorm_var``
+and, with ``recompute=``, ``onnxtrain.recompute``.
 
 >>> import numpy as np
 >>> from onnx import TensorProto, helper, numpy_helper
@@ -63,6 +64,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .. import mapped
+from .. import recompute as _recompute
 from ..emitter import Emitter, np_dtype
 from ..graph import PREVIEW_DOMAIN, graph_names, infer_types, opset_version
 from ..metadata import replace_metadata
@@ -111,7 +114,7 @@ class StateSpec:
 
     def start_value(self) -> np.ndarray:
         if self.initial is not None:
-            return numpy_helper.to_array(self.initial)
+            return mapped.to_array(self.initial)
         return np.full(self.shape, self.fill, dtype=np_dtype(self.elem_type))
 
     def value_info(self, name: str) -> onnx.ValueInfoProto:
@@ -166,6 +169,8 @@ class Plan:
     #: (TrainingSession.learning_rate / clip_grad_norm set them between steps).
     lr_state: str = ""
     clip_state: str = ""
+    #: The activation recompute option (``onnxtrain.recompute``), None when off.
+    recompute: Any = None
 
     @property
     def final(self) -> int:
@@ -198,6 +203,7 @@ def training_model(
     train_mode: bool = True,
     batchnorm_var: str = "auto",
     lora: LoRA | None = None,
+    recompute: Any = None,
 ) -> onnx.ModelProto:
     """A standard ONNX training model that trains ``model`` (which is not modified).
 
@@ -227,6 +233,18 @@ def training_model(
     ``W.lora_B`` instead (see ``lora``); then only the adapters train by
     default and ``trainable=`` adds others (biases, norms, heads), and
     ``TrainingSession.export(path)`` writes the merged inference model.
+    ``recompute``: trade compute for activation memory by recomputing
+    forward values in the backward pass instead of keeping them (recorded
+    as ``onnxtrain.recompute``, applied by the session when it expands the
+    Gradient node; losses and updates are unchanged, see
+    ``onnxtrain.recompute``): None or False (off), "elementwise"
+    (recompute cheap ops, e.g. Gelu or LayerNormalization outputs, from
+    values the backward keeps anyway), "blocks" (checkpoints at the narrow
+    points of the forward pass, e.g. a transformer's residual stream, as
+    many as minimize the estimated peak; every segment but the last is
+    recomputed just before its backward: about one extra forward pass), an
+    int k (the same with at most k balanced segments) or a list of
+    main-graph value names (exactly those checkpoints).
 
     The default trainable set (``trainable=None``): every floating-point
     initializer is trained unless it is a **constant**: a 0-d scalar
@@ -247,7 +265,7 @@ def training_model(
     model; the main graph computes the same.
     """
     plan = _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad_norm,
-                 accumulate, train_mode, batchnorm_var, lora)
+                 accumulate, train_mode, batchnorm_var, lora, recompute)
     proto = plan.proto
     _add_main_state(plan)
     for index in range(plan.accumulate if plan.accumulate == 1 else 2):
@@ -261,8 +279,9 @@ def training_model(
 
 # ------------------------------------------------------------------ planning
 def _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad_norm,
-          accumulate, train_mode, batchnorm_var="auto", lora=None) -> Plan:
+          accumulate, train_mode, batchnorm_var="auto", lora=None, recompute=None) -> Plan:
     """Check every argument and decide the names and the state variables."""
+    recompute_spec = _recompute.normalize(recompute)
     proto = _adapt.adapt(_inference_copy(model))
     opset = _default_opset(proto)
     untie_shared_initializers(proto.graph)
@@ -286,6 +305,7 @@ def _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad
     dtypes, shapes = infer_types(main, proto.opset_import)
     taken = graph_names(main)
     prediction = _adapt.loss_output(proto, output, loss_obj)
+    _recompute.check_checkpoints(recompute_spec, main, prediction)
     pred_type = dtypes.get(prediction)
     _losses.check_prediction_type(pred_type, prediction)
     if pred_type is None:
@@ -306,7 +326,7 @@ def _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad
         clip_grad_norm=float(clip_grad_norm) if clip_grad_norm is not None else None,
         accumulate=accumulate, train_mode=bool(train_mode), params=params,
         taken=taken, names=NameGen(taken), batchnorm_var=bn_var,
-        declared=_declared_types(main), lora=lora_info,
+        declared=_declared_types(main), lora=lora_info, recompute=recompute_spec,
     )
     plan.loss_name = plan.fresh("loss")  # the same name in every algorithm graph
     _plan_state(plan)
@@ -703,6 +723,9 @@ def _set_metadata(plan: Plan) -> None:
             "local": [plan.accum[p] for p in plan.params],
             "reduce": {str(plan.final): list(plan.reduce_points)},
         }
+    if plan.recompute is not None:
+        # Activation recompute, applied when a session lowers the algorithms.
+        entries["recompute"] = plan.recompute
     if plan.running_stats:
         # How training-mode BatchNormalization updates running_var (only where it does).
         entries["batchnorm_var"] = plan.batchnorm_var

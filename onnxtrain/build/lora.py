@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +71,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .. import mapped
 from ..emitter import FLOAT_TYPES
 from ..graph import DEFAULT_DOMAINS, graph_names, identity_source, node_inputs
 from ..metadata import PREFIX, drop_metadata, set_metadata
@@ -399,27 +400,46 @@ def trainable_params(main: onnx.GraphProto, info: Mapping[str, Any], choice: Any
 
 
 # ------------------------------------------------------------------ merging
+def merged_blocks(w: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float,
+                  transposed: bool) -> Iterator[np.ndarray]:
+    """W + s·A·B (or W + s·(A·B)ᵀ for W stored [out, in]) in blocks of W's
+    rows, each summed in float64 and rounded once to W's dtype.  A block
+    holds about ``mapped.CHUNK_BYTES`` of float64, so merging a weight needs
+    no copy of it (W may be a memory map)."""
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    out_shape = (b64.shape[1], a64.shape[0]) if transposed else (a64.shape[0], b64.shape[1])
+    if w.ndim != 2 or a64.shape[1] != b64.shape[0] or tuple(w.shape) != out_shape:
+        raise ValueError(f"LoRA merge: adapter product {list(out_shape)} does not fit "
+                         f"weight {list(w.shape)}")
+    step = max(1, mapped.rows(tuple(w.shape), 8) // 16)  # about 4 MiB of float64: cache-sized
+    for start in range(0, w.shape[0], step):
+        stop = min(start + step, w.shape[0])
+        if transposed:  # rows of (A·B)ᵀ are columns of A·B
+            delta = float(scale) * (a64 @ b64[:, start:stop]).T
+        else:
+            delta = float(scale) * (a64[start:stop] @ b64)
+        yield (w[start:stop].astype(np.float64) + delta).astype(w.dtype)
+
+
 def merged_weight(w: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float,
                   transposed: bool) -> np.ndarray:
-    """W + s·A·B (or W + s·(A·B)ᵀ for W stored [out, in]), summed in float64
-    and rounded once to W's dtype."""
-    delta = float(scale) * (a.astype(np.float64) @ b.astype(np.float64))
-    if transposed:
-        delta = delta.T
-    if delta.shape != w.shape:
-        raise ValueError(f"LoRA merge: adapter product {list(delta.shape)} does not fit "
-                         f"weight {list(w.shape)}")
-    return (w.astype(np.float64) + delta).astype(w.dtype)
+    """The whole merged weight (``merged_blocks`` joined)."""
+    blocks = list(merged_blocks(w, a, b, scale, transposed))
+    return blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
 
 
-def merge(model: onnx.ModelProto, state: Mapping[str, np.ndarray] | None = None) -> onnx.ModelProto:
+def merge(model: onnx.ModelProto, state: Mapping[str, np.ndarray] | None = None,
+          deferred: dict[str, mapped.Deferred] | None = None) -> onnx.ModelProto:
     """The merged inference model of a LoRA-rewritten ``model`` (not modified).
 
     Removes every node and value ``apply`` inserted, gives the rewritten
     nodes their original outputs back, drops the adapter initializers and
     writes ``merged_weight`` into each target.  A and B are read from
-    ``state`` when given, else from the initializers.  training_info is
-    dropped; metadata ``onnxtrain.lora`` too (the result is a plain model)."""
+    ``state`` when given, else from the initializers.  With ``deferred`` (a
+    table of ``onnxtrain.mapped`` placeholders, which the initializers may
+    use), each merged weight becomes a deferred placeholder computed block by
+    block while the file is written.  training_info is dropped; metadata
+    ``onnxtrain.lora`` too (the result is a plain model)."""
     info = info_of(model)
     if info is None:
         raise ValueError(f"LoRA merge: the model has no {META_KEY} metadata")
@@ -434,15 +454,20 @@ def merge(model: onnx.ModelProto, state: Mapping[str, np.ndarray] | None = None)
             return np.asarray(state[name])
         if name not in inits:
             raise ValueError(f"LoRA merge: no value for {name!r}")
-        return numpy_helper.to_array(inits[name])
+        later = mapped.deferred_of(inits[name], deferred or {})
+        return later.value() if later is not None else mapped.to_array(inits[name])
 
     removed_nodes, removed_values, renamed, merged = set(), set(), {}, {}
     for e in info["targets"]:
         removed_nodes.update(e["nodes"])
         removed_values.update(e["values"])
         renamed.update(e["renamed"])
-        merged[e["weight"]] = merged_weight(array(e["weight"]), array(e["A"]), array(e["B"]),
-                                            e["scale"], e["transposed"])
+        args = (array(e["weight"]), array(e["A"]), array(e["B"]), e["scale"], e["transposed"])
+        if deferred is None:
+            merged[e["weight"]] = merged_weight(*args)
+        else:
+            merged[e["weight"]] = mapped.Deferred(
+                args[0].dtype, tuple(args[0].shape), lambda args=args: merged_blocks(*args))
         removed_values.update((e["A"], e["B"]))
     kept = [n for n in graph.node if n.name not in removed_nodes]
     for n in kept:
@@ -455,7 +480,9 @@ def merge(model: onnx.ModelProto, state: Mapping[str, np.ndarray] | None = None)
     for t in graph.initializer:
         if t.name in removed_values:
             continue
-        if t.name in merged:
+        if t.name in merged and deferred is not None:
+            mapped.defer(t, f"lora/{t.name}", merged[t.name], deferred)
+        elif t.name in merged:
             t = numpy_helper.from_array(merged[t.name], t.name)
         new_inits.append(t)
     del graph.initializer[:]
@@ -498,7 +525,7 @@ def save_adapters(source: Any, path: str | os.PathLike) -> Path:
         for key in ("A", "B"):
             name = e[key]
             arrays[name] = (np.asarray(state[name]) if state is not None and name in state
-                            else numpy_helper.to_array(inits[name]))
+                            else mapped.to_array(inits[name]))
         targets.append({k: e[k] for k in ("weight", "A", "B", "in", "out", "transposed", "scale")})
     desc = {k: info[k] for k in ("format", "rank", "alpha", "dropout", "seed")}
     desc["targets"] = targets
@@ -544,7 +571,7 @@ def apply_adapters(base_model: ModelLike, path: str | os.PathLike) -> onnx.Model
         if list(t.dims) != expected:
             raise ValueError(f"apply_adapters: {w!r} has shape {list(t.dims)}, the adapters "
                              f"were trained for {expected}")
-        value = merged_weight(numpy_helper.to_array(t), arrays[e["A"]], arrays[e["B"]],
+        value = merged_weight(mapped.to_array(t), arrays[e["A"]], arrays[e["B"]],
                               e["scale"], e["transposed"])
         t.CopyFrom(numpy_helper.from_array(value, w))
     return out
