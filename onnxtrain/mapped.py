@@ -184,9 +184,11 @@ class Deferred:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
     def chunks(self) -> Iterator[memoryview]:
-        """The value's bytes, in pieces of at most about ``CHUNK_BYTES``."""
+        """The value's bytes, in pieces of at most about ``CHUNK_BYTES``.
+        Computed blocks are produced by a helper thread while the caller
+        writes the previous ones (numpy and file writes release the GIL)."""
         value = self.produce()
-        blocks = [value] if isinstance(value, np.ndarray) else value
+        blocks = [value] if isinstance(value, np.ndarray) else _ahead(iter(value))
         for block in blocks:
             flat = np.ascontiguousarray(block).reshape(-1)
             step = max(1, CHUNK_BYTES // max(flat.itemsize, 1))
@@ -198,6 +200,48 @@ class Deferred:
         if isinstance(value, np.ndarray):
             return value.reshape(self.shape)
         return np.concatenate([np.asarray(b).reshape(-1) for b in value]).reshape(self.shape)
+
+
+def _ahead(blocks: Iterator[np.ndarray], depth: int = 2) -> Iterator[np.ndarray]:
+    """``blocks``, computed up to ``depth`` ahead in a helper thread (errors re-raised here)."""
+    import queue
+
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+    stop = threading.Event()
+
+    def put(item: object) -> bool:
+        """Queue ``item`` unless the consumer has stopped (then False)."""
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def work() -> None:
+        try:
+            for block in blocks:
+                if not put(block):
+                    return
+            put(done)
+        except BaseException as exc:  # handed to the consumer
+            put(exc)
+
+    thread = threading.Thread(target=work, name="onnxtrain-deferred", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
 
 
 def defer(t: onnx.TensorProto, key: str, value: Deferred, table: dict[str, Deferred]) -> None:
