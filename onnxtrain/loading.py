@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from .errors import TrainingModelError
-from .storage import load_external_data
+from .storage import load_external_data, spill
 from .tensors import check_tensors, has_external, is_repeated
 
 ModelLike = str | os.PathLike | bytes | onnx.ModelProto
@@ -51,7 +51,8 @@ def load(model: ModelLike) -> tuple[onnx.ModelProto, Path | None]:
     External data of every graph (main, training_info, subgraphs) is resolved
     here, relative to the model's folder, and may not point outside it: large
     tensors stay in their files, memory-mapped when used (``onnxtrain.mapped``),
-    small ones are read in.  Every
+    small ones are read in.  Inline tensors of a large model are moved out of
+    the protobuf the same way (``storage.spill``).  Every
     tensor's stored data must match its dims and type (checked before any
     value is materialized), so a hostile file gives a TrainingModelError,
     never a MemoryError or a crash."""
@@ -67,7 +68,7 @@ def load(model: ModelLike) -> tuple[onnx.ModelProto, Path | None]:
             )
         check_strings(proto)
         check_tensors(proto)
-        return proto, base
+        return spill(proto) or proto, base
     if isinstance(model, (bytes, bytearray, memoryview)):
         data = bytes(model)
         base = None
@@ -93,7 +94,7 @@ def load(model: ModelLike) -> tuple[onnx.ModelProto, Path | None]:
     else:
         filled = []
     check_tensors(proto, skip=filled)
-    return proto, base
+    return spill(proto) or proto, base
 
 
 def _read_model_file(path: Path) -> bytes:

@@ -29,8 +29,7 @@ from onnx import numpy_helper
 from . import mapped
 from .errors import TrainingModelError
 from .executor import LARGE_MODEL_BYTES, Executor, default_session_options, device_of
-from .storage import write_model
-from .tensors import has_mapped
+from .storage import came_external, write_model
 from .metadata import model_metadata, read_position, write_position
 from .model import ModelLike, TrainingModel, load, validate
 from .passes import KernelChoice, check_fused_kernels, inference_export, kernel_choice
@@ -809,7 +808,7 @@ class TrainingSession:
         step from another thread writes elsewhere), mapped weights file to
         file, merged LoRA weights block by block."""
         deferred: dict[str, mapped.Deferred] = {}
-        if external_data is None and has_mapped(self._model.proto):
+        if external_data is None and came_external(self._model.proto):
             external_data = True  # a model loaded with external data keeps it
         with self._store.snapshot() as snap:
             state = {n: v.numpy() for n, v in snap.items()}  # views of the pinned buffers

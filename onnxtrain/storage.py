@@ -34,11 +34,14 @@ removes the ones left for the same destination by dead processes.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
 import secrets
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path, PureWindowsPath
@@ -49,7 +52,7 @@ import onnx
 from google.protobuf.message import EncodeError
 from onnx import numpy_helper
 
-from . import mapped, tensors
+from . import mapped
 from .errors import TrainingModelError
 from .tensors import (
     all_tensors,
@@ -181,6 +184,69 @@ def _external_range(t: onnx.TensorProto, where: str, root: Path) -> tuple[Path, 
     return target, offset, length
 
 
+# ------------------------------------------------------------------ spilling
+#: Inline tensors (of at least ``mapped.MAP_FROM`` bytes each) adding up to this
+#: many bytes are moved out of the protobuf at load time (``spill``).
+SPILL_FROM = 2**28
+_spill_lock = threading.Lock()
+_spill_folder: list[Path] = []
+
+
+def _spill_dir() -> Path:
+    """This process's folder for spilled tensors: in /dev/shm (memory, no disk
+    I/O) where it exists, else the temporary folder; removed at exit."""
+    with _spill_lock:
+        if not _spill_folder:
+            base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+            folder = Path(tempfile.mkdtemp(prefix=f"onnxtrain-{os.getpid()}-", dir=base))
+            atexit.register(shutil.rmtree, folder, True)
+            _spill_folder.append(folder)
+        return _spill_folder[0]
+
+
+def spill(model: onnx.ModelProto, threshold: int | None = None) -> onnx.ModelProto | None:
+    """A copy of ``model`` whose large inline tensors live in a spill file and
+    are mapped like external data (``onnxtrain.mapped``), or None when they
+    add up to less than ``threshold`` (``SPILL_FROM``).
+
+    A model whose weights are inside its protobuf (most exporters' output
+    under 2 GiB) would otherwise be copied by onnxruntime once per program,
+    and prepacked once more; spilled, every program shares one copy.  The
+    file lives in this process's spill folder (memory-backed /dev/shm where
+    there is one) until the process exits.  ``model`` is not modified."""
+    limit = SPILL_FROM if threshold is None else threshold
+
+    def big(t: onnx.TensorProto) -> bool:
+        return (t.data_location != onnx.TensorProto.EXTERNAL and mapped.mappable(t.data_type)
+                and (stored_bytes(t) or 0) >= mapped.MAP_FROM)
+
+    if sum(stored_bytes(t) or 0 for t in all_tensors(model) if big(t)) < max(limit, 1):
+        return None
+    folder = _spill_dir()
+    name = f"spill-{secrets.token_hex(6)}.data"
+    sink = _DataSink(name, mapped.MAP_FROM, select=big)
+    try:
+        with open(folder / name, "wb") as f:
+            sink.file = f
+            skeleton = _skeleton_model(model, sink)
+    except OSError:
+        _unlink(folder / name)
+        return None  # no room: the model stays as it is
+    path = mapped.trust(folder / name)
+    for t in all_tensors(skeleton):
+        if t.data_location == onnx.TensorProto.EXTERNAL and mapped.source(t)[0] == name:
+            _, offset, length = mapped.source(t)
+            mapped.point(t, path, offset, length)
+    return skeleton
+
+
+def came_external(model: onnx.ModelProto) -> bool:
+    """Whether some tensor of ``model`` maps a model's external data (not a spill file)."""
+    spilled = str(_spill_folder[0]) + os.sep if _spill_folder else None
+    return any(mapped.is_mapped(t) and not (spilled and mapped.source(t)[0].startswith(spilled))
+               for t in all_tensors(model))
+
+
 # ------------------------------------------------------------------ writing
 def external_data_threshold() -> int:
     """The auto-mode threshold in bytes: ``$ONNXTRAIN_EXTERNAL_DATA_THRESHOLD`` or 1.5 GiB."""
@@ -230,7 +296,7 @@ def write_model(
         limit = external_data_threshold() if threshold is None else threshold
         # Data that came from external data (mapped) stays external.
         external_data = tensor_bytes(model, deferred) > limit or (
-            isinstance(model, onnx.ModelProto) and tensors.has_mapped(model))
+            isinstance(model, onnx.ModelProto) and came_external(model))
     if not external_data:
         if _has_placeholders(model):
             model = _skeleton_model(model, _DataSink("", None, deferred))
@@ -445,9 +511,11 @@ class _DataSink:
     inline (a self-contained model)."""
 
     def __init__(self, location: str, min_bytes: int | None,
-                 deferred: Mapping[str, mapped.Deferred] | None = None) -> None:
+                 deferred: Mapping[str, mapped.Deferred] | None = None,
+                 select: Callable[[onnx.TensorProto], bool] | None = None) -> None:
         self.location = location
         self.min_bytes = min_bytes
+        self.select = select
         self.deferred = dict(deferred or {})
         self.file: BinaryIO | None = None
         self.offset = 0
@@ -463,6 +531,8 @@ class _DataSink:
             return True
         if t.data_location == onnx.TensorProto.EXTERNAL or self.min_bytes is None:
             return False  # already-external ones stay as they are
+        if self.select is not None and not self.select(t):
+            return False
         size = stored_bytes(t)
         return size is not None and size >= max(self.min_bytes, 1)  # strings cannot be external
 

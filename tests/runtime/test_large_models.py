@@ -264,3 +264,33 @@ def test_over_two_gib_checkpoint_and_merged_export_load_back(tmp_path):
     got = ort.InferenceSession(str(tmp_path / "out" / "merged.onnx"), so,
                                providers=["CPUExecutionProvider"]).run(None, {"X": x})[0]
     np.testing.assert_allclose(got, y, rtol=1e-4, atol=1e-4)
+
+
+def test_large_inline_weights_are_spilled_and_shared(tmp_path, monkeypatch):
+    """A model whose weights are inside its protobuf: above ``SPILL_FROM`` they
+    move to one spill file, shared by every program; training is unchanged
+    and the export stays one self-contained file."""
+    from onnxtrain import storage
+
+    model = linear_model(512, 1024)
+    path = tmp_path / "inline.onnx"
+    onnx.save(model, str(path))
+    opts = dict(loss="mse", target="T", optimizer=build.AdamW(lr=1e-2), lora=build.LoRA(rank=4, alpha=8))
+    plain = TrainingSession(build.training_model(str(path), **opts))
+    monkeypatch.setattr(storage, "SPILL_FROM", 2**20)
+    spilled = TrainingSession(build.training_model(str(path), **opts))
+    w = next(t for t in spilled.model.graph.initializer if t.name == "W")
+    assert mapped.is_mapped(w) and not storage.came_external(spilled.model)
+    for step in range(3):
+        a, b = (s.train_step(batch(512, 1024, seed=step)) for s in (plain, spilled))
+        assert np.array_equal(a["loss"], b["loss"])
+    assert any(ex.shared for ex in spilled._executors.values())
+    out = spilled.export(tmp_path / "out" / "m.onnx")
+    assert os.listdir(out.parent) == ["m.onnx"]
+    x = batch(512, 1024)["X"]
+    got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"X": x})[0]
+    np.testing.assert_allclose(got, spilled.run({"X": x})["Y"], rtol=1e-5, atol=1e-5)
+    # A ModelProto passed in memory is spilled too, and left as it was.
+    before = model.SerializeToString()
+    TrainingSession(build.training_model(model, **opts))
+    assert model.SerializeToString() == before
