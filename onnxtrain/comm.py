@@ -94,6 +94,23 @@ class MPICommunicator(Communicator):
             node.Free()
 
 
+class SingleProcess(Communicator):
+    """A world of one: every collective is the identity (the memory-lean
+    mode's cut step runs through the data-parallel path with it)."""
+
+    def allreduce_sum(self, buf: np.ndarray) -> None:
+        pass
+
+    def broadcast(self, buf: np.ndarray, root: int = 0) -> None:
+        pass
+
+    def allgather(self, row: np.ndarray) -> np.ndarray:
+        return np.asarray(row, dtype=np.int64).reshape(1, -1)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
 def as_communicator(comm: Any) -> Communicator:
     """``comm`` as a Communicator (an mpi4py communicator is wrapped)."""
     return comm if isinstance(comm, Communicator) else MPICommunicator(comm)

@@ -154,12 +154,16 @@ class Executor:
         label: str = "program",
         custom_ops_library: str | None = None,
         large: bool = False,
+        fold_constants: bool = True,
     ) -> None:
         """``large``: the model's weights and state are large (``LARGE_MODEL_BYTES``
         or more): with default options, onnxruntime's CPU arena and memory
         patterns are off, so a step's temporaries (gradients the size of the
         weights) are freed after each run instead of kept, and kept twice
-        (the first run's blocks, then the planned pattern's)."""
+        (the first run's blocks, then the planned pattern's).
+        ``fold_constants=False``: onnxruntime's constant folding is off (an
+        initialization program's ConstantOfShape would otherwise become a
+        second, folded copy of each tensor it fills)."""
         self.label = label
         if model.ir_version > MAX_IR_VERSION:
             capped = onnx.ModelProto()
@@ -181,7 +185,8 @@ class Executor:
                 _register_library(so, custom_ops_library)
             # onnxruntime's own optimized form of this model, where the cache has
             # it (not for shared weights: their data is not in the model)
-            optimized = None if self.shared else cache.ort_model(data, so, providers,
+            disabled = None if fold_constants else ["ConstantFolding"]
+            optimized = None if self.shared or disabled else cache.ort_model(data, so, providers,
                                                                  custom_ops_library, label)
             self._sess = None
             if optimized is not None:
@@ -190,7 +195,8 @@ class Executor:
                 except Exception:  # not trusted: drop it and load the model itself
                     optimized[1]()
             if self._sess is None:
-                self._sess = ort.InferenceSession(data, sess_options=so, providers=providers)
+                self._sess = ort.InferenceSession(data, sess_options=so, providers=providers,
+                                                  disabled_optimizers=disabled)
         except Exception as exc:  # onnxruntime raises its own exception types
             raise TrainingModelError(f"{label}: onnxruntime cannot load it: {exc}") from exc
         self.device = device_of(self._sess.get_providers())

@@ -123,17 +123,22 @@ class TrainingModel:
         raise KeyError(name)
 
     def tensor_bytes(self) -> int:
-        """Bytes of the initializers of every graph, mapped ones included."""
+        """Bytes of the initializers of every graph, mapped ones included, and
+        of sparse state variables as the dense arrays the session holds."""
         from .storage import tensor_bytes
 
-        return tensor_bytes(self.proto)
+        sparse = sum(int(np.prod(v.shape, dtype=np.int64)) * v.dtype.itemsize
+                     for v in self.state.values() if v.sparse)
+        return tensor_bytes(self.proto) + sparse
 
     def fresh_values(self) -> set[str]:
         """State variables whose ``initial_value`` is always a fresh array the
-        caller owns (those read from mapped external data)."""
+        caller owns (those read from mapped external data, and sparse ones)."""
         out = set()
         for name, var in self.state.items():
-            if not var.sparse:
+            if var.sparse:
+                out.add(name)
+            else:
                 out.update(t.name for t in self._origin_graph(var.origin).initializer
                            if t.name == name and mapped.is_mapped(t))
         return out

@@ -18,7 +18,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from onnx import numpy_helper
 
 from . import mapped
 from .errors import TrainingModelError
+from .inplace import inplace_keys
 from .executor import LARGE_MODEL_BYTES, Executor, default_session_options, device_of
 from .storage import came_external, write_model
 from .metadata import model_metadata, read_position, write_position
@@ -42,7 +43,7 @@ from .programs import (
     initialization_program,
     loss_program,
 )
-from .comm import Communicator, as_communicator
+from .comm import Communicator, SingleProcess, as_communicator
 from .distributed import BUCKET_BYTES, DataParallel, rows_of, threads_per_rank
 from .state import StateStore
 
@@ -95,6 +96,7 @@ class TrainingSession:
         comm: Any = None,
         reduction: str = "weighted",
         bucket_bytes: int = BUCKET_BYTES,
+        memory: str = "safe",
     ) -> None:
         """``fused_kernels``: run each optimizer update (the builder's Adam/AdamW,
         the spec's Adam, Momentum and Adagrad) as one fused kernel
@@ -110,9 +112,26 @@ class TrainingSession:
         of the global batch: local gradients combined by ``reduction``
         (``"weighted"`` by each rank's rows, exact for mean-reduced losses;
         ``"mean"``; ``"sum"``) and summed in place in buckets of
-        ``bucket_bytes``.  See ``onnxtrain.distributed`` and docs/distributed.md."""
+        ``bucket_bytes``.  See ``onnxtrain.distributed`` and docs/distributed.md.
+
+        ``memory``: ``"safe"`` (default) double-buffers every state variable a
+        step writes, so a failed step changes nothing.  ``"lean"`` keeps one
+        buffer where it can (``onnxtrain.inplace``): each algorithm runs as
+        forward + backward (into gradient buffers), then the optimizer, which
+        writes the new values over the old ones.  A step that fails in the
+        forward or backward pass (bad feeds, an onnxruntime error there,
+        non-finite gradients with ``check_finite``) still changes nothing; a
+        failure inside the optimizer, after it has started writing, leaves the
+        update applied as far as it got, and the error says so.  Full
+        fine-tuning then needs about the memory PyTorch needs (weights,
+        gradients, optimizer state); see docs/large-models.md."""
+        if memory not in ("safe", "lean"):
+            raise ValueError(f"memory must be 'safe' or 'lean', got {memory!r}")
+        self._lean = memory == "lean"
         self._dp: DataParallel | None = None
         if comm is None:
+            if self._lean:  # the data-parallel cut, with a world of one
+                self._dp = DataParallel(SingleProcess(), "sum", bucket_bytes)
             self._setup(model, providers, session_options, fused_kernels, check_finite)
         else:
             self._dp = DataParallel(as_communicator(comm), reduction, bucket_bytes)
@@ -156,6 +175,8 @@ class TrainingSession:
         #: evaluate_batch's loss programs by (algorithm, loss, prediction).
         self._loss_programs: dict[tuple[int, str, str | None], Program] = {}
         self._executors: dict[int, Executor] = {}
+        #: memory="lean": the in-place variables of each update program, by id.
+        self._inplace: dict[int, set[str]] = {}
         self._executed: dict[int, KernelChoice] = {}
         self._plans: tuple[Program, tuple] | None = None
         check_fused_kernels(fused_kernels, device_of(self._providers)[0])
@@ -189,7 +210,9 @@ class TrainingSession:
     @property
     def comm(self) -> Communicator | None:
         """The communicator of a data-parallel session (``comm=``), else None."""
-        return self._dp.comm if self._dp is not None else None
+        if self._dp is None or isinstance(self._dp.comm, SingleProcess):
+            return None
+        return self._dp.comm
 
     @property
     def communication_seconds(self) -> float:
@@ -377,9 +400,11 @@ class TrainingSession:
         ex = self._executors.get(key)
         if ex is None:
             model, library = self._program_model(program)
+            # A large model's initialization folded would hold a copy of what it fills.
+            fold = not (self._large and any(program is p for p in self._initializations))
             try:
                 ex = Executor(model, self._providers, self._session_options, program.label, library,
-                              large=self._large)
+                              large=self._large, fold_constants=fold)
             except TrainingModelError as exc:
                 if library is None or self._fused_kernels:
                     raise
@@ -387,7 +412,7 @@ class TrainingSession:
                 self.fused_kernels_note = f"onnxruntime did not load the fused kernels: {exc}"
                 self._executed[key] = KernelChoice(program.model)
                 ex = Executor(program.model, self._providers, self._session_options, program.label,
-                              large=self._large)
+                              large=self._large, fold_constants=fold)
             self._executors[key] = ex
         return ex
 
@@ -403,6 +428,7 @@ class TrainingSession:
         field: str,
         extra_in: Mapping[str, Any] | None = None,
         extra_out: Mapping[str, Any] | None = None,
+        inplace: Container[str] = (),
     ) -> dict[str, np.ndarray]:
         """Run ``program`` writing its bound values into spare state buffers.
 
@@ -410,7 +436,8 @@ class TrainingSession:
         earlier programs of the same transaction wrote; it is extended with
         this program's.  Returns the unbound outputs (numpy) if ``fetch``.
         ``extra_in``/``extra_out``: more OrtValues to bind, by input and
-        output name (the reduced values of a data-parallel step)."""
+        output name (the reduced values of a data-parallel step).
+        ``inplace``: variables whose current buffer is written over (memory="lean")."""
         store = self._store
         state_in = store.current(program.state_inputs)
         if pending:
@@ -419,7 +446,7 @@ class TrainingSession:
                     state_in[n] = pending[n]
         if extra_in:
             state_in.update(extra_in)
-        targets = store.targets(program.target_keys)
+        targets = store.targets(program.target_keys, inplace)
         state_out = dict(zip(program.bound_values, targets))
         if extra_out:
             state_out.update(extra_out)
@@ -528,6 +555,18 @@ class TrainingSession:
         reduce = (info.get("reduce") or {}).get(str(index))
         return {"local": local, "reduce": list(reduce) if reduce else None}
 
+    def _inplace_keys(self, program: Program) -> set[str]:
+        """The variables ``program`` (an update program B) may write in place,
+        judged on the model onnxruntime actually runs (``onnxtrain.inplace``)."""
+        keys = self._inplace.get(id(program))
+        if keys is None:
+            self._executor(program)  # settles fused or standard kernels
+            choice = self._executed.get(id(program))
+            model = choice.model if choice is not None else program.model
+            keys = self._inplace[id(program)] = inplace_keys(
+                model.graph, list(zip(program.bound_keys, program.bound_values)))
+        return keys
+
     def _broadcast_state(self, names: Sequence[str]) -> None:
         """Rank 0's values of the state variables ``names`` to every rank."""
         dp = self._dp
@@ -582,12 +621,19 @@ class TrainingSession:
                 weight = rows + (local_rows if split.sums else 0)
                 total = dp.agree(error, weight, where)
                 dp.reduce(buffers, weight, total)
+                wrote = False  # whether state was written in place (memory="lean")
                 try:
                     if split.b is not None:
                         b = split.b
-                        outputs.update(self._run_and_stage(
-                            b, {}, pending, fetch, "update_binding",
-                            extra_in={n: buffers.ortvalues[n] for n in b.feeds}))
+                        inplace = self._inplace_keys(b) if self._lean else set()
+                        if inplace and self._check_finite:
+                            _check_finite_arrays(b.label, buffers.views, "gradients")
+                        with self._store.exclusive():
+                            wrote = bool(inplace)
+                            outputs.update(self._run_and_stage(
+                                b, {}, pending, fetch, "update_binding",
+                                extra_in={n: buffers.ortvalues[n] for n in b.feeds},
+                                inplace=inplace))
                     if split.bn:
                         targets = self._store.targets([k for k, _ in split.bn])
                         staged = {}
@@ -599,6 +645,11 @@ class TrainingSession:
                         pending.update(staged)
                 except BaseException as exc:
                     error = exc
+                    if wrote:  # nothing to roll back to: keep what the update wrote
+                        self._store.commit(pending)
+                        pending = {}
+                        exc.add_note(f"{where}: memory='lean': the optimizer had started writing "
+                                     "the new state in place; the state holds the update as far as it got")
                 dp.agree(error, 0, where)
                 if split.sums:
                     local_rows = 0
@@ -694,15 +745,30 @@ class TrainingSession:
         with self._lock:
             pending: dict[str, Any] = {}
             error: BaseException | None = None
+            wrote = False
             try:
                 for program in self._initializations:
                     if program is None or not program.bindings:
                         continue
-                    self._run_and_stage(program, {}, pending, False, "initialization_binding")
+                    # memory="lean": an initialization graph reads no state
+                    # (R6), so its values may go straight into the current buffers.
+                    inplace = set(program.bound_keys) if self._lean else set()
+                    with self._store.exclusive():
+                        wrote = wrote or bool(inplace)
+                        self._run_and_stage(program, {}, pending, False, "initialization_binding",
+                                            inplace=inplace)
             except BaseException as exc:
                 error = exc
+                if wrote:
+                    self._store.commit(pending)
+                    pending = {}
+                    exc.add_note("initialize(): memory='lean': some state was already reset in place")
             self._agree(error, "initialize()")
             self._store.commit(pending)
+            if self._large:  # rarely run again: let their weights' maps go
+                for program in self._initializations:
+                    if program is not None:
+                        self._executors.pop(id(program), None)
             self._local_rows = 0  # accumulated gradient sums start over
             if self._dp is not None:  # random initializations differ: rank 0's win
                 self._broadcast_state([k for k in self._model.state if k in pending])
@@ -840,6 +906,13 @@ def _write_state(graph: onnx.GraphProto, state: Mapping[str, np.ndarray],
         graph.sparse_initializer.extend(kept)
         for st in sparse_state:
             put(graph.initializer.add(), st.values.name)
+
+
+def _check_finite_arrays(label: str, arrays: Mapping[str, np.ndarray], what: str) -> None:
+    """Refuse non-finite ``what`` (numpy arrays) before they reach the state."""
+    bad = [k for k, a in arrays.items() if a.dtype.kind in "fc" and not np.isfinite(a).all()]
+    if bad:
+        raise FloatingPointError(f"{label}: non-finite {what} {bad}; nothing was committed")
 
 
 def _check_finite(program: Program, targets: Mapping[str, Any], field: str) -> None:

@@ -78,13 +78,19 @@ class StateStore:
         """The current buffers of ``names`` (for the single writer, under its lock)."""
         return {n: self._current[n] for n in names}
 
-    def targets(self, names: Sequence[str]) -> list[Any]:
-        """Spare buffers to write new values of ``names`` into (never a pinned one)."""
+    def targets(self, names: Sequence[str], inplace: Container[str] = ()) -> list[Any]:
+        """Spare buffers to write new values of ``names`` into (never a pinned one).
+
+        ``inplace``: names whose current buffer is the target (the caller
+        holds ``exclusive()`` while writing it), unless a reader pins it."""
         out = []
         with self._mutex:
             spares, pins = self._spare, self._pins
             fresh = None
             for n in names:
+                if n in inplace and not (pins and pins.get(id(self._current[n]))):
+                    out.append(self._current[n])
+                    continue
                 spare = spares[n]
                 if spare is None or (pins and pins.get(id(spare))):
                     spare = empty_like(self._current[n], self.device)
@@ -106,9 +112,18 @@ class StateStore:
         with self._mutex:
             current, spares = dict(self._current), dict(self._spare)
             for n, value in staged.items():
+                if value is current[n]:  # written in place: no second buffer kept
+                    spares[n] = None
+                    continue
                 spares[n] = current[n]
                 current[n] = value
             self._current, self._spare, self.version = current, spares, self.version + 1
+
+    @contextmanager
+    def exclusive(self):
+        """Hold off readers (``snapshot``) while current buffers are written in place."""
+        with self._mutex:
+            yield
 
     def replace(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Set values from numpy arrays (copied into new buffers), all at once."""

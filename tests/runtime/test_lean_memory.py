@@ -1,0 +1,197 @@
+"""TrainingSession(memory="lean"): one buffer per state variable where the
+update allows it (onnxtrain.inplace), the same results as the double-buffered
+step, and the documented failure semantics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain import TrainingSession, build
+from onnxtrain.inplace import inplace_keys
+
+
+def base_model(seed: int = 0) -> onnx.ModelProto:
+    rng = np.random.default_rng(seed)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["X", "W"], ["h"]), helper.make_node("Add", ["h", "b"], ["z"]),
+         helper.make_node("Tanh", ["z"], ["Y"])],
+        "g",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 16])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 8])],
+        [numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "W"),
+         numpy_helper.from_array(np.zeros(8, np.float32), "b")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def feeds(seed: int, n: int = 4) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(100 + seed)
+    return {"X": rng.standard_normal((n, 16)).astype(np.float32),
+            "T": rng.standard_normal((n, 8)).astype(np.float32)}
+
+
+OPTIMIZERS = {
+    "sgd": build.SGD(lr=0.1),
+    "momentum": build.SGD(lr=0.1, momentum=0.9, nesterov=True),
+    "adam": build.Adam(lr=1e-2),
+    "adamw": build.AdamW(lr=1e-2, weight_decay=0.1),
+    "adagrad": build.Adagrad(lr=0.1),
+}
+
+
+@pytest.mark.parametrize("fused", [None, False], ids=["fused", "standard"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("extra", [{}, {"clip_grad_norm": 0.5, "schedule": build.cosine(10)},
+                                   {"accumulate": 2}], ids=["plain", "clip+cosine", "accumulate"])
+def test_lean_equals_safe_bit_for_bit(name, fused, extra):
+    tm = build.training_model(base_model(), loss="mse", target="T", optimizer=OPTIMIZERS[name], **extra)
+    safe = TrainingSession(tm, fused_kernels=fused)
+    lean = TrainingSession(tm, fused_kernels=fused, memory="lean")
+    for s in (safe, lean):
+        s.initialize()
+    for step in range(6):
+        a, b = safe.train_step(feeds(step)), lean.train_step(feeds(step))
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    for k in safe.state:
+        assert np.array_equal(safe.state[k], lean.state[k]), k
+    # The weights really were updated in place: no second buffer is kept.
+    keys = lean._inplace_keys(lean._splits[-1].b)
+    assert {"W", "b"} <= keys
+    assert all(lean._store._spare[k] is None for k in keys)
+
+
+def test_in_place_keeps_the_buffer_and_honours_readers():
+    tm = build.training_model(base_model(), loss="mse", target="T", optimizer=build.AdamW(lr=1e-2))
+    sess = TrainingSession(tm, memory="lean")
+    sess.train_step(feeds(0))
+    buffer = sess._store.current(["W"])["W"]
+    sess.train_step(feeds(1))
+    assert sess._store.current(["W"])["W"] is buffer
+    # A reader holding the current buffers: the step writes elsewhere, the view stays.
+    with sess._store.snapshot() as snap:
+        before = np.array(snap["W"].numpy())
+        sess.train_step(feeds(2))
+        assert np.array_equal(snap["W"].numpy(), before)
+    assert not np.array_equal(sess.state["W"], before)
+
+
+def test_failures_before_the_update_change_nothing():
+    tm = build.training_model(base_model(), loss="mse", target="T", optimizer=build.Adam(lr=1e-2))
+    sess = TrainingSession(tm, memory="lean", check_finite=True)
+    sess.train_step(feeds(0))
+    before = {k: v.copy() for k, v in sess.state.items()}
+    bad = feeds(1)
+    bad["X"] = bad["X"][:, :5]  # wrong width: the forward pass fails
+    with pytest.raises(Exception):
+        sess.train_step(bad)
+    nan = feeds(1)
+    nan["T"][0, 0] = np.nan  # a NaN gradient: refused before the update writes
+    with pytest.raises(FloatingPointError, match="gradients"):
+        sess.train_step(nan)
+    for k, v in before.items():
+        assert np.array_equal(sess.state[k], v), k
+
+
+def test_a_failure_inside_the_update_says_the_state_holds_it():
+    """A finite gradient, a learning rate that overflows the weights: the
+    update has already written them, and the error says so."""
+    tm = build.training_model(base_model(), loss="mse", target="T", optimizer=build.SGD(lr=3e38))
+    sess = TrainingSession(tm, memory="lean", check_finite=True)
+    big = feeds(0)
+    big["T"] *= 1e3
+    with pytest.raises(FloatingPointError) as info:
+        sess.train_step(big)
+    assert any("memory='lean'" in note for note in getattr(info.value, "__notes__", []))
+    assert not np.isfinite(sess.state["W"]).all()
+    safe = TrainingSession(tm, check_finite=True)
+    with pytest.raises(FloatingPointError):
+        safe.train_step(big)
+    assert np.isfinite(safe.state["W"]).all()  # the default mode rolls back
+
+
+def test_bad_memory_value():
+    with pytest.raises(ValueError, match="memory"):
+        TrainingSession(build.training_model(base_model(), loss="mse", target="T"), memory="small")
+
+
+def test_inplace_analysis_refuses_late_readers():
+    """W is read by a node that does not lead to its update: no in-place write."""
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["g", "lr"], ["d"]), helper.make_node("Sub", ["W", "d"], ["W_new"]),
+         helper.make_node("ReduceSum", ["W"], ["norm"]),
+         helper.make_node("MatMul", ["W", "W"], ["V_new"])],
+        "b", [], [])
+    assert inplace_keys(graph, [("W", "W_new")]) == set()
+    ok = helper.make_graph(graph.node[:2], "b", [], [])
+    assert inplace_keys(ok, [("W", "W_new")]) == {"W"}
+    # A non-elementwise producer reading its own variable is refused.
+    assert inplace_keys(graph, [("W", "V_new")]) == set()
+
+
+LEAN = textwrap.dedent(
+    """
+    import json, os, sys
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxtrain import TrainingSession, build
+
+    def status(field):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+
+    rows, cols, memory = 4096, 8192, sys.argv[1]
+    w = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32) * 0.01
+    g = helper.make_graph([helper.make_node("MatMul", ["X", "W"], ["Y"])], "big",
+                          [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", rows])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", cols])],
+                          [numpy_helper.from_array(w, "W")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    del w
+    tm = build.training_model(m, loss="mse", target="T", optimizer=build.AdamW(lr=1e-3))
+    del m
+    sess = TrainingSession(tm, memory=memory)
+    del tm
+    sess.initialize()
+    x = np.ones((16, rows), np.float32)
+    t = np.ones((16, cols), np.float32)
+    sess.train_step({"X": x, "T": t})
+    base = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    for _ in range(2):
+        sess.train_step({"X": x, "T": t})
+    print(json.dumps({"rss": base, "peak": status("VmHWM")}))
+    """
+)
+
+
+def test_lean_adamw_steps_hold_weights_gradients_and_moments_only(tmp_path):
+    """Steady-state AdamW steps on a 128 MiB weight: lean holds W, m, v and the
+    gradient (4·S) and peaks near it; the default mode holds a second copy of
+    W, m and v."""
+    script = tmp_path / "lean.py"
+    script.write_text(LEAN)
+    size = 4096 * 8192 * 4
+    out = {}
+    for memory in ("lean", "safe"):
+        proc = subprocess.run([sys.executable, str(script), memory], capture_output=True, text=True,
+                              timeout=600, env=dict(os.environ, ONNXTRAIN_THREADS="2"))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out[memory] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["lean"]["peak"] < out["safe"]["peak"] - 2 * size, out
+    # W, m, v, the gradient buffer, small activations, the interpreter and onnxruntime.
+    assert out["lean"]["peak"] < 4.6 * size + 250e6, out
