@@ -155,6 +155,7 @@ class Executor:
         custom_ops_library: str | None = None,
         large: bool = False,
         fold_constants: bool = True,
+        mem_pattern: bool = True,
     ) -> None:
         """``large``: the model's weights and state are large (``LARGE_MODEL_BYTES``
         or more): with default options, onnxruntime's CPU arena and memory
@@ -163,7 +164,10 @@ class Executor:
         (the first run's blocks, then the planned pattern's).
         ``fold_constants=False``: onnxruntime's constant folding is off (an
         initialization program's ConstantOfShape would otherwise become a
-        second, folded copy of each tensor it fills)."""
+        second, folded copy of each tensor it fills).  ``mem_pattern=False``:
+        with default options, no memory pattern (planned from the first run
+        and kept besides the arena's blocks): the choice of a model built to
+        save activation memory (``recompute=``), measured in docs/large-models.md."""
         self.label = label
         if model.ir_version > MAX_IR_VERSION:
             capped = onnx.ModelProto()
@@ -173,6 +177,7 @@ class Executor:
         so = session_options or default_session_options()
         if large and session_options is None:
             so.enable_cpu_mem_arena = False
+        if (large or not mem_pattern) and session_options is None:
             so.enable_mem_pattern = False
         providers = list(providers) if providers else ["CPUExecutionProvider"]
         #: OrtValues over mapped weights, handed to onnxruntime without a copy (kept alive here).

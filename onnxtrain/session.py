@@ -191,6 +191,8 @@ class TrainingSession:
         )
         #: Large weights: onnxruntime frees step temporaries (``Executor``'s ``large``).
         self._large = tm.tensor_bytes() >= LARGE_MODEL_BYTES
+        #: Built with recompute= (saving activation memory): no onnxruntime memory pattern.
+        self._recompute = self._metadata.get("recompute") not in (None, False)
         self._input_names = set(self._inference.feeds) | set(self._inference.optional_feeds)
         for p in self._algorithms:
             self._input_names |= set(p.feeds) | set(p.optional_feeds)
@@ -404,7 +406,8 @@ class TrainingSession:
             fold = not (self._large and any(program is p for p in self._initializations))
             try:
                 ex = Executor(model, self._providers, self._session_options, program.label, library,
-                              large=self._large, fold_constants=fold)
+                              large=self._large, fold_constants=fold,
+                              mem_pattern=not self._recompute)
             except TrainingModelError as exc:
                 if library is None or self._fused_kernels:
                     raise
@@ -412,7 +415,8 @@ class TrainingSession:
                 self.fused_kernels_note = f"onnxruntime did not load the fused kernels: {exc}"
                 self._executed[key] = KernelChoice(program.model)
                 ex = Executor(program.model, self._providers, self._session_options, program.label,
-                              large=self._large, fold_constants=fold)
+                              large=self._large, fold_constants=fold,
+                              mem_pattern=not self._recompute)
             self._executors[key] = ex
         return ex
 

@@ -17,6 +17,11 @@ that implements TrainingInfoProto can train it.  Its parts:
   variable it owns (params to their values as Constants, optimizer state to
   its fill value, counters to 0): ``initialize()`` is a fresh start.
 
+Large zero-filled state (moments, momentum buffers, gradient sums: at least
+``SPARSE_ZERO_BYTES``) is an empty ``sparse_initializer`` of its graph, not
+dense zeros: a sparse tensor with no values is zero everywhere, so the model
+does not grow by the size of its optimizer state.
+
 ``accumulate = k`` gives two TrainingInfoProtos, driven by the cycle
 ``[0] * (k - 1) + [1]`` (metadata ``onnxtrain.cycle``):
 
@@ -56,6 +61,7 @@ and, with ``recompute=``, ``onnxtrain.recompute``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +97,13 @@ MIN_OPSET = 13
 
 INT64 = TensorProto.INT64
 F64 = TensorProto.DOUBLE
+#: Zero-filled state the builder creates (optimizer moments, momentum buffers,
+#: gradient sums) of at least this many bytes is stored as an empty sparse
+#: initializer (``SparseTensorProto`` with no values, ``dims`` the full shape):
+#: its value is zero all the same, the initialization graph resets it with
+#: ConstantOfShape, and the model does not carry its dense zeros.  Smaller
+#: tensors stay dense initializers.
+SPARSE_ZERO_BYTES = 64 * 1024
 
 
 # ------------------------------------------------------------------ state
@@ -119,6 +132,28 @@ class StateSpec:
 
     def value_info(self, name: str) -> onnx.ValueInfoProto:
         return helper.make_tensor_value_info(name, self.elem_type, list(self.shape))
+
+    def sparse_zero(self) -> bool:
+        """Whether the initializer is an empty sparse tensor (``SPARSE_ZERO_BYTES``):
+        new state (not a copy of a tensor) that starts at +0.0, not a scalar."""
+        if self.initial is not None or self.existing or not self.shape:
+            return False
+        if self.fill != 0 or math.copysign(1.0, self.fill) < 0:
+            return False  # a nonzero fill, or -0.0 (whose bits are not zeros)
+        nbytes = math.prod(self.shape) * np.dtype(np_dtype(self.elem_type)).itemsize
+        return nbytes >= SPARSE_ZERO_BYTES
+
+    def add_initializer(self, graph: onnx.GraphProto) -> None:
+        """Add the initializer of this state variable to ``graph``: dense, or
+        an empty sparse tensor for large zero-filled state (``sparse_zero``)."""
+        if not self.sparse_zero():
+            graph.initializer.append(numpy_helper.from_array(self.start_value(), self.name))
+            return
+        values = onnx.TensorProto(name=self.name, data_type=self.elem_type, dims=[0])
+        indices = onnx.TensorProto(data_type=INT64, dims=[0])
+        graph.sparse_initializer.append(
+            onnx.SparseTensorProto(values=values, indices=indices, dims=list(self.shape))
+        )
 
 
 @dataclass
@@ -419,7 +454,7 @@ def _add_main_state(plan: Plan) -> None:
     """New state variables that live in the main graph become its initializers."""
     for var in plan.state.values():
         if var.home == "main" and not var.existing:
-            plan.proto.graph.initializer.append(numpy_helper.from_array(var.start_value(), var.name))
+            var.add_initializer(plan.proto.graph)
 
 
 # ------------------------------------------------------------------ algorithm
@@ -477,15 +512,14 @@ class _Algorithm:
     def graph(self) -> onnx.GraphProto:
         plan = self.plan
         loss_vi = helper.make_tensor_value_info(plan.loss_name, self.loss_type, [])
-        inits = [
-            numpy_helper.from_array(var.start_value(), var.name)
-            for var in plan.state.values()
-            if var.home == self.index
-        ]
-        return helper.make_graph(
+        graph = helper.make_graph(
             self.e.nodes, f"training_info[{self.index}].algorithm", [plan.target],
-            [loss_vi] + self.outputs, inits, value_info=self.value_info,
+            [loss_vi] + self.outputs, [], value_info=self.value_info,
         )
+        for var in plan.state.values():
+            if var.home == self.index:
+                var.add_initializer(graph)
+        return graph
 
     # -- stages
     def forward(self) -> tuple[str, list[tuple[str, str]]]:

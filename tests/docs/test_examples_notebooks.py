@@ -29,10 +29,12 @@ EXPECTED = {
     "resume_checkpoint.py": ["identical to the uninterrupted run: True"],
     "distributed_digits.py": ["ranks: 2, global batch 64",
                               "matches one process with the global batch: True"],
+    "finetune_large_lora.py": ["loss dropped: True",
+                               "merged model in plain onnxruntime matches sess.run: True"],
 }
 #: Examples launched on 2 MPI ranks (mpiexec from the mpi extra, beside this Python).
 MPI_EXAMPLES = {"distributed_digits.py"}
-HELPERS = {"inference_models.py"}
+HELPERS = {"inference_models.py", "decoder_lm.py"}
 
 
 def test_every_example_is_covered():
