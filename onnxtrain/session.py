@@ -28,7 +28,7 @@ from onnx import numpy_helper
 
 from . import mapped
 from .errors import TrainingModelError
-from .inplace import inplace_keys
+from .inplace import inplace_keys, with_scratch_outputs
 from .executor import LARGE_MODEL_BYTES, Executor, default_session_options, device_of
 from .storage import came_external, write_model
 from .metadata import model_metadata, read_position, write_position
@@ -175,8 +175,10 @@ class TrainingSession:
         #: evaluate_batch's loss programs by (algorithm, loss, prediction).
         self._loss_programs: dict[tuple[int, str, str | None], Program] = {}
         self._executors: dict[int, Executor] = {}
-        #: memory="lean": the in-place variables of each update program, by id.
+        #: memory="lean": the in-place variables of each update program, by id,
+        #: and its temporaries written over gradient buffers ({value: input}).
         self._inplace: dict[int, set[str]] = {}
+        self._scratch: dict[int, dict[str, str]] = {}
         self._executed: dict[int, KernelChoice] = {}
         self._plans: tuple[Program, tuple] | None = None
         check_fused_kernels(fused_kernels, device_of(self._providers)[0])
@@ -392,10 +394,19 @@ class TrainingSession:
         choice = self._executed.get(id(program))
         if choice is None:
             choice = kernel_choice(program.model, self._fused_kernels, device_of(self._providers)[0])
-            self._executed[id(program)] = choice
+            choice = self._executed[id(program)] = self._lean_rewrite(program, choice)
         if choice.note:
             self.fused_kernels_note = choice.note
         return choice.model, choice.library
+
+    def _lean_rewrite(self, program: Program, choice: KernelChoice) -> KernelChoice:
+        """memory="lean": an update program's temporaries over its gradient
+        buffers (``inplace.with_scratch_outputs``); other programs as they are."""
+        if not self._lean or not any(program is s.b for s in self._splits):
+            return choice
+        model, scratch = with_scratch_outputs(choice.model, set(program.feeds))
+        self._scratch[id(program)] = scratch
+        return KernelChoice(model, choice.library, choice.note)
 
     def _executor(self, program: Program) -> Executor:
         key = id(program)
@@ -413,8 +424,8 @@ class TrainingSession:
                     raise
                 # The standard program always works where the fused one cannot load.
                 self.fused_kernels_note = f"onnxruntime did not load the fused kernels: {exc}"
-                self._executed[key] = KernelChoice(program.model)
-                ex = Executor(program.model, self._providers, self._session_options, program.label,
+                choice = self._executed[key] = self._lean_rewrite(program, KernelChoice(program.model))
+                ex = Executor(choice.model, self._providers, self._session_options, program.label,
                               large=self._large, fold_constants=fold,
                               mem_pattern=not self._recompute)
             self._executors[key] = ex
@@ -632,11 +643,13 @@ class TrainingSession:
                         inplace = self._inplace_keys(b) if self._lean else set()
                         if inplace and self._check_finite:
                             _check_finite_arrays(b.label, buffers.views, "gradients")
+                        scratch = self._scratch.get(id(b), {})
                         with self._store.exclusive():
                             wrote = bool(inplace)
                             outputs.update(self._run_and_stage(
                                 b, {}, pending, fetch, "update_binding",
                                 extra_in={n: buffers.ortvalues[n] for n in b.feeds},
+                                extra_out={v: buffers.ortvalues[n] for v, n in scratch.items()},
                                 inplace=inplace))
                     if split.bn:
                         targets = self._store.targets([k for k, _ in split.bn])
