@@ -40,8 +40,6 @@ from typing import Any
 
 import numpy as np
 
-from .storage import write_model
-from .metadata import write_position
 
 __all__ = [
     "HOOKS",
@@ -396,10 +394,14 @@ class History:
 
 # --------------------------------------------------------------- checkpoints
 def write_checkpoint(sess: Any, path: str | os.PathLike, epochs_done: int) -> Path:
-    """Export the training model with its fit position at ``epochs_done`` finished epochs."""
-    model = sess.to_model(training=True)
+    """Export the training model with its fit position at ``epochs_done`` finished
+    epochs (``export(training=True)``: streamed, external data as the model had it)."""
     position = dict(sess.fit_position or {})
     if position.get("epoch") != int(epochs_done):
         position = {"epoch": int(epochs_done)}
-    write_position(model, position)
-    return write_model(model, path)
+    saved = sess.fit_position
+    sess.fit_position = position
+    try:
+        return sess.export(path, training=True)
+    finally:
+        sess.fit_position = saved
