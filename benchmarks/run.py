@@ -19,8 +19,10 @@ training's.  Results are printed and, for full runs, written to
 ``docs/benchmarks.md``.
 
 The ONNX Runtime training peer lives in ``benchmarks/.venv-ort-training``,
-created by ``benchmarks/setup_ort_training.sh`` (run automatically if missing;
-``--no-setup`` skips it and the peer).
+created by ``benchmarks/setup_ort_training.sh``, and the onnx2torch peer (the
+inference model converted to PyTorch and trained there) in
+``benchmarks/.venv-onnx2torch``, from ``benchmarks/setup_onnx2torch.sh``; both
+are made automatically if missing (``--no-setup`` skips them and their peers).
 """
 
 from __future__ import annotations
@@ -48,7 +50,12 @@ from workloads import ALIASES, WORKLOADS  # noqa: E402
 
 ORT_VENV = HERE / ".venv-ort-training"
 ORT_PYTHON = ORT_VENV / "bin" / "python"
-FRAMEWORKS = ["onnxtrain", "torch", "torch-fused", "ort-training"]
+ONNX2TORCH_PYTHON = HERE / ".venv-onnx2torch" / "bin" / "python"
+#: Peers that train a converted model; their losses must match torch's to count.
+CONVERTERS = ("onnx2torch",)
+#: Relative difference of the first losses above which a converted model is not equal work.
+UNEQUAL_LOSSES = 1e-4
+FRAMEWORKS = ["onnxtrain", "torch", "torch-fused", "ort-training", "onnx2torch"]
 THREADS = 2
 CHECK_STEPS = 5
 #: "passive" (default): idle worker threads block (OMP_WAIT_POLICY=PASSIVE for torch,
@@ -80,6 +87,8 @@ def python_for(framework: str) -> str | None:
     """The interpreter that runs a framework's child (None: not available)."""
     if framework == "ort-training":
         return str(ORT_PYTHON) if ORT_PYTHON.exists() else None
+    if framework == "onnx2torch":  # benchmarks/setup_onnx2torch.sh makes it
+        return str(ONNX2TORCH_PYTHON) if ONNX2TORCH_PYTHON.exists() else None
     if framework in ("torch", "torch-fused"):
         if importlib.util.find_spec("torch") is not None:
             return sys.executable
@@ -214,6 +223,8 @@ class Result:
     maxrss_kb: int | None = None
     artifacts_ms: float = 0.0
     error: str | None = None
+    #: Why this run is not the same training as the others (then it is no peer).
+    unequal: str | None = None
 
     @property
     def ttfs_ms(self) -> float:
@@ -270,6 +281,12 @@ def bench_workload(key: str, workdir: Path, frameworks: list[str], steps: int, r
             except Exception as exc:
                 results[fw].error = results[fw].error or f"close: {exc}"
                 w.kill()
+    # A converted model that does not train like the original (onnx2torch where
+    # its conversion changes the model) is reported, but it is not a peer.
+    diffs = equal_work(results).get("max_rel_diff", {})
+    for fw in CONVERTERS:
+        if fw in results and diffs.get(fw, 0.0) > UNEQUAL_LOSSES:
+            results[fw].unequal = f"not the same training: first losses differ from torch's by {diffs[fw]:.1e}"
     return {"results": results, "loadavg": os.getloadavg()}
 
 
@@ -322,7 +339,7 @@ def main_table(all_results: dict, ceiling_gflops: float | None) -> list[str]:
         res: dict[str, Result] = wres["results"]
         w = WORKLOADS[key]
         ok = {fw: r for fw, r in res.items() if r.times_ms}
-        peers = {fw: r for fw, r in ok.items() if fw != "onnxtrain"}
+        peers = {fw: r for fw, r in ok.items() if fw != "onnxtrain" and not r.unequal}
         best_fw = min(peers, key=lambda fw: peers[fw].stats()["median"]) if peers else None
         best_peer = peers[best_fw].stats()["median"] if best_fw else None
         for fw, r in res.items():
@@ -341,6 +358,8 @@ def main_table(all_results: dict, ceiling_gflops: float | None) -> list[str]:
             if gflops < 0.01:
                 gf = f"{gflops:.4f}"
             name = f"**{fw}**" if fw == "onnxtrain" else fw
+            if r.unequal:
+                name = f"{fw} ({r.unequal}; no peer)"
             rows.append(f"| {key} | {name} | {fmt_ms(s['median'])} | {fmt_ms(s['p90'])} | {ratio} | "
                         f"{paired_txt} | {fmt_ms(r.ttfs_ms)} | {rss} | {gf} | {pct} |")
     return rows
@@ -491,7 +510,9 @@ def write_doc(path: Path, report: dict, command: str) -> None:
         "## Results",
         "",
         "Per training step (forward, loss, backward, optimizer update), after warm-up. "
-        "*× best peer*: median over the fastest of PyTorch / PyTorch fused / ORT training; "
+        "*× best peer*: median over the fastest of PyTorch / PyTorch fused / ORT training / "
+        "onnx2torch (the inference model converted by onnx2torch and trained in PyTorch, where the "
+        "converted model trains like the original: first losses within 1e-4 of PyTorch's); "
         "*paired*: the median over rounds of the same ratio taken within each round (the "
         "frameworks of a round run seconds apart, so load changes between rounds cancel). "
         "*first step*: construction from the inference ONNX model (or the torch module) plus the "
@@ -561,18 +582,23 @@ def write_doc(path: Path, report: dict, command: str) -> None:
 
 
 # ------------------------------------------------------------------ main
+def ensure_venv(python: Path, script: str, no_setup: bool) -> str | None:
+    """None if a peer's environment (``python``, made by ``script``) is usable, else why not."""
+    if python.exists():
+        return None
+    venv = python.parent.parent
+    if no_setup:
+        return f"{venv} missing (run benchmarks/{script})"
+    log(f"creating {venv} (benchmarks/{script}) ...")
+    proc = subprocess.run(["bash", str(HERE / script), sys.executable], capture_output=True, text=True)
+    if proc.returncode != 0 or not python.exists():
+        return f"{script} failed: {proc.stderr[-500:]}"
+    return None
+
+
 def ensure_ort_venv(no_setup: bool) -> str | None:
     """None if the ORT training environment is usable, else why not."""
-    if ORT_PYTHON.exists():
-        return None
-    if no_setup:
-        return f"{ORT_VENV} missing (run benchmarks/setup_ort_training.sh)"
-    log(f"creating {ORT_VENV} (benchmarks/setup_ort_training.sh) ...")
-    proc = subprocess.run(["bash", str(HERE / "setup_ort_training.sh"), sys.executable],
-                          capture_output=True, text=True)
-    if proc.returncode != 0 or not ORT_PYTHON.exists():
-        return f"setup_ort_training.sh failed: {proc.stderr[-500:]}"
-    return None
+    return ensure_venv(ORT_PYTHON, "setup_ort_training.sh", no_setup)
 
 
 def parse_workloads(text: str | None) -> list[str]:
@@ -625,6 +651,11 @@ def main(argv: list[str] | None = None) -> int:
         if why:
             notes.append(f"ort-training skipped: {why}")
             frameworks.remove("ort-training")
+    if "onnx2torch" in frameworks:
+        why = ensure_venv(ONNX2TORCH_PYTHON, "setup_onnx2torch.sh", args.no_setup)
+        if why:
+            notes.append(f"onnx2torch skipped: {why}")
+            frameworks.remove("onnx2torch")
     for fw in list(frameworks):
         if python_for(fw) is None:
             notes.append(f"{fw} skipped: no interpreter with it")

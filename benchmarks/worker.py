@@ -12,6 +12,7 @@ Trainers (``python worker.py train FRAMEWORK WORKDIR``):
     {"exit": true} -> {"maxrss_kb": ...}    the high-water mark of this process
 
 Frameworks: onnxtrain, torch (default optimizer), torch-fused (``fused=True``),
+onnx2torch (the inference model converted, trained in torch),
 ort-training (onnxruntime.training.api on artifacts from ``ort-artifacts``).
 
 Side tasks (one JSON line, then exit): ``ort-artifacts WORKDIR``,
@@ -146,14 +147,14 @@ class OnnxtrainTrainer:
 class TorchTrainer:
     """torch eager: zero_grad, forward, loss, backward, optimizer step."""
 
-    def __init__(self, workdir: Path, spec, params, batch, fused: bool) -> None:
+    def __init__(self, workdir: Path, spec, params, batch, fused: bool, module=None) -> None:
         import torch
 
         import torch_models
 
         torch.set_num_threads(THREADS)
         self.torch = torch
-        self.model = torch_models.build(spec["key"], params)
+        self.model = module if module is not None else torch_models.build(spec["key"], params)
         self.model.train()
         self.x = torch.from_numpy(batch["X"])
         self.y = torch.from_numpy(batch[spec["target"]])
@@ -213,6 +214,38 @@ class TorchTrainer:
 
     def step_loss(self) -> float:
         return float(self._forward_backward().item())
+
+
+class Onnx2TorchTrainer(TorchTrainer):
+    """The route users have besides onnxtrain: convert the workload's inference
+    model (``model.onnx``, the same weights) with onnx2torch, then train the
+    converted module in torch eager with the torch peer's loss and optimizer."""
+
+    def __init__(self, workdir: Path, spec, params, batch) -> None:
+        from importlib.metadata import version
+
+        import onnx
+        import torch
+        from onnx2torch import convert
+
+        model = onnx.load(str(workdir / "model.onnx"))
+        outputs = [o.name for o in model.graph.output]
+        index = outputs.index(spec["output"]) if spec.get("output") in outputs else 0
+        converted = convert(model)
+
+        class Picked(torch.nn.Module):
+            """The converted module's output the loss reads."""
+
+            def __init__(self, inner) -> None:
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, x):
+                out = self.inner(x)
+                return out[index] if isinstance(out, (tuple, list)) else out
+
+        super().__init__(workdir, spec, params, batch, fused=False, module=Picked(converted))
+        self.info = dict(self.info, framework="onnx2torch", onnx2torch=version("onnx2torch"))
 
 
 def ort_session_options(ort, profile_prefix: str | None = None):
@@ -281,6 +314,14 @@ def import_framework(framework: str) -> None:
         import torch.optim  # noqa: F401
     elif framework == "ort-training":
         import onnxruntime.training.api  # noqa: F401
+    elif framework == "onnx2torch":
+        import types
+
+        # torchvision's registry wheel is a CUDA build: its compiled operator
+        # registrations cannot load here, and onnx2torch needs only its Python parts.
+        sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("stub"))
+        import onnx2torch  # noqa: F401
+        import torch.optim  # noqa: F401
 
 
 def make_trainer(framework: str, workdir: Path, spec, params, batch):
@@ -292,6 +333,8 @@ def make_trainer(framework: str, workdir: Path, spec, params, batch):
         return TorchTrainer(workdir, spec, params, batch, fused=True)
     if framework == "ort-training":
         return OrtTrainingTrainer(workdir, spec, params, batch)
+    if framework == "onnx2torch":
+        return Onnx2TorchTrainer(workdir, spec, params, batch)
     raise SystemExit(f"unknown framework {framework!r}")
 
 
