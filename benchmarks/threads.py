@@ -1,0 +1,103 @@
+"""Thread sweep: onnxtrain's step time under each ONNXTRAIN_THREADS setting.
+
+Issue 16, item 6. Each (workload, setting) runs in a fresh process. The
+session is made with onnxtrain's own defaults (no session options passed), so
+the setting under test is exactly what a user gets:
+
+- ``ONNXTRAIN_THREADS=1``;
+- ``ONNXTRAIN_THREADS=<cores>``;
+- unset, which is onnxruntime's default (one thread per physical core).
+
+Settings are interleaved within each repeat, so machine load hits them alike.
+The table gives each process's median ms per step (``train_step(fetch=False)``
+after warm-up), for each repeat.
+
+    python benchmarks/threads.py                      # W1-W4, 3 repeats
+    python benchmarks/threads.py --workloads W2 --repeats 5 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def child(key: str, steps: int, warmup: int, use_builder: bool) -> dict:
+    """One process: build the workload's training model, time its steps."""
+    import numpy as np
+
+    import onnxtrain
+    from training_model import training_model
+    from workloads import WORKLOADS
+
+    w = WORKLOADS[key]
+    inference, _params, batch = w.build()
+    model, _how = training_model(inference, w, use_builder=use_builder)
+    sess = onnxtrain.TrainingSession(model)
+    feeds = dict(batch)
+    for _ in range(warmup):
+        sess.train_step(feeds, fetch=False)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        sess.train_step(feeds, fetch=False)
+        times.append(time.perf_counter() - t0)
+    return {"median_ms": float(np.median(times)) * 1e3}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default="W1,W2,W3,W4")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=0, help="timed steps (default: by workload)")
+    ap.add_argument("--hand-written", action="store_true", help="the spec-op training models")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        key, steps, warmup, builder = args.child
+        print(json.dumps(child(key, int(steps), int(warmup), builder == "1")))
+        return 0
+    cores = os.cpu_count() or 1
+    settings = ["1", str(cores), None] if cores > 1 else ["1", None]
+    keys = [k.strip().upper() for k in args.workloads.split(",") if k.strip()]
+    results: dict[str, dict[str, list[float]]] = {k: {str(s): [] for s in settings} for k in keys}
+    for _ in range(args.repeats):
+        for key in keys:
+            steps = args.steps or (20000 if key == "W3" else 200)
+            for s in settings:
+                env = dict(os.environ)
+                env.pop("ONNXTRAIN_THREADS", None)
+                if s is not None:
+                    env["ONNXTRAIN_THREADS"] = s
+                cmd = [sys.executable, __file__, "--child", key, str(steps), str(steps // 10 + 5),
+                       "0" if args.hand_written else "1"]
+                out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+                results[key][str(s)].append(json.loads(out.stdout.strip().splitlines()[-1])["median_ms"])
+    head = "| workload | " + " | ".join(
+        "unset (onnxruntime's default)" if s is None else f"`ONNXTRAIN_THREADS={s}`" for s in settings) + " |"
+    print(f"{cores} logical CPUs; load average {os.getloadavg()[0]:.2f}; median ms per step, one process each")
+    print(head)
+    print("|---" * (len(settings) + 1) + "|")
+    for key in keys:
+        cells = []
+        for s in settings:
+            vals = results[key][str(s)]
+            digits = 3 if max(vals) < 0.1 else 2
+            cells.append(", ".join(f"{v:.{digits}f}" for v in vals))
+        print(f"| {key} | " + " | ".join(cells) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cores": cores, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
