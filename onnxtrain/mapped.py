@@ -66,6 +66,42 @@ def trust(path: str | os.PathLike) -> str:
     return resolved
 
 
+#: Resolved data files that live sessions read from -> how many sessions.
+_held: dict[str, int] = {}
+
+
+def hold(model: onnx.ModelProto) -> Callable[[], None]:
+    """Record that a session reads the files ``model``'s mapped tensors point
+    at; returns the function that lets go of them (call it once)."""
+    from .tensors import all_tensors
+
+    paths = {source(t)[0] for t in all_tensors(model) if is_mapped(t)}
+    with _lock:
+        for p in paths:
+            _held[p] = _held.get(p, 0) + 1
+
+    def release() -> None:
+        with _lock:
+            for p in paths:
+                left = _held.get(p, 0) - 1
+                if left > 0:
+                    _held[p] = left
+                else:
+                    _held.pop(p, None)
+
+    return release
+
+
+def in_use(path: str | os.PathLike) -> bool:
+    """Whether a live session of this process reads data from ``path``."""
+    try:
+        resolved = str(Path(path).resolve())
+    except (OSError, RuntimeError):
+        return False
+    with _lock:
+        return resolved in _held
+
+
 def mappable(data_type: int) -> bool:
     """Element types numpy views natively (not bfloat16, float8 or 4-bit ones)."""
     try:

@@ -154,6 +154,8 @@ class TrainingSession:
         """Load and validate the model, build every program, seed the state."""
         proto, base = load(model)
         self._model: TrainingModel = validate(proto, base, tensors_checked=True)  # load() did
+        # The data files its weights are mapped from stay while it lives (storage).
+        weakref.finalize(self, mapped.hold(proto))
         self._providers = list(providers) if providers else None
         self._session_options = session_options
         self._lock = threading.RLock()

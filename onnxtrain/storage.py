@@ -490,7 +490,13 @@ def _locations(model: onnx.ModelProto) -> set[str]:
 
 
 def _remove_old_data_files(folder: Path, name: str, keep: set[str]) -> None:
-    """Data files of earlier writes to ``folder/name`` that the new model does not use."""
+    """Data files of earlier writes to ``folder/name`` that the new model does not use.
+
+    A file a live session of this process reads from (``mapped.hold``: a
+    session loaded from an earlier checkpoint at this path maps its weights
+    there) stays: removing it would break that session's next export and any
+    program it compiles later.  A later write, once no session holds it,
+    removes it."""
     pattern = re.compile(rf"^{re.escape(name)}\.[0-9a-f]{{8}}\.data$")
     try:
         entries = list(os.scandir(folder))
@@ -499,7 +505,7 @@ def _remove_old_data_files(folder: Path, name: str, keep: set[str]) -> None:
     for entry in entries:
         if entry.name not in keep and pattern.match(entry.name) and entry.is_file(
             follow_symlinks=False
-        ):
+        ) and not mapped.in_use(entry.path):
             _unlink(entry.path)
 
 

@@ -294,3 +294,26 @@ def test_large_inline_weights_are_spilled_and_shared(tmp_path, monkeypatch):
     before = model.SerializeToString()
     TrainingSession(build.training_model(model, **opts))
     assert model.SerializeToString() == before
+
+
+def test_exporting_over_the_checkpoint_a_session_maps(external, tmp_path):
+    """Resume from a checkpoint and write checkpoints to the same path: the data
+    file the session maps its frozen weights from is kept, the others go."""
+    path, _ = external
+    tm = build.training_model(str(path), loss="mse", target="T", optimizer=build.SGD(lr=0.1),
+                              lora=build.LoRA(rank=2))
+    first = TrainingSession(tm)
+    first.train_step(batch(512, 1024))
+    ckpt = first.export(tmp_path / "ckpt" / "train.onnx", training=True)
+    sess = TrainingSession(ckpt)
+    mapped_file = {n for n in os.listdir(ckpt.parent) if n.endswith(".data")}
+    for step in range(3):
+        sess.train_step(batch(512, 1024, seed=step))
+        sess.export(ckpt, training=True)
+    data = {n for n in os.listdir(ckpt.parent) if n.endswith(".data")}
+    assert mapped_file <= data and len(data) == 2, data
+    again = TrainingSession(ckpt)
+    for name in sess.state:
+        assert np.array_equal(again.state[name], sess.state[name]), name
+    x = batch(512, 1024)["X"]
+    np.testing.assert_array_equal(again.run({"X": x})["Y"], sess.run({"X": x})["Y"])
