@@ -218,3 +218,41 @@ def test_lean_steps_hold_weights_gradients_and_moments_only(tmp_path, name, copi
     assert out["lean"]["peak"] < out["safe"]["peak"] - (copies // 2) * size, out
     # weights, gradient, moments; small activations, the interpreter and onnxruntime.
     assert out["lean"]["peak"] < (copies + 0.6) * size + 250e6, out
+
+
+# ------------------------------------------------- every optimizer form, and ranks
+from test_split import (  # noqa: E402  (tests/distributed is on sys.path: conftest)
+    ONE_RANK_CASES, assert_bitwise, builder_model, cycle_of, global_batch, one_rank_data,
+    one_rank_params, run_ranks, sessions, shards,
+)
+
+
+@pytest.mark.parametrize("name, fused", one_rank_params())
+def test_lean_equals_safe_for_every_optimizer_form(name, fused):
+    """The data-parallel suite's cases (builder optimizers, the spec's Adam,
+    Momentum, Nesterov and Adagrad written by hand, two algorithms,
+    accumulation, float64): lean is the default mode, bit for bit."""
+    factory, dtype, target, _ = ONE_RANK_CASES[name]
+    model = factory()
+    cycle = cycle_of(model)
+    safe = TrainingSession(model, fused_kernels=fused)
+    lean = TrainingSession(model, fused_kernels=fused, memory="lean")
+    for step, f in enumerate(one_rank_data(name, dtype, target, 7)):
+        algorithm = cycle[step % len(cycle)]
+        assert_bitwise(lean.train_step(f, algorithm=algorithm), safe.train_step(f, algorithm=algorithm),
+                       f"step {step}: ")
+    assert_bitwise(dict(lean.state), dict(safe.state), "state: ")
+    assert lean.comm is None  # a world of one inside, no communicator outside
+
+
+def test_lean_on_two_ranks_equals_safe_on_two_ranks():
+    model = builder_model(np.float64, optimizer=build.Adam(lr=0.01), clip_grad_norm=0.1)
+    x, labels = global_batch(13)
+    local = shards(x, labels, [8, 5])
+    out = {}
+    for memory in ("safe", "lean"):
+        ranks = sessions(model, 2, memory=memory)
+        run_ranks(2, lambda r: [ranks[r].train_step(local[r]) for _ in range(4)])
+        out[memory] = [dict(s.state) for s in ranks]
+    for r in range(2):
+        assert_bitwise(out["lean"][r], out["safe"][r], f"rank {r}: ")
