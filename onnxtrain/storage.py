@@ -369,7 +369,18 @@ def _serialize(model: onnx.ModelProto, how: str) -> bytes:
         ) from exc
 
 
-def _atomic_write(folder: Path, name: str, data: bytes) -> None:
+def write_atomically(path: str | os.PathLike, content: bytes | Callable[[BinaryIO], object]) -> Path:
+    """Write a file the way ``write_model`` does (temporary file in the same
+    folder, fsync, rename): ``path`` holds the old file or the new one, never
+    a part.  ``content``: the bytes, or a function that writes them."""
+    target = Path(path)
+    folder = Path(os.path.abspath(target)).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    _atomic_write(folder, target.name, content)
+    return target
+
+
+def _atomic_write(folder: Path, name: str, data: bytes | Callable[[BinaryIO], object]) -> None:
     tmp = _write_temp(folder, name, data)
     try:
         os.replace(tmp, folder / name)

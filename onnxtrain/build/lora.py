@@ -529,10 +529,10 @@ def save_adapters(source: Any, path: str | os.PathLike) -> Path:
         targets.append({k: e[k] for k in ("weight", "A", "B", "in", "out", "transposed", "scale")})
     desc = {k: info[k] for k in ("format", "rank", "alpha", "dropout", "seed")}
     desc["targets"] = targets
-    path = Path(path)
-    with open(path, "wb") as f:  # np.savez on a path would append ".npz"
-        np.savez(f, **arrays, **{META_KEY: np.asarray(json.dumps(desc))})
-    return path
+    from ..storage import write_atomically
+
+    # Into an open file: np.savez on a path would append ".npz".
+    return write_atomically(path, lambda f: np.savez(f, **arrays, **{META_KEY: np.asarray(json.dumps(desc))}))
 
 
 def load_adapters(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -547,11 +547,17 @@ def load_adapters(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np
     return desc, arrays
 
 
-def apply_adapters(base_model: ModelLike, path: str | os.PathLike) -> onnx.ModelProto:
+def apply_adapters(base_model: ModelLike, path: str | os.PathLike,
+                   output: str | os.PathLike | None = None) -> onnx.ModelProto | Path:
     """The base inference model with the adapters of ``path`` merged into its
     weights (``merged_weight``): the same model ``TrainingSession.export``
     writes for the session the adapters came from.  Each target must be an
-    initializer of the base model with the recorded shape."""
+    initializer of the base model with the recorded shape.
+
+    ``output``: write the merged model there instead (atomically, streamed:
+    each merged weight is computed block by block while it is written, so a
+    base model with external data, mapped, is never copied into memory) and
+    return the path; a base model that came with external data keeps it."""
     desc, arrays = load_adapters(path)
     source, _ = load(base_model)
     out = onnx.ModelProto()
@@ -559,6 +565,7 @@ def apply_adapters(base_model: ModelLike, path: str | os.PathLike) -> onnx.Model
     if out.training_info:
         raise ValueError("apply_adapters: base_model must be an inference model (it has training_info)")
     inits = {t.name: i for i, t in enumerate(out.graph.initializer)}
+    deferred: dict[str, mapped.Deferred] = {}
     for e in desc["targets"]:
         w = e["weight"]
         if w not in inits:
@@ -571,7 +578,14 @@ def apply_adapters(base_model: ModelLike, path: str | os.PathLike) -> onnx.Model
         if list(t.dims) != expected:
             raise ValueError(f"apply_adapters: {w!r} has shape {list(t.dims)}, the adapters "
                              f"were trained for {expected}")
-        value = merged_weight(mapped.to_array(t), arrays[e["A"]], arrays[e["B"]],
-                              e["scale"], e["transposed"])
-        t.CopyFrom(numpy_helper.from_array(value, w))
-    return out
+        args = (mapped.to_array(t), arrays[e["A"]], arrays[e["B"]], e["scale"], e["transposed"])
+        if output is None:
+            t.CopyFrom(numpy_helper.from_array(merged_weight(*args), w))
+        else:
+            value = mapped.Deferred(args[0].dtype, tuple(args[0].shape), lambda args=args: merged_blocks(*args))
+            mapped.defer(t, f"lora/{w}", value, deferred)
+    if output is None:
+        return out
+    from ..storage import came_external, write_model
+
+    return write_model(out, output, deferred=deferred, external_data=True if came_external(source) else None)

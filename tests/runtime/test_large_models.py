@@ -317,3 +317,26 @@ def test_exporting_over_the_checkpoint_a_session_maps(external, tmp_path):
         assert np.array_equal(again.state[name], sess.state[name]), name
     x = batch(512, 1024)["X"]
     np.testing.assert_array_equal(again.run({"X": x})["Y"], sess.run({"X": x})["Y"])
+
+
+def test_adapters_applied_later_to_a_mapped_base_stream_to_a_file(external, tmp_path):
+    """save_adapters, then apply_adapters(base, adapters, output=...): the same
+    merged weights as the session's own export, written without a copy of W."""
+    from onnxtrain.build import lora
+
+    path, _ = external
+    sess = TrainingSession(build.training_model(str(path), loss="mse", target="T",
+                                                optimizer=build.AdamW(lr=1e-2), lora=build.LoRA(rank=4)))
+    for step in range(3):
+        sess.train_step(batch(512, 1024, seed=step))
+    adapters = lora.save_adapters(sess, tmp_path / "a.npz")
+    assert adapters.stat().st_size < 200_000 and not list(tmp_path.glob(".a.npz*"))
+    merged = lora.apply_adapters(str(path), adapters, output=tmp_path / "later" / "m.onnx")
+    exported = sess.export(tmp_path / "now" / "m.onnx")
+    assert any(n.endswith(".data") for n in os.listdir(merged.parent))  # external, like the base
+    w = [numpy_helper.to_array(next(t for t in onnx.load(str(p)).graph.initializer if t.name == "W"))
+         for p in (merged, exported)]
+    assert np.array_equal(w[0], w[1])
+    in_memory = lora.apply_adapters(str(path), adapters)
+    w_mem = mapped.to_array(next(t for t in in_memory.graph.initializer if t.name == "W"))
+    assert np.array_equal(w_mem, w[0])
