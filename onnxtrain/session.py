@@ -30,7 +30,7 @@ from . import mapped
 from .errors import TrainingModelError
 from .inplace import inplace_keys, with_scratch_outputs
 from .executor import LARGE_MODEL_BYTES, Executor, default_session_options, device_of
-from .storage import came_external, write_model
+from .storage import came_external, external_data_threshold, materialized, tensor_bytes, write_model
 from .metadata import model_metadata, read_position, write_position
 from .model import ModelLike, TrainingModel, load, validate
 from .passes import KernelChoice, check_fused_kernels, inference_export, kernel_choice
@@ -855,11 +855,18 @@ class TrainingSession:
 
         ``training=False``: a plain inference model (training_info dropped).
         ``training=True``: the whole training model, a complete checkpoint.
-        Weights the session maps from external data (``onnxtrain.mapped``)
-        stay references to their files; ``export`` writes a complete file."""
+        The result is self-contained, weights the session maps from external
+        data included, unless its tensors exceed the external-data threshold
+        (``ONNXTRAIN_EXTERNAL_DATA_THRESHOLD``, 1.5 GiB by default; protobuf
+        cannot hold 2 GiB): those then stay references to their files
+        (``onnxtrain.mapped``), which a ``TrainingSession`` of this process
+        accepts.  ``export`` writes any size to a file, streamed."""
         with self._store.snapshot() as snap:
             state = {n: np.array(v.numpy(), copy=True) for n, v in snap.items()}
-        return self._snapshot(training, state, None)
+        out = self._snapshot(training, state, None)
+        if tensor_bytes(out) <= external_data_threshold():
+            out = materialized(out)
+        return out
 
     def _snapshot(self, training: bool, state: Mapping[str, np.ndarray],
                   deferred: dict[str, mapped.Deferred] | None) -> onnx.ModelProto:

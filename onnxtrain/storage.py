@@ -240,6 +240,16 @@ def spill(model: onnx.ModelProto, threshold: int | None = None) -> onnx.ModelPro
     return skeleton
 
 
+def materialized(model: onnx.ModelProto, deferred: Mapping[str, mapped.Deferred] | None = None
+                 ) -> onnx.ModelProto:
+    """A copy of ``model`` with every placeholder (``onnxtrain.mapped``) holding
+    its data inline, or ``model`` itself when it has none: a self-contained
+    ModelProto, as any tool expects one."""
+    if not _has_placeholders(model):
+        return model
+    return _skeleton_model(model, _DataSink("", None, deferred))
+
+
 def came_external(model: onnx.ModelProto) -> bool:
     """Whether some tensor of ``model`` maps a model's external data (not a spill file)."""
     spilled = str(_spill_folder[0]) + os.sep if _spill_folder else None
@@ -298,8 +308,7 @@ def write_model(
         external_data = tensor_bytes(model, deferred) > limit or (
             isinstance(model, onnx.ModelProto) and came_external(model))
     if not external_data:
-        if _has_placeholders(model):
-            model = _skeleton_model(model, _DataSink("", None, deferred))
+        model = materialized(model, deferred)
         _atomic_write(folder, name, _serialize(model, ""))
         _remove_old_data_files(folder, name, keep=_locations(model))
         return target

@@ -340,3 +340,21 @@ def test_adapters_applied_later_to_a_mapped_base_stream_to_a_file(external, tmp_
     in_memory = lora.apply_adapters(str(path), adapters)
     w_mem = mapped.to_array(next(t for t in in_memory.graph.initializer if t.name == "W"))
     assert np.array_equal(w_mem, w[0])
+
+
+def test_to_model_is_self_contained_below_the_threshold(external, tmp_path, monkeypatch):
+    from onnxtrain.storage import THRESHOLD_ENV
+    from onnxtrain.tensors import has_external
+
+    path, model = external
+    sess = TrainingSession(build.training_model(str(path), loss="mse", target="T",
+                                                optimizer=build.SGD(lr=0.1), lora=build.LoRA(rank=2)))
+    out = sess.to_model()
+    assert not has_external(out)  # any tool can save or run it
+    onnx.save(out, str(tmp_path / "plain.onnx"))
+    w = numpy_helper.to_array(next(t for t in out.graph.initializer if t.name == "W"))
+    assert np.array_equal(w, numpy_helper.to_array(model.graph.initializer[0]))
+    monkeypatch.setenv(THRESHOLD_ENV, str(2**20))  # above it: references, still usable here
+    big = sess.to_model(training=True)
+    assert has_external(big) and np.array_equal(TrainingSession(big).state["W.lora_A"],
+                                                sess.state["W.lora_A"])
