@@ -255,10 +255,7 @@ class Executor:
                 )
             self.shared[t.name] = value
             total += mapped.source(t)[2]
-        for t in tensors.all_tensors(out):
-            if mapped.is_mapped(t):
-                path, offset, length = mapped.source(t)
-                mapped.point(t, os.path.relpath(path, "/"), offset, length)
+        mapped.rooted(out, copy=False)
         _set_default(so, "session.model_external_initializers_file_folder_path", "/")
         if total >= PREPACK_LIMIT:
             _set_default(so, "session.disable_prepacking", "1")

@@ -11,6 +11,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from . import cache
+from . import mapped
 from .errors import TrainingModelError
 
 PREVIEW_DOMAIN = "ai.onnx.preview.training"
@@ -483,7 +484,7 @@ def constant_values(graph: onnx.GraphProto, max_size: int = 1024) -> dict[str, n
         if node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS:
             for a in node.attribute:
                 if a.name == "value" and _numel(a.t.dims) <= max_size:
-                    out[node.output[0]] = numpy_helper.to_array(a.t)
+                    out[node.output[0]] = mapped.to_array(a.t)
                 elif a.name == "value_ints":
                     out[node.output[0]] = np.asarray(list(a.ints), dtype=np.int64)
                 elif a.name == "value_int":

@@ -179,6 +179,23 @@ def array(t: onnx.TensorProto) -> np.ndarray:
     return arr
 
 
+def rooted(model: onnx.ModelProto, copy: bool = True) -> onnx.ModelProto:
+    """``model`` (a copy unless ``copy=False``) with each mapped placeholder's
+    location relative to "/": what onnx's checker and onnxruntime accept
+    (they refuse absolute locations) while still naming the real file."""
+    from .tensors import all_tensors
+
+    out = model
+    if copy:
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
+    for t in all_tensors(out):
+        if is_mapped(t):
+            path, offset, length = source(t)
+            point(t, os.path.relpath(path, "/"), offset, length)
+    return out
+
+
 def read(t: onnx.TensorProto) -> np.ndarray:
     """A fresh, writable copy of a mapped tensor's data, read from its file
     (no mapping: the file's pages are not counted in this process's memory)."""

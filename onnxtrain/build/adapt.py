@@ -462,12 +462,32 @@ def _as_array(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
+def _checkable(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` for onnx's checker: mapped weights (``onnxtrain.mapped``, whose
+    absolute locations the checker refuses) become typed graph inputs, as
+    their data does not matter to the graph's validity."""
+    weights = [t for t in model.graph.initializer if mapped.is_mapped(t)]
+    if not weights:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    names = {t.name for t in weights}
+    kept = [t for t in out.graph.initializer if t.name not in names]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept)
+    declared = {i.name for i in out.graph.input}
+    for t in weights:
+        if t.name not in declared:
+            out.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return mapped.rooted(out, copy=False)
+
+
 def _check(original: onnx.ModelProto, adapted: onnx.ModelProto) -> None:
     """checker + strict shape inference + the same outputs as the original on a random input."""
     from ..executor import Executor
 
     try:
-        onnx.checker.check_model(adapted, full_check=True)
+        onnx.checker.check_model(_checkable(adapted), full_check=True)
     except Exception as exc:
         raise ValueError(f"the adapted model is not valid ONNX: {exc}") from exc
     feeds = _random_feeds(original)

@@ -70,11 +70,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .. import mapped
+from .. import mapped, storage
 from .. import recompute as _recompute
 from ..emitter import Emitter, np_dtype
 from ..graph import PREVIEW_DOMAIN, graph_names, infer_types, opset_version
 from ..metadata import replace_metadata
+from ..storage import tensor_bytes
 from ..model import ModelLike, load
 from ..names import NameGen
 from . import adapt as _adapt
@@ -242,6 +243,13 @@ def training_model(
 ) -> onnx.ModelProto:
     """A standard ONNX training model that trains ``model`` (which is not modified).
 
+    The result is self-contained when its tensors add up to less than 256 MiB
+    (``storage.SPILL_FROM``).  A larger model keeps its weights in the files
+    they were mapped from (``onnxtrain.mapped``: the source's external data,
+    or a spill file): pass it to ``TrainingSession`` or write it with
+    ``onnxtrain.storage.write_model``, which stream them; ``onnx.save`` would
+    write absolute paths other tools refuse.
+
     ``loss``: a name ("mse", "l1", "huber", "cross_entropy", "bce_with_logits",
     "nll"), a loss object, or ``fn(emit, prediction, target) -> loss name``.
     ``target``: name of the new target input.  ``output``: the main-graph
@@ -309,6 +317,11 @@ def training_model(
         _initialization(plan, index, ti)
     _set_imports(proto)
     _set_metadata(plan)
+    # A model under SPILL_FROM is returned self-contained, as any onnx tool
+    # expects; a larger one keeps its weights in their (mapped) files, which
+    # TrainingSession and storage.write_model read without a copy.
+    if tensor_bytes(proto) < storage.SPILL_FROM:
+        proto = storage.materialized(proto)
     return proto
 
 

@@ -46,8 +46,12 @@ def batch(rows: int, cols: int, n: int = 8, seed: int = 1):
 
 
 @pytest.fixture
-def external(tmp_path):
-    """A 2 MiB-weight model saved with external data, and the same model inline."""
+def external(tmp_path, monkeypatch):
+    """A 2 MiB-weight model saved with external data, and the same model inline;
+    the builder keeps models from 1 MiB on mapped (256 MiB by default)."""
+    from onnxtrain import storage
+
+    monkeypatch.setattr(storage, "SPILL_FROM", 2**20)
     model = linear_model(512, 1024)
     path = write_model(model, tmp_path / "src" / "model.onnx", external_data=True)
     return path, model
@@ -276,6 +280,7 @@ def test_large_inline_weights_are_spilled_and_shared(tmp_path, monkeypatch):
     path = tmp_path / "inline.onnx"
     onnx.save(model, str(path))
     opts = dict(loss="mse", target="T", optimizer=build.AdamW(lr=1e-2), lora=build.LoRA(rank=4, alpha=8))
+    monkeypatch.setattr(storage, "SPILL_FROM", 2**40)
     plain = TrainingSession(build.training_model(str(path), **opts))
     monkeypatch.setattr(storage, "SPILL_FROM", 2**20)
     spilled = TrainingSession(build.training_model(str(path), **opts))
@@ -343,12 +348,19 @@ def test_adapters_applied_later_to_a_mapped_base_stream_to_a_file(external, tmp_
 
 
 def test_to_model_is_self_contained_below_the_threshold(external, tmp_path, monkeypatch):
+    from onnxtrain import storage
     from onnxtrain.storage import THRESHOLD_ENV
     from onnxtrain.tensors import has_external
 
     path, model = external
-    sess = TrainingSession(build.training_model(str(path), loss="mse", target="T",
-                                                optimizer=build.SGD(lr=0.1), lora=build.LoRA(rank=2)))
+    tm = build.training_model(str(path), loss="mse", target="T", optimizer=build.SGD(lr=0.1),
+                              lora=build.LoRA(rank=2))
+    assert has_external(tm)  # mapped: the fixture lowered SPILL_FROM to 1 MiB
+    monkeypatch.setattr(storage, "SPILL_FROM", 2**40)  # under it the builder's output is plain
+    small = build.training_model(str(path), loss="mse", target="T", optimizer=build.SGD(lr=0.1))
+    assert not has_external(small)
+    onnx.checker.check_model(small)
+    sess = TrainingSession(tm)
     out = sess.to_model()
     assert not has_external(out)  # any tool can save or run it
     onnx.save(out, str(tmp_path / "plain.onnx"))
