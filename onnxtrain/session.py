@@ -646,7 +646,7 @@ class TrainingSession:
                         if inplace and self._check_finite:
                             _check_finite_arrays(b.label, buffers.views, "gradients")
                         scratch = self._scratch.get(id(b), {})
-                        with self._store.exclusive():
+                        with self._store.exclusive(bool(inplace)):
                             wrote = bool(inplace)
                             outputs.update(self._run_and_stage(
                                 b, {}, pending, fetch, "update_binding",
@@ -772,7 +772,7 @@ class TrainingSession:
                     # memory="lean": an initialization graph reads no state
                     # (R6), so its values may go straight into the current buffers.
                     inplace = set(program.bound_keys) if self._lean else set()
-                    with self._store.exclusive():
+                    with self._store.exclusive(bool(inplace)):
                         wrote = wrote or bool(inplace)
                         self._run_and_stage(program, {}, pending, False, "initialization_binding",
                                             inplace=inplace)

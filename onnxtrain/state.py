@@ -120,8 +120,12 @@ class StateStore:
             self._current, self._spare, self.version = current, spares, self.version + 1
 
     @contextmanager
-    def exclusive(self):
-        """Hold off readers (``snapshot``) while current buffers are written in place."""
+    def exclusive(self, active: bool = True):
+        """Hold off readers (``snapshot``) while current buffers are written in
+        place; ``active=False``: nothing is (readers go on)."""
+        if not active:
+            yield
+            return
         with self._mutex:
             yield
 
