@@ -39,6 +39,7 @@ from ..graph import (
 from ..names import NameGen
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .inline import function_body, inline, type_proto
+from .masks import fold_masks
 from .registry import REGISTRY, VJPContext
 
 
@@ -117,6 +118,8 @@ def expand_gradients(
             nodes = nodes[:idx] + result + nodes[idx + 1 :]
         nodes = toposort(nodes, available)
     _set_nodes(graph, nodes)
+    if fold_masks(nodes, graph, names):  # (edits nodes in place; they may need a new order)
+        _set_nodes(graph, toposort(nodes, available))
 
 
 def _copy(node: onnx.NodeProto) -> onnx.NodeProto:

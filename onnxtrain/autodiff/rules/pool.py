@@ -38,12 +38,22 @@ def max_pool_vjp(ctx, dy, *_):
     The classes are strided Slices (opset >= 10); at opset 9 a single class
     (disjoint windows) still scatters by Indices.  Otherwise (opsets 7-8, where
     MaxPool-7 has no Indices and no Scatter exists, and overlapping windows at
-    opset 9) the argmax is recomputed from x and y: see ``_max_pool_by_mask``."""
+    opset 9) the argmax is recomputed from x and y: see ``_max_pool_by_mask``.
+    Disjoint windows with static shapes place dy with MaxUnpool instead
+    (``_unpool_fits``)."""
     e = ctx.emit
     x = ctx.inputs[0]
     k = len(ctx.attr("kernel_shape"))
     if e.opset < 10 and (e.opset < 9 or len(_pool_classes(ctx, k)) > 1):
         return (_max_pool_by_mask(ctx, dy, k),)
+    if _unpool_fits(ctx, k):
+        # Disjoint windows: no index repeats, so placing dy is MaxUnpool, one
+        # pass over dx instead of zeros + a generic scatter-add (4-10x faster
+        # in onnxruntime).  Its kernel/stride attributes only bound the shape
+        # it infers, which output_shape overrides: 1s make that bound y's shape.
+        ones = [1] * k
+        idx = ctx.forward_output(1)
+        return (e.op("MaxUnpool", [dy, idx, e.Shape(x)], kernel_shape=ones, strides=ones),)
     if e.opset >= 16:
         idx = e.reshape(ctx.forward_output(1), [-1])
         upd = e.reshape(dy, [-1])
@@ -55,6 +65,25 @@ def max_pool_vjp(ctx, dy, *_):
         col = e.Reshape(flat, e.Gather(e.Shape(x), e.ints(perm), axis=0))
         return (e.Transpose(col, perm=perm),)
     return (e.Reshape(flat, e.Shape(x)),)
+
+
+_UNPOOL_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
+
+
+def _unpool_fits(ctx: VJPContext, k: int) -> bool:
+    """Whether MaxUnpool places MaxPool's gradient: windows that cannot overlap
+    ((kernel - 1) * dilation < stride on every axis), row-major Indices, and a
+    static y no larger than x on any spatial axis (MaxUnpool's shape bound).
+    float and float16 only: onnxruntime has no double MaxUnpool kernel."""
+    if ctx.dtype(ctx.inputs[0]) not in _UNPOOL_TYPES:
+        return False
+    if int(ctx.attr("storage_order", 0)) != 0 or len(_pool_classes(ctx, k)) != 1:
+        return False
+    xs, ys = ctx.shape(ctx.inputs[0]), ctx.shape(ctx.outputs[0])
+    if xs is None or ys is None or len(xs) != k + 2 or len(ys) != k + 2:
+        return False
+    spatial = list(zip(xs[2:], ys[2:]))
+    return all(isinstance(a, int) and isinstance(b, int) and b <= a for a, b in spatial)
 
 
 def _pool_classes(ctx: VJPContext, k: int) -> list[list[int]]:
