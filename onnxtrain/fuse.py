@@ -651,13 +651,22 @@ def fuse_spec_optimizers(
 
 def with_fused_kernels(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     """A copy of ``model`` with its optimizer updates fused, and how many
-    (0: ``model`` itself): the builder's Adam/AdamW updates
-    (``fuse_adam_updates``) and the lowered spec Adam, Momentum and Adagrad
-    (``fuse_spec_optimizers``)."""
+    rewrites (0: ``model`` itself): the builder's Adam/AdamW updates
+    (``fuse_adam_updates``), the lowered spec Adam, Momentum and Adagrad
+    (``fuse_spec_optimizers``), and two layer ops (``fuse_layers``: MaxPool
+    with Indices, Relu's gradient).  The layer rewrites are planned first,
+    while onnx can still infer every shape of the program."""
+    from . import fuse_layers as layers  # (it takes this module's KERNEL_DOMAIN)
+
     fused = onnx.ModelProto()
     fused.CopyFrom(model)
-    count = fuse_adam_updates(fused.graph, list(fused.opset_import))
-    count += fuse_spec_optimizers(fused.graph, list(fused.opset_import))
+    opsets = list(fused.opset_import)
+    pools = layers.max_pool_plan(fused.graph, opsets)
+    relus = layers.relu_grad_plan(fused.graph, opsets)
+    count = fuse_adam_updates(fused.graph, opsets)
+    count += fuse_spec_optimizers(fused.graph, opsets)
+    count += layers.fuse_max_pools(fused.graph, pools, KERNEL_DOMAIN)
+    count += layers.fuse_relu_grads(fused.graph, relus, KERNEL_DOMAIN)
     if not count:
         return model, 0
     fused.opset_import.append(helper.make_opsetid(KERNEL_DOMAIN, 1))

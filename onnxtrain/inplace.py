@@ -35,6 +35,7 @@ from collections.abc import Container, Sequence
 import onnx
 
 from .fuse import KERNEL_DOMAIN
+from .fuse_layers import POOL_KERNEL
 from .graph import infer_types, node_inputs
 
 #: Standard ops that compute output element i from input element i alone
@@ -123,6 +124,12 @@ def with_scratch_outputs(model: onnx.ModelProto, owned: Container[str]
     return out_model, chosen
 
 
+def _fused_update(node: onnx.NodeProto) -> bool:
+    """A kernel of the library that is elementwise over each tensor it writes
+    (all but the MaxPool)."""
+    return node.domain == KERNEL_DOMAIN and node.op_type != POOL_KERNEL
+
+
 def inplace_keys(graph: onnx.GraphProto, bindings: Sequence[tuple[str, str]]) -> set[str]:
     """The keys of ``bindings`` ((state variable, value) pairs of the program
     whose graph is ``graph``) whose new value may be written over the old one."""
@@ -138,7 +145,7 @@ def inplace_keys(graph: onnx.GraphProto, bindings: Sequence[tuple[str, str]]) ->
             continue
         if not order.read_before(key, index):
             continue
-        if key in node.input and not (node.domain == KERNEL_DOMAIN or _elementwise(node)):
+        if key in node.input and not (_fused_update(node) or _elementwise(node)):
             continue
         safe.add(key)
     return safe

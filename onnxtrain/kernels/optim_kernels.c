@@ -31,6 +31,24 @@
  *   AdagradF32/F64   eps, r, [nc];  (x, g, h)... -> (x', h')...
  *       h' = h + gr*gr;  x' = x - (r*gr) / (sqrt(h') + eps)
  *
+ * and one forward op that onnxruntime runs slowly (fuse_layers.fuse_max_pools):
+ *
+ *   MaxPoolIndicesF32  X (float, N x C x H x W), G (int64: kh, kw, sh, sw,
+ *                      pad_top, pad_left, oh, ow) -> Y (N x C x oh x ow), I
+ *       MaxPool with its Indices output, 2-D, dilation 1, row-major indices,
+ *       pads smaller than the window: per window, scanned row by row, the
+ *       first element, replaced by each later one greater than the one kept;
+ *       I = (n*C + c)*H*W + h*W + w.  These are the values onnxruntime's
+ *       MaxPool gives, NaN, infinities and ties included (a NaN wins only
+ *       as a window's first element).
+ *       onnxruntime computes the Indices output in a general loop, 10-15x
+ *       slower than MaxPool without it.
+ *
+ *   ReluGradF32 / ReluGradF64   y, dy -> dx (one shape)
+ *       dx = (y > 0 ? dy : 0) + 0, the gradient of Relu as the rule writes it,
+ *       Where(Greater(y, 0), dy, 0); onnxruntime's Where takes 10-30x the
+ *       time of a Mul of the same size (fuse_layers.fuse_relu_grads).
+ *
  * AdamUpdate is the Adam/AdamW update that onnxtrain's optimizer builder
  * writes as eleven standard ONNX kernels (see onnxtrain/fuse.py,
  * fuse_adam_updates).  In every op, every operation is one IEEE operation in
@@ -66,7 +84,7 @@ typedef struct OrtApiBase {
     const char *(*GetVersionString)(void);
 } OrtApiBase;
 
-enum { ELEM_FLOAT = 1, ELEM_DOUBLE = 11 };
+enum { ELEM_FLOAT = 1, ELEM_INT64 = 7, ELEM_DOUBLE = 11 };
 enum { STATUS_FAIL = 1, STATUS_INVALID_ARGUMENT = 2 };
 
 /* Indices into the OrtApi table (all in the version-1 part). */
@@ -143,7 +161,7 @@ typedef struct CustomOp {
     void *ReleaseAliasMap;
 } CustomOp;
 
-enum { KIND_ADAM_UPDATE, KIND_SPEC_ADAM, KIND_MOMENTUM, KIND_NESTEROV, KIND_ADAGRAD };
+enum { KIND_ADAM_UPDATE, KIND_SPEC_ADAM, KIND_MOMENTUM, KIND_NESTEROV, KIND_ADAGRAD, KIND_MAX_POOL, KIND_RELU_GRAD };
 enum { INPUT_OUTPUT_REQUIRED = 0, INPUT_OUTPUT_OPTIONAL = 1, INPUT_OUTPUT_VARIADIC = 2 };
 
 typedef struct OpDef {
@@ -474,14 +492,155 @@ static OrtStatus *spec_compute(const OpDef *def, OrtKernelContext *ctx) {
     return NULL;
 }
 
+/* ------------------------------------------------------------ MaxPool */
+/* One channel plane: every window scanned in row-major order from its first
+ * element, which a later one replaces only when greater (so ties keep the
+ * first, and a NaN wins only in first place, as in onnxruntime).  Every
+ * window holds an element: the pads are smaller than the window. */
+CLONES static void max_pool_plane(const float *x, int64_t h, int64_t w, const int64_t *g,
+                                  int64_t base, float *y, int64_t *idx) {
+    const int64_t kh = g[0], kw = g[1], sh = g[2], sw = g[3], pt = g[4], pl = g[5];
+    const int64_t oh = g[6], ow = g[7];
+    for (int64_t ph = 0; ph < oh; ++ph) {
+        int64_t h0 = ph * sh - pt, h1 = h0 + kh;
+        if (h0 < 0) h0 = 0;
+        if (h1 > h) h1 = h;
+        for (int64_t pw = 0; pw < ow; ++pw) {
+            int64_t w0 = pw * sw - pl, w1 = w0 + kw;
+            if (w0 < 0) w0 = 0;
+            if (w1 > w) w1 = w;
+            float best = x[h0 * w + w0];
+            int64_t bh = h0, bw = w0;
+            for (int64_t r = h0; r < h1; ++r) {
+                const float *row = x + r * w;
+                for (int64_t c = w0; c < w1; ++c) {
+                    if (row[c] > best) {
+                        best = row[c];
+                        bh = r;
+                        bw = c;
+                    }
+                }
+            }
+            y[ph * ow + pw] = best;
+            idx[ph * ow + pw] = base + bh * w + bw;
+        }
+    }
+}
+
+/* The common 2x2 window, stride 2, no padding: four taps, no bounds. */
+CLONES static void max_pool_plane_2x2(const float *x, int64_t w, int64_t oh, int64_t ow,
+                                      int64_t base, float *y, int64_t *idx) {
+    for (int64_t ph = 0; ph < oh; ++ph) {
+        const float *r0 = x + 2 * ph * w, *r1 = r0 + w;
+        for (int64_t pw = 0; pw < ow; ++pw) {
+            const int64_t c = 2 * pw;
+            float best = r0[c];
+            int64_t at = 2 * ph * w + c;
+            if (r0[c + 1] > best) { best = r0[c + 1]; at = 2 * ph * w + c + 1; }
+            if (r1[c] > best) { best = r1[c]; at = (2 * ph + 1) * w + c; }
+            if (r1[c + 1] > best) { best = r1[c + 1]; at = (2 * ph + 1) * w + c + 1; }
+            y[ph * ow + pw] = best;
+            idx[ph * ow + pw] = base + at;
+        }
+    }
+}
+
+static OrtStatus *max_pool_compute(const OpDef *def, OrtKernelContext *ctx) {
+    const OrtValue *xv = NULL, *gv = NULL;
+    OrtStatus *st = API(API_KernelContext_GetInput, GetInputFn)(ctx, 0, &xv);
+    if (!st) st = API(API_KernelContext_GetInput, GetInputFn)(ctx, 1, &gv);
+    if (st) return st;
+    if (!xv || !gv) return op_fail(def, "missing input");
+    int elem = 0;
+    size_t count = 0, rank = 0, grank = 0;
+    int64_t dims[8], gdims[8];
+    st = describe(xv, &elem, &count, dims, &rank);
+    if (st) return st;
+    if (elem != ELEM_FLOAT || rank != 4) return op_fail(def, "X must be a float tensor of rank 4");
+    st = describe(gv, &elem, &count, gdims, &grank);
+    if (st) return st;
+    if (elem != ELEM_INT64 || count != 8) return op_fail(def, "G must hold 8 int64 values");
+    void *xd = NULL, *gd = NULL, *yd = NULL, *id = NULL;
+    st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)xv, &xd);
+    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)gv, &gd);
+    if (st) return st;
+    const int64_t *g = (const int64_t *)gd;
+    for (int k = 0; k < 8; ++k)
+        if (g[k] < (k < 4 ? 1 : 0)) return op_fail(def, "bad window geometry");
+    if (g[4] >= g[0] || g[5] >= g[1]) return op_fail(def, "padding must be smaller than the window");
+    const int64_t n = dims[0], c = dims[1], h = dims[2], w = dims[3];
+    int64_t ydims[4] = {n, c, g[6], g[7]};
+    OrtValue *yv = NULL, *iv = NULL;
+    st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, 0, ydims, 4, &yv);
+    if (!st) st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, 1, ydims, 4, &iv);
+    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(yv, &yd);
+    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(iv, &id);
+    if (st) return st;
+    const int two = g[0] == 2 && g[1] == 2 && g[2] == 2 && g[3] == 2 && g[4] == 0 && g[5] == 0 &&
+                    2 * g[6] <= h && 2 * g[7] <= w;
+    const int64_t plane = h * w, out_plane = g[6] * g[7];
+    for (int64_t p = 0; p < n * c; ++p) {
+        const float *x = (const float *)xd + p * plane;
+        float *y = (float *)yd + p * out_plane;
+        int64_t *idx = (int64_t *)id + p * out_plane;
+        if (two) max_pool_plane_2x2(x, w, g[6], g[7], p * plane, y, idx);
+        else max_pool_plane(x, h, w, g, p * plane, y, idx);
+    }
+    return NULL;
+}
+
+/* ------------------------------------------------------------ Relu's gradient */
+/* onnxruntime's Where(c, a, b) adds (c ? a : 0) and (c ? 0 : b), so a -0.0
+ * it selects comes out as +0.0: the "+ 0" here does the same. */
+CLONES static void relu_grad_f32(size_t n, const float *y, const float *dy, float *dx) {
+    for (size_t i = 0; i < n; ++i) dx[i] = (y[i] > 0.0f ? dy[i] : 0.0f) + 0.0f;
+}
+CLONES static void relu_grad_f64(size_t n, const double *y, const double *dy, double *dx) {
+    for (size_t i = 0; i < n; ++i) dx[i] = (y[i] > 0.0 ? dy[i] : 0.0) + 0.0;
+}
+
+static OrtStatus *relu_grad_compute(const OpDef *def, OrtKernelContext *ctx) {
+    const OrtValue *yv = NULL, *dyv = NULL;
+    OrtStatus *st = API(API_KernelContext_GetInput, GetInputFn)(ctx, 0, &yv);
+    if (!st) st = API(API_KernelContext_GetInput, GetInputFn)(ctx, 1, &dyv);
+    if (st) return st;
+    if (!yv || !dyv) return op_fail(def, "missing input");
+    int elem = 0, elem2 = 0;
+    size_t count = 0, count2 = 0, rank = 0, rank2 = 0;
+    int64_t dims[8], dims2[8];
+    st = describe(yv, &elem, &count, dims, &rank);
+    if (!st) st = describe(dyv, &elem2, &count2, dims2, &rank2);
+    if (st) return st;
+    if (elem != def->elem_type || elem2 != def->elem_type) return op_fail(def, "input of the wrong element type");
+    if (rank != rank2 || memcmp(dims, dims2, rank * sizeof(int64_t)) != 0)
+        return op_fail(def, "y and dy must have the same shape");
+    void *y = NULL, *dy = NULL, *dx = NULL;
+    OrtValue *dxv = NULL;
+    st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)yv, &y);
+    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)dyv, &dy);
+    if (!st) st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, rank, &dxv);
+    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(dxv, &dx);
+    if (st) return st;
+    if (count == 0) return NULL;
+    if (def->elem_type == ELEM_FLOAT) relu_grad_f32(count, y, dy, dx);
+    else relu_grad_f64(count, y, dy, dx);
+    return NULL;
+}
+
 static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     const OpDef *def = (const OpDef *)kernel;
+    if (def->kind == KIND_MAX_POOL) return max_pool_compute(def, ctx);
+    if (def->kind == KIND_RELU_GRAD) return relu_grad_compute(def, ctx);
     return def->kind == KIND_ADAM_UPDATE ? adam_compute(kernel, ctx) : spec_compute(def, ctx);
 }
 
 /* ------------------------------------------------------------ op table */
 static const OpDef *as_def(const CustomOp *op) { return (const OpDef *)op; }
-static int is_spec(const CustomOp *op) { return as_def(op)->kind != KIND_ADAM_UPDATE; }
+static int is_pool(const CustomOp *op) { return as_def(op)->kind == KIND_MAX_POOL; }
+static int is_relu(const CustomOp *op) { return as_def(op)->kind == KIND_RELU_GRAD; }
+static int is_spec(const CustomOp *op) {
+    return as_def(op)->kind != KIND_ADAM_UPDATE && !is_pool(op) && !is_relu(op);
+}
 static void *create_kernel(const CustomOp *op, const OrtApi *api, const OrtKernelInfo *info) {
     (void)api; (void)info;
     return (void *)op;
@@ -499,13 +658,21 @@ static void compute_v1(void *kernel, OrtKernelContext *ctx) {
 static void destroy_kernel(void *kernel) { (void)kernel; }
 static const char *get_name(const CustomOp *op) { return as_def(op)->name; }
 static const char *get_provider(const CustomOp *op) { (void)op; return "CPUExecutionProvider"; }
-static int input_type(const CustomOp *op, size_t i) { (void)i; return as_def(op)->elem_type; }
+static int input_type(const CustomOp *op, size_t i) {
+    return is_pool(op) && i == 1 ? ELEM_INT64 : as_def(op)->elem_type;
+}
 /* Spec ops: the scalars, then one variadic input holding every tensor. */
 static size_t input_count(const CustomOp *op) {
+    if (is_pool(op) || is_relu(op)) return 2;
     return is_spec(op) ? (size_t)as_def(op)->n_scalars + 1 : N_INPUTS;
 }
-static int output_type(const CustomOp *op, size_t i) { (void)i; return as_def(op)->elem_type; }
-static size_t output_count(const CustomOp *op) { return is_spec(op) ? 1 : N_OUTPUTS; }
+static int output_type(const CustomOp *op, size_t i) {
+    return is_pool(op) && i == 1 ? ELEM_INT64 : as_def(op)->elem_type;
+}
+static size_t output_count(const CustomOp *op) {
+    if (is_pool(op)) return 2;
+    return is_spec(op) || is_relu(op) ? 1 : N_OUTPUTS;
+}
 static int input_characteristic(const CustomOp *op, size_t i) {
     const OpDef *def = as_def(op);
     if (!is_spec(op)) return INPUT_OUTPUT_REQUIRED;
@@ -540,6 +707,9 @@ static OpDef g_ops[] = {
     OP_DEF("NesterovF64", ELEM_DOUBLE, KIND_NESTEROV, 5, 4, -1, 3, 2),
     OP_DEF("AdagradF32", ELEM_FLOAT, KIND_ADAGRAD, 3, 2, -1, 3, 2),
     OP_DEF("AdagradF64", ELEM_DOUBLE, KIND_ADAGRAD, 3, 2, -1, 3, 2),
+    OP_DEF("MaxPoolIndicesF32", ELEM_FLOAT, KIND_MAX_POOL, 0, -1, -1, 0, 0),
+    OP_DEF("ReluGradF32", ELEM_FLOAT, KIND_RELU_GRAD, 0, -1, -1, 0, 0),
+    OP_DEF("ReluGradF64", ELEM_DOUBLE, KIND_RELU_GRAD, 0, -1, -1, 0, 0),
 };
 
 /* The API table is addressed by index: check a few entries at both ends of
@@ -574,4 +744,4 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
 }
 
 /* For the loader's self-check. */
-__attribute__((visibility("default"))) int onnxtrain_kernels_abi(void) { return 2; }
+__attribute__((visibility("default"))) int onnxtrain_kernels_abi(void) { return 3; }

@@ -62,24 +62,29 @@ def mlp(seed=0, sizes=(12, 32, 32, 32, 5), batch=8, activation="Tanh", dtype=np.
 
 
 def cnn(seed=0, batch=4):
-    """Conv-Relu-MaxPool-Conv-Relu-Flatten-Gemm, cross-entropy over 5 classes."""
+    """Conv-Relu-Conv-Relu-MaxPool-Conv-Relu-MaxPool-Flatten-Gemm, cross-entropy
+    over 5 classes.  (The backward of Relu-MaxPool reads only the pooled
+    values, so the second Conv gives recompute an activation to drop: r1.)"""
     rng = np.random.default_rng(seed)
     inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.2).astype(np.float32), n) for n, s in [
-        ("c1.w", (6, 2, 3, 3)), ("c1.b", (6,)), ("c2.w", (8, 6, 3, 3)), ("c2.b", (8,)),
-        ("fc.w", (8 * 4 * 4, 5)), ("fc.b", (5,))]]
+        ("c1.w", (6, 2, 3, 3)), ("c1.b", (6,)), ("c1b.w", (6, 6, 3, 3)), ("c1b.b", (6,)),
+        ("c2.w", (8, 6, 3, 3)), ("c2.b", (8,)), ("fc.w", (8 * 4 * 4, 5)), ("fc.b", (5,))]]
     nodes = [
         helper.make_node("Conv", ["X", "c1.w", "c1.b"], ["c1"], pads=[1, 1, 1, 1]),
         helper.make_node("Relu", ["c1"], ["r1"]),
-        helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Conv", ["r1", "c1b.w", "c1b.b"], ["c1b"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1b"], ["r1b"]),
+        helper.make_node("MaxPool", ["r1b"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
         helper.make_node("Conv", ["p1", "c2.w", "c2.b"], ["c2"], pads=[1, 1, 1, 1]),
         helper.make_node("Relu", ["c2"], ["r2"]),
-        helper.make_node("Flatten", ["r2"], ["f"]),
+        helper.make_node("MaxPool", ["r2"], ["p2"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Flatten", ["p2"], ["f"]),
         helper.make_node("Gemm", ["f", "fc.w", "fc.b"], ["logits"]),
     ]
-    g = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("X", F32, [batch, 2, 8, 8])],
+    g = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("X", F32, [batch, 2, 16, 16])],
                           [helper.make_tensor_value_info("logits", F32, [batch, 5])], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    feeds = {"X": rng.standard_normal((batch, 2, 8, 8)).astype(np.float32),
+    feeds = {"X": rng.standard_normal((batch, 2, 16, 16)).astype(np.float32),
              "target": rng.integers(0, 5, batch).astype(np.int64)}
     return m, feeds
 
