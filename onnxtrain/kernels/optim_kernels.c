@@ -510,19 +510,17 @@ CLONES static void max_pool_plane(const float *x, int64_t h, int64_t w, const in
             if (w0 < 0) w0 = 0;
             if (w1 > w) w1 = w;
             float best = x[h0 * w + w0];
-            int64_t bh = h0, bw = w0;
+            int64_t at = h0 * w + w0;
             for (int64_t r = h0; r < h1; ++r) {
                 const float *row = x + r * w;
                 for (int64_t c = w0; c < w1; ++c) {
-                    if (row[c] > best) {
-                        best = row[c];
-                        bh = r;
-                        bw = c;
-                    }
+                    const int gt = row[c] > best; /* selects, not branches (see ReluGrad) */
+                    best = gt ? row[c] : best;
+                    at = gt ? r * w + c : at;
                 }
             }
             y[ph * ow + pw] = best;
-            idx[ph * ow + pw] = base + bh * w + bw;
+            idx[ph * ow + pw] = base + at;
         }
     }
 }
@@ -534,11 +532,18 @@ CLONES static void max_pool_plane_2x2(const float *x, int64_t w, int64_t oh, int
         const float *r0 = x + 2 * ph * w, *r1 = r0 + w;
         for (int64_t pw = 0; pw < ow; ++pw) {
             const int64_t c = 2 * pw;
+            const int64_t top = 2 * ph * w + c, bottom = top + w;
             float best = r0[c];
-            int64_t at = 2 * ph * w + c;
-            if (r0[c + 1] > best) { best = r0[c + 1]; at = 2 * ph * w + c + 1; }
-            if (r1[c] > best) { best = r1[c]; at = (2 * ph + 1) * w + c; }
-            if (r1[c + 1] > best) { best = r1[c + 1]; at = (2 * ph + 1) * w + c + 1; }
+            int64_t at = top;
+            int gt = r0[c + 1] > best;
+            best = gt ? r0[c + 1] : best;
+            at = gt ? top + 1 : at;
+            gt = r1[c] > best;
+            best = gt ? r1[c] : best;
+            at = gt ? bottom : at;
+            gt = r1[c + 1] > best;
+            best = gt ? r1[c + 1] : best;
+            at = gt ? bottom + 1 : at;
             y[ph * ow + pw] = best;
             idx[ph * ow + pw] = base + at;
         }
@@ -591,12 +596,28 @@ static OrtStatus *max_pool_compute(const OpDef *def, OrtKernelContext *ctx) {
 
 /* ------------------------------------------------------------ Relu's gradient */
 /* onnxruntime's Where(c, a, b) adds (c ? a : 0) and (c ? 0 : b), so a -0.0
- * it selects comes out as +0.0: the "+ 0" here does the same. */
+ * it selects comes out as +0.0: the "+ 0" here does the same.  The selection
+ * is a bit mask, not a branch: a Relu's signs are as good as random, and a
+ * mispredicted branch per element made a branching loop as slow as Where. */
 CLONES static void relu_grad_f32(size_t n, const float *y, const float *dy, float *dx) {
-    for (size_t i = 0; i < n; ++i) dx[i] = (y[i] > 0.0f ? dy[i] : 0.0f) + 0.0f;
+    for (size_t i = 0; i < n; ++i) {
+        uint32_t bits;
+        float v;
+        memcpy(&bits, &dy[i], sizeof bits);
+        bits &= (uint32_t)0 - (uint32_t)(y[i] > 0.0f);
+        memcpy(&v, &bits, sizeof v);
+        dx[i] = v + 0.0f;
+    }
 }
 CLONES static void relu_grad_f64(size_t n, const double *y, const double *dy, double *dx) {
-    for (size_t i = 0; i < n; ++i) dx[i] = (y[i] > 0.0 ? dy[i] : 0.0) + 0.0;
+    for (size_t i = 0; i < n; ++i) {
+        uint64_t bits;
+        double v;
+        memcpy(&bits, &dy[i], sizeof bits);
+        bits &= (uint64_t)0 - (uint64_t)(y[i] > 0.0);
+        memcpy(&v, &bits, sizeof v);
+        dx[i] = v + 0.0;
+    }
 }
 
 static OrtStatus *relu_grad_compute(const OpDef *def, OrtKernelContext *ctx) {
