@@ -23,6 +23,9 @@ created by ``benchmarks/setup_ort_training.sh``, and the onnx2torch peer (the
 inference model converted to PyTorch and trained there) in
 ``benchmarks/.venv-onnx2torch``, from ``benchmarks/setup_onnx2torch.sh``; both
 are made automatically if missing (``--no-setup`` skips them and their peers).
+W5 and W6 are PyTorch modules exported to ONNX by ``export_models.py`` in the
+ORT training environment (which holds torchvision and transformers for it and
+for their torch peer); the exports are cached in ``benchmarks/.cache/``.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ ORT_PYTHON = ORT_VENV / "bin" / "python"
 ONNX2TORCH_PYTHON = HERE / ".venv-onnx2torch" / "bin" / "python"
 #: Peers that train a converted model; their losses must match torch's to count.
 CONVERTERS = ("onnx2torch",)
+#: Workloads exported from PyTorch modules (``export_models.py``, in the ORT training environment).
+EXPORTED = {"W5", "W6"}
 #: Relative difference of the first losses above which a converted model is not equal work.
 UNEQUAL_LOSSES = 1e-4
 FRAMEWORKS = ["onnxtrain", "torch", "torch-fused", "ort-training", "onnx2torch"]
@@ -206,9 +211,15 @@ def prepare(key: str, root: Path, use_builder: bool) -> Path:
     onnx.save(model, str(d / "model.onnx"))
     np.savez(d / "params.npz", **params)
     np.savez(d / "batch.npz", **batch)
+    from training_model import trainable
+
     spec = {"key": key, "loss": w.loss, "optimizer": w.optimizer, "lr": w.lr,
-            "weight_decay": w.weight_decay, "output": w.output, "target": w.target,
-            "builder": use_builder}
+            "weight_decay": w.weight_decay, "momentum": w.momentum, "output": w.output,
+            "target": w.target, "builder": use_builder,
+            "inputs": [i.name for i in model.graph.input],
+            # BatchNormalization statistics are initializers too, but no parameters.
+            "trainable": trainable(model),
+            "float64_reference": bool(w.extra.get("float64_reference"))}
     (d / "spec.json").write_text(json.dumps(spec))
     return d
 
@@ -283,11 +294,25 @@ def bench_workload(key: str, workdir: Path, frameworks: list[str], steps: int, r
                 w.kill()
     # A converted model that does not train like the original (onnx2torch where
     # its conversion changes the model) is reported, but it is not a peer.
-    diffs = equal_work(results).get("max_rel_diff", {})
+    eq = equal_work(results)
+    diffs = eq.get("max_rel_diff", {})
     for fw in CONVERTERS:
-        if fw in results and diffs.get(fw, 0.0) > UNEQUAL_LOSSES:
+        if fw in results and diffs.get(fw, 0.0) > unequal_threshold(eq):
             results[fw].unequal = f"not the same training: first losses differ from torch's by {diffs[fw]:.1e}"
+    spec = json.loads((workdir / "spec.json").read_text())
+    if "ort-training" in results and spec.get("optimizer") == "sgd" and spec.get("momentum"):
+        results["ort-training"].unequal = ("not the same training: SGD without momentum "
+                                           "(onnxruntime-training 1.19 has no momentum SGD)")
     return {"results": results, "loadavg": os.getloadavg()}
+
+
+def unequal_threshold(eq: dict) -> float:
+    """Relative difference of the first losses from torch's above which a converted model
+    is not the same training: UNEQUAL_LOSSES, or where torch's float32 run itself drifts
+    from its float64 run by more (W5), twice that drift: float32 rounding alone moves two
+    implementations of the same training that far apart."""
+    drift = eq.get("max_rel_diff_float64", {}).get("torch")
+    return max(UNEQUAL_LOSSES, 2 * drift) if drift is not None else UNEQUAL_LOSSES
 
 
 def _max_rel(a, b) -> float:
@@ -310,6 +335,10 @@ def equal_work(results: dict[str, Result]) -> dict:
     if spec_ref:
         out["spec_reference"] = spec_ref
         out["max_rel_diff_spec"] = {fw: _max_rel(l, spec_ref) for fw, l in have.items()}
+    f64 = results.get("torch", Result("torch")).ready.get("float64_losses")
+    if f64:
+        out["float64_reference"] = f64
+        out["max_rel_diff_float64"] = {fw: _max_rel(l, f64) for fw, l in have.items()}
     return out
 
 
@@ -382,17 +411,22 @@ def startup_table(all_results: dict) -> list[str]:
 
 def equal_work_table(all_results: dict) -> list[str]:
     rows = [f"| workload | framework | vs torch | vs torch, spec-convention AdamW | "
-            f"first {CHECK_STEPS} losses |", "|---|---|---|---|---|"]
+            f"vs torch in float64 | first {CHECK_STEPS} losses |", "|---|---|---|---|---|---|"]
     for key, wres in all_results.items():
         eq = wres.get("equal_work") or {}
         spec = eq.get("max_rel_diff_spec", {})
+        f64 = eq.get("max_rel_diff_float64", {})
         for fw, diff in eq.get("max_rel_diff", {}).items():
             losses = ", ".join(f"{v:.6f}" for v in eq["losses"][fw])
             sp = f"{spec[fw]:.1e}" if fw in spec else "-"
-            rows.append(f"| {key} | {fw} | {diff:.1e} | {sp} | {losses} |")
+            f6 = f"{f64[fw]:.1e}" if fw in f64 else "-"
+            rows.append(f"| {key} | {fw} | {diff:.1e} | {sp} | {f6} | {losses} |")
         if eq.get("spec_reference"):
             losses = ", ".join(f"{v:.6f}" for v in eq["spec_reference"])
-            rows.append(f"| {key} | (torch, spec-convention AdamW) | | 0 | {losses} |")
+            rows.append(f"| {key} | (torch, spec-convention AdamW) | | 0 | | {losses} |")
+        if eq.get("float64_reference"):
+            losses = ", ".join(f"{v:.6f}" for v in eq["float64_reference"])
+            rows.append(f"| {key} | (torch in float64) | | | 0 | {losses} |")
     return rows
 
 
@@ -540,7 +574,10 @@ def write_doc(path: Path, report: dict, command: str) -> None:
             "whose gradients are near epsilon then move differently, ~1e-4 to 1e-3 on the losses after "
             "a few steps. So the AdamW workloads are also compared with torch running the "
             "spec-convention update (same module and weights, update written in torch): ORT training "
-            "agrees with that one to ~1e-7.", ""]
+            "agrees with that one to ~1e-7. W5 is also compared with torch training the same module "
+            "in float64 (*vs torch in float64*): that is how far float32 rounding alone (ReLU masks "
+            "flipping near zero, amplified through BatchNorm) moves each implementation; a converted "
+            "model counts as the same training within twice torch's own float32 drift (or 1e-4).", ""]
     out += equal_work_table(report["workloads"])
     if report.get("overhead"):
         out += ["", "## Per-step overhead (W3)", "",
@@ -570,6 +607,17 @@ def write_doc(path: Path, report: dict, command: str) -> None:
             "through `generate_artifacts` on the same file; PyTorch through the equivalent "
             "`torch.nn` modules (`benchmarks/torch_models.py`, `nn.TransformerEncoderLayer` for W4) "
             "loaded with the same weights.",
+            "- W5 and W6 are PyTorch modules (torchvision's `resnet18(num_classes=10)`; transformers' "
+            "`BertForSequenceClassification` from a 4-layer, hidden-256 config with dropout 0) exported "
+            "by `benchmarks/export_models.py` with `torch.onnx.export(dynamo=False)` (opset 17, IR 8, "
+            "eval mode, no constant folding; LayerNormalization with its Mean/InvStdDev outputs "
+            "declared, which ORT training's gradient needs), cached in `benchmarks/.cache/`. Norm "
+            "scales, zero biases and BatchNorm statistics are drawn distinct first (the exporter "
+            "stores equal initializers once). The torch peer trains the same module loaded with the "
+            "exported initializers; every framework trains BatchNormalization in training mode "
+            "(batch statistics). W6's token ids avoid 0, BERT's padding index (torch never trains "
+            "its embedding row; the exported Gather does). onnxruntime-training 1.19 has no SGD "
+            "with momentum, so its W5 row trains plain SGD and is no peer.",
             "- onnxtrain steps are `train_step(feeds, fetch=False)`; torch steps are `zero_grad`, "
             "forward, loss, `backward`, `step` (torch's default optimizer implementation on CPU: "
             f"{report.get('torch_impl', '?')}; `fused=True` in the torch-fused rows); ORT training steps are `Module(...)` (returns the "
@@ -582,9 +630,12 @@ def write_doc(path: Path, report: dict, command: str) -> None:
 
 
 # ------------------------------------------------------------------ main
-def ensure_venv(python: Path, script: str, no_setup: bool) -> str | None:
-    """None if a peer's environment (``python``, made by ``script``) is usable, else why not."""
-    if python.exists():
+def ensure_venv(python: Path, script: str, no_setup: bool, check: str | None = None) -> str | None:
+    """None if a peer's environment (``python``, made by ``script``) is usable, else why not.
+
+    ``check``: Python code the environment must run (else ``script`` completes it)."""
+    if python.exists() and (check is None or subprocess.run(
+            [str(python), "-c", check], capture_output=True).returncode == 0):
         return None
     venv = python.parent.parent
     if no_setup:
@@ -596,9 +647,15 @@ def ensure_venv(python: Path, script: str, no_setup: bool) -> str | None:
     return None
 
 
-def ensure_ort_venv(no_setup: bool) -> str | None:
-    """None if the ORT training environment is usable, else why not."""
-    return ensure_venv(ORT_PYTHON, "setup_ort_training.sh", no_setup)
+#: What W5/W6 need of the ORT training environment: it exports them and runs their torch peer.
+EXPORT_CHECK = ("import sys, types; sys.modules['torchvision._meta_registrations'] = types.ModuleType('s'); "
+                "import torch, torchvision, transformers")
+
+
+def ensure_ort_venv(no_setup: bool, exports: bool = False) -> str | None:
+    """None if the ORT training environment is usable, else why not (``exports``: with
+    torchvision and transformers, for W5/W6)."""
+    return ensure_venv(ORT_PYTHON, "setup_ort_training.sh", no_setup, EXPORT_CHECK if exports else None)
 
 
 def parse_workloads(text: str | None) -> list[str]:
@@ -619,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few steps and rounds (development)")
-    ap.add_argument("--workloads", help="comma-separated: W1 (with W1-SGD), W1-SGD, W2, W3, W4")
+    ap.add_argument("--workloads", help="comma-separated: W1 (with W1-SGD), W1-SGD, W2, W3, W4, W5, W6")
     ap.add_argument("--steps", type=int, help="timed steps per framework and workload")
     ap.add_argument("--rounds", type=int, help="interleaved rounds (default 10, quick 3)")
     ap.add_argument("--frameworks", default=",".join(FRAMEWORKS),
@@ -646,6 +703,11 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (3 if args.quick else 10)
     WAIT["mode"] = args.wait
     notes: list[str] = []
+    if EXPORTED & set(keys):
+        why = ensure_ort_venv(args.no_setup, exports=True)
+        if why:  # no torch to export them with
+            notes.append(f"{', '.join(sorted(EXPORTED & set(keys)))} skipped: {why}")
+            keys = [k for k in keys if k not in EXPORTED]
     if any(f in frameworks for f in ("ort-training", "torch", "torch-fused")):
         why = ensure_ort_venv(args.no_setup) if "ort-training" in frameworks else None
         if why:
@@ -715,6 +777,9 @@ def main(argv: list[str] | None = None) -> int:
             if eq:
                 log(f"  equal work (max rel. diff of the first {CHECK_STEPS} losses vs {eq['reference']}): "
                     + ", ".join(f"{fw} {d:.1e}" for fw, d in eq["max_rel_diff"].items()))
+                if eq.get("max_rel_diff_float64"):
+                    log("  ... vs torch in float64 (float32 rounding drift): " + ", ".join(
+                        f"{fw} {d:.1e}" for fw, d in eq["max_rel_diff_float64"].items()))
                 if eq.get("max_rel_diff_spec"):
                     log("  ... vs torch running the spec-convention AdamW update: " + ", ".join(
                         f"{fw} {d:.1e}" for fw, d in eq["max_rel_diff_spec"].items()))

@@ -2,16 +2,27 @@
 
 ONNX names and layouts map onto torch parameters: Gemm weights are already
 torch's [out, in]; the transformer's MatMul weights ``*.weight_t`` are
-[in, out] and are transposed.
+[in, out] and are transposed.  W5 and W6 are defined here as torch modules
+(torchvision's resnet18, transformers' BERT) and exported by
+``export_models.py``; their ONNX initializers carry the state_dict names.
 """
 
 from __future__ import annotations
+
+import sys
+import types
 
 import numpy as np
 import torch
 from torch import nn
 
-from workloads import MLP_SIZES, TF_D, TF_FFN, TF_HEADS
+# torchvision's registry wheel is a CUDA build: its compiled operator
+# registrations cannot load here (and transformers imports torchvision when it
+# is installed); the model definitions are pure Python.
+sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("stub"))
+
+from workloads import (BERT_D, BERT_FFN, BERT_HEADS, BERT_LABELS, BERT_LAYERS, BERT_SEQ, BERT_VOCAB,
+                       MLP_SIZES, RN_CLASSES, TF_D, TF_FFN, TF_HEADS)
 
 
 class MLP(nn.Module):
@@ -73,6 +84,66 @@ def _transformer_state(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     }
 
 
+def resnet18() -> nn.Module:
+    """W5: torchvision's resnet18 with a 10-class head."""
+    import torchvision
+
+    return torchvision.models.resnet18(num_classes=RN_CLASSES)
+
+
+class BertClassifier(nn.Module):
+    """W6: transformers' BertForSequenceClassification, returning its logits.
+
+    Random weights from a small config (no pretrained download); dropout 0 so
+    that a step is deterministic work; GELU (erf) as BERT's; attention with
+    transformers' default implementation (torch's scaled_dot_product_attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForSequenceClassification
+
+        cfg = BertConfig(vocab_size=BERT_VOCAB, hidden_size=BERT_D, num_hidden_layers=BERT_LAYERS,
+                         num_attention_heads=BERT_HEADS, intermediate_size=BERT_FFN,
+                         max_position_embeddings=BERT_SEQ, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0, classifier_dropout=0.0,
+                         num_labels=BERT_LABELS)
+        self.model = BertForSequenceClassification(cfg)
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+
+def import_libraries(workload_key: str) -> None:
+    """Import what building W5/W6 needs (the worker does it before timing construction)."""
+    if workload_key == "W5":
+        import torchvision  # noqa: F401
+    elif workload_key == "W6":
+        import transformers.models.bert.modeling_bert  # noqa: F401
+
+
+def create(workload_key: str, seed: int) -> nn.Module:
+    """W5/W6's module with its own init from ``seed`` (export_models.py exports it)."""
+    torch.manual_seed(seed)
+    if workload_key == "W5":
+        return resnet18()
+    if workload_key == "W6":
+        return BertClassifier()
+    raise ValueError(f"no torch-defined workload {workload_key!r}")
+
+
+def _load_exported(module: nn.Module, params: dict[str, np.ndarray]) -> nn.Module:
+    """Load an exported workload's initializers (state_dict names: parameters and
+    BatchNorm statistics); every parameter must be among them."""
+    state = module.state_dict()
+    unknown = [k for k in params if k not in state]
+    missing = [k for k, _ in module.named_parameters() if k not in params]
+    if unknown or missing:
+        raise ValueError(f"weights do not match the module: unknown {unknown[:5]}, missing {missing[:5]}")
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in params.items()}
+    module.load_state_dict(tensors, strict=False)
+    return module
+
+
 def build(workload_key: str, params: dict[str, np.ndarray]) -> nn.Module:
     """The torch module of a workload with the given (ONNX-named) weights."""
     base = workload_key.split("-")[0]
@@ -84,6 +155,8 @@ def build(workload_key: str, params: dict[str, np.ndarray]) -> nn.Module:
         module, state = LinReg(), params
     elif base == "W4":
         module, state = encoder_block(), _transformer_state(params)
+    elif base in ("W5", "W6"):
+        return _load_exported(create(base, 0), params)
     else:
         raise ValueError(f"unknown workload {workload_key!r}")
     tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}

@@ -156,7 +156,7 @@ class TorchTrainer:
         self.torch = torch
         self.model = module if module is not None else torch_models.build(spec["key"], params)
         self.model.train()
-        self.x = torch.from_numpy(batch["X"])
+        self.xs = [torch.from_numpy(batch[n]) for n in spec.get("inputs", ["X"])]
         self.y = torch.from_numpy(batch[spec["target"]])
         if spec["loss"] == "cross_entropy":
             self.loss_fn = torch.nn.CrossEntropyLoss()
@@ -167,7 +167,8 @@ class TorchTrainer:
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec["lr"],
                                          weight_decay=spec["weight_decay"], **kwargs)
         else:
-            self.opt = torch.optim.SGD(self.model.parameters(), lr=spec["lr"], **kwargs)
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=spec["lr"],
+                                       momentum=spec.get("momentum", 0.0), **kwargs)
         group = self.opt.param_groups[0]
         impl = "fused" if group.get("fused") else ("foreach" if group.get("foreach") else "for-loop")
         self.info = {"framework": "torch-fused" if fused else "torch", "torch": torch.__version__,
@@ -190,7 +191,7 @@ class TorchTrainer:
         for t in range(1, steps + 1):
             for p in ps:
                 p.grad = None
-            loss = self.loss_fn(model(self.x), self.y)
+            loss = self.loss_fn(model(*self.xs), self.y)
             loss.backward()
             losses.append(float(loss.item()))
             r = lr * (1 - b2 ** t) ** 0.5 / (1 - b1 ** t)
@@ -202,9 +203,36 @@ class TorchTrainer:
                     p.sub_(r * vi / (hi.sqrt() + eps)).mul_(1 - lr * wd)
         return losses
 
+    def float64_losses(self, spec, params, steps: int) -> list[float]:
+        """Losses of ``steps`` steps of the same training in float64 (module, batch and
+        optimizer converted): the exact answer float32 runs approximate.  Where float32
+        rounding is amplified (W5: BatchNorm, ReLU masks flipping near zero, SGD with
+        momentum), two float32 implementations of the same training drift apart by as
+        much as each drifts from this one."""
+        import torch
+
+        import torch_models
+
+        model = torch_models.build(spec["key"], params).double()
+        model.train()
+        xs = [x.double() if x.is_floating_point() else x for x in self.xs]
+        y = self.y.double() if self.y.is_floating_point() else self.y
+        if spec["optimizer"] == "adamw":
+            opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"])
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=spec.get("momentum", 0.0))
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = self.loss_fn(model(*xs), y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.item()))
+        return losses
+
     def _forward_backward(self):
         self.opt.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model(self.x), self.y)
+        loss = self.loss_fn(self.model(*self.xs), self.y)
         loss.backward()
         self.opt.step()
         return loss
@@ -240,8 +268,8 @@ class Onnx2TorchTrainer(TorchTrainer):
                 super().__init__()
                 self.inner = inner
 
-            def forward(self, x):
-                out = self.inner(x)
+            def forward(self, *xs):
+                out = self.inner(*xs)
                 return out[index] if isinstance(out, (tuple, list)) else out
 
         super().__init__(workdir, spec, params, batch, fused=False, module=Picked(converted))
@@ -342,6 +370,10 @@ def serve_trainer(framework: str, workdir: Path, check_steps: int) -> None:
     chan = Channel()
     spec, params, batch = load_workdir(workdir)
     import_framework(framework)
+    if framework in ("torch", "torch-fused") and spec["key"] in ("W5", "W6"):
+        import torch_models  # torchvision / transformers: imports, not construction
+
+        torch_models.import_libraries(spec["key"])
     rss_imported = rss_kb()
     t_start = time.perf_counter()
     trainer = make_trainer(framework, workdir, spec, params, batch)
@@ -353,6 +385,8 @@ def serve_trainer(framework: str, workdir: Path, check_steps: int) -> None:
     extra = {}
     if framework == "torch" and spec["optimizer"] == "adamw":
         extra["spec_adamw_losses"] = trainer.spec_adamw_losses(spec, params, batch, check_steps)
+    if framework == "torch" and spec.get("float64_reference"):
+        extra["float64_losses"] = trainer.float64_losses(spec, params, check_steps)
     chan.send({
         "ready": True,
         "import_ms": (t_start - _T0) * 1e3,
@@ -398,7 +432,10 @@ def ort_artifacts(workdir: Path) -> dict:
         optimizer = onnxblock.optim.SGD()
     out = workdir / "ort"
     out.mkdir(exist_ok=True)
-    artifacts.generate_artifacts(model, requires_grad=list(params), frozen_params=[], loss=loss,
+    # SGD: ORT training 1.19's onnxblock.optim.SGD has no momentum (run.py marks a
+    # momentum workload's ORT training run as not the same training).
+    trainable = spec.get("trainable", list(params))
+    artifacts.generate_artifacts(model, requires_grad=trainable, frozen_params=[], loss=loss,
                                  optimizer=optimizer, artifact_directory=str(out))
     return {"generate_ms": (time.perf_counter() - t0) * 1e3}
 

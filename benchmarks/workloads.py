@@ -1,9 +1,15 @@
 """The benchmark workloads, defined once for every framework.
 
-Each workload is one inference ONNX model (built here with onnx.helper, static
-shapes, opset 17, IR 8 so that onnx 1.16 and onnxruntime 1.19 load it), its
-initial weights (numpy, torch-style init from one seed), one fixed batch, the
-loss and the optimizer.  Every framework trains exactly this:
+Each workload is one inference ONNX model (static shapes, opset 17, IR 8 so
+that onnx 1.16 and onnxruntime 1.19 load it), its initial weights, one fixed
+batch, the loss and the optimizer.  W1-W4 are built here with onnx.helper
+(numpy weights, torch-style init from one seed); W5 (torchvision ResNet-18)
+and W6 (transformers BERT encoder) are PyTorch modules (``torch_models.py``)
+exported by ``export_models.py`` in the ORT training environment and cached in
+``benchmarks/.cache/`` (their weights are the export's initializers, named as
+the module's state_dict, BatchNorm statistics included: ``params`` holds them
+all, ``training_model.trainable`` tells the parameters).  Every framework
+trains exactly this:
 
 - onnxtrain: the inference model plus a training_info (loss -> Gradient ->
   optimizer), see ``training_model.py``;
@@ -12,6 +18,8 @@ loss and the optimizer.  Every framework trains exactly this:
   the same weights.
 
 Weights use ONNX layout and ONNX names; ``torch_models.py`` maps them.
+BatchNormalization (W5) trains in training mode everywhere (batch statistics;
+torch's running_var update, with the unbiased batch variance).
 
 FLOPs per training step are counted analytically: 2 * multiply-adds of every
 MatMul / Gemm / Conv of the forward pass, times 3 for forward + backward (the
@@ -28,7 +36,12 @@ costly as the forward product).
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -52,10 +65,12 @@ class Workload:
     #: Name of the model output the loss reads, and of the target input it adds.
     output: str
     target: str
-    #: "adamw" (lr, weight_decay; torch defaults betas 0.9/0.999, eps 1e-8) or "sgd" (lr).
+    #: "adamw" (lr, weight_decay; torch defaults betas 0.9/0.999, eps 1e-8) or "sgd"
+    #: (lr, momentum; torch.optim.SGD with dampening 0).
     optimizer: str
     lr: float
     weight_decay: float = 0.0
+    momentum: float = 0.0
     flops_per_step: float = 0.0
     #: Timed steps per framework of a full run (``--quick`` divides them by 10).
     default_steps: int = 200
@@ -282,6 +297,122 @@ def transformer_flops() -> float:
     return 3.0 * fwd
 
 
+# ------------------------------------------------------------------ W5, W6: exported from PyTorch
+# Defined as torch modules (``torch_models.create``) and exported by
+# ``export_models.py`` in a torch environment; the exports are cached under
+# benchmarks/.cache/, keyed on the content of the files that define them.
+CACHE = Path(__file__).resolve().parent / ".cache"
+RN_BATCH, RN_CH, RN_SIZE, RN_CLASSES = 16, 3, 112, 10
+BERT_BATCH, BERT_SEQ, BERT_D, BERT_HEADS, BERT_LAYERS, BERT_FFN = 8, 128, 256, 4, 4, 1024
+BERT_VOCAB, BERT_LABELS = 2048, 2
+#: What the exports depend on besides these constants.
+EXPORT_SOURCES = ("export_models.py", "torch_models.py")
+
+
+def export_dir() -> Path:
+    """benchmarks/.cache/exports-<hash of the export's sources and settings>/."""
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for name in EXPORT_SOURCES:
+        h.update((here / name).read_bytes())
+    h.update(repr((RN_BATCH, RN_CH, RN_SIZE, RN_CLASSES, BERT_BATCH, BERT_SEQ, BERT_D, BERT_HEADS,
+                   BERT_LAYERS, BERT_FFN, BERT_VOCAB, BERT_LABELS)).encode())
+    return CACHE / f"exports-{h.hexdigest()[:16]}"
+
+
+def export_python() -> str:
+    """The interpreter that runs ``export_models.py``: $BENCH_EXPORT_PYTHON, else the
+    ORT training environment's (setup_ort_training.sh gives it torchvision and transformers)."""
+    env = os.environ.get("BENCH_EXPORT_PYTHON")
+    if env:
+        return env
+    python = Path(__file__).resolve().parent / ".venv-ort-training" / "bin" / "python"
+    if not python.exists():
+        raise RuntimeError(f"{python} is missing: run benchmarks/setup_ort_training.sh "
+                           "(it exports W5/W6 from PyTorch)")
+    return str(python)
+
+
+def exported_model(key: str) -> onnx.ModelProto:
+    """The cached export of workload ``key``, made first if missing."""
+    d = export_dir()
+    path = d / f"{key}.onnx"
+    if not path.exists():
+        for old in CACHE.glob("exports-*"):  # exports of earlier sources
+            if old != d:
+                shutil.rmtree(old, ignore_errors=True)
+        d.mkdir(parents=True, exist_ok=True)
+        here = Path(__file__).resolve().parent
+        proc = subprocess.run([export_python(), str(here / "export_models.py"), str(d), key],
+                              capture_output=True, text=True)
+        if proc.returncode != 0 or not path.exists():
+            raise RuntimeError(f"exporting {key} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return onnx.load(str(path))
+
+
+def _exported(key: str, batch: dict[str, np.ndarray]):
+    model = exported_model(key)
+    params = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    return model, params, batch
+
+
+def resnet_batch(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return _classification_batch(rng, (RN_BATCH, RN_CH, RN_SIZE, RN_SIZE), RN_CLASSES)
+
+
+def build_resnet18(seed: int):
+    """torchvision.models.resnet18(num_classes=10), exported (BatchNormalization trains in
+    training mode, batch statistics, as in torch's ``module.train()``)."""
+    return _exported("W5", resnet_batch(seed))
+
+
+def bert_batch(seed: int) -> dict[str, np.ndarray]:
+    """Token ids from 1: id 0 is BERT's padding token (``padding_idx``), whose embedding row
+    torch never trains; the exported Gather does not know it, so a pad token in the batch
+    (which real data would mask out) would make the ONNX model train a row torch keeps."""
+    rng = np.random.default_rng(seed)
+    return {"input_ids": rng.integers(1, BERT_VOCAB, size=(BERT_BATCH, BERT_SEQ)).astype(np.int64),
+            "label": rng.integers(0, BERT_LABELS, size=(BERT_BATCH,)).astype(np.int64)}
+
+
+def build_bert(seed: int):
+    """transformers' BertForSequenceClassification (4 layers, hidden 256, 4 heads, FFN 1024,
+    GELU erf, dropout 0), logits of input_ids [8, 128] (no mask: every token attends), exported."""
+    return _exported("W6", bert_batch(seed))
+
+
+def conv_macs(h: int, w: int, c_out: int, c_in: int, k: int) -> float:
+    return float(h * w * c_out * c_in * k * k)
+
+
+def resnet18_flops() -> float:
+    """3 x 2 x the multiply-adds of resnet18's convolutions and fc at RN_SIZE."""
+    size = (RN_SIZE + 2 * 3 - 7) // 2 + 1           # conv1 7x7 stride 2 pad 3
+    macs = conv_macs(size, size, 64, RN_CH, 7)
+    size = (size + 2 - 3) // 2 + 1                  # maxpool 3x3 stride 2 pad 1
+    c_in = 64
+    for stage, c_out in enumerate((64, 128, 256, 512)):
+        for block in range(2):
+            stride = 2 if (stage > 0 and block == 0) else 1
+            out = (size + 2 - 3) // stride + 1
+            macs += conv_macs(out, out, c_out, c_in, 3) + conv_macs(out, out, c_out, c_out, 3)
+            if stride != 1 or c_in != c_out:        # downsample 1x1
+                macs += conv_macs(out, out, c_out, c_in, 1)
+            size, c_in = out, c_out
+    macs += 512 * RN_CLASSES
+    return 3.0 * 2.0 * RN_BATCH * macs
+
+
+def bert_flops() -> float:
+    """3 x 2 x the multiply-adds of the encoder's MatMuls, the pooler and the classifier
+    (the embedding lookups are no products)."""
+    tokens, d, f = BERT_BATCH * BERT_SEQ, BERT_D, BERT_FFN
+    per_layer = tokens * d * 4 * d + tokens * 2 * d * f + 2 * BERT_BATCH * BERT_SEQ * BERT_SEQ * d
+    macs = BERT_LAYERS * per_layer + BERT_BATCH * (d * d + d * BERT_LABELS)
+    return 3.0 * 2.0 * macs
+
+
 # ------------------------------------------------------------------ the table
 WORKLOADS: dict[str, Workload] = {
     "W1": Workload("W1", "MLP 784-512-256-10, batch 64, AdamW", build_mlp, "cross_entropy",
@@ -299,6 +430,24 @@ WORKLOADS: dict[str, Workload] = {
     "W4": Workload("W4", "transformer encoder block d128 h4 ffn512, seq 64, batch 16, MSE, AdamW",
                    build_transformer, "mse", "Y_out", "target", "adamw", lr=1e-3,
                    weight_decay=1e-2, flops_per_step=transformer_flops(), default_steps=200),
+    # lr 0.001: at 0.01 the loss falls 2.35 -> 0.47 in 5 steps and float32 rounding (ReLU
+    # masks flipping near zero, amplified by BatchNorm) moves torch's own float32 losses 1e-2
+    # from its float64 ones; at 0.001 that drift is ~2e-5, so equal work is checkable to 1e-4.
+    "W5": Workload("W5", "torchvision ResNet-18 (10 classes), 3x112x112, batch 16, SGD lr 0.001 "
+                   "momentum 0.9 (exported from PyTorch)", build_resnet18, "cross_entropy",
+                   "logits", "label", "sgd", lr=0.001, momentum=0.9, flops_per_step=resnet18_flops(),
+                   default_steps=30,
+                   extra={"inputs": ["X"], "float64_reference": True,
+                          "example_inputs": lambda: [resnet_batch(0)["X"]]}),
+    # lr 1e-4 (BERT's usual scale): at 1e-3 the loss oscillates (0.68, 0.44, 0.64, 0.10) and
+    # the spec Adam op's epsilon convention moves the 5th loss 4e-3 from torch's; at 1e-4, 6e-4.
+    "W6": Workload("W6", "BERT-style encoder (transformers BertForSequenceClassification: 4 layers, "
+                   "hidden 256, 4 heads, FFN 1024), seq 128, batch 8, AdamW lr 1e-4 "
+                   "(exported from PyTorch)",
+                   build_bert, "cross_entropy", "logits", "label", "adamw", lr=1e-4,
+                   weight_decay=1e-2, flops_per_step=bert_flops(), default_steps=60,
+                   extra={"inputs": ["input_ids"],
+                          "example_inputs": lambda: [bert_batch(0)["input_ids"]]}),
 }
 
 #: ``--workloads W1`` also runs W1's SGD variant.

@@ -2,7 +2,7 @@
 
 For ``r = Relu(x)`` read only by ``(y, i) = MaxPool(r)``, the rules give
 
-    dr = place(dy at i)              (MaxUnpool, or zeros + ScatterElements-add)
+    dr = place(dy at i)              (MaxUnpool [+ Reshape], or zeros + ScatterElements-add)
     dx = Where(r > 0, dr, 0)
 
 on x's full size.  Every value ``place`` writes lands where ``r`` equals the
@@ -97,8 +97,11 @@ def _placement(placed: onnx.NodeProto, producer: dict, readers: dict):
             return pool, placed, 0
         return None
     if placed.op_type != "Reshape":
-        return None  # zeros + ScatterElements-add, then Reshape back to r's shape
-    scatter = producer.get(placed.input[0])
+        return None
+    inner = producer.get(placed.input[0])
+    if inner is not None and inner.op_type == "MaxUnpool" and readers.get(placed.input[0]) == 1:
+        return _placement(inner, producer, readers)  # (a Reshape that keeps the static shape known)
+    scatter = inner  # zeros + ScatterElements-add, then Reshape back to r's shape
     if (scatter is None or scatter.op_type != "ScatterElements" or readers.get(placed.input[0]) != 1
             or len(scatter.input) != 3):
         return None

@@ -53,7 +53,13 @@ def max_pool_vjp(ctx, dy, *_):
         # it infers, which output_shape overrides: 1s make that bound y's shape.
         ones = [1] * k
         idx = ctx.forward_output(1)
-        return (e.op("MaxUnpool", [dy, idx, e.Shape(x)], kernel_shape=ones, strides=ones),)
+        dx = e.op("MaxUnpool", [dy, idx, e.Shape(x)], kernel_shape=ones, strides=ones)
+        dims = ctx.shape(x)
+        if all(isinstance(d, int) for d in dims):
+            # onnx infers no dims from MaxUnpool's output_shape: a Reshape to
+            # the constant shape (free in onnxruntime) keeps them known downstream.
+            dx = e.Reshape(dx, e.ints(list(dims)))
+        return (dx,)
     if e.opset >= 16:
         idx = e.reshape(ctx.forward_output(1), [-1])
         upd = e.reshape(dy, [-1])
