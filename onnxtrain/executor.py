@@ -96,6 +96,13 @@ def device_of(providers: Sequence[Any] | None) -> tuple[str, int]:
     return "cpu", 0
 
 
+def state_device(providers: Sequence[Any] | None) -> tuple[str, int]:
+    """``device_of`` the providers this onnxruntime has: one it lacks, it skips
+    (with a warning) and runs on the next, CPU in the end; so does the state."""
+    have = set(ort.get_available_providers())
+    return device_of([p for p in providers or () if (p if isinstance(p, str) else p[0]) in have])
+
+
 #: Session options that already have a custom-op library, by id (kept alive here).
 _registered: dict[tuple[int, str], ort.SessionOptions] = {}
 _registered_lock = threading.Lock()

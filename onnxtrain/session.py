@@ -29,7 +29,7 @@ from onnx import numpy_helper
 from . import mapped
 from .errors import TrainingModelError
 from .inplace import inplace_keys, with_scratch_outputs
-from .executor import LARGE_MODEL_BYTES, Executor, default_session_options, device_of
+from .executor import LARGE_MODEL_BYTES, Executor, default_session_options, device_of, state_device
 from .storage import came_external, external_data_threshold, materialized, tensor_bytes, write_model
 from .metadata import model_metadata, read_position, write_position
 from .model import ModelLike, TrainingModel, load, validate
@@ -190,7 +190,7 @@ class TrainingSession:
         self._check_finite = check_finite
         self._store = StateStore(
             {name: tm.initial_value(name, readonly=True) for name in tm.state},
-            device_of(self._providers),
+            state_device(self._providers),
             adopt=tm.fresh_values(),
         )
         #: Large weights: onnxruntime frees step temporaries (``Executor``'s ``large``).
