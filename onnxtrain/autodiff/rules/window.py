@@ -201,7 +201,15 @@ class Window:
         ``conv`` (few channels x taps): all patches at once, a Conv with one-hot
         filters (group = C) -> [N, C*K, P]; dW = sum_n dout_n @ patches_n^T.
         ``slices`` (many channels): per tap, the strided Slice of inp_padded
-        -> [N, C, P]; dW[:, :, tap] = sum_n dout_n @ slice_n^T."""
+        -> [N, C, P]; dW[:, :, tap] = sum_n dout_n @ slice_n^T.
+
+        ``slices`` with a batch (N > 1): the sum over n is folded into one
+        MatMul over (n, o).  The input is laid out once channel-major,
+        [C, N, ...], so each tap's Slice is already the [C, N*P] patch matrix,
+        and dout once as [M, N*P]: dW[:, :, tap] = dout2 @ slice2^T (the
+        transpose fused into the MatMul).  That replaces N products [M, C] and
+        a ReduceSum over them per tap, N*M*C each (ResNet's last layers:
+        16 x 512 x 512 per tap), by two layouts per weight gradient."""
         e = self.ctx.emit
         k = self.k
         n, c = self.ctx.shape(inp)[:2]
@@ -228,13 +236,22 @@ class Window:
         if any(self.begin) or any(self.end):
             zeros2 = [0, 0]
             padded = e.Pad(inp, e.ints(zeros2 + list(self.begin) + zeros2 + list(self.end)))
+        flat = n > 1
+        if flat:
+            padded = e.Transpose(padded, perm=[1, 0] + list(range(2, k + 2)))  # [C, N, ...]
+            dy2 = e.reshape(e.Transpose(dy3, perm=[1, 0, 2]), [-1, n * outs])  # [M, N*P]
         columns = []
         for tap in np.ndindex(*self.kernel):
             starts = [t * d for t, d in zip(tap, self.dilations)]
             ends = [st + (o - 1) * s + 1 for st, o, s in zip(starts, self.out_dims, self.strides)]
             piece = e.slice(padded, starts, ends, axes=list(range(2, k + 2)), steps=self.strides)
-            piece = e.Transpose(e.reshape(piece, [n, c, outs]), perm=[0, 2, 1])  # [N, P, C]
-            columns.append(e.unsqueeze(e.reduce_sum(e.MatMul(dy3, piece), [0], keepdims=False), [2]))
+            if flat:
+                piece = e.Transpose(e.reshape(piece, [c, n * outs]), perm=[1, 0])  # [N*P, C]
+                column = e.MatMul(dy2, piece)  # [M, C]
+            else:
+                piece = e.Transpose(e.reshape(piece, [n, c, outs]), perm=[0, 2, 1])  # [N, P, C]
+                column = e.reduce_sum(e.MatMul(dy3, piece), [0], keepdims=False)
+            columns.append(e.unsqueeze(column, [2]))
         dw = e.concat(columns, axis=2) if len(columns) > 1 else columns[0]  # [M, C, K]
         return e.reshape(dw, [-1, c, *self.kernel])
 
