@@ -21,6 +21,7 @@ import onnxruntime as ort
 
 from . import cache, mapped, tensors
 from .errors import ExecutionError, TrainingModelError
+from .graph import node_inputs, prune
 
 
 def _max_ir_version() -> int:
@@ -163,6 +164,7 @@ class Executor:
         large: bool = False,
         fold_constants: bool = True,
         mem_pattern: bool = True,
+        prune_unfetched: bool = False,
     ) -> None:
         """``large``: the model's weights and state are large (``LARGE_MODEL_BYTES``
         or more): with default options, onnxruntime's CPU arena and memory
@@ -174,7 +176,12 @@ class Executor:
         second, folded copy of each tensor it fills).  ``mem_pattern=False``:
         with default options, no memory pattern (planned from the first run
         and kept besides the arena's blocks): the choice of a model built to
-        save activation memory (``recompute=``), measured in docs/large-models.md."""
+        save activation memory (``recompute=``), measured in docs/large-models.md.
+        ``prune_unfetched``: a run that fetches nothing but state outputs
+        runs a second session of the program pruned to those outputs, when
+        pruning drops nodes (onnxruntime computes every output of a graph,
+        bound or not: a builder's BatchNorm model would run its inference-mode
+        forward pass on every step for the outputs nobody fetched)."""
         self.label = label
         if model.ir_version > MAX_IR_VERSION:
             capped = onnx.ModelProto()
@@ -212,6 +219,9 @@ class Executor:
         except Exception as exc:  # onnxruntime raises its own exception types
             raise TrainingModelError(f"{label}: onnxruntime cannot load it: {exc}") from exc
         self.device = device_of(self._sess.get_providers())
+        # What a pruned session needs: the model and how this one was made.
+        self._prunable = (model, so, providers, custom_ops_library) if prune_unfetched else None
+        self._pruned: dict[frozenset, ort.InferenceSession | None] = {}
         self.input_names = [i.name for i in self._sess.get_inputs()]
         self.output_names = [o.name for o in self._sess.get_outputs()]
         self._local = threading.local()
@@ -268,6 +278,37 @@ class Executor:
             _set_default(so, "session.disable_prepacking", "1")
         return out
 
+    def pruned_session(self, outputs: frozenset) -> ort.InferenceSession | None:
+        """The session of this program pruned to ``outputs`` (made on first
+        use), or None where pruning drops no node or was not asked for."""
+        if self._prunable is None:
+            return None
+        if outputs in self._pruned:
+            return self._pruned[outputs]
+        model, so, providers, library = self._prunable
+        kept = prune(list(model.graph.node), outputs)
+        live = {id(n) for n in kept}
+        sess = None
+        # (dead Constants cost nothing: onnxruntime drops them at load)
+        if any(id(n) not in live and n.op_type != "Constant" for n in model.graph.node):
+            small = onnx.ModelProto()
+            small.CopyFrom(model)
+            del small.graph.node[:]
+            small.graph.node.extend(kept)
+            outs = [o for o in small.graph.output if o.name in outputs]
+            del small.graph.output[:]
+            small.graph.output.extend(outs)
+            used = {i for n in kept for i in node_inputs(n)} | set(outputs)
+            inits = [t for t in small.graph.initializer if t.name in used]
+            del small.graph.initializer[:]
+            small.graph.initializer.extend(inits)
+            try:
+                sess = ort.InferenceSession(small.SerializeToString(), sess_options=so, providers=providers)
+            except Exception:  # (the full program still runs)
+                sess = None
+        self._pruned[outputs] = sess
+        return sess
+
     def run(
         self, feeds: Mapping[str, np.ndarray], output_names: Sequence[str] | None = None
     ) -> list[np.ndarray]:
@@ -300,13 +341,13 @@ class Executor:
         if entry is None:
             if len(cache) >= 4:
                 cache.clear()
-            entry = cache[key] = _Binding(self._sess, state_in, state_out)
+            entry = cache[key] = _Binding(self._sess, state_in, state_out, self.pruned_session)
         return self._run_entry(entry, feeds, fetch, len(state_out), to_numpy)
 
 
     def binding(self, state_in: Mapping[str, ort.OrtValue], state_out: Mapping[str, ort.OrtValue]) -> _Binding:
         """A binding of these state buffers, for a caller that keeps it (a step plan)."""
-        return _Binding(self._sess, state_in, state_out)
+        return _Binding(self._sess, state_in, state_out, self.pruned_session)
 
     def run_binding(self, entry: _Binding, feeds, fetch: Sequence[str], n_state_out: int) -> dict[str, Any]:
         """Run a kept binding (see ``binding``); errors as ``run_bound`` raises them."""
@@ -329,7 +370,10 @@ class _Binding:
 
     _CPU = None
 
-    def __init__(self, sess: ort.InferenceSession, state_in, state_out) -> None:
+    def __init__(self, sess: ort.InferenceSession, state_in, state_out, pruned=None) -> None:
+        #: Executor.pruned_session, for runs that fetch nothing (``unfetched``).
+        self.pruned = pruned
+        self.unfetched: _Binding | None | bool = None if pruned is not None else False
         binding = sess.io_binding()
         for name, value in state_in.items():
             binding.bind_ortvalue_input(name, value)
@@ -337,6 +381,8 @@ class _Binding:
             binding.bind_ortvalue_output(name, value)
         # Keep the OrtValues alive while cached, so their ids stay unique.
         self.keep = (list(state_in.values()), list(state_out.values()))
+        self.state = (state_in, state_out)
+        self.state_out_names = list(state_out)
         self.binding = binding
         self.fast = hasattr(binding, "_iobinding") and hasattr(sess, "_sess")
         self.c_binding = binding._iobinding if self.fast else None
@@ -348,6 +394,12 @@ class _Binding:
             _Binding._CPU = ort.OrtDevice.make("cpu", 0)._get_c_device()
 
     def run(self, feeds, fetch, n_state_out: int, to_numpy: bool) -> dict[str, Any]:
+        if not fetch and self.unfetched is not False:
+            if self.unfetched is None:  # the same buffers, bound to the pruned session
+                sess = self.pruned(frozenset(self.state_out_names))
+                self.unfetched = False if sess is None else _Binding(sess, *self.state)
+            if self.unfetched:
+                return self.unfetched.run(feeds, fetch, n_state_out, to_numpy)
         # Re-bind fetched outputs: otherwise onnxruntime reuses the previous
         # run's buffer, whose shape is wrong once the batch size changes.
         if self.fast:

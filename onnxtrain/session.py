@@ -417,10 +417,13 @@ class TrainingSession:
             model, library = self._program_model(program)
             # A large model's initialization folded would hold a copy of what it fills.
             fold = not (self._large and any(program is p for p in self._initializations))
+            # A step that fetches nothing may skip the outputs only fetching reads
+            # (not where lean memory's in-place writes follow the full program's order).
+            prune_unfetched = any(program is p for p in self._algorithms) and not (self._lean or self._large)
             try:
                 ex = Executor(model, self._providers, self._session_options, program.label, library,
                               large=self._large, fold_constants=fold,
-                              mem_pattern=not self._recompute)
+                              mem_pattern=not self._recompute, prune_unfetched=prune_unfetched)
             except TrainingModelError as exc:
                 if library is None or self._fused_kernels:
                     raise

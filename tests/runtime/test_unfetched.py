@@ -1,0 +1,119 @@
+"""``train_step(fetch=False)`` runs the algorithm pruned to its state outputs.
+
+onnxruntime computes every output of a graph, bound or not.  A builder model
+with BatchNormalization keeps the main graph's inference-mode forward pass
+for its outputs (``logits``), beside the training-mode copy the loss reads;
+a step that fetches nothing should not pay for it.  The pruned session must
+give the same state, bit for bit, on both the general and the planned path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain import TrainingSession, build
+from onnxtrain.executor import Executor
+from onnxtrain.graph import prune
+
+ALGORITHM = "training_info[0].algorithm"
+
+
+def _bn_model(batchnorm=True):
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal((4, 2, 3, 3)) * 0.3).astype(np.float32), "w"),
+             numpy_helper.from_array((rng.standard_normal((4 * 6 * 6, 3)) * 0.1).astype(np.float32), "fc")]
+    nodes = [helper.make_node("Conv", ["X", "w"], ["c"], pads=[1, 1, 1, 1])]
+    if batchnorm:
+        inits += [numpy_helper.from_array(np.full(4, v, np.float32), n)
+                  for n, v in (("scale", 1.0), ("bias", 0.1), ("mean", 0.0), ("var", 1.0))]
+        nodes.append(helper.make_node("BatchNormalization", ["c", "scale", "bias", "mean", "var"], ["b"]))
+    else:
+        nodes.append(helper.make_node("Identity", ["c"], ["b"]))
+    nodes += [helper.make_node("Relu", ["b"], ["r"]), helper.make_node("Flatten", ["r"], ["f"]),
+              helper.make_node("MatMul", ["f", "fc"], ["logits"])]
+    graph = helper.make_graph(nodes, "bn", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [5, 2, 6, 6])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [5, 3])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return build.training_model(model, loss="cross_entropy", optimizer=build.SGD(lr=0.1, momentum=0.9))
+
+
+def _feeds(seed):
+    rng = np.random.default_rng(seed)
+    return {"X": rng.standard_normal((5, 2, 6, 6)).astype(np.float32),
+            "target": rng.integers(0, 3, 5).astype(np.int64)}
+
+
+def _state(sess):
+    return {k: np.array(v) for k, v in sess.state.items()}
+
+
+@pytest.mark.parametrize("same_batch", [True, False])
+def test_unfetched_steps_prune_the_inference_forward_and_change_nothing(same_batch, monkeypatch):
+    made = []
+    original = Executor.pruned_session
+
+    def spy(self, outputs):
+        sess = original(self, outputs)
+        made.append((self.label, sess is not None))
+        return sess
+
+    monkeypatch.setattr(Executor, "pruned_session", spy)
+    tm = _bn_model()
+    a, b = TrainingSession(tm), TrainingSession(tm)
+    for step in range(6):
+        feeds = _feeds(0 if same_batch else step)
+        a.train_step(feeds)  # fetches: the full program
+        assert not b.train_step(feeds, fetch=False)
+    state_a, state_b = _state(a), _state(b)
+    assert state_a.keys() == state_b.keys()
+    for k in state_a:
+        assert state_a[k].tobytes() == state_b[k].tobytes(), k
+    assert (ALGORITHM, True) in made  # a pruned session was made, for b's steps
+    full = b.programs(executed=True)[ALGORITHM]
+    pruned = b._executor(b._algorithms[0]).pruned_session(frozenset(
+        o.name for o in full.graph.output if o.name not in b._algorithms[0].returned))
+    assert pruned is not None
+    ops = [n.op_type for n in full.graph.node]
+    assert ops.count("BatchNormalization") == 2  # inference-mode main graph + training-mode copy
+    assert len(pruned.get_outputs()) < len(full.graph.output)
+    # and a fetching step afterwards still returns the outputs
+    out = b.train_step(_feeds(9))
+    assert set(out) >= {"loss", "logits"}
+
+
+@pytest.mark.parametrize("batchnorm", [True, False])
+def test_what_the_pruned_program_keeps(batchnorm):
+    # With BatchNorm the inference-mode forward goes; without it only the
+    # loss value's own nodes (the backward reads the log-probabilities).
+    sess = TrainingSession(_bn_model(batchnorm))
+    full = sess.programs(executed=True)[ALGORITHM]
+    program = sess._algorithms[0]
+    state_outputs = [o.name for o in full.graph.output if o.name not in program.returned]
+    kept = prune(list(full.graph.node), state_outputs)
+    ops, kept_ops = [n.op_type for n in full.graph.node], [n.op_type for n in kept]
+    assert len(kept) < len(ops)
+    assert kept_ops.count("Relu") == ops.count("Relu") - (1 if batchnorm else 0)
+    assert kept_ops.count("BatchNormalization") == (1 if batchnorm else 0)
+    assert ops.count("BatchNormalization") == (2 if batchnorm else 0)
+    a, b = TrainingSession(_bn_model(batchnorm)), TrainingSession(_bn_model(batchnorm))
+    for step in range(4):
+        a.train_step(_feeds(step))
+        b.train_step(_feeds(step), fetch=False)
+    for k, v in _state(a).items():
+        assert v.tobytes() == _state(b)[k].tobytes(), k
+
+
+def test_no_pruned_session_where_pruning_drops_nothing():
+    # every output asked for: nothing to prune (dead Constants do not count)
+    sess = TrainingSession(_bn_model(False))
+    executor = sess._executor(sess._algorithms[0])
+    everything = frozenset(o.name for o in sess.programs(executed=True)[ALGORITHM].graph.output)
+    assert executor.pruned_session(everything) is None
+
+
+def test_lean_memory_does_not_prune():
+    sess = TrainingSession(_bn_model(), memory="lean")
+    sess.train_step(_feeds(0), fetch=False)
+    assert all(not getattr(ex, "_pruned", {}) for ex in sess._executors.values())
