@@ -220,7 +220,11 @@ class Executor:
             raise TrainingModelError(f"{label}: onnxruntime cannot load it: {exc}") from exc
         self.device = device_of(self._sess.get_providers())
         # What a pruned session needs: the model and how this one was made.
-        self._prunable = (model, so, providers, custom_ops_library) if prune_unfetched else None
+        # (not where the options write the optimized model to a file: the pruned
+        # session would write over it)
+        self._prunable = None
+        if prune_unfetched and not so.optimized_model_filepath:
+            self._prunable = (model, so, providers, custom_ops_library)
         self._pruned: dict[frozenset, ort.InferenceSession | None] = {}
         self.input_names = [i.name for i in self._sess.get_inputs()]
         self.output_names = [o.name for o in self._sess.get_outputs()]
