@@ -16,7 +16,9 @@ onnxtrain runs in three modes (``onnxtrain.cache``, docs/startup.md):
 ``no-cache`` (``ONNXTRAIN_PROGRAM_CACHE=0``), ``cold`` (the cache on but
 empty: the child lowers every program and writes the entries) and ``warm``
 (the entries the cold children wrote); ``--baseline DIR`` adds ``before``:
-the onnxtrain package in DIR (e.g. a copy of an earlier version).  Every child uses a private cache
+the onnxtrain package in DIR (e.g. a copy of an earlier version), without
+the cache, and ``--baseline-warm`` adds ``before-warm``: that package with a
+warm cache of its own.  Every child uses a private cache
 directory under the run's temporary folder (the fused-kernel library is
 copied there once, so no mode pays for compiling it).  The variants of a
 round run one after the other in a rotating order; medians over ``--runs``
@@ -48,7 +50,7 @@ def _onnxtrain_sample(workdir: Path, logdir: Path, mode: str, cache: Path,
                       baseline: str | None = None) -> float:
     env = {"ONNXTRAIN_CACHE_DIR": str(cache),
            "ONNXTRAIN_PROGRAM_CACHE": "0" if mode in ("no-cache", "before") else "1"}
-    if mode == "before":  # another onnxtrain source tree (a copy of an older version)
+    if mode in ("before", "before-warm"):  # another onnxtrain source tree (a copy of an older version)
         env["PYTHONPATH"] = os.pathsep.join([baseline] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     if mode == "cold":
         shutil.rmtree(cache / "startup", ignore_errors=True)
@@ -90,11 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the samples here")
     ap.add_argument("--baseline", help="a folder holding an older onnxtrain package: adds the mode "
                                        "'onnxtrain before' (that tree on PYTHONPATH)")
+    ap.add_argument("--baseline-warm", action="store_true",
+                    help="with --baseline: also 'onnxtrain before-warm', the older package with "
+                         "a warm cache of its own")
     args = ap.parse_args(argv)
     keys = run.parse_workloads(args.workloads)
     modes = [m for m in args.modes.split(",") if m]
     if args.baseline:
         modes.insert(0, "before")
+        if args.baseline_warm:
+            modes.insert(1, "before-warm")
     run.CHECK_STEPS = 1
     use_ort = not args.no_ort and ensure_ort_venv(no_setup=True) is None
     tmp = Path(tempfile.mkdtemp(prefix="onnxtrain-startup-"))
@@ -119,8 +126,12 @@ def main(argv: list[str] | None = None) -> int:
             for f in cache.iterdir():
                 if f.is_file():
                     shutil.copy2(f, wcache / f.name)
+            bcache = cache / f"{key}-before"  # the older package's own entries
+            shutil.copytree(wcache, bcache)
             if "warm" in modes:  # fill the cache once
                 _onnxtrain_sample(workdir, logdir, "cold", wcache)
+            if "before-warm" in modes:
+                _onnxtrain_sample(workdir, logdir, "before-warm", bcache, args.baseline)
             for r in range(args.runs):
                 order = variants[r % len(variants):] + variants[: r % len(variants)]
                 for v in order:
@@ -130,16 +141,18 @@ def main(argv: list[str] | None = None) -> int:
                         mode = v.split()[1]
                         if mode == "warm" and not (wcache / "startup").exists():
                             _onnxtrain_sample(workdir, logdir, "cold", wcache)
-                        got[v].append(_onnxtrain_sample(workdir, logdir, mode, wcache, args.baseline))
+                        where = bcache if mode == "before-warm" else wcache
+                        got[v].append(_onnxtrain_sample(workdir, logdir, mode, where, args.baseline))
             samples[key] = got
             line = [f"{key}:"]
             for v, vals in got.items():
                 if v == "ort-training":
-                    tot = statistics.median(a + b for a, b in vals)
-                    line.append(f"ort-training {tot:.1f} ms (artifacts {statistics.median(a for a, _ in vals):.1f} "
+                    tots = [a + b for a, b in vals]
+                    line.append(f"ort-training {statistics.median(tots):.1f} ms ({min(tots):.0f}-{max(tots):.0f}; "
+                                f"artifacts {statistics.median(a for a, _ in vals):.1f} "
                                 f"+ build/first step {statistics.median(b for _, b in vals):.1f})")
                 else:
-                    line.append(f"{v} {statistics.median(vals):.1f} ms")
+                    line.append(f"{v} {statistics.median(vals):.1f} ms ({min(vals):.0f}-{max(vals):.0f})")
             print("  ".join(line), flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps({"samples": samples, "runs": args.runs,

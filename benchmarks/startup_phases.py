@@ -10,7 +10,9 @@ both forms are measured), ``TrainingSession(model)`` and the first
 timers: loading, validation, every program built (and its passes), shape
 inference, the fused-kernel choice, onnxruntime session creation.  Modes:
 ``before`` (the package in ``--baseline DIR``, e.g. a copy of an earlier
-version), ``no-cache``, ``cold`` and ``warm`` (see ``startup.py``).  The
+version, without the cache; ``--baseline-warm`` adds ``before-warm``, with a
+warm cache of its own, filled in round 0), ``no-cache``, ``cold`` and
+``warm`` (see ``startup.py``).  The
 modes of a round run one after the other; medians over ``--runs`` rounds.
 """
 
@@ -139,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--forms", default="builder,hand-built")
     ap.add_argument("--modes", default="no-cache,cold,warm")
     ap.add_argument("--baseline", help="folder holding an older onnxtrain package (mode 'before')")
+    ap.add_argument("--baseline-warm", action="store_true",
+                    help="with --baseline: also 'before-warm' (that package, a warm cache of its own)")
     ap.add_argument("--json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -148,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE))
     import run
 
-    modes = ([ "before"] if args.baseline else []) + [m for m in args.modes.split(",") if m]
+    modes = ((["before"] + (["before-warm"] if args.baseline_warm else [])) if args.baseline else []) + [
+        m for m in args.modes.split(",") if m]
     tmp = Path(tempfile.mkdtemp(prefix="onnxtrain-phases-"))
     cache = tmp / "cache"
     cache.mkdir()
@@ -157,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     lib = kernels.library()
     if lib:
         shutil.copy2(lib, cache / Path(lib).name)
+    bcache = tmp / "cache-before"  # the older package's own entries
+    shutil.copytree(cache, bcache)
     results: dict = {}
     try:
         cases = []
@@ -167,10 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.runs + 1):  # round 0 fills the cache for "warm" and is not kept
             for label, wd in cases:
                 for mode in modes:
-                    env = dict(os.environ, ONNXTRAIN_CACHE_DIR=str(cache),
+                    env = dict(os.environ, ONNXTRAIN_CACHE_DIR=str(bcache if mode == "before-warm" else cache),
                                ONNXTRAIN_PROGRAM_CACHE="0" if mode in ("no-cache", "before") else "1")
                     env["PYTHONPATH"] = os.pathsep.join(
-                        ([args.baseline] if mode == "before" else []) + [str(HERE)])
+                        ([args.baseline] if mode.startswith("before") else []) + [str(HERE)]
+                        + [p for p in [os.environ.get("PYTHONPATH")] if p])
                     if mode == "cold":
                         shutil.rmtree(cache / "startup", ignore_errors=True)
                     if mode == "warm" and r == 0:

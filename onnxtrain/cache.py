@@ -275,6 +275,8 @@ def model_digest(proto: onnx.ModelProto, state: Any) -> bytes | None:
     large are not cached)."""
     from .tensors import copy_fields
 
+    if _frozen_raw_bytes(proto, state) > MAX_ENTRY_BYTES:
+        return None  # known without copying the frozen weights into a skeleton
     h = hashlib.sha256(b"model\n")
     top = onnx.ModelProto()
     copy_fields(proto, top, skip=("graph", "training_info"))
@@ -283,13 +285,31 @@ def model_digest(proto: onnx.ModelProto, state: Any) -> bytes | None:
         rest = onnx.TrainingInfoProto()
         copy_fields(ti, rest, skip=("algorithm", "initialization"))
         parts += [rest, _graph_skeleton(ti.algorithm, state)]
-    if sum(p.ByteSize() for p in parts) > MAX_ENTRY_BYTES:
-        return None
+    # Serialized once: ByteSize serializes too (protobuf's upb build).
+    total = 0
     for p in parts:
         data = p.SerializeToString()
+        total += len(data)
+        if total > MAX_ENTRY_BYTES:
+            return None
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
     return h.digest()
+
+
+def _frozen_raw_bytes(proto: onnx.ModelProto, state: Any) -> int:
+    """A lower bound of the skeleton's size: the raw_data bytes of the
+    initializers it keeps (not state, in the graphs it holds), from their
+    dims (``load`` checked that raw_data holds exactly that many)."""
+    from .tensors import stored_bytes
+
+    total = 0
+    for g in [proto.graph, *(ti.algorithm for ti in proto.training_info)]:
+        for t in g.initializer:
+            if (t.data_location != onnx.TensorProto.EXTERNAL and t.name not in state
+                    and t.HasField("raw_data")):
+                total += stored_bytes(t) or 0
+    return total
 
 
 def _graph_skeleton(g: onnx.GraphProto, state: Any) -> onnx.GraphProto:

@@ -23,9 +23,17 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from . import mapped, storage
 from .errors import TrainingModelError
 from .storage import load_external_data, spill
-from .tensors import check_tensors, has_external, is_repeated
+from .tensors import (
+    all_tensors,
+    check_tensors,
+    has_external,
+    is_repeated,
+    model_contents,
+    stored_bytes,
+)
 
 ModelLike = str | os.PathLike | bytes | onnx.ModelProto
 
@@ -61,14 +69,18 @@ def load(model: ModelLike) -> tuple[onnx.ModelProto, Path | None]:
         proto = model
         # Mapped placeholders (a model built from a loaded one) are fine:
         # check_tensors checks their files are the ones validated at load.
-        if has_external(proto, mapped_ok=True):
+        # One walk of the tensors serves the three looks at them.
+        contents = model_contents(proto)
+        tensors = [t for graph_tensors, _ in contents for t in graph_tensors]
+        if any(t.data_location == onnx.TensorProto.EXTERNAL and not mapped.is_mapped(t)
+               for t in tensors):
             raise TrainingModelError(
                 "the ModelProto refers to external data; pass its path instead so "
                 "the data can be found"
             )
         check_strings(proto)
-        check_tensors(proto)
-        return spill(proto) or proto, base
+        check_tensors(proto, contents=contents)
+        return _spilled(proto, tensors), base
     if isinstance(model, (bytes, bytearray, memoryview)):
         data = bytes(model)
         base = None
@@ -94,7 +106,20 @@ def load(model: ModelLike) -> tuple[onnx.ModelProto, Path | None]:
     else:
         filled = []
     check_tensors(proto, skip=filled)
-    return spill(proto) or proto, base
+    return _spilled(proto, list(all_tensors(proto))), base
+
+
+def _spilled(proto: onnx.ModelProto, tensors: list[onnx.TensorProto]) -> onnx.ModelProto:
+    """``spill(proto) or proto``, without spill's own walk of the tensors when
+    all of them (``tensors``, every tensor of ``proto``) hold less than it
+    spills from: then it would return None."""
+    inline = 0
+    for t in tensors:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            inline += stored_bytes(t) or 0
+    if inline < max(storage.SPILL_FROM, 1):
+        return proto
+    return spill(proto) or proto
 
 
 def _read_model_file(path: Path) -> bytes:
@@ -201,7 +226,52 @@ def _plan(desc) -> tuple[tuple[str, ...], ...]:
 
 
 def _strings_ok(message) -> bool:
-    """The fast path of ``check_strings``: True if every string is text (no paths kept)."""
+    """The fast path of ``check_strings``: True if every string is text (no paths kept).
+
+    A message is read with one ``ListFields`` call (its set fields only),
+    except a TensorProto, whose listing would copy its data: its fields are
+    read by name (``_plan``)."""
+    if message.DESCRIPTOR is _TENSOR_PROTO:
+        return _tensor_strings_ok(message)
+    kinds = _KINDS
+    for fd, value in message.ListFields():
+        kind = kinds.get(fd)
+        if kind is None:
+            kind = _kind(fd)
+        if kind == _STRING:
+            if value.__class__ is not str:
+                return False
+        elif kind == _STRINGS:
+            for v in value:
+                if v.__class__ is not str:
+                    return False
+        elif kind == _MESSAGE:
+            if not _strings_ok(value):
+                return False
+        elif kind == _MESSAGES:
+            for sub in value:
+                if not _strings_ok(sub):
+                    return False
+    return True
+
+
+_TENSOR_PROTO = onnx.TensorProto.DESCRIPTOR
+#: What a field holds, for ``_strings_ok``: by field descriptor.
+_KINDS: dict = {}
+_OTHER, _STRING, _MESSAGE, _STRINGS, _MESSAGES = 0, 1, 2, 5, 6
+
+
+def _kind(fd) -> int:
+    kind = _STRING if fd.type == FieldDescriptor.TYPE_STRING else (
+        _MESSAGE if fd.type == FieldDescriptor.TYPE_MESSAGE else _OTHER)
+    if kind and is_repeated(fd):
+        kind += 4
+    _KINDS[fd] = kind
+    return kind
+
+
+def _tensor_strings_ok(message) -> bool:
+    """``_strings_ok`` by field name (for a TensorProto: its data is not read)."""
     strings, repeated_strings, messages, repeated_messages = _plan(message.DESCRIPTOR)
     for name in strings:
         if getattr(message, name).__class__ is not str:

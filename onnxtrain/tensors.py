@@ -49,9 +49,82 @@ def all_graphs(model: onnx.ModelProto) -> list[tuple[str, onnx.GraphProto]]:
 
 
 def all_tensors(model: onnx.ModelProto) -> Iterable[onnx.TensorProto]:
-    """Every TensorProto a model holds: initializers, sparse values, attributes."""
-    for _, t in labelled_tensors(model):
-        yield t
+    """Every TensorProto a model holds: initializers, sparse values, attributes.
+
+    The same tensors in the same order as ``labelled_tensors``, without
+    making a label for each: every walk of a model at load goes through
+    here (the checks, the size sums, the external-data scans)."""
+    for g in _walk_graphs(model):
+        yield from _graph_tensors(g)
+
+
+_A = onnx.AttributeProto
+_TENSOR, _TENSORS = _A.TENSOR, _A.TENSORS
+_SPARSE_TENSOR, _SPARSE_TENSORS = _A.SPARSE_TENSOR, _A.SPARSE_TENSORS
+_GRAPH, _GRAPHS = _A.GRAPH, _A.GRAPHS
+#: Attribute types that hold a tensor or a graph (every other type is skipped).
+_HOLDERS = frozenset((_TENSOR, _TENSORS, _SPARSE_TENSOR, _SPARSE_TENSORS, _GRAPH, _GRAPHS))
+
+
+def _walk_graphs(model: onnx.ModelProto) -> list[onnx.GraphProto]:
+    """``all_graphs`` without the labels: the same graphs in the same order."""
+    out = [model.graph]
+    for ti in model.training_info:
+        if ti.HasField("initialization"):
+            out.append(ti.initialization)
+        if ti.HasField("algorithm"):
+            out.append(ti.algorithm)
+    stack = list(out)
+    while stack:
+        g = stack.pop()
+        for n in g.node:
+            for a in n.attribute:
+                t = a.type
+                if t == _GRAPH:
+                    out.append(a.g)
+                    stack.append(a.g)
+                elif t == _GRAPHS:
+                    for sg in a.graphs:
+                        out.append(sg)
+                        stack.append(sg)
+    return out
+
+
+def _graph_tensors(g: onnx.GraphProto) -> list[onnx.TensorProto]:
+    """The tensors of one graph (not of its subgraphs), in ``labelled_tensors``' order."""
+    return _graph_contents(g)[0]
+
+
+def _graph_contents(
+    g: onnx.GraphProto,
+) -> tuple[list[onnx.TensorProto], list[onnx.SparseTensorProto]]:
+    """The tensors (as ``_graph_tensors``) and the sparse tensors (sparse
+    initializers, then sparse attributes) of one graph, in one pass."""
+    out = list(g.initializer)
+    sparse = list(g.sparse_initializer)
+    for st in sparse:
+        out.append(st.values)
+        out.append(st.indices)
+    for n in g.node:
+        for a in n.attribute:
+            t = a.type
+            if t not in _HOLDERS:
+                continue
+            if t == _TENSOR:
+                out.append(a.t)
+            elif t == _TENSORS:
+                out.extend(a.tensors)
+            elif t == _SPARSE_TENSOR:
+                st = a.sparse_tensor
+                out.append(st.values)
+                out.append(st.indices)
+                sparse.append(st)
+            elif t == _SPARSE_TENSORS:
+                for st in a.sparse_tensors:
+                    out.append(st.values)
+                    out.append(st.indices)
+                    sparse.append(st)
+    return out, sparse
 
 
 def labelled_tensors(model: onnx.ModelProto) -> Iterable[tuple[str, onnx.TensorProto]]:
@@ -211,14 +284,17 @@ def check_dims(t: onnx.TensorProto, where: str) -> None:
 
 
 def raw_length(t: onnx.TensorProto) -> int:
-    """len(t.raw_data) without copying the bytes out of protobuf.
+    """len(t.raw_data), at the least cost the protobuf build allows.
 
-    Reading ``raw_data`` copies it (a whole tensor), so the length comes from
-    the serialized sizes instead: the field costs 1 tag byte, a varint length
-    and the data, and every other field is copied into a bare TensorProto to
-    be measured.  Unknown fields, or sizes that do not add up, fall back to
-    the copy."""
-    if len(UnknownFieldSet(t)):
+    With the upb build (protobuf's default), reading ``raw_data`` makes one
+    copy of the bytes, and ``ByteSize`` serializes the tensor (two copies),
+    so the length is read directly.  With the C++ build, reading
+    ``raw_data`` copies the tensor while ``ByteSize`` is computed without
+    one, so the length comes from the serialized sizes instead: the field
+    costs 1 tag byte, a varint length and the data, and every other field is
+    copied into a bare TensorProto to be measured.  Unknown fields, or sizes
+    that do not add up, fall back to the copy."""
+    if not _MEASURE_BY_SIZE or len(UnknownFieldSet(t)):
         return len(t.raw_data)
     meta = onnx.TensorProto()
     copy_fields(t, meta, skip=("raw_data",))
@@ -231,6 +307,20 @@ def raw_length(t: onnx.TensorProto) -> int:
         if n >= 0 and _varint_width(n) == width:
             return n
     return len(t.raw_data)
+
+
+def _protobuf_backend() -> str:
+    try:
+        from google.protobuf.internal import api_implementation
+
+        return api_implementation.Type()
+    except Exception:  # an unknown build: measure by sizes, which is always right
+        return "cpp"
+
+
+#: Whether ``raw_length`` measures by serialized sizes (only the C++ build
+#: computes them without copying the data).
+_MEASURE_BY_SIZE = _protobuf_backend() == "cpp"
 
 
 def _varint_width(n: int) -> int:
@@ -270,8 +360,6 @@ def check_tensor(t: onnx.TensorProto, where: str) -> None:
             return
         raise TrainingModelError(f"{where}: external data was not loaded")
     numel = element_count(t.dims)
-    type_name = data_type_name(data_type)
-    shape = f"dims {list(t.dims)} of {type_name}"
     typed = [f for f in _TYPED_FIELDS if len(getattr(t, f))]
     has_raw = t.HasField("raw_data")
     if has_raw and typed:
@@ -284,7 +372,7 @@ def check_tensor(t: onnx.TensorProto, where: str) -> None:
         found, expected = raw_length(t), raw_bytes(data_type, numel)
         if found != expected:
             raise TrainingModelError(
-                f"{where}: raw_data holds {found} bytes, but {shape} need {expected}"
+                f"{where}: raw_data holds {found} bytes, but {_shape(t)} need {expected}"
             )
         return
     else:
@@ -292,14 +380,18 @@ def check_tensor(t: onnx.TensorProto, where: str) -> None:
         expected = (numel * bits + 7) // 8 if bits < 8 else numel * per
         if typed and typed != [fld]:
             raise TrainingModelError(
-                f"{where}: a {type_name} tensor keeps its values in {fld} or raw_data, "
+                f"{where}: a {data_type_name(data_type)} tensor keeps its values in {fld} or raw_data, "
                 f"not in {typed[0]}"
             )
         found = len(getattr(t, fld))
     if found != expected:
         raise TrainingModelError(
-            f"{where}: {fld} holds {found} values, but {shape} need {expected}"
+            f"{where}: {fld} holds {found} values, but {_shape(t)} need {expected}"
         )
+
+
+def _shape(t: onnx.TensorProto) -> str:
+    return f"dims {list(t.dims)} of {data_type_name(t.data_type)}"
 
 
 def check_sparse_tensor(st: onnx.SparseTensorProto, where: str) -> None:
@@ -345,19 +437,52 @@ def check_sparse_tensor(st: onnx.SparseTensorProto, where: str) -> None:
         )
 
 
-def check_tensors(model: onnx.ModelProto, skip: Iterable[onnx.TensorProto] = ()) -> None:
+def model_contents(
+    model: onnx.ModelProto,
+) -> list[tuple[list[onnx.TensorProto], list[onnx.SparseTensorProto]]]:
+    """Per graph (``all_graphs``' order), its tensors and sparse tensors
+    (``_graph_contents``): one walk, for callers that look at the tensors
+    more than once (``loading.load``).  Valid while ``model`` is not changed."""
+    return [_graph_contents(g) for g in _walk_graphs(model)]
+
+
+def check_tensors(model: onnx.ModelProto, skip: Iterable[onnx.TensorProto] = (),
+                  contents: list | None = None) -> None:
     """Every tensor of every graph holds exactly the data its dims and type need.
 
     Measuring a tensor's raw_data costs a pass over it (protobuf has no O(1)
     length), so the tensors in ``skip`` (checked already) are not measured
     again.  (They are matched by identity: protobuf keeps one Python object
-    per sub-message while it is referenced, and ``skip`` references them.)"""
+    per sub-message while it is referenced, and ``skip`` references them.)
+
+    Every tensor is checked without making its label; only when one fails
+    does a second, labelled walk (the same tensors in the same order, the
+    same checks) find it again to say where it is.  ``contents``: the
+    model's ``model_contents``, when the caller has it."""
     checked = {id(t): t for t in skip}
+    try:
+        _check_all(model_contents(model) if contents is None else contents, checked)
+        return
+    except TrainingModelError as exc:
+        first = exc
     for where, t in labelled_tensors(model):
         if checked.get(id(t)) is not t:
             check_tensor(t, where)
     for where, st in labelled_sparse_tensors(model):
         check_sparse_tensor(st, where)
+    raise first  # not reached: the labelled walk fails where the first one did
+
+
+def _check_all(contents: list, checked: dict) -> None:
+    """``check_tensors``' walk without labels (errors say "" for where).  A
+    graph's sparse tensors are checked after all its tensors, their values
+    and indices among them, as in the labelled walk."""
+    for tensors, sparse in contents:
+        for t in tensors:
+            if checked.get(id(t)) is not t:
+                check_tensor(t, "")
+        for st in sparse:
+            check_sparse_tensor(st, "")
 
 
 def element_count(dims: Iterable[int]) -> int:

@@ -76,6 +76,7 @@ from ..emitter import Emitter, np_dtype
 from ..graph import PREVIEW_DOMAIN, graph_names, infer_types, opset_version
 from ..metadata import replace_metadata
 from ..storage import tensor_bytes
+from ..tensors import all_tensors
 from ..model import ModelLike, load
 from ..names import NameGen
 from . import adapt as _adapt
@@ -320,7 +321,11 @@ def training_model(
     # A model under SPILL_FROM is returned self-contained, as any onnx tool
     # expects; a larger one keeps its weights in their (mapped) files, which
     # TrainingSession and storage.write_model read without a copy.
-    if tensor_bytes(proto) < storage.SPILL_FROM:
+    # (Only external tensors can be placeholders: most models have none,
+    # and then one walk of the tensors settles it.)
+    if any(t.data_location == TensorProto.EXTERNAL for t in all_tensors(proto)) and (
+        tensor_bytes(proto) < storage.SPILL_FROM
+    ):
         proto = storage.materialized(proto)
     return proto
 
@@ -506,7 +511,7 @@ class _Algorithm:
                 grads = self.clip(grads)
             self.optimizer_step(grads)
             self.count_step()
-        ti.algorithm.CopyFrom(self.graph())
+        self.graph(ti.algorithm)
         for key, value in self.bindings:
             ti.update_binding.add(key=key, value=value)
 
@@ -522,17 +527,18 @@ class _Algorithm:
         self.outputs.append(vi)
         self.bindings.append((key, value))
 
-    def graph(self) -> onnx.GraphProto:
+    def graph(self, graph: onnx.GraphProto) -> None:
+        """Fill the (empty) algorithm graph ``graph`` in place: what
+        ``helper.make_graph`` makes, without a copy of every node."""
         plan = self.plan
         loss_vi = helper.make_tensor_value_info(plan.loss_name, self.loss_type, [])
-        graph = helper.make_graph(
-            self.e.nodes, f"training_info[{self.index}].algorithm", [plan.target],
-            [loss_vi] + self.outputs, [], value_info=self.value_info,
+        _fill_graph(
+            graph, self.e.nodes, f"training_info[{self.index}].algorithm", [plan.target],
+            [loss_vi] + self.outputs, value_info=self.value_info,
         )
         for var in plan.state.values():
             if var.home == self.index:
                 var.add_initializer(graph)
-        return graph
 
     # -- stages
     def forward(self) -> tuple[str, list[tuple[str, str]]]:
@@ -689,13 +695,22 @@ def _initialization(plan: Plan, index: int, ti: onnx.TrainingInfoProto) -> None:
     names = NameGen(v.name for v in owned)
     e = Emitter(plan.opset, names, hint="init")
     outputs, binding = [], []
+    #: (node index, starting tensor) of the Constants whose value is filled in last.
+    fills: list[tuple[int, onnx.TensorProto]] = []
     for var in owned:
+        if var.initial is not None:
+            fills.append((len(e.nodes), var.initial))
         value = _initial_value(e, var, names.fresh(f"{var.name}.initial"))
         outputs.append(var.value_info(value))
         binding.append((var.name, value))
-    ti.initialization.CopyFrom(
-        helper.make_graph(e.nodes, f"training_info[{index}].initialization", [], outputs)
-    )
+    graph = ti.initialization
+    _fill_graph(graph, e.nodes, f"training_info[{index}].initialization", [], outputs)
+    # The starting values are copied once, straight into their place in the
+    # model (their Constants were emitted with the type and dims only).
+    for position, initial in fills:
+        value = graph.node[position].attribute[0].t
+        value.CopyFrom(initial)  # bit for bit, whatever the storage field
+        value.ClearField("name")
     for key, value in binding:
         ti.initialization_binding.add(key=key, value=value)
 
@@ -714,9 +729,8 @@ def _running_stat_vars(plan: Plan, ti: onnx.TrainingInfoProto) -> list[StateSpec
 def _initial_value(e: Emitter, var: StateSpec, out: str) -> str:
     """A Constant holding the starting value (ConstantOfShape for a fill of a tensor)."""
     if var.initial is not None:
-        value = onnx.TensorProto()
-        value.CopyFrom(var.initial)  # bit for bit, whatever the storage field
-        value.ClearField("name")
+        # The type and dims only: ``_initialization`` copies the data in place.
+        value = onnx.TensorProto(data_type=var.initial.data_type, dims=var.initial.dims)
         e.op("Constant", [], outputs=[out], value=value)
     elif not var.shape:
         e.op("Constant", [], outputs=[out], value=numpy_helper.from_array(var.start_value()))
@@ -724,6 +738,24 @@ def _initial_value(e: Emitter, var: StateSpec, out: str) -> str:
         fill = numpy_helper.from_array(np.asarray([var.fill], dtype=np_dtype(var.elem_type)))
         e.op("ConstantOfShape", [e.ints(var.shape)], outputs=[out], value=fill)
     return out
+
+
+def _fill_graph(
+    graph: onnx.GraphProto,
+    nodes: Sequence[onnx.NodeProto],
+    name: str,
+    inputs: Sequence[onnx.ValueInfoProto],
+    outputs: Sequence[onnx.ValueInfoProto],
+    value_info: Sequence[onnx.ValueInfoProto] = (),
+) -> None:
+    """``graph.CopyFrom(helper.make_graph(nodes, name, inputs, outputs,
+    value_info=value_info))`` for an empty ``graph``, with one copy of the
+    nodes instead of two."""
+    graph.node.extend(nodes)
+    graph.name = name
+    graph.input.extend(inputs)
+    graph.output.extend(outputs)
+    graph.value_info.extend(value_info)
 
 
 # ------------------------------------------------------------------ model-level
