@@ -335,7 +335,10 @@ def import_framework(framework: str) -> None:
         import onnxruntime  # noqa: F401
 
         import onnxtrain  # noqa: F401
+        import onnxtrain.build  # noqa: F401
         import onnxtrain.executor  # noqa: F401
+        import training_model  # noqa: F401  (the benchmark's own modules, as the peers' are)
+        import workloads  # noqa: F401
     elif framework in ("torch", "torch-fused"):
         import torch  # noqa: F401
         import torch._dynamo  # noqa: F401  (torch.optim imports it lazily on first use)
