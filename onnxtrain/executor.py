@@ -375,8 +375,11 @@ class _Binding:
     _CPU = None
 
     def __init__(self, sess: ort.InferenceSession, state_in, state_out, pruned=None) -> None:
-        #: Executor.pruned_session, for runs that fetch nothing (``unfetched``).
-        self.pruned = pruned
+        #: Executor.pruned_session, for runs that fetch nothing (``unfetched``); weakly,
+        #: as the executor keeps its bindings: a cycle would leave both, with their
+        #: onnxruntime sessions, to the cyclic collector (which may run in a forked
+        #: child, where destroying a session hangs).
+        self.pruned = weakref.WeakMethod(pruned) if pruned is not None else None
         self.unfetched: _Binding | None | bool = None if pruned is not None else False
         binding = sess.io_binding()
         for name, value in state_in.items():
@@ -400,7 +403,8 @@ class _Binding:
     def run(self, feeds, fetch, n_state_out: int, to_numpy: bool) -> dict[str, Any]:
         if not fetch and self.unfetched is not False:
             if self.unfetched is None:  # the same buffers, bound to the pruned session
-                sess = self.pruned(frozenset(self.state_out_names))
+                pruned = self.pruned()
+                sess = pruned(frozenset(self.state_out_names)) if pruned is not None else None
                 self.unfetched = False if sess is None else _Binding(sess, *self.state)
             if self.unfetched:
                 return self.unfetched.run(feeds, fetch, n_state_out, to_numpy)

@@ -117,3 +117,24 @@ def test_lean_memory_does_not_prune():
     sess = TrainingSession(_bn_model(), memory="lean")
     sess.train_step(_feeds(0), fetch=False)
     assert all(not getattr(ex, "_pruned", {}) for ex in sess._executors.values())
+
+
+def test_sessions_are_freed_without_the_cycle_collector():
+    # A binding holds its executor's pruned_session weakly: no cycle keeps
+    # onnxruntime sessions alive until a collection (which may happen in a
+    # forked child, where destroying one hangs).
+    import gc
+    import weakref
+
+    sess = TrainingSession(_bn_model())
+    for _ in range(2):
+        sess.train_step(_feeds(0), fetch=False)
+        sess.train_step(_feeds(0))
+    executor = weakref.ref(sess._executor(sess._algorithms[0]))
+    gc.collect()
+    gc.disable()
+    try:
+        del sess
+        assert executor() is None
+    finally:
+        gc.enable()
