@@ -282,6 +282,10 @@ class Executor:
             _set_default(so, "session.disable_prepacking", "1")
         return out
 
+    def _pruner(self):
+        """What a binding asks for its pruned session (None: never pruned)."""
+        return self.pruned_session if self._prunable is not None else None
+
     def pruned_session(self, outputs: frozenset) -> ort.InferenceSession | None:
         """The session of this program pruned to ``outputs`` (made on first
         use), or None where pruning drops no node or was not asked for."""
@@ -345,13 +349,13 @@ class Executor:
         if entry is None:
             if len(cache) >= 4:
                 cache.clear()
-            entry = cache[key] = _Binding(self._sess, state_in, state_out, self.pruned_session)
+            entry = cache[key] = _Binding(self._sess, state_in, state_out, self._pruner())
         return self._run_entry(entry, feeds, fetch, len(state_out), to_numpy)
 
 
     def binding(self, state_in: Mapping[str, ort.OrtValue], state_out: Mapping[str, ort.OrtValue]) -> _Binding:
         """A binding of these state buffers, for a caller that keeps it (a step plan)."""
-        return _Binding(self._sess, state_in, state_out, self.pruned_session)
+        return _Binding(self._sess, state_in, state_out, self._pruner())
 
     def run_binding(self, entry: _Binding, feeds, fetch: Sequence[str], n_state_out: int) -> dict[str, Any]:
         """Run a kept binding (see ``binding``); errors as ``run_bound`` raises them."""

@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .graph import constant_values, infer_types, node_inputs
+from .graph import constant_values, infer_types, is_zero, node_inputs
 from .names import NameGen
 
 #: The library op (domain ``fuse.KERNEL_DOMAIN``).
@@ -121,12 +121,6 @@ def fuse_max_pools(graph: onnx.GraphProto, plan: dict[str, list[int]], domain: s
 RELU_GRAD = {TensorProto.FLOAT: "ReluGradF32", TensorProto.DOUBLE: "ReluGradF64"}
 
 
-def _positive_zero(values: dict, name: str) -> bool:
-    v = values.get(name)
-    return (v is not None and v.size == 1 and v.dtype.kind == "f"
-            and v.reshape(-1)[0] == 0 and not np.signbit(v.reshape(-1)[0]))
-
-
 def relu_grad_plan(graph: onnx.GraphProto,
                    opset_imports: Sequence[onnx.OperatorSetIdProto]) -> dict[str, tuple[str, str, int]]:
     """{Where output: (y, dy, element type)} for every ``Where(Greater(y, 0), dy, 0)``
@@ -152,7 +146,7 @@ def relu_grad_plan(graph: onnx.GraphProto,
         et = types.get(y)
         if et not in RELU_GRAD or types.get(dy) != et or types.get(w.output[0]) != et:
             continue
-        if not (_positive_zero(values, zero_y) and _positive_zero(values, zero)):
+        if not (is_zero(values, zero_y) and is_zero(values, zero, positive=True)):
             continue
         sy, sdy = shapes.get(y), shapes.get(dy)
         if sy is None or sy != sdy or not all(isinstance(d, int) for d in sy):

@@ -492,6 +492,16 @@ def constant_values(graph: onnx.GraphProto, max_size: int = 1024) -> dict[str, n
     return out
 
 
+def is_zero(values: dict[str, np.ndarray], name: str, positive: bool = False) -> bool:
+    """Whether ``name`` is a one-element floating constant of ``values``
+    (``constant_values``) equal to zero; +0.0 only with ``positive``."""
+    v = values.get(name)
+    if v is None or v.size != 1 or v.dtype.kind != "f":
+        return False
+    x = v.reshape(-1)[0]
+    return bool(x == 0) and not (positive and np.signbit(x))
+
+
 def _numel(dims) -> int:
     n = 1
     for d in dims:

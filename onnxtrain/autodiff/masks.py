@@ -20,16 +20,10 @@ nodes, in place; anything else is left alone.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx
 
-from ..graph import constant_values
+from ..graph import constant_values, is_zero
 from ..names import NameGen
-
-
-def _is_zero(values: dict[str, np.ndarray], name: str) -> bool:
-    v = values.get(name)
-    return v is not None and v.size == 1 and v.dtype.kind == "f" and float(v.reshape(-1)[0]) == 0.0
 
 
 def _zero_fill(node: onnx.NodeProto) -> bool:
@@ -74,7 +68,7 @@ def fold_masks(nodes: list[onnx.NodeProto], graph: onnx.GraphProto, names: NameG
             continue
         if values is None:
             values = constant_values(graph)
-        if not (_is_zero(values, zero) and _is_zero(values, zero_r)):
+        if not (is_zero(values, zero, positive=True) and is_zero(values, zero_r)):
             continue
         dy = dy_reader.input[dy_index]
         masked = names.fresh(dy + "_masked")

@@ -599,26 +599,19 @@ static OrtStatus *max_pool_compute(const OpDef *def, OrtKernelContext *ctx) {
  * it selects comes out as +0.0: the "+ 0" here does the same.  The selection
  * is a bit mask, not a branch: a Relu's signs are as good as random, and a
  * mispredicted branch per element made a branching loop as slow as Where. */
-CLONES static void relu_grad_f32(size_t n, const float *y, const float *dy, float *dx) {
-    for (size_t i = 0; i < n; ++i) {
-        uint32_t bits;
-        float v;
-        memcpy(&bits, &dy[i], sizeof bits);
-        bits &= (uint32_t)0 - (uint32_t)(y[i] > 0.0f);
-        memcpy(&v, &bits, sizeof v);
-        dx[i] = v + 0.0f;
+#define DEFINE_RELU_GRAD(T, BITS, SUFFIX)                                                  \
+    CLONES static void relu_grad_##SUFFIX(size_t n, const T *y, const T *dy, T *dx) {      \
+        for (size_t i = 0; i < n; ++i) {                                                   \
+            BITS bits;                                                                     \
+            T v;                                                                           \
+            memcpy(&bits, &dy[i], sizeof bits);                                            \
+            bits &= (BITS)0 - (BITS)(y[i] > (T)0);                                         \
+            memcpy(&v, &bits, sizeof v);                                                   \
+            dx[i] = v + (T)0;                                                              \
+        }                                                                                  \
     }
-}
-CLONES static void relu_grad_f64(size_t n, const double *y, const double *dy, double *dx) {
-    for (size_t i = 0; i < n; ++i) {
-        uint64_t bits;
-        double v;
-        memcpy(&bits, &dy[i], sizeof bits);
-        bits &= (uint64_t)0 - (uint64_t)(y[i] > 0.0);
-        memcpy(&v, &bits, sizeof v);
-        dx[i] = v + 0.0;
-    }
-}
+DEFINE_RELU_GRAD(float, uint32_t, f32)
+DEFINE_RELU_GRAD(double, uint64_t, f64)
 
 static OrtStatus *relu_grad_compute(const OpDef *def, OrtKernelContext *ctx) {
     const OrtValue *yv = NULL, *dyv = NULL;
