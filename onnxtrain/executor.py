@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from . import cache, mapped, tensors
+from . import cache, mapped, nchwc, tensors
 from .errors import ExecutionError, TrainingModelError
 from .graph import node_inputs, prune
 
@@ -51,6 +51,43 @@ def _max_ir_version() -> int:
 
 #: Programs are lowered to this IR version before onnxruntime sees them.
 MAX_IR_VERSION = _max_ir_version()
+
+
+#: The NCHWc contrib-op domain of onnxruntime's CPU provider.
+NCHWC_DOMAIN = nchwc.DOMAIN
+_nchwc_block: int | None = None
+
+
+def nchwc_block() -> int:
+    """The channel block of onnxruntime's NCHWc convolutions on this machine
+    (MLAS's: 16 with AVX-512, 8 with AVX2), or 0 where it has none (or one
+    below 8).  Read off
+    what ReorderInput makes of four channels (it pads channels to the block), on
+    first use; the layout of the filters ``nchwc.rewrite`` reorders."""
+    global _nchwc_block
+    if _nchwc_block is None:
+        from onnx import TensorProto, helper
+
+        graph = helper.make_graph(
+            [helper.make_node("ReorderInput", ["x"], ["y"], domain=NCHWC_DOMAIN)], "nchwc_probe",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 1, 1])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13),
+                                                        helper.make_opsetid(NCHWC_DOMAIN, 1)])
+        model.ir_version = min(MAX_IR_VERSION, 8)
+        so = ort.SessionOptions()
+        so.log_severity_level = 4
+        try:
+            sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            (y,) = sess.run(None, {"x": np.ones((1, 4, 1, 1), np.float32)})
+            # (4 channels come back as 4 both for a block of 4 and for
+            # none, so blocks below 8 are not used)
+            block = int(y.shape[1]) if y.ndim == 4 and y.shape[1] >= 8 else 0
+        except Exception:  # a build without the NCHWc kernels
+            block = 0
+        _nchwc_block = block
+    return _nchwc_block
 
 
 def contiguous(arr: np.ndarray) -> np.ndarray:

@@ -35,7 +35,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .errors import TrainingModelError
-from .graph import infer_types, node_inputs, toposort
+from .graph import infer_types, node_inputs, read_counts, toposort
 
 
 def _scalars(graph: onnx.GraphProto) -> dict[str, float]:
@@ -77,12 +77,7 @@ def fuse_gemm_updates(
     """Apply the fusion everywhere it is valid (in place); returns how many."""
     nodes = list(graph.node)
     producer = {o: n for n in nodes for o in n.output if o}
-    uses: dict[str, int] = {}
-    for n in nodes:
-        for i in node_inputs(n):
-            uses[i] = uses.get(i, 0) + 1
-    for o in graph.output:
-        uses[o.name] = uses.get(o.name, 0) + 1
+    uses = read_counts(nodes, (o.name for o in graph.output))
     scalars = _scalars(graph)
     shapes: dict | None = None
     removed: set[int] = set()
@@ -173,7 +168,7 @@ _ADAM_OPS = {TensorProto.FLOAT: "AdamUpdateF32", TensorProto.DOUBLE: "AdamUpdate
 
 
 def fuse_adam_updates(
-    graph: onnx.GraphProto, opset_imports: Sequence[onnx.OperatorSetIdProto]
+    graph: onnx.GraphProto, opset_imports: Sequence[onnx.OperatorSetIdProto], inferred=None
 ) -> int:
     """Replace every per-parameter Adam/AdamW update by one fused kernel (in place).
 
@@ -195,13 +190,8 @@ def fuse_adam_updates(
     if not any(n.op_type == "Sqrt" for n in nodes):
         return 0
     producer = {o: n for n in nodes for o in n.output if o}
-    uses: dict[str, int] = {}
-    for n in nodes:
-        for i in node_inputs(n):
-            uses[i] = uses.get(i, 0) + 1
-    for o in graph.output:
-        uses[o.name] = uses.get(o.name, 0) + 1
-    types, shapes = infer_types(graph, opset_imports)
+    uses = read_counts(nodes, (o.name for o in graph.output))
+    types, shapes = inferred() if inferred else infer_types(graph, opset_imports)
 
     def static(name: str) -> tuple[int, ...] | None:
         s = shapes.get(name)
@@ -464,7 +454,7 @@ _SUFFIX = {TensorProto.FLOAT: "F32", TensorProto.DOUBLE: "F64"}
 
 
 def fuse_spec_optimizers(
-    graph: onnx.GraphProto, opset_imports: Sequence[onnx.OperatorSetIdProto]
+    graph: onnx.GraphProto, opset_imports: Sequence[onnx.OperatorSetIdProto], inferred=None
 ) -> int:
     """Replace the lowered per-tensor updates of the spec's Adam, Momentum
     (standard and Nesterov) and Adagrad by fused kernels (in place).
@@ -593,7 +583,7 @@ def fuse_spec_optimizers(
     }
     if not any(plausible.values()):
         return 0
-    types, shapes = infer_types(graph, opset_imports)
+    types, shapes = inferred() if inferred else infer_types(graph, opset_imports)
     check_shapes = True
 
     taken: set[int] = set()
@@ -653,20 +643,29 @@ def with_fused_kernels(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     """A copy of ``model`` with its optimizer updates fused, and how many
     rewrites (0: ``model`` itself): the builder's Adam/AdamW updates
     (``fuse_adam_updates``), the lowered spec Adam, Momentum and Adagrad
-    (``fuse_spec_optimizers``), and two layer ops (``fuse_layers``: MaxPool
-    with Indices, Relu's gradient).  The layer rewrites are planned first,
-    while onnx can still infer every shape of the program."""
+    (``fuse_spec_optimizers``), and three layer ops (``fuse_layers``: MaxPool
+    with Indices, Relu's gradient, a conv weight gradient's column matrix).
+    The layer rewrites are planned first, while onnx can still infer every
+    shape of the program."""
     from . import fuse_layers as layers  # (it takes this module's KERNEL_DOMAIN)
 
     fused = onnx.ModelProto()
     fused.CopyFrom(model)
     opsets = list(fused.opset_import)
-    pools = layers.max_pool_plan(fused.graph, opsets)
-    relus = layers.relu_grad_plan(fused.graph, opsets)
-    count = fuse_adam_updates(fused.graph, opsets)
-    count += fuse_spec_optimizers(fused.graph, opsets)
+    # One shape inference for every plan made on the unchanged graph.
+    inferred = layers.shared_inference(fused.graph, opsets)
+    pools = layers.max_pool_plan(fused.graph, opsets, inferred)
+    relus = layers.relu_grad_plan(fused.graph, opsets, inferred)
+    cols = layers.im2col_plan(fused.graph, opsets, inferred)
+    norms = layers.bn_grad_plan(fused.graph, opsets, inferred)
+    scatters = layers.scatter_plan(fused.graph, opsets, inferred)
+    count = fuse_adam_updates(fused.graph, opsets, inferred)
+    count += fuse_spec_optimizers(fused.graph, opsets, None if count else inferred)
     count += layers.fuse_max_pools(fused.graph, pools, KERNEL_DOMAIN)
     count += layers.fuse_relu_grads(fused.graph, relus, KERNEL_DOMAIN)
+    count += layers.fuse_im2cols(fused.graph, cols, KERNEL_DOMAIN)
+    count += layers.fuse_bn_grads(fused.graph, norms, KERNEL_DOMAIN)
+    count += layers.fuse_scatters(fused.graph, scatters, KERNEL_DOMAIN)
     if not count:
         return model, 0
     fused.opset_import.append(helper.make_opsetid(KERNEL_DOMAIN, 1))

@@ -98,6 +98,18 @@ def node_inputs(node: onnx.NodeProto) -> list[str]:
     return names
 
 
+def read_counts(nodes: Sequence[onnx.NodeProto], graph_outputs: Iterable[str]) -> dict[str, int]:
+    """How many times each tensor is read: by ``nodes`` (``node_inputs``) and
+    as a graph output."""
+    counts: dict[str, int] = {}
+    for n in nodes:
+        for i in node_inputs(n):
+            counts[i] = counts.get(i, 0) + 1
+    for o in graph_outputs:
+        counts[o] = counts.get(o, 0) + 1
+    return counts
+
+
 def toposort(
     nodes: Sequence[onnx.NodeProto], available: Iterable[str], where: str = "graph"
 ) -> list[onnx.NodeProto]:

@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 import onnx
 from onnx import helper
 
-from . import cache, kernels, recompute
+from . import cache, kernels, nchwc, recompute
 from .autodiff import expand_gradients, is_gradient
 from .errors import TrainingModelError
 from .executor import MAX_IR_VERSION
+from .fuse import KERNEL_DOMAIN
 from .fuse import fuse_gemm_updates as _fuse_gemm
 from .fuse import with_fused_kernels as _with_fused_kernels
 from .graph import (
@@ -464,16 +465,21 @@ def check_fused_kernels(fused_kernels: bool | None, device: str) -> None:
             raise RuntimeError(f"fused_kernels=True, but the kernel library is {kernels.status()}")
 
 
-def kernel_choice(model: onnx.ModelProto, fused_kernels: bool | None, device: str) -> KernelChoice:
+def kernel_choice(model: onnx.ModelProto, fused_kernels: bool | None, device: str,
+                  nchwc_block: int | Callable[[], int] = 0) -> KernelChoice:
     """Decide how a training algorithm's program runs: with each optimizer
     update (the builder's Adam/AdamW, the spec's Adam, Momentum and Adagrad)
     fused into one kernel where allowed (``fused_kernels`` not False),
-    possible (CPU provider) and available (the library built), else as is."""
+    possible (CPU provider) and available (the library built), else as is.
+    With the library, convolutions also run as onnxruntime's NCHWc kernels
+    where ``nchwc_block`` (``executor.nchwc_block``, called only for a
+    program with convolutions) is one (``nchwc``)."""
     if fused_kernels is False:
         return KernelChoice(model)
     if device != "cpu":
         return KernelChoice(model, None, "fused kernels run on the CPU provider only")
     fused, _ = with_fused_kernels(model)
+    fused, _ = nchwc.rewrite(fused, nchwc_block, KERNEL_DOMAIN)
     if fused is model:
         return KernelChoice(model)
     library = kernels.library()

@@ -29,7 +29,7 @@ from onnx import numpy_helper
 from . import mapped
 from .errors import TrainingModelError
 from .inplace import inplace_keys, with_scratch_outputs
-from .executor import LARGE_MODEL_BYTES, Executor, default_session_options, device_of, state_device
+from .executor import LARGE_MODEL_BYTES, Executor, default_session_options, device_of, nchwc_block, state_device
 from .storage import came_external, external_data_threshold, materialized, tensor_bytes, write_model
 from .metadata import model_metadata, read_position, write_position
 from .model import ModelLike, TrainingModel, load, validate
@@ -395,7 +395,8 @@ class TrainingSession:
             return program.model, None
         choice = self._executed.get(id(program))
         if choice is None:
-            choice = kernel_choice(program.model, self._fused_kernels, device_of(self._providers)[0])
+            choice = kernel_choice(program.model, self._fused_kernels, device_of(self._providers)[0],
+                                   nchwc_block)
             choice = self._executed[id(program)] = self._lean_rewrite(program, choice)
         if choice.note:
             self.fused_kernels_note = choice.note

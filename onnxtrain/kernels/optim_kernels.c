@@ -66,6 +66,7 @@
  */
 
 #include <math.h>
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -161,7 +162,8 @@ typedef struct CustomOp {
     void *ReleaseAliasMap;
 } CustomOp;
 
-enum { KIND_ADAM_UPDATE, KIND_SPEC_ADAM, KIND_MOMENTUM, KIND_NESTEROV, KIND_ADAGRAD, KIND_MAX_POOL, KIND_RELU_GRAD };
+enum { KIND_ADAM_UPDATE, KIND_SPEC_ADAM, KIND_MOMENTUM, KIND_NESTEROV, KIND_ADAGRAD, KIND_MAX_POOL, KIND_RELU_GRAD,
+       KIND_IM2COL, KIND_REORDER_FILTER, KIND_BN_GRAD, KIND_SCATTER_ADD };
 enum { INPUT_OUTPUT_REQUIRED = 0, INPUT_OUTPUT_OPTIONAL = 1, INPUT_OUTPUT_VARIADIC = 2 };
 
 typedef struct OpDef {
@@ -492,6 +494,81 @@ static OrtStatus *spec_compute(const OpDef *def, OrtKernelContext *ctx) {
     return NULL;
 }
 
+/* The inputs of a layer op: X, a float tensor of rank ``rank`` (its dims
+ * and data), and G, its ``ng`` int64 geometry values. */
+static OrtStatus *layer_inputs(const OpDef *def, OrtKernelContext *ctx, size_t rank, size_t ng,
+                               int64_t *dims, const float **x, const int64_t **g) {
+    const OrtValue *xv = NULL, *gv = NULL;
+    OrtStatus *st = API(API_KernelContext_GetInput, GetInputFn)(ctx, 0, &xv);
+    if (!st) st = API(API_KernelContext_GetInput, GetInputFn)(ctx, 1, &gv);
+    if (st) return st;
+    if (!xv || !gv) return op_fail(def, "missing input");
+    int elem = 0;
+    size_t count = 0, xrank = 0, grank = 0;
+    int64_t gdims[8];
+    st = describe(xv, &elem, &count, dims, &xrank);
+    if (st) return st;
+    if (elem != ELEM_FLOAT || xrank != rank) return op_fail(def, "X must be a float tensor of rank 4");
+    st = describe(gv, &elem, &count, gdims, &grank);
+    if (st) return st;
+    if (elem != ELEM_INT64 || count != ng) return op_fail(def, "G must hold its int64 geometry");
+    void *xd = NULL, *gd = NULL;
+    st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)xv, &xd);
+    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)gv, &gd);
+    *x = (const float *)xd;
+    *g = (const int64_t *)gd;
+    return st;
+}
+
+/* ------------------------------------------------------------ threads */
+/* The layer kernels below are bound by memory traffic, which one core does
+ * not saturate.  A large one is split into contiguous ranges of items, run
+ * by this thread and SPLIT_THREADS - 1 short-lived helpers (a few tens of
+ * microseconds to start, paid only above SPLIT_MIN_BYTES).  Each output
+ * element is written by one thread, in the order one thread would: the
+ * results do not depend on the split. */
+#ifndef SPLIT_THREADS
+#define SPLIT_THREADS 2
+#endif
+#define SPLIT_MIN_BYTES (1 << 20)
+
+typedef void (*PartFn)(void *, int64_t, int64_t);
+typedef struct {
+    PartFn fn;
+    void *arg;
+    int64_t begin, end;
+} Part;
+
+static void *run_part(void *p) {
+    Part *part = (Part *)p;
+    part->fn(part->arg, part->begin, part->end);
+    return NULL;
+}
+
+static void split_work(PartFn fn, void *arg, int64_t items, int64_t bytes) {
+    int parts = bytes >= SPLIT_MIN_BYTES ? SPLIT_THREADS : 1;
+    if (parts > items) parts = (int)items;
+    if (parts <= 1) {
+        fn(arg, 0, items);
+        return;
+    }
+    Part work[SPLIT_THREADS];
+    pthread_t threads[SPLIT_THREADS];
+    int started[SPLIT_THREADS] = {0};
+    for (int k = 0; k < parts; ++k) {
+        work[k].fn = fn;
+        work[k].arg = arg;
+        work[k].begin = items * k / parts;
+        work[k].end = items * (k + 1) / parts;
+    }
+    for (int k = 1; k < parts; ++k) started[k] = pthread_create(&threads[k], NULL, run_part, &work[k]) == 0;
+    run_part(&work[0]);
+    for (int k = 1; k < parts; ++k) {
+        if (started[k]) pthread_join(threads[k], NULL);
+        else run_part(&work[k]); /* no thread to be had: this one does it */
+    }
+}
+
 /* ------------------------------------------------------------ MaxPool */
 /* One channel plane: every window scanned in row-major order from its first
  * element, which a later one replaces only when greater (so ties keep the
@@ -550,26 +627,35 @@ CLONES static void max_pool_plane_2x2(const float *x, int64_t w, int64_t oh, int
     }
 }
 
+typedef struct {
+    const float *x;
+    float *y;
+    int64_t *idx;
+    const int64_t *g;
+    int64_t h, w;
+    int two;
+} PoolJob;
+
+/* Planes [begin, end) (each written by one thread: the same bits however split). */
+static void max_pool_part(void *arg, int64_t begin, int64_t end) {
+    const PoolJob *j = (const PoolJob *)arg;
+    const int64_t plane = j->h * j->w, out_plane = j->g[6] * j->g[7];
+    for (int64_t p = begin; p < end; ++p) {
+        const float *x = j->x + p * plane;
+        float *y = j->y + p * out_plane;
+        int64_t *idx = j->idx + p * out_plane;
+        if (j->two) max_pool_plane_2x2(x, j->w, j->g[6], j->g[7], p * plane, y, idx);
+        else max_pool_plane(x, j->h, j->w, j->g, p * plane, y, idx);
+    }
+}
+
 static OrtStatus *max_pool_compute(const OpDef *def, OrtKernelContext *ctx) {
-    const OrtValue *xv = NULL, *gv = NULL;
-    OrtStatus *st = API(API_KernelContext_GetInput, GetInputFn)(ctx, 0, &xv);
-    if (!st) st = API(API_KernelContext_GetInput, GetInputFn)(ctx, 1, &gv);
+    int64_t dims[8];
+    const float *x = NULL;
+    const int64_t *g = NULL;
+    OrtStatus *st = layer_inputs(def, ctx, 4, 8, dims, &x, &g);
     if (st) return st;
-    if (!xv || !gv) return op_fail(def, "missing input");
-    int elem = 0;
-    size_t count = 0, rank = 0, grank = 0;
-    int64_t dims[8], gdims[8];
-    st = describe(xv, &elem, &count, dims, &rank);
-    if (st) return st;
-    if (elem != ELEM_FLOAT || rank != 4) return op_fail(def, "X must be a float tensor of rank 4");
-    st = describe(gv, &elem, &count, gdims, &grank);
-    if (st) return st;
-    if (elem != ELEM_INT64 || count != 8) return op_fail(def, "G must hold 8 int64 values");
-    void *xd = NULL, *gd = NULL, *yd = NULL, *id = NULL;
-    st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)xv, &xd);
-    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)gv, &gd);
-    if (st) return st;
-    const int64_t *g = (const int64_t *)gd;
+    void *yd = NULL, *id = NULL;
     for (int k = 0; k < 8; ++k)
         if (g[k] < (k < 4 ? 1 : 0)) return op_fail(def, "bad window geometry");
     if (g[4] >= g[0] || g[5] >= g[1]) return op_fail(def, "padding must be smaller than the window");
@@ -583,14 +669,8 @@ static OrtStatus *max_pool_compute(const OpDef *def, OrtKernelContext *ctx) {
     if (st) return st;
     const int two = g[0] == 2 && g[1] == 2 && g[2] == 2 && g[3] == 2 && g[4] == 0 && g[5] == 0 &&
                     2 * g[6] <= h && 2 * g[7] <= w;
-    const int64_t plane = h * w, out_plane = g[6] * g[7];
-    for (int64_t p = 0; p < n * c; ++p) {
-        const float *x = (const float *)xd + p * plane;
-        float *y = (float *)yd + p * out_plane;
-        int64_t *idx = (int64_t *)id + p * out_plane;
-        if (two) max_pool_plane_2x2(x, w, g[6], g[7], p * plane, y, idx);
-        else max_pool_plane(x, h, w, g, p * plane, y, idx);
-    }
+    PoolJob job = {x, (float *)yd, (int64_t *)id, g, h, w, two};
+    split_work(max_pool_part, &job, n * c, n * c * h * w * (int64_t)sizeof(float));
     return NULL;
 }
 
@@ -612,6 +692,22 @@ static OrtStatus *max_pool_compute(const OpDef *def, OrtKernelContext *ctx) {
     }
 DEFINE_RELU_GRAD(float, uint32_t, f32)
 DEFINE_RELU_GRAD(double, uint64_t, f64)
+
+typedef struct {
+    const void *y, *dy;
+    void *dx;
+    int f32;
+} ReluJob;
+
+static void relu_grad_part(void *arg, int64_t begin, int64_t end) {
+    const ReluJob *j = (const ReluJob *)arg;
+    if (j->f32)
+        relu_grad_f32((size_t)(end - begin), (const float *)j->y + begin, (const float *)j->dy + begin,
+                      (float *)j->dx + begin);
+    else
+        relu_grad_f64((size_t)(end - begin), (const double *)j->y + begin, (const double *)j->dy + begin,
+                      (double *)j->dx + begin);
+}
 
 static OrtStatus *relu_grad_compute(const OpDef *def, OrtKernelContext *ctx) {
     const OrtValue *yv = NULL, *dyv = NULL;
@@ -636,13 +732,383 @@ static OrtStatus *relu_grad_compute(const OpDef *def, OrtKernelContext *ctx) {
     if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(dxv, &dx);
     if (st) return st;
     if (count == 0) return NULL;
-    if (def->elem_type == ELEM_FLOAT) relu_grad_f32(count, y, dy, dx);
-    else relu_grad_f64(count, y, dy, dx);
+    ReluJob job = {y, dy, dx, def->elem_type == ELEM_FLOAT};
+    const int64_t size = def->elem_type == ELEM_FLOAT ? 4 : 8;
+    split_work(relu_grad_part, &job, (int64_t)count, (int64_t)count * size);
+    return NULL;
+}
+
+/* ------------------------------------------------------------ im2col */
+/* Row (c, i, j) of the column matrix: tap (i, j) of channel c over the whole
+ * batch, zero where the tap falls in the padding.  Plain copies: the values
+ * are X's own, bit for bit. */
+static void im2col_row(const float *x, int64_t n, int64_t c_stride, int64_t h, int64_t w,
+                       const int64_t *g, int64_t i, int64_t j, float *out) {
+    const int64_t sh = g[2], sw = g[3], dh = g[4], dw = g[5], pt = g[6], pl = g[7];
+    const int64_t oh = g[8], ow = g[9];
+    /* valid output columns: 0 <= q*sw + j*dw - pl < w */
+    const int64_t off = j * dw - pl;
+    int64_t q0 = off >= 0 ? 0 : (-off + sw - 1) / sw;
+    int64_t q1 = w - off <= 0 ? 0 : (w - off + sw - 1) / sw;
+    if (q1 > ow) q1 = ow;
+    if (q0 > q1) q0 = q1;
+    for (int64_t b = 0; b < n; ++b) {
+        const float *plane = x + b * c_stride;
+        for (int64_t y = 0; y < oh; ++y, out += ow) {
+            const int64_t r = y * sh + i * dh - pt;
+            if (r < 0 || r >= h) {
+                memset(out, 0, (size_t)ow * sizeof(float));
+                continue;
+            }
+            const float *row = plane + r * w + off;
+            if (q0) memset(out, 0, (size_t)q0 * sizeof(float));
+            if (sw == 1) memcpy(out + q0, row + q0, (size_t)(q1 - q0) * sizeof(float));
+            else
+                for (int64_t q = q0; q < q1; ++q) out[q] = row[q * sw];
+            if (q1 < ow) memset(out + q1, 0, (size_t)(ow - q1) * sizeof(float));
+        }
+    }
+}
+
+typedef struct {
+    const float *x;
+    float *out;
+    const int64_t *g;
+    int64_t n, c, h, w;
+} Im2ColJob;
+
+static void im2col_part(void *arg, int64_t begin, int64_t end) {
+    const Im2ColJob *j = (const Im2ColJob *)arg;
+    const int64_t taps = j->g[0] * j->g[1], cols = j->n * j->g[8] * j->g[9];
+    for (int64_t ch = begin; ch < end; ++ch)
+        for (int64_t t = 0; t < taps; ++t)
+            im2col_row(j->x + ch * j->h * j->w, j->n, j->c * j->h * j->w, j->h, j->w, j->g, t / j->g[1],
+                       t % j->g[1], j->out + (ch * taps + t) * cols);
+}
+
+static OrtStatus *im2col_compute(const OpDef *def, OrtKernelContext *ctx) {
+    int64_t dims[8];
+    const float *x = NULL;
+    const int64_t *g = NULL;
+    OrtStatus *st = layer_inputs(def, ctx, 4, 10, dims, &x, &g);
+    if (st) return st;
+    void *od = NULL;
+    for (int k = 0; k < 10; ++k)
+        if (g[k] < (k < 6 ? 1 : 0)) return op_fail(def, "bad window geometry");
+    const int64_t n = dims[0], c = dims[1], h = dims[2], w = dims[3];
+    const int64_t taps = g[0] * g[1], cols = n * g[8] * g[9];
+    int64_t odims[2] = {c * taps, cols};
+    OrtValue *ov = NULL;
+    st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, 0, odims, 2, &ov);
+    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(ov, &od);
+    if (st) return st;
+    Im2ColJob job = {x, (float *)od, g, n, c, h, w};
+    split_work(im2col_part, &job, c, c * taps * cols * (int64_t)sizeof(float));
+    return NULL;
+}
+
+/* ------------------------------------------------------------ NCHWc filters */
+/* A conv filter in the blocked layout of onnxruntime's com.microsoft.nchwc
+ * Conv (block b, onnxruntime's own, passed in).  The filter is W (M x C x kh
+ * x kw) itself, or, with flip, W' (C x M x kh x kw): W'[c, m, i, j] =
+ * W[m, c, kh-1-i, kw-1-j], the filter of the stride-1 transposed window.
+ * Of the filter F (O x I x kh x kw), out holds, for blocked inputs,
+ * [O/b][I/b][kh][kw][b (input)][b (output)], and for plain NCHW inputs,
+ * [O/b][I][kh][kw][b (output)].  O (and, blocked, I) are multiples of b. */
+typedef struct {
+    const float *w;
+    float *out;
+    int64_t m, c, kh, kw, b;
+    int flip, blocked, avx2;
+} ReorderJob;
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(ONNXTRAIN_NO_CLONES)
+#include <immintrin.h>
+#define HAVE_TILE8
+/* Rows r..r+7 of a tile at x (row stride ss), columns j..j+7, transposed
+ * into the eight output rows dst[k] (eight floats each). */
+__attribute__((target("avx2"))) static void transpose8(const float *x, int64_t ss, float *const *dst) {
+    __m256 r0 = _mm256_loadu_ps(x), r1 = _mm256_loadu_ps(x + ss), r2 = _mm256_loadu_ps(x + 2 * ss),
+           r3 = _mm256_loadu_ps(x + 3 * ss), r4 = _mm256_loadu_ps(x + 4 * ss), r5 = _mm256_loadu_ps(x + 5 * ss),
+           r6 = _mm256_loadu_ps(x + 6 * ss), r7 = _mm256_loadu_ps(x + 7 * ss);
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3),
+           t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+           t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+           u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+           u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+           u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(dst[0], _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(dst[1], _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(dst[2], _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(dst[3], _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(dst[4], _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(dst[5], _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(dst[6], _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(dst[7], _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
+/* One blocked tile, unflipped: rows bo of x (stride ss) hold b * taps
+ * values in (bi, t) order; out row t * b + bi takes column bi * taps + t.
+ * A transpose of b x (b * taps), eight by eight (b is a multiple of 8). */
+__attribute__((target("avx2"))) static void tile_transpose(const float *x, int64_t ss, int64_t b, int64_t taps,
+                                                           float *out) {
+    const int64_t cols = b * taps;
+    for (int64_t r = 0; r < b; r += 8) {
+        int64_t col = 0;
+        for (; col + 8 <= cols; col += 8) {
+            float *dst[8];
+            for (int k = 0; k < 8; ++k) dst[k] = out + (((col + k) % taps) * b + (col + k) / taps) * b + r;
+            transpose8(x + r * ss + col, ss, dst);
+        }
+        for (; col < cols; ++col)
+            for (int k = 0; k < 8; ++k) out[((col % taps) * b + col / taps) * b + r + k] = x[(r + k) * ss + col];
+    }
+}
+
+/* One blocked tile, flipped: row bi of W (at x + bi * ss) holds b * taps
+ * values in (bo, t) order; out row (taps-1-t) * b + bi takes them for t,
+ * bo = 0..b-1.  Per row a transpose of b x taps, eight by eight. */
+__attribute__((target("avx2"))) static void tile_flip(const float *x, int64_t ss, int64_t b, int64_t taps,
+                                                      float *out) {
+    for (int64_t bi = 0; bi < b; ++bi) {
+        const float *z = x + bi * ss;
+        for (int64_t bo = 0; bo < b; bo += 8) {
+            int64_t t = 0;
+            for (; t + 8 <= taps; t += 8) {
+                float *dst[8];
+                for (int k = 0; k < 8; ++k) dst[k] = out + ((taps - 1 - (t + k)) * b + bi) * b + bo;
+                transpose8(z + bo * taps + t, taps, dst);
+            }
+            for (; t < taps; ++t)
+                for (int k = 0; k < 8; ++k) out[((taps - 1 - t) * b + bi) * b + bo + k] = z[(bo + k) * taps + t];
+        }
+    }
+}
+#endif
+
+/* Output blocks [begin, end). */
+static void reorder_filter_part(void *arg, int64_t begin, int64_t end) {
+    const ReorderJob *j = (const ReorderJob *)arg;
+    const float *w = j->w;
+    const int64_t m = j->m, c = j->c, b = j->b, taps = j->kh * j->kw;
+    const int flip = j->flip;
+    const int64_t i_n = flip ? m : c;
+    const int64_t ib = j->blocked ? b : 1, tile = taps * ib * b;
+    float *out = j->out + begin * b * i_n * taps;
+    /* One (output block, input block) tile at a time, W read in its own
+     * order (taps innermost), the tile (a few KB) written scattered. */
+    for (int64_t o0 = begin * b; o0 < end * b; o0 += b)
+        for (int64_t i0 = 0; i0 < i_n; i0 += ib, out += tile) {
+#ifdef HAVE_TILE8
+            if (j->blocked && b % 8 == 0 && j->avx2) {
+                if (flip) tile_flip(w + (i0 * c + o0) * taps, c * taps, b, taps, out);
+                else tile_transpose(w + (o0 * c + i0) * taps, c * taps, b, taps, out);
+                continue;
+            }
+#endif
+            if (!flip) {
+                for (int64_t bo = 0; bo < b; ++bo)
+                    for (int64_t bi = 0; bi < ib; ++bi) {
+                        const float *src = w + ((o0 + bo) * c + i0 + bi) * taps;
+                        for (int64_t t = 0; t < taps; ++t) out[(t * ib + bi) * b + bo] = src[t];
+                    }
+            } else { /* F[o, i, t] = W[i, o, taps-1-t] */
+                for (int64_t bi = 0; bi < ib; ++bi)
+                    for (int64_t bo = 0; bo < b; ++bo) {
+                        const float *src = w + ((i0 + bi) * c + o0 + bo) * taps;
+                        for (int64_t t = 0; t < taps; ++t) out[((taps - 1 - t) * ib + bi) * b + bo] = src[t];
+                    }
+            }
+        }
+}
+
+static OrtStatus *reorder_filter_compute(const OpDef *def, OrtKernelContext *ctx) {
+    int64_t dims[8];
+    const float *w = NULL;
+    const int64_t *g = NULL;
+    OrtStatus *st = layer_inputs(def, ctx, 4, 3, dims, &w, &g);
+    if (st) return st;
+    void *od = NULL;
+    const int64_t m = dims[0], c = dims[1], b = g[0];
+    const int flip = g[1] != 0, blocked = g[2] != 0;
+    const int64_t o_n = flip ? c : m, i_n = flip ? m : c;
+    if (b < 1 || o_n % b || (blocked && i_n % b)) return op_fail(def, "channels are not whole blocks");
+    int64_t odims[4] = {o_n, i_n, dims[2], dims[3]};
+    OrtValue *ov = NULL;
+    st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, 0, odims, 4, &ov);
+    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(ov, &od);
+    if (st) return st;
+    ReorderJob job = {w, (float *)od, m, c, dims[2], dims[3], b, flip, blocked, 0};
+#ifdef HAVE_TILE8
+    job.avx2 = __builtin_cpu_supports("avx2");
+#endif
+    split_work(reorder_filter_part, &job, o_n / b, m * c * dims[2] * dims[3] * (int64_t)sizeof(float));
+    return NULL;
+}
+
+/* ------------------------------------------------------------ BatchNorm gradient */
+/* Training-mode BatchNormalization's backward pass, per channel c over its
+ * M = N * S elements (x viewed as N x C x S):
+ *   mean = sum(x) / M, var = sum((x - mean)^2) / M, inv = 1 / sqrt(var + eps)
+ *   xhat = (x - mean) * inv
+ *   dbias = sum(dy), dscale = sum(dy * xhat)
+ *   dx = inv * (scale * dy - scale * dbias / M - xhat * scale * dscale / M)
+ * (the rule's dx = inv * (g - mean(g) - xhat * mean(g * xhat)), g = dy * scale).
+ * Sums in double: two passes over x and dy instead of the fifteen the
+ * standard kernels take; the same values to float32 rounding. */
+typedef struct {
+    const float *x, *dy, *scale;
+    float *dx, *dscale, *dbias;
+    int64_t n, c, s;
+    double eps;
+} BnJob;
+
+static void bn_grad_part(void *arg, int64_t begin, int64_t end) {
+    const BnJob *j = (const BnJob *)arg;
+    const int64_t n = j->n, s = j->s, cs = j->c * s;
+    const double m = (double)(n * s);
+    for (int64_t ch = begin; ch < end; ++ch) {
+        const float *x = j->x + ch * s, *dy = j->dy + ch * s;
+        /* One pass for all four sums, about the channel's first element (so
+         * the variance does not cancel: d is small where x is near its mean). */
+        const double x0 = x[0];
+        double sd = 0, sq = 0, sdy = 0, sdyd = 0;
+        for (int64_t b = 0; b < n; ++b)
+            for (int64_t i = 0; i < s; ++i) {
+                const double d = x[b * cs + i] - x0, g = dy[b * cs + i];
+                sd += d;
+                sq += d * d;
+                sdy += g;
+                sdyd += g * d;
+            }
+        const double md = sd / m, mean = x0 + md;
+        double var = sq / m - md * md;
+        if (var < 0) var = 0;
+        const double inv = 1.0 / sqrt(var + j->eps);
+        const double scale = j->scale[ch];
+        const double dscale = (sdyd - md * sdy) * inv, dbias = sdy;
+        j->dscale[ch] = (float)dscale;
+        j->dbias[ch] = (float)dbias;
+        /* dx = a * dy + bx * x + k, folded per channel */
+        const double a = inv * scale;
+        const double bx = -inv * inv * scale * dscale / m;
+        const double k = -a * dbias / m - bx * mean;
+        float *dx = j->dx + ch * s;
+        for (int64_t b = 0; b < n; ++b)
+            for (int64_t i = 0; i < s; ++i)
+                dx[b * cs + i] = (float)(a * dy[b * cs + i] + bx * x[b * cs + i] + k);
+    }
+}
+
+static OrtStatus *bn_grad_compute(const OpDef *def, OrtKernelContext *ctx) {
+    const OrtValue *in[4] = {NULL, NULL, NULL, NULL};
+    OrtStatus *st = NULL;
+    for (int k = 0; k < 4 && !st; ++k) st = API(API_KernelContext_GetInput, GetInputFn)(ctx, (size_t)k, &in[k]);
+    if (st) return st;
+    for (int k = 0; k < 4; ++k)
+        if (!in[k]) return op_fail(def, "missing input");
+    int elem = 0, elem2 = 0;
+    size_t count = 0, count2 = 0, rank = 0, rank2 = 0;
+    int64_t dims[8], dims2[8];
+    st = describe(in[0], &elem, &count, dims, &rank);
+    if (!st) st = describe(in[1], &elem2, &count2, dims2, &rank2);
+    if (st) return st;
+    if (elem != ELEM_FLOAT || elem2 != ELEM_FLOAT || rank < 3 || rank != rank2 ||
+        memcmp(dims, dims2, rank * sizeof(int64_t)) != 0)
+        return op_fail(def, "x and dy must be float tensors of one shape, rank 3 or more");
+    int64_t s = 1;
+    for (size_t k = 2; k < rank; ++k) s *= dims[k];
+    const int64_t c = dims[1];
+    size_t sc_count = 0, eps_count = 0;
+    st = describe(in[2], &elem, &sc_count, NULL, NULL);
+    if (st) return st;
+    if (elem != ELEM_FLOAT || (int64_t)sc_count != c) return op_fail(def, "scale must hold one float per channel");
+    st = describe(in[3], &elem, &eps_count, NULL, NULL);
+    if (st) return st;
+    if (elem != ELEM_FLOAT || eps_count != 1) return op_fail(def, "epsilon must be one float");
+    void *xd = NULL, *dyd = NULL, *scd = NULL, *epsd = NULL, *dxd = NULL, *dsd = NULL, *dbd = NULL;
+    OrtValue *dxv = NULL, *dsv = NULL, *dbv = NULL;
+    int64_t cdims[1] = {c};
+    st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)in[0], &xd);
+    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)in[1], &dyd);
+    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)in[2], &scd);
+    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)in[3], &epsd);
+    if (!st) st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, rank, &dxv);
+    if (!st) st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, 1, cdims, 1, &dsv);
+    if (!st) st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, 2, cdims, 1, &dbv);
+    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(dxv, &dxd);
+    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(dsv, &dsd);
+    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(dbv, &dbd);
+    if (st) return st;
+    if (dims[0] * s == 0) {
+        for (int64_t k = 0; k < c; ++k) ((float *)dsd)[k] = ((float *)dbd)[k] = 0.0f;
+        return NULL;
+    }
+    BnJob job = {(const float *)xd, (const float *)dyd, (const float *)scd, (float *)dxd, (float *)dsd,
+                 (float *)dbd, dims[0], c, s, (double)*(const float *)epsd};
+    split_work(bn_grad_part, &job, c, (int64_t)count * (int64_t)sizeof(float));
+    return NULL;
+}
+
+/* ------------------------------------------------------------ scatter-add into zeros */
+/* out = zeros(size); out[idx[k]] += upd[k] for k in order (a negative index
+ * counts from the end), as ScatterElements(ConstantOfShape(size), idx, upd,
+ * axis=0, reduction="add") computes it: each element's sum from +0.0 in the
+ * order of k, so the same bits. */
+static void zero_part(void *arg, int64_t begin, int64_t end) {
+    memset((float *)arg + begin, 0, (size_t)(end - begin) * sizeof(float));
+}
+
+static OrtStatus *scatter_add_compute(const OpDef *def, OrtKernelContext *ctx) {
+    const OrtValue *in[3] = {NULL, NULL, NULL};
+    OrtStatus *st = NULL;
+    for (int k = 0; k < 3 && !st; ++k) st = API(API_KernelContext_GetInput, GetInputFn)(ctx, (size_t)k, &in[k]);
+    if (st) return st;
+    for (int k = 0; k < 3; ++k)
+        if (!in[k]) return op_fail(def, "missing input");
+    int elem = 0;
+    size_t scount = 0, icount = 0, ucount = 0;
+    st = describe(in[0], &elem, &scount, NULL, NULL);
+    if (st) return st;
+    if (elem != ELEM_INT64 || scount != 1) return op_fail(def, "size must be one int64");
+    st = describe(in[1], &elem, &icount, NULL, NULL);
+    if (st) return st;
+    if (elem != ELEM_INT64) return op_fail(def, "indices must be int64");
+    st = describe(in[2], &elem, &ucount, NULL, NULL);
+    if (st) return st;
+    if (elem != ELEM_FLOAT || ucount != icount) return op_fail(def, "updates must be float, one per index");
+    void *sd = NULL, *id = NULL, *ud = NULL, *od = NULL;
+    st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)in[0], &sd);
+    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)in[1], &id);
+    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)in[2], &ud);
+    if (st) return st;
+    const int64_t n = *(const int64_t *)sd;
+    if (n < 0) return op_fail(def, "negative size");
+    const int64_t *idx = (const int64_t *)id;
+    for (size_t k = 0; k < icount; ++k)
+        if (idx[k] < -n || idx[k] >= n) return op_fail(def, "index out of range");
+    OrtValue *ov = NULL;
+    int64_t odims[1] = {n};
+    st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, 0, odims, 1, &ov);
+    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(ov, &od);
+    if (st) return st;
+    float *out = (float *)od;
+    const float *upd = (const float *)ud;
+    split_work(zero_part, out, n, n * (int64_t)sizeof(float));
+    for (size_t k = 0; k < icount; ++k) {
+        const int64_t at = idx[k] < 0 ? idx[k] + n : idx[k];
+        out[at] = out[at] + upd[k];
+    }
     return NULL;
 }
 
 static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     const OpDef *def = (const OpDef *)kernel;
+    if (def->kind == KIND_SCATTER_ADD) return scatter_add_compute(def, ctx);
+    if (def->kind == KIND_BN_GRAD) return bn_grad_compute(def, ctx);
+    if (def->kind == KIND_IM2COL) return im2col_compute(def, ctx);
+    if (def->kind == KIND_REORDER_FILTER) return reorder_filter_compute(def, ctx);
     if (def->kind == KIND_MAX_POOL) return max_pool_compute(def, ctx);
     if (def->kind == KIND_RELU_GRAD) return relu_grad_compute(def, ctx);
     return def->kind == KIND_ADAM_UPDATE ? adam_compute(kernel, ctx) : spec_compute(def, ctx);
@@ -652,8 +1118,15 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
 static const OpDef *as_def(const CustomOp *op) { return (const OpDef *)op; }
 static int is_pool(const CustomOp *op) { return as_def(op)->kind == KIND_MAX_POOL; }
 static int is_relu(const CustomOp *op) { return as_def(op)->kind == KIND_RELU_GRAD; }
+/* Layer ops of two inputs: X and its int64 geometry. */
+static int is_im2col(const CustomOp *op) {
+    return as_def(op)->kind == KIND_IM2COL || as_def(op)->kind == KIND_REORDER_FILTER;
+}
+static int is_bn(const CustomOp *op) { return as_def(op)->kind == KIND_BN_GRAD; }
+static int is_scatter(const CustomOp *op) { return as_def(op)->kind == KIND_SCATTER_ADD; }
 static int is_spec(const CustomOp *op) {
-    return as_def(op)->kind != KIND_ADAM_UPDATE && !is_pool(op) && !is_relu(op);
+    return as_def(op)->kind != KIND_ADAM_UPDATE && !is_pool(op) && !is_relu(op) && !is_im2col(op) &&
+           !is_bn(op) && !is_scatter(op);
 }
 static void *create_kernel(const CustomOp *op, const OrtApi *api, const OrtKernelInfo *info) {
     (void)api; (void)info;
@@ -673,11 +1146,14 @@ static void destroy_kernel(void *kernel) { (void)kernel; }
 static const char *get_name(const CustomOp *op) { return as_def(op)->name; }
 static const char *get_provider(const CustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const CustomOp *op, size_t i) {
-    return is_pool(op) && i == 1 ? ELEM_INT64 : as_def(op)->elem_type;
+    if (is_scatter(op)) return i < 2 ? ELEM_INT64 : ELEM_FLOAT;
+    return (is_pool(op) || is_im2col(op)) && i == 1 ? ELEM_INT64 : as_def(op)->elem_type;
 }
 /* Spec ops: the scalars, then one variadic input holding every tensor. */
 static size_t input_count(const CustomOp *op) {
-    if (is_pool(op) || is_relu(op)) return 2;
+    if (is_bn(op)) return 4;
+    if (is_scatter(op)) return 3;
+    if (is_pool(op) || is_relu(op) || is_im2col(op)) return 2;
     return is_spec(op) ? (size_t)as_def(op)->n_scalars + 1 : N_INPUTS;
 }
 static int output_type(const CustomOp *op, size_t i) {
@@ -685,7 +1161,8 @@ static int output_type(const CustomOp *op, size_t i) {
 }
 static size_t output_count(const CustomOp *op) {
     if (is_pool(op)) return 2;
-    return is_spec(op) || is_relu(op) ? 1 : N_OUTPUTS;
+    if (is_bn(op)) return 3;
+    return is_spec(op) || is_relu(op) || is_im2col(op) || is_scatter(op) ? 1 : N_OUTPUTS;
 }
 static int input_characteristic(const CustomOp *op, size_t i) {
     const OpDef *def = as_def(op);
@@ -724,6 +1201,10 @@ static OpDef g_ops[] = {
     OP_DEF("MaxPoolIndicesF32", ELEM_FLOAT, KIND_MAX_POOL, 0, -1, -1, 0, 0),
     OP_DEF("ReluGradF32", ELEM_FLOAT, KIND_RELU_GRAD, 0, -1, -1, 0, 0),
     OP_DEF("ReluGradF64", ELEM_DOUBLE, KIND_RELU_GRAD, 0, -1, -1, 0, 0),
+    OP_DEF("Im2ColF32", ELEM_FLOAT, KIND_IM2COL, 0, -1, -1, 0, 0),
+    OP_DEF("ReorderFilterF32", ELEM_FLOAT, KIND_REORDER_FILTER, 0, -1, -1, 0, 0),
+    OP_DEF("BatchNormGradF32", ELEM_FLOAT, KIND_BN_GRAD, 0, -1, -1, 0, 0),
+    OP_DEF("ScatterAddZerosF32", ELEM_FLOAT, KIND_SCATTER_ADD, 0, -1, -1, 0, 0),
 };
 
 /* The API table is addressed by index: check a few entries at both ends of

@@ -203,13 +203,16 @@ class Window:
         ``slices`` (many channels): per tap, the strided Slice of inp_padded
         -> [N, C, P]; dW[:, :, tap] = sum_n dout_n @ slice_n^T.
 
-        ``slices`` with a batch (N > 1): the sum over n is folded into one
-        MatMul over (n, o).  The input is laid out once channel-major,
-        [C, N, ...], so each tap's Slice is already the [C, N*P] patch matrix,
-        and dout once as [M, N*P]: dW[:, :, tap] = dout2 @ slice2^T (the
-        transpose fused into the MatMul).  That replaces N products [M, C] and
-        a ReduceSum over them per tap, N*M*C each (ResNet's last layers:
-        16 x 512 x 512 per tap), by two layouts per weight gradient."""
+        ``slices`` with a batch (N > 1): one MatMul for the whole gradient.
+        The input is laid out once channel-major, [C, N, ...], so each tap's
+        Slice is that tap's [C, N*P] patch matrix; stacked tap by tap they
+        are the column matrix col [C*K, N*P] (row c*K + t), and with dout laid
+        out once as [M, N*P], dW = dout2 @ col^T is [M, C*K], already dW's
+        layout.  The sum over (n, o) is one contraction (N products [M, C]
+        and a ReduceSum over them per tap cost 250 ms of a ResNet-18 step),
+        and one [M, N*P] x [N*P, C*K] product runs faster than K narrow ones.
+        The kernel library builds col in one pass (``fuse_layers``:
+        ``Im2ColF32``), the same values, so the MatMul gives the same bits."""
         e = self.ctx.emit
         k = self.k
         n, c = self.ctx.shape(inp)[:2]
@@ -239,18 +242,21 @@ class Window:
         flat = n > 1
         if flat:
             padded = e.Transpose(padded, perm=[1, 0] + list(range(2, k + 2)))  # [C, N, ...]
-            dy2 = e.reshape(e.Transpose(dy3, perm=[1, 0, 2]), [-1, n * outs])  # [M, N*P]
-        columns = []
+        pieces = []
         for tap in np.ndindex(*self.kernel):
             starts = [t * d for t, d in zip(tap, self.dilations)]
             ends = [st + (o - 1) * s + 1 for st, o, s in zip(starts, self.out_dims, self.strides)]
-            piece = e.slice(padded, starts, ends, axes=list(range(2, k + 2)), steps=self.strides)
-            if flat:
-                piece = e.Transpose(e.reshape(piece, [c, n * outs]), perm=[1, 0])  # [N*P, C]
-                column = e.MatMul(dy2, piece)  # [M, C]
-            else:
-                piece = e.Transpose(e.reshape(piece, [n, c, outs]), perm=[0, 2, 1])  # [N, P, C]
-                column = e.reduce_sum(e.MatMul(dy3, piece), [0], keepdims=False)
+            pieces.append(e.slice(padded, starts, ends, axes=list(range(2, k + 2)), steps=self.strides))
+        if flat:
+            stacked = e.concat([e.unsqueeze(p, [1]) for p in pieces], axis=1)  # [C, K, N, ...]
+            col = e.reshape(stacked, [c * taps, n * outs])
+            dy2 = e.reshape(e.Transpose(dy3, perm=[1, 0, 2]), [-1, n * outs])  # [M, N*P]
+            dw = e.MatMul(dy2, e.Transpose(col, perm=[1, 0]))  # [M, C*K]
+            return e.reshape(dw, [-1, c, *self.kernel])
+        columns = []
+        for piece in pieces:
+            piece = e.Transpose(e.reshape(piece, [n, c, outs]), perm=[0, 2, 1])  # [N, P, C]
+            column = e.reduce_sum(e.MatMul(dy3, piece), [0], keepdims=False)
             columns.append(e.unsqueeze(column, [2]))
         dw = e.concat(columns, axis=2) if len(columns) > 1 else columns[0]  # [M, C, K]
         return e.reshape(dw, [-1, c, *self.kernel])
