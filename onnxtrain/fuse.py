@@ -659,6 +659,7 @@ def with_fused_kernels(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     cols = layers.im2col_plan(fused.graph, opsets, inferred)
     norms = layers.bn_grad_plan(fused.graph, opsets, inferred)
     scatters = layers.scatter_plan(fused.graph, opsets, inferred)
+    strided = layers.col2im_plan(fused.graph, opsets, inferred)
     count = fuse_adam_updates(fused.graph, opsets, inferred)
     count += fuse_spec_optimizers(fused.graph, opsets, None if count else inferred)
     count += layers.fuse_max_pools(fused.graph, pools, KERNEL_DOMAIN)
@@ -666,6 +667,7 @@ def with_fused_kernels(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     count += layers.fuse_im2cols(fused.graph, cols, KERNEL_DOMAIN)
     count += layers.fuse_bn_grads(fused.graph, norms, KERNEL_DOMAIN)
     count += layers.fuse_scatters(fused.graph, scatters, KERNEL_DOMAIN)
+    count += layers.fuse_col2ims(fused.graph, strided, KERNEL_DOMAIN)
     if not count:
         return model, 0
     fused.opset_import.append(helper.make_opsetid(KERNEL_DOMAIN, 1))

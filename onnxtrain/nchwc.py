@@ -130,6 +130,10 @@ def rewrite(model: onnx.ModelProto, block: int | Callable[[], int],
     out.CopyFrom(model)
     g = out.graph
     names = NameGen.from_graph(g)
+    # One layout initializer per kind: two reorders of one filter then have
+    # equal inputs, and onnxruntime merges them (a builder's BatchNorm model
+    # runs each conv twice, for the loss and for the logits).
+    layouts: dict[tuple[int, int], str] = {}
     nodes = []
     for i, node in enumerate(g.node):
         plan = plans.get(i)
@@ -137,9 +141,11 @@ def rewrite(model: onnx.ModelProto, block: int | Callable[[], int],
             nodes.append(node)
             continue
         x, w, y = node.input[0], node.input[1], node.output[0]
-        geometry = names.fresh(y + "_filter_layout")
-        g.initializer.append(numpy_helper.from_array(
-            np.asarray([block, int(plan["flip"]), int(plan["blocked"])], dtype=np.int64), geometry))
+        kind = (int(plan["flip"]), int(plan["blocked"]))
+        if kind not in layouts:
+            layouts[kind] = names.fresh("nchwc_filter_layout")
+            g.initializer.append(numpy_helper.from_array(np.asarray([block, *kind], dtype=np.int64), layouts[kind]))
+        geometry = layouts[kind]
         wr = names.fresh(y + "_filter")
         nodes.append(helper.make_node(REORDER_KERNEL, [w, geometry], [wr], domain=kernel_domain))
         if plan["blocked"]:

@@ -163,7 +163,7 @@ typedef struct CustomOp {
 } CustomOp;
 
 enum { KIND_ADAM_UPDATE, KIND_SPEC_ADAM, KIND_MOMENTUM, KIND_NESTEROV, KIND_ADAGRAD, KIND_MAX_POOL, KIND_RELU_GRAD,
-       KIND_IM2COL, KIND_REORDER_FILTER, KIND_BN_GRAD, KIND_SCATTER_ADD };
+       KIND_IM2COL, KIND_REORDER_FILTER, KIND_BN_GRAD, KIND_SCATTER_ADD, KIND_COL2IM };
 enum { INPUT_OUTPUT_REQUIRED = 0, INPUT_OUTPUT_OPTIONAL = 1, INPUT_OUTPUT_VARIADIC = 2 };
 
 typedef struct OpDef {
@@ -508,7 +508,7 @@ static OrtStatus *layer_inputs(const OpDef *def, OrtKernelContext *ctx, size_t r
     int64_t gdims[8];
     st = describe(xv, &elem, &count, dims, &xrank);
     if (st) return st;
-    if (elem != ELEM_FLOAT || xrank != rank) return op_fail(def, "X must be a float tensor of rank 4");
+    if (elem != ELEM_FLOAT || xrank != rank) return op_fail(def, "X must be a float tensor of the op's rank");
     st = describe(gv, &elem, &count, gdims, &grank);
     if (st) return st;
     if (elem != ELEM_INT64 || count != ng) return op_fail(def, "G must hold its int64 geometry");
@@ -804,6 +804,68 @@ static OrtStatus *im2col_compute(const OpDef *def, OrtKernelContext *ctx) {
     if (st) return st;
     Im2ColJob job = {x, (float *)od, g, n, c, h, w};
     split_work(im2col_part, &job, c, c * taps * cols * (int64_t)sizeof(float));
+    return NULL;
+}
+
+/* ------------------------------------------------------------ col2im */
+/* The inverse of Im2Col: Y (N x C x H x W) = 0, then for each column-matrix
+ * row (c, i, j), in that order, every entry added where its tap lands.
+ * onnxruntime's ConvTranspose does the same per image after its GEMM, in the
+ * same order, so the sums round alike. */
+typedef struct {
+    const float *cols;
+    float *y;
+    const int64_t *g;
+    int64_t n, h, w;
+} Col2ImJob;
+
+static void col2im_part(void *arg, int64_t begin, int64_t end) {
+    const Col2ImJob *j = (const Col2ImJob *)arg;
+    const int64_t *g = j->g;
+    const int64_t kh = g[0], kw = g[1], sh = g[2], sw = g[3], dh = g[4], dw = g[5], pt = g[6], pl = g[7];
+    const int64_t oh = g[8], ow = g[9], n = j->n, h = j->h, w = j->w, c = g[10];
+    const int64_t p = oh * ow, width = n * p;
+    for (int64_t ch = begin; ch < end; ++ch) {
+        for (int64_t b = 0; b < n; ++b) memset(j->y + (b * c + ch) * h * w, 0, (size_t)(h * w) * sizeof(float));
+        for (int64_t i = 0; i < kh; ++i)
+            for (int64_t k = 0; k < kw; ++k) {
+                const float *row = j->cols + ((ch * kh + i) * kw + k) * width;
+                for (int64_t b = 0; b < n; ++b) {
+                    float *plane = j->y + (b * c + ch) * h * w;
+                    for (int64_t y = 0; y < oh; ++y) {
+                        const int64_t r = y * sh - pt + i * dh;
+                        if (r < 0 || r >= h) continue;
+                        const float *src = row + b * p + y * ow;
+                        float *dst = plane + r * w;
+                        for (int64_t x = 0; x < ow; ++x) {
+                            const int64_t q = x * sw - pl + k * dw;
+                            if (q >= 0 && q < w) dst[q] += src[x];
+                        }
+                    }
+                }
+            }
+    }
+}
+
+static OrtStatus *col2im_compute(const OpDef *def, OrtKernelContext *ctx) {
+    int64_t dims[8];
+    const float *cols = NULL;
+    const int64_t *g = NULL;
+    OrtStatus *st = layer_inputs(def, ctx, 2, 14, dims, &cols, &g);
+    if (st) return st;
+    for (int k = 0; k < 14; ++k)
+        if (g[k] < (k < 6 || k >= 8 ? 1 : 0)) return op_fail(def, "bad window geometry");
+    const int64_t c = g[10], n = g[11], h = g[12], w = g[13];
+    if (dims[0] != c * g[0] * g[1] || dims[1] != n * g[8] * g[9])
+        return op_fail(def, "the column matrix does not fit the geometry");
+    int64_t odims[4] = {n, c, h, w};
+    OrtValue *ov = NULL;
+    void *od = NULL;
+    st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, 0, odims, 4, &ov);
+    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(ov, &od);
+    if (st) return st;
+    Col2ImJob job = {cols, (float *)od, g, n, h, w};
+    split_work(col2im_part, &job, c, n * c * h * w * (int64_t)sizeof(float));
     return NULL;
 }
 
@@ -1108,6 +1170,7 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     if (def->kind == KIND_SCATTER_ADD) return scatter_add_compute(def, ctx);
     if (def->kind == KIND_BN_GRAD) return bn_grad_compute(def, ctx);
     if (def->kind == KIND_IM2COL) return im2col_compute(def, ctx);
+    if (def->kind == KIND_COL2IM) return col2im_compute(def, ctx);
     if (def->kind == KIND_REORDER_FILTER) return reorder_filter_compute(def, ctx);
     if (def->kind == KIND_MAX_POOL) return max_pool_compute(def, ctx);
     if (def->kind == KIND_RELU_GRAD) return relu_grad_compute(def, ctx);
@@ -1120,7 +1183,8 @@ static int is_pool(const CustomOp *op) { return as_def(op)->kind == KIND_MAX_POO
 static int is_relu(const CustomOp *op) { return as_def(op)->kind == KIND_RELU_GRAD; }
 /* Layer ops of two inputs: X and its int64 geometry. */
 static int is_im2col(const CustomOp *op) {
-    return as_def(op)->kind == KIND_IM2COL || as_def(op)->kind == KIND_REORDER_FILTER;
+    return as_def(op)->kind == KIND_IM2COL || as_def(op)->kind == KIND_REORDER_FILTER ||
+           as_def(op)->kind == KIND_COL2IM;
 }
 static int is_bn(const CustomOp *op) { return as_def(op)->kind == KIND_BN_GRAD; }
 static int is_scatter(const CustomOp *op) { return as_def(op)->kind == KIND_SCATTER_ADD; }
@@ -1205,6 +1269,7 @@ static OpDef g_ops[] = {
     OP_DEF("ReorderFilterF32", ELEM_FLOAT, KIND_REORDER_FILTER, 0, -1, -1, 0, 0),
     OP_DEF("BatchNormGradF32", ELEM_FLOAT, KIND_BN_GRAD, 0, -1, -1, 0, 0),
     OP_DEF("ScatterAddZerosF32", ELEM_FLOAT, KIND_SCATTER_ADD, 0, -1, -1, 0, 0),
+    OP_DEF("Col2ImF32", ELEM_FLOAT, KIND_COL2IM, 0, -1, -1, 0, 0),
 };
 
 /* The API table is addressed by index: check a few entries at both ends of

@@ -341,3 +341,34 @@ def test_batch_norm_gradient_kernel_matches_float64():
 def test_cnn_with_batch_norm_trains_on_the_kernel():
     tm = build.training_model(_bn_cnn(pool=False), loss="cross_entropy", optimizer=build.SGD(lr=0.1, momentum=0.9))
     _close(_train_both(tm, "BatchNormGradF32", 1, _feeds(3), steps=4))
+
+
+# ------------------------------------------------------------------ strided transposed windows
+@needs_library
+@pytest.mark.parametrize("attrs,k,size", [
+    ({"strides": [2, 2], "pads": [1, 1, 0, 0]}, 3, 7),  # ResNet's strided input gradients
+    ({"strides": [2, 2], "pads": [1, 1, 1, 1]}, 3, 4),
+    ({"strides": [2, 3], "pads": [0, 1, 2, 0], "output_padding": [1, 0]}, 3, 5),
+    ({"strides": [2, 2], "dilations": [2, 1], "pads": [1, 0, 0, 1]}, 2, 6),
+    ({"strides": [3, 3]}, 4, 3),
+])
+def test_col2im_equals_conv_transpose_bit_for_bit(attrs, k, size):
+    rng = np.random.default_rng(2)
+    w = numpy_helper.from_array(rng.standard_normal((10, 6, k, k)).astype(np.float32), "w")
+    model = _model([helper.make_node("ConvTranspose", ["z", "w"], ["y"], **attrs)], [("z", [3, 10, size, size])],
+                   ["y"], [w])
+    fused, count = with_fused_kernels(model)
+    assert count == 1 and [n.op_type for n in fused.graph.node][-1] == "Col2ImF32"
+    z = rng.standard_normal((3, 10, size, size)).astype(np.float32)
+    (want,) = _session(model).run(None, {"z": z})
+    (got,) = _session(fused, kernels.library()).run(None, {"z": z})
+    assert got.shape == want.shape and got.tobytes() == want.tobytes()
+
+
+def test_col2im_leaves_stride_one_and_1x1_windows():
+    w = numpy_helper.from_array(np.ones((10, 6, 3, 3), np.float32), "w")
+    w1 = numpy_helper.from_array(np.ones((10, 6, 1, 1), np.float32), "w1")
+    model = _model([helper.make_node("ConvTranspose", ["z", "w"], ["y"], pads=[1, 1, 1, 1]),
+                    helper.make_node("ConvTranspose", ["z", "w1"], ["y1"], strides=[2, 2])],
+                   [("z", [3, 10, 5, 5])], ["y", "y1"], [w, w1])
+    assert with_fused_kernels(model)[1] == 0
