@@ -670,16 +670,19 @@ def _watch_fused(model: onnx.ModelProto, key: bytes, meta: dict, payload: bytes)
             _fused.popitem(last=False)
 
 
-def fused_for(model: onnx.ModelProto, compute: Callable[[onnx.ModelProto], tuple]) -> tuple:
+def fused_for(model: onnx.ModelProto, compute: Callable[[onnx.ModelProto], tuple], variant: int = 0) -> tuple:
     """``compute(model)`` (``fuse.with_fused_kernels``) for a program model:
     from the program's cache entry when it holds the answer, else computed
     and added to the entry.  Models the cache did not hand out are just
-    computed."""
+    computed.  ``variant``: what else the answer depends on (the NCHWc block
+    of this machine's onnxruntime): an entry made for another is recomputed."""
     with _lock:
         watched = _fused.pop(id(model), None)
     if watched is None or watched[0] is not model:
         return compute(model)
     _, key, meta, payload, known = watched
+    if known is not None and int(meta.get("variant", 0)) != variant:
+        known = None
     if known is not None:
         _count("fused.hit")
         fused, count = known
@@ -690,7 +693,7 @@ def fused_for(model: onnx.ModelProto, compute: Callable[[onnx.ModelProto], tuple
     if enabled():
         n = int(meta["program"])
         extra = b"" if count == 0 or fused is model else fused.SerializeToString()
-        new_meta = dict(meta, fused=len(extra), fused_count=int(count))
+        new_meta = dict(meta, fused=len(extra), fused_count=int(count), variant=int(variant))
         write("program", key, new_meta, payload[:n] + extra)
     return result
 

@@ -32,8 +32,6 @@ optimizer makes the same trade for inference).  The block is onnxruntime's
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -108,19 +106,17 @@ def _plan(node: onnx.NodeProto, declared: dict, block: int) -> dict | None:
             "attrs": {"kernel_shape": kernel, "strides": strides, "dilations": dilations, "pads": pads}}
 
 
-def rewrite(model: onnx.ModelProto, block: int | Callable[[], int],
-            kernel_domain: str) -> tuple[onnx.ModelProto, int]:
+def has_convolutions(model: onnx.ModelProto) -> bool:
+    return any(n.op_type in ("Conv", "ConvTranspose") for n in model.graph.node)
+
+
+def rewrite(model: onnx.ModelProto, block: int, kernel_domain: str) -> tuple[onnx.ModelProto, int]:
     """A copy of ``model`` with every convolution ``_plan`` accepts run by
-    onnxruntime's NCHWc kernels (channel block ``block``, or what it returns,
-    asked only of a model with convolutions), and how many (0: ``model``
-    itself).  ``kernel_domain``: the kernel library's domain (for the filter
-    reorder)."""
+    onnxruntime's NCHWc kernels (channel block ``block``; below 8, none), and
+    how many (0: ``model`` itself).  ``kernel_domain``: the kernel library's
+    domain (for the filter reorder)."""
     graph = model.graph
-    if not any(n.op_type in ("Conv", "ConvTranspose") for n in graph.node):
-        return model, 0
-    if callable(block):
-        block = block()
-    if block < 8:
+    if block < 8 or not has_convolutions(model):
         return model, 0
     declared = _declared(graph)
     plans = {i: p for i, n in enumerate(graph.node) if (p := _plan(n, declared, block)) is not None}

@@ -55,10 +55,17 @@ from .optim import lower_optimizers
 DEFAULT_OPSET = 17
 
 
-def with_fused_kernels(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
-    """``fuse.with_fused_kernels``, answered from the program cache for the
-    program models it handed out (``cache.fused_for``)."""
-    return cache.fused_for(model, _with_fused_kernels)
+def with_fused_kernels(model: onnx.ModelProto, nchwc_block: int = 0) -> tuple[onnx.ModelProto, int]:
+    """``fuse.with_fused_kernels``, then with ``nchwc_block`` (0: none) the
+    NCHWc rewrite (``nchwc.rewrite``), answered from the program cache for
+    the program models it handed out (``cache.fused_for``)."""
+
+    def compute(m: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+        fused, count = _with_fused_kernels(m)
+        laid, convs = nchwc.rewrite(fused, nchwc_block, KERNEL_DOMAIN)
+        return laid, count + convs
+
+    return cache.fused_for(model, compute, variant=nchwc_block)
 
 
 @dataclass
@@ -478,8 +485,8 @@ def kernel_choice(model: onnx.ModelProto, fused_kernels: bool | None, device: st
         return KernelChoice(model)
     if device != "cpu":
         return KernelChoice(model, None, "fused kernels run on the CPU provider only")
-    fused, _ = with_fused_kernels(model)
-    fused, _ = nchwc.rewrite(fused, nchwc_block, KERNEL_DOMAIN)
+    block = nchwc_block() if callable(nchwc_block) and nchwc.has_convolutions(model) else nchwc_block
+    fused, _ = with_fused_kernels(model, block if isinstance(block, int) else 0)
     if fused is model:
         return KernelChoice(model)
     library = kernels.library()

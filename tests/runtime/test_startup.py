@@ -462,3 +462,30 @@ def test_interpreter_exit_writes_the_entries_and_exits_cleanly(tmp_path):
         assert time.monotonic() - start < 60
         outs.append(proc.stdout)
     assert "'ort.miss': 1" in outs[0] and "'ort.hit': 1" in outs[1]
+
+
+def test_a_cached_nchwc_program_is_only_used_with_its_block(private_cache, monkeypatch):
+    """The NCHWc layout depends on the machine's onnxruntime (its block): an
+    entry made for another block is rewritten, not used."""
+    from onnxtrain import executor
+    from onnxtrain.nchwc import REORDER_KERNEL
+    from test_conv_kernels import _cnn, needs_library
+
+    if needs_library.args[0]:
+        pytest.skip("no C compiler")
+    model = build.training_model(_cnn(3, [16, 16], [{"k": [3, 3], "pads": [1, 1, 1, 1]} for _ in range(2)]),
+                                 loss="cross_entropy", optimizer=build.SGD(lr=0.1))
+
+    def layout_blocks():
+        program = TrainingSession(model).programs(executed=True)["training_info[0].algorithm"]
+        values = {t.name: numpy_helper.to_array(t) for t in program.graph.initializer}
+        return {int(values[n.input[1]][0]) for n in program.graph.node if n.op_type == REORDER_KERNEL}
+
+    monkeypatch.setattr(executor, "_nchwc_block", 16)
+    assert layout_blocks() == {16}
+    cache.flush()
+    cache.stats.clear()
+    assert layout_blocks() == {16} and cache.stats.get("fused.hit") == 1
+    monkeypatch.setattr(executor, "_nchwc_block", 8)
+    cache.stats.clear()
+    assert layout_blocks() == {8} and not cache.stats.get("fused.hit")
