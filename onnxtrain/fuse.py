@@ -643,11 +643,15 @@ def with_fused_kernels(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     """A copy of ``model`` with its optimizer updates fused, and how many
     rewrites (0: ``model`` itself): the builder's Adam/AdamW updates
     (``fuse_adam_updates``), the lowered spec Adam, Momentum and Adagrad
-    (``fuse_spec_optimizers``), and three layer ops (``fuse_layers``: MaxPool
-    with Indices, Relu's gradient, a conv weight gradient's column matrix).
+    (``fuse_spec_optimizers``), and layer ops (``fuse_layers``: MaxPool with
+    Indices and its overlapping scatter, Relu's gradient; ``fuse_conv``: a
+    weight gradient's column matrix, a strided input gradient's col2im;
+    ``fuse_norm``: BatchNormalization's gradient).
     The layer rewrites are planned first, while onnx can still infer every
     shape of the program."""
-    from . import fuse_layers as layers  # (it takes this module's KERNEL_DOMAIN)
+    from . import fuse_conv as conv  # (they take this module's KERNEL_DOMAIN)
+    from . import fuse_layers as layers
+    from . import fuse_norm as norm
 
     fused = onnx.ModelProto()
     fused.CopyFrom(model)
@@ -656,18 +660,18 @@ def with_fused_kernels(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     inferred = layers.shared_inference(fused.graph, opsets)
     pools = layers.max_pool_plan(fused.graph, opsets, inferred)
     relus = layers.relu_grad_plan(fused.graph, opsets, inferred)
-    cols = layers.im2col_plan(fused.graph, opsets, inferred)
-    norms = layers.bn_grad_plan(fused.graph, opsets, inferred)
+    cols = conv.im2col_plan(fused.graph, opsets, inferred)
+    strided = conv.col2im_plan(fused.graph, opsets, inferred)
+    norms = norm.bn_grad_plan(fused.graph, opsets, inferred)
     scatters = layers.scatter_plan(fused.graph, opsets, inferred)
-    strided = layers.col2im_plan(fused.graph, opsets, inferred)
     count = fuse_adam_updates(fused.graph, opsets, inferred)
     count += fuse_spec_optimizers(fused.graph, opsets, None if count else inferred)
     count += layers.fuse_max_pools(fused.graph, pools, KERNEL_DOMAIN)
     count += layers.fuse_relu_grads(fused.graph, relus, KERNEL_DOMAIN)
-    count += layers.fuse_im2cols(fused.graph, cols, KERNEL_DOMAIN)
-    count += layers.fuse_bn_grads(fused.graph, norms, KERNEL_DOMAIN)
+    count += conv.fuse_im2cols(fused.graph, cols, KERNEL_DOMAIN)
+    count += conv.fuse_col2ims(fused.graph, strided, KERNEL_DOMAIN)
+    count += norm.fuse_bn_grads(fused.graph, norms, KERNEL_DOMAIN)
     count += layers.fuse_scatters(fused.graph, scatters, KERNEL_DOMAIN)
-    count += layers.fuse_col2ims(fused.graph, strided, KERNEL_DOMAIN)
     if not count:
         return model, 0
     fused.opset_import.append(helper.make_opsetid(KERNEL_DOMAIN, 1))

@@ -35,8 +35,13 @@ from collections.abc import Container, Sequence
 import onnx
 
 from .fuse import KERNEL_DOMAIN
-from .fuse_layers import IM2COL_KERNEL, POOL_KERNEL
+from .fuse_conv import COL2IM_KERNEL, IM2COL_KERNEL
+from .fuse_layers import POOL_KERNEL, SCATTER_KERNEL
+from .fuse_norm import BN_GRAD_KERNEL
 from .nchwc import REORDER_KERNEL
+
+#: Library kernels that are not elementwise over what they write.
+_NOT_ELEMENTWISE = (POOL_KERNEL, SCATTER_KERNEL, IM2COL_KERNEL, COL2IM_KERNEL, BN_GRAD_KERNEL, REORDER_KERNEL)
 from .graph import infer_types, node_inputs
 
 #: Standard ops that compute output element i from input element i alone
@@ -127,8 +132,8 @@ def with_scratch_outputs(model: onnx.ModelProto, owned: Container[str]
 
 def _fused_update(node: onnx.NodeProto) -> bool:
     """A kernel of the library that is elementwise over each tensor it writes
-    (all but the MaxPool, the column matrix and the filter reorder)."""
-    return node.domain == KERNEL_DOMAIN and node.op_type not in (POOL_KERNEL, IM2COL_KERNEL, REORDER_KERNEL)
+    (the optimizer updates and Relu's gradient)."""
+    return node.domain == KERNEL_DOMAIN and node.op_type not in _NOT_ELEMENTWISE
 
 
 def inplace_keys(graph: onnx.GraphProto, bindings: Sequence[tuple[str, str]]) -> set[str]:

@@ -8,6 +8,12 @@ with the same IEEE rounding, in one pass: the builder's Adam/AdamW
 Adam, Momentum (standard and Nesterov) and Adagrad (``SpecAdam``,
 ``Momentum``, ``Nesterov``, ``Adagrad``: multi-tensor ops, one node for many
 small tensors; see ``fuse.fuse_spec_optimizers`` and docs/fused-kernels.md).
+It also holds layer kernels that onnxruntime's standard ops run slowly
+(``fuse_layers``: MaxPool with Indices, Relu's and BatchNormalization's
+gradients, a convolution's column matrices, MaxPool's scatter) and the
+filter reorder that puts convolutions on onnxruntime's NCHWc kernels
+(``nchwc``).  Where one pass over memory is the whole cost, large tensors
+are split over two threads.
 
 The library is compiled on first use with the system C compiler (``$CC``,
 else ``cc``) and cached by the hash of its source and flags, in

@@ -1,4 +1,4 @@
-/* onnxtrain's fused optimizer kernels: an onnxruntime custom-op library.
+/* onnxtrain's fused kernels: an onnxruntime custom-op library.
  *
  * Ops per element type (F32: float, F64: double), in the domain
  * "ai.onnxtrain.kernels":
@@ -49,14 +49,33 @@
  *       Where(Greater(y, 0), dy, 0); onnxruntime's Where takes 10-30x the
  *       time of a Mul of the same size (fuse_layers.fuse_relu_grads).
  *
+ * and, for convolution training (fuse_layers, nchwc.py):
+ *
+ *   Im2ColF32   X (N x C x H x W), G (kh, kw, sh, sw, dh, dw, pad_top,
+ *               pad_left, oh, ow) -> the column matrix (C*kh*kw x N*oh*ow),
+ *       row (c, i, j) = tap (i, j) of channel c over the batch, zero in the
+ *       padding: what a weight gradient's strided Slices stack, in one pass.
+ *   Col2ImF32   cols (C*kh*kw x N*oh*ow), G (the same ten, then C, N, H, W)
+ *               -> Y (N x C x H x W): its inverse, summing taps in row
+ *       order as onnxruntime's ConvTranspose does after its GEMM.
+ *   ReorderFilterF32   W (M x C x kh x kw), G (block, flip, blocked) -> the
+ *       filter in the layout of onnxruntime's NCHWc Conv (flip: that of the
+ *       stride-1 transposed window, C x M, taps reversed).
+ *   BatchNormGradF32   x, dy (N x C x ...), scale (C), eps (1) -> dx,
+ *       dscale, dbias: training-mode BatchNormalization's gradient, sums in
+ *       double (the same values to float32 rounding, not the same bits).
+ *   ScatterAddZerosF32   size (1, int64), indices, updates -> zeros(size)
+ *       with updates[k] added at indices[k] in order (MaxPool's gradient
+ *       where windows overlap).
+ *
  * AdamUpdate is the Adam/AdamW update that onnxtrain's optimizer builder
  * writes as eleven standard ONNX kernels (see onnxtrain/fuse.py,
- * fuse_adam_updates).  In every op, every operation is one IEEE operation in
- * the same order as in the standard kernels it replaces (multiplication and
- * addition are commutative in IEEE arithmetic, so operand order does not
- * matter), and the library is compiled with -ffp-contract=off (no fused
- * multiply-adds), so the results are bitwise those of the standard kernels:
- * one pass over memory instead of one per operation.
+ * fuse_adam_updates).  In every op but BatchNormGrad, every operation is one
+ * IEEE operation in the same order as in the standard kernels it replaces
+ * (multiplication and addition are commutative in IEEE arithmetic, so operand
+ * order does not matter), and the library is compiled with -ffp-contract=off
+ * (no fused multiply-adds), so the results are bitwise those of the standard
+ * kernels: one pass over memory instead of one per operation.
  *
  * The library needs no onnxruntime headers.  The onnxruntime C API is a table
  * of function pointers that only ever grows at its end (its ABI contract); the

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain import TrainingSession, build, kernels
 from onnxtrain.executor import nchwc_block
 from onnxtrain.fuse import KERNEL_DOMAIN, with_fused_kernels
-from onnxtrain.fuse_layers import IM2COL_KERNEL
+from onnxtrain.fuse_conv import IM2COL_KERNEL
 from onnxtrain.nchwc import DOMAIN, REORDER_KERNEL, rewrite
 
 needs_library = pytest.mark.skipif(
