@@ -126,9 +126,7 @@ def rewrite(model: onnx.ModelProto, block: int, kernel_domain: str) -> tuple[onn
     out.CopyFrom(model)
     g = out.graph
     names = NameGen.from_graph(g)
-    # One layout initializer per kind: two reorders of one filter then have
-    # equal inputs, and onnxruntime merges them (a builder's BatchNorm model
-    # runs each conv twice, for the loss and for the logits).
+    # One layout initializer per kind of reorder, not one per conv.
     layouts: dict[tuple[int, int], str] = {}
     nodes = []
     for i, node in enumerate(g.node):
