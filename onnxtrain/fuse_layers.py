@@ -196,11 +196,7 @@ def fuse_relu_grads(graph: onnx.GraphProto, plan: dict[str, tuple[str, str, int]
         node.op_type, node.domain = RELU_GRAD[et], domain
         count += 1
     if count:
-        read = {i for n in graph.node for i in node_inputs(n)} | {o.name for o in graph.output}
-        kept = [n for n in graph.node if not (n.op_type == "Greater" and n.output[0] not in read)]
-        if len(kept) != len(graph.node):
-            del graph.node[:]
-            graph.node.extend(kept)
+        drop_unread(graph, {"Greater"})
     return count
 
 

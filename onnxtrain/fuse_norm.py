@@ -26,15 +26,28 @@ from .names import NameGen
 BN_GRAD_KERNEL = "BatchNormGradF32"
 
 
+def _node(producer: dict, name: str, op_type: str) -> onnx.NodeProto | None:
+    """The default-domain ``op_type`` node that writes ``name``, if that is what writes it."""
+    node = producer.get(name)
+    return node if node is not None and node.op_type == op_type and default_domain(node) else None
+
+
+def _axes(node: onnx.NodeProto, values: dict) -> list[int] | None:
+    """A reduction's or Unsqueeze's axes: an attribute (older opsets) or a constant input."""
+    for a in node.attribute:
+        if a.name == "axes":
+            return list(a.ints)
+    return const_ints(values, node.input[1]) if len(node.input) > 1 else None
+
+
 def _reduce(node: onnx.NodeProto | None, op_type: str, values: dict, keepdims: int) -> tuple[str, list[int]] | None:
-    """(input, axes) of a ``op_type`` reduction with ``keepdims``, axes as an
-    attribute (before opset 18) or a constant input."""
+    """(input, axes) of a ``op_type`` reduction with ``keepdims``."""
     if node is None or node.op_type != op_type or not default_domain(node):
         return None
     a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
     if int(a.get("keepdims", 1)) != keepdims or int(a.get("noop_with_empty_axes", 0)):
         return None
-    axes = list(a["axes"]) if "axes" in a else const_ints(values, node.input[1]) if len(node.input) > 1 else None
+    axes = _axes(node, values)
     return (node.input[0], axes) if axes else None
 
 
@@ -46,6 +59,43 @@ def _operands(node: onnx.NodeProto | None, op_type: str) -> list[tuple[str, str]
     return [(a, b), (b, a)] if a != b else [(a, b)]
 
 
+def _is_product(producer: dict, name: str, a: str, b: str) -> bool:
+    """Whether ``name`` is Mul(a, b), in either order."""
+    return any({p, q} == {a, b} for p, q in _operands(producer.get(name), "Mul"))
+
+
+def _batch_stats(xhat: str, inv_std: str, axes: list[int], producer: dict, values: dict) -> tuple[str, str] | None:
+    """(x, eps) where ``xhat`` and ``inv_std`` are the rule's ``_batch_stats``:
+    xhat = (x - mean(x)) * inv_std, inv_std = 1 / sqrt(mean((x - mean(x))^2) + eps)."""
+    recip = _node(producer, inv_std, "Reciprocal")
+    sqrt = _node(producer, recip.input[0], "Sqrt") if recip is not None else None
+    if sqrt is None:
+        return None
+    for centred, inv in _operands(producer.get(xhat), "Mul"):
+        sub = _node(producer, centred, "Sub") if inv == inv_std else None
+        if sub is None:
+            continue
+        x, mean_x = sub.input
+        if _reduce(producer.get(mean_x), "ReduceMean", values, 1) != (x, axes):
+            continue
+        for var, eps in _operands(producer.get(sqrt.input[0]), "Add"):
+            red = _reduce(producer.get(var), "ReduceMean", values, 1)
+            e = values.get(eps)
+            if (red is not None and red[1] == axes and _operands(producer.get(red[0]), "Mul") == [(centred, centred)]
+                    and e is not None and e.size == 1 and e.dtype == np.float32):
+                return x, eps
+    return None
+
+
+def _scaled(g: str, rank: int, producer: dict, values: dict) -> tuple[str, str] | None:
+    """(dy, scale) where g = dy * Unsqueeze(scale) per channel of a rank-``rank`` tensor."""
+    for dy, sc in _operands(producer.get(g), "Mul"):
+        unsq = _node(producer, sc, "Unsqueeze")
+        if unsq is not None and _axes(unsq, values) == list(range(1, rank - 1)):
+            return dy, unsq.input[0]
+    return None
+
+
 def _bn_grad(root: onnx.NodeProto, producer: dict, consumers: dict, values: dict,
              types: dict, shapes: dict) -> dict | None:
     """The training-mode BatchNormalization gradient rooted at ``root`` as
@@ -54,62 +104,33 @@ def _bn_grad(root: onnx.NodeProto, producer: dict, consumers: dict, values: dict
     with xhat = (x - mean(x)) * inv_std, inv_std = 1 / sqrt(mean((x - mean(x))^2) + eps),
     means over every axis but 1: its tensors, else None."""
     for inv_std, d in _operands(root, "Mul"):
-        outer = producer.get(d)
-        if outer is None or outer.op_type != "Sub" or not default_domain(outer):
-            continue
-        inner, tail = producer.get(outer.input[0]), producer.get(outer.input[1])
-        if inner is None or inner.op_type != "Sub" or not default_domain(inner):
+        outer = _node(producer, d, "Sub")
+        inner = _node(producer, outer.input[0], "Sub") if outer is not None else None
+        if inner is None:
             continue
         g, mean_g = inner.input
         found = _reduce(producer.get(mean_g), "ReduceMean", values, 1)
         if found is None or found[0] != g:
             continue
         axes = found[1]
-        for xhat, mean_gx in _operands(tail, "Mul"):
+        for xhat, mean_gx in _operands(producer.get(outer.input[1]), "Mul"):
             red = _reduce(producer.get(mean_gx), "ReduceMean", values, 1)
-            if red is None or red[1] != axes:
+            if red is None or red[1] != axes or not _is_product(producer, red[0], g, xhat):
                 continue
-            if not any({p, q} == {g, xhat} for p, q in _operands(producer.get(red[0]), "Mul")):
+            stats = _batch_stats(xhat, inv_std, axes, producer, values)
+            dims = shapes.get(stats[0]) if stats is not None else None
+            if dims is None or len(dims) < 3 or axes != [0, *range(2, len(dims))]:
                 continue
-            for centred, inv in _operands(producer.get(xhat), "Mul"):
-                if inv != inv_std:
-                    continue
-                sub = producer.get(centred)
-                if sub is None or sub.op_type != "Sub" or not default_domain(sub):
-                    continue
-                x, mean_x = sub.input
-                if _reduce(producer.get(mean_x), "ReduceMean", values, 1) != (x, axes):
-                    continue
-                recip = producer.get(inv_std)
-                sqrt = producer.get(recip.input[0]) if recip is not None and recip.op_type == "Reciprocal" else None
-                if sqrt is None or sqrt.op_type != "Sqrt":
-                    continue
-                for var, eps in _operands(producer.get(sqrt.input[0]), "Add"):
-                    red = _reduce(producer.get(var), "ReduceMean", values, 1)
-                    if red is None or red[1] != axes:
-                        continue
-                    if _operands(producer.get(red[0]), "Mul") != [(centred, centred)]:
-                        continue
-                    e = values.get(eps)
-                    if e is None or e.size != 1 or e.dtype != np.float32:
-                        continue
-                    for dy, sc in _operands(producer.get(g), "Mul"):
-                        unsq = producer.get(sc)
-                        if unsq is None or unsq.op_type != "Unsqueeze" or not default_domain(unsq):
-                            continue
-                        dims = shapes.get(x)
-                        if dims is None or len(dims) < 3 or axes != [0, *range(2, len(dims))]:
-                            continue
-                        a = {t.name: helper.get_attribute_value(t) for t in unsq.attribute}
-                        uaxes = list(a["axes"]) if "axes" in a else const_ints(values, unsq.input[1]) if len(unsq.input) > 1 else None
-                        if uaxes != list(range(1, len(dims) - 1)):
-                            continue
-                        scale = unsq.input[0]
-                        if any(types.get(t) != TensorProto.FLOAT for t in (x, dy, scale)) or shapes.get(dy) != dims:
-                            continue
-                        return {"x": x, "dy": dy, "scale": scale, "eps": eps, "xhat": xhat, "axes": axes,
-                                "dscale": _sum_of(consumers, producer, values, axes, dy, xhat),
-                                "dbias": _sum_of(consumers, producer, values, axes, dy, None)}
+            x, eps = stats
+            found = _scaled(g, len(dims), producer, values)
+            if found is None:
+                continue
+            dy, scale = found
+            if any(types.get(t) != TensorProto.FLOAT for t in (x, dy, scale)) or shapes.get(dy) != dims:
+                continue
+            return {"x": x, "dy": dy, "scale": scale, "eps": eps, "xhat": xhat, "axes": axes,
+                    "dscale": _sum_of(consumers, producer, values, axes, dy, xhat),
+                    "dbias": _sum_of(consumers, producer, values, axes, dy, None)}
     return None
 
 
@@ -119,10 +140,11 @@ def _sum_of(consumers: dict, producer: dict, values: dict, axes: list[int], dy: 
     if xhat is None:
         readers = consumers.get(dy, ())
     else:
-        readers = [r for m in consumers.get(dy, ()) if any({p, q} == {dy, xhat} for p, q in _operands(m, "Mul"))
+        readers = [r for m in consumers.get(dy, ()) if m.output and _is_product(producer, m.output[0], dy, xhat)
                    for r in consumers.get(m.output[0], ())]
     for r in readers:
-        if _reduce(r, "ReduceSum", values, 0) is not None and _reduce(r, "ReduceSum", values, 0)[1] == axes:
+        found = _reduce(r, "ReduceSum", values, 0)
+        if found is not None and found[1] == axes:
             return r.output[0]
     return None
 
