@@ -485,8 +485,10 @@ def kernel_choice(model: onnx.ModelProto, fused_kernels: bool | None, device: st
         return KernelChoice(model)
     if device != "cpu":
         return KernelChoice(model, None, "fused kernels run on the CPU provider only")
-    block = nchwc_block() if callable(nchwc_block) and nchwc.has_convolutions(model) else nchwc_block
-    fused, _ = with_fused_kernels(model, block if isinstance(block, int) else 0)
+    block = nchwc_block
+    if callable(block):  # (a probe: asked only where it matters)
+        block = block() if nchwc.has_convolutions(model) else 0
+    fused, _ = with_fused_kernels(model, block)
     if fused is model:
         return KernelChoice(model)
     library = kernels.library()

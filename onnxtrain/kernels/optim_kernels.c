@@ -221,6 +221,13 @@ static OrtStatus *describe(const OrtValue *value, int *elem, size_t *count, int6
     return st;
 }
 
+/* Output ``index`` of shape dims (rank values), and its data. */
+static OrtStatus *output_data(OrtKernelContext *ctx, size_t index, const int64_t *dims, size_t rank, void **data) {
+    OrtValue *value = NULL;
+    OrtStatus *st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, index, dims, rank, &value);
+    return st ? st : API(API_GetTensorMutableData, MutableDataFn)(value, data);
+}
+
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(ONNXTRAIN_NO_CLONES)
 #define CLONES __attribute__((target_clones("avx2", "default")))
 #else
@@ -680,11 +687,8 @@ static OrtStatus *max_pool_compute(const OpDef *def, OrtKernelContext *ctx) {
     if (g[4] >= g[0] || g[5] >= g[1]) return op_fail(def, "padding must be smaller than the window");
     const int64_t n = dims[0], c = dims[1], h = dims[2], w = dims[3];
     int64_t ydims[4] = {n, c, g[6], g[7]};
-    OrtValue *yv = NULL, *iv = NULL;
-    st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, 0, ydims, 4, &yv);
-    if (!st) st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, 1, ydims, 4, &iv);
-    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(yv, &yd);
-    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(iv, &id);
+    st = output_data(ctx, 0, ydims, 4, &yd);
+    if (!st) st = output_data(ctx, 1, ydims, 4, &id);
     if (st) return st;
     const int two = g[0] == 2 && g[1] == 2 && g[2] == 2 && g[3] == 2 && g[4] == 0 && g[5] == 0 &&
                     2 * g[6] <= h && 2 * g[7] <= w;
@@ -744,11 +748,9 @@ static OrtStatus *relu_grad_compute(const OpDef *def, OrtKernelContext *ctx) {
     if (rank != rank2 || memcmp(dims, dims2, rank * sizeof(int64_t)) != 0)
         return op_fail(def, "y and dy must have the same shape");
     void *y = NULL, *dy = NULL, *dx = NULL;
-    OrtValue *dxv = NULL;
     st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)yv, &y);
     if (!st) st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)dyv, &dy);
-    if (!st) st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, rank, &dxv);
-    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(dxv, &dx);
+    if (!st) st = output_data(ctx, 0, dims, rank, &dx);
     if (st) return st;
     if (count == 0) return NULL;
     ReluJob job = {y, dy, dx, def->elem_type == ELEM_FLOAT};
@@ -817,9 +819,7 @@ static OrtStatus *im2col_compute(const OpDef *def, OrtKernelContext *ctx) {
     const int64_t n = dims[0], c = dims[1], h = dims[2], w = dims[3];
     const int64_t taps = g[0] * g[1], cols = n * g[8] * g[9];
     int64_t odims[2] = {c * taps, cols};
-    OrtValue *ov = NULL;
-    st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, 0, odims, 2, &ov);
-    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(ov, &od);
+    st = output_data(ctx, 0, odims, 2, &od);
     if (st) return st;
     Im2ColJob job = {x, (float *)od, g, n, c, h, w};
     split_work(im2col_part, &job, c, c * taps * cols * (int64_t)sizeof(float));
@@ -878,10 +878,8 @@ static OrtStatus *col2im_compute(const OpDef *def, OrtKernelContext *ctx) {
     if (dims[0] != c * g[0] * g[1] || dims[1] != n * g[8] * g[9])
         return op_fail(def, "the column matrix does not fit the geometry");
     int64_t odims[4] = {n, c, h, w};
-    OrtValue *ov = NULL;
     void *od = NULL;
-    st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, 0, odims, 4, &ov);
-    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(ov, &od);
+    st = output_data(ctx, 0, odims, 4, &od);
     if (st) return st;
     Col2ImJob job = {cols, (float *)od, g, n, h, w};
     split_work(col2im_part, &job, c, n * c * h * w * (int64_t)sizeof(float));
@@ -1016,9 +1014,7 @@ static OrtStatus *reorder_filter_compute(const OpDef *def, OrtKernelContext *ctx
     const int64_t o_n = flip ? c : m, i_n = flip ? m : c;
     if (b < 1 || o_n % b || (blocked && i_n % b)) return op_fail(def, "channels are not whole blocks");
     int64_t odims[4] = {o_n, i_n, dims[2], dims[3]};
-    OrtValue *ov = NULL;
-    st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, 0, odims, 4, &ov);
-    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(ov, &od);
+    st = output_data(ctx, 0, odims, 4, &od);
     if (st) return st;
     ReorderJob job = {w, (float *)od, m, c, dims[2], dims[3], b, flip, blocked, 0};
 #ifdef HAVE_TILE8
@@ -1109,18 +1105,14 @@ static OrtStatus *bn_grad_compute(const OpDef *def, OrtKernelContext *ctx) {
     if (st) return st;
     if (elem != ELEM_FLOAT || eps_count != 1) return op_fail(def, "epsilon must be one float");
     void *xd = NULL, *dyd = NULL, *scd = NULL, *epsd = NULL, *dxd = NULL, *dsd = NULL, *dbd = NULL;
-    OrtValue *dxv = NULL, *dsv = NULL, *dbv = NULL;
     int64_t cdims[1] = {c};
     st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)in[0], &xd);
     if (!st) st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)in[1], &dyd);
     if (!st) st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)in[2], &scd);
     if (!st) st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)in[3], &epsd);
-    if (!st) st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, 0, dims, rank, &dxv);
-    if (!st) st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, 1, cdims, 1, &dsv);
-    if (!st) st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, 2, cdims, 1, &dbv);
-    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(dxv, &dxd);
-    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(dsv, &dsd);
-    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(dbv, &dbd);
+    if (!st) st = output_data(ctx, 0, dims, rank, &dxd);
+    if (!st) st = output_data(ctx, 1, cdims, 1, &dsd);
+    if (!st) st = output_data(ctx, 2, cdims, 1, &dbd);
     if (st) return st;
     if (dims[0] * s == 0) {
         for (int64_t k = 0; k < c; ++k) ((float *)dsd)[k] = ((float *)dbd)[k] = 0.0f;
@@ -1169,10 +1161,8 @@ static OrtStatus *scatter_add_compute(const OpDef *def, OrtKernelContext *ctx) {
     const int64_t *idx = (const int64_t *)id;
     for (size_t k = 0; k < icount; ++k)
         if (idx[k] < -n || idx[k] >= n) return op_fail(def, "index out of range");
-    OrtValue *ov = NULL;
     int64_t odims[1] = {n};
-    st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, 0, odims, 1, &ov);
-    if (!st) st = API(API_GetTensorMutableData, MutableDataFn)(ov, &od);
+    st = output_data(ctx, 0, odims, 1, &od);
     if (st) return st;
     float *out = (float *)od;
     const float *upd = (const float *)ud;
