@@ -363,15 +363,19 @@ def _check_binding_types(model: TrainingModel) -> None:
         label = f"training_info[{i}]"
         checks = []
         if ti.update_binding:
-            drop, stand_ins = _data_free_initializers(proto.graph, ti.algorithm)
-            combined = combined_graph(proto, i, exclude_initializers=drop)
-            combined.initializer.extend(stand_ins)
-            checks.append(("update_binding", ti.update_binding, combined))
+            declared = {o.name: o.type for g in (proto.graph, ti.algorithm) for o in g.output}
+            checks.append(("update_binding", ti.update_binding, declared, lambda i=i: _combined_types(proto, i)))
         if ti.initialization_binding:
-            checks.append(("initialization_binding", ti.initialization_binding, ti.initialization))
-        for field_name, binding, graph in checks:
-            declared = {o.name: o.type for o in graph.output}
-            dtypes, shapes = infer_types(graph, proto.opset_import)
+            init = ti.initialization
+            checks.append(("initialization_binding", ti.initialization_binding,
+                           {o.name: o.type for o in init.output},
+                           lambda init=init: infer_types(init, proto.opset_import)))
+        for field_name, binding, declared, inferred in checks:
+            # Values declared with their element type and shape need no inference.
+            if all(_full_type(declared.get(e.value), model.state[e.key]) for e in binding):
+                dtypes, shapes = {}, {}
+            else:
+                dtypes, shapes = inferred()
             for idx, entry in enumerate(binding):
                 var = model.state[entry.key]
                 et = dtypes.get(entry.value)
@@ -393,6 +397,26 @@ def _check_binding_types(model: TrainingModel) -> None:
                             f"{label}.{field_name}[{idx}]: value {entry.value!r} has shape "
                             f"{list(shape)}, but state variable {entry.key!r} has shape {list(var.shape)}"
                         )
+
+
+def _full_type(tp: onnx.TypeProto | None, var: StateVar) -> bool:
+    """A declared tensor type that says all the check reads: its element type
+    and its shape.  A declared scalar counts only for a scalar variable (for
+    any other the check goes through inference, as it always did; for a
+    scalar, inference could only show the declaration wrong, which the
+    run shows as well)."""
+    if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.elem_type:
+        return False
+    tt = tp.tensor_type
+    return tt.HasField("shape") and (len(tt.shape.dim) > 0 or var.shape == ())
+
+
+def _combined_types(proto: onnx.ModelProto, index: int) -> tuple[dict, dict]:
+    """``infer_types`` of main ⊕ algorithm ``index``, without copying weights."""
+    drop, stand_ins = _data_free_initializers(proto.graph, proto.training_info[index].algorithm)
+    combined = combined_graph(proto, index, exclude_initializers=drop)
+    combined.initializer.extend(stand_ins)
+    return infer_types(combined, proto.opset_import)
 
 
 def _data_free_initializers(*graphs: onnx.GraphProto) -> tuple[set[str], list[onnx.TensorProto]]:

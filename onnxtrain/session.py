@@ -27,6 +27,7 @@ import onnx
 from onnx import numpy_helper
 
 from . import mapped
+from .combine import uses_preview_ops
 from .errors import TrainingModelError
 from .inplace import inplace_keys, with_scratch_outputs
 from .executor import LARGE_MODEL_BYTES, Executor, default_session_options, device_of, nchwc_block, state_device
@@ -171,9 +172,14 @@ class TrainingSession:
         self._grad_buffers = [self._dp.buffers(s.reduced) for s in self._splits] if self._dp else []
         #: Rows of local accumulation steps since the last reduced sums (data-parallel).
         self._local_rows = 0
-        self._initializations = [
-            initialization_program(tm, i) for i in range(len(tm.training_info))
-        ]
+        #: The initialization programs, built on first use (``_initializations``):
+        #: only ``initialize()`` runs them.  A graph with training ops is built
+        #: now, so that its errors surface here; a plain one (a builder's: its
+        #: starting values as constants) has nothing to lower that can fail.
+        self._init_programs: list[Program | None] | None = None
+        if any(ti.HasField("initialization") and uses_preview_ops(ti.initialization)
+               for ti in tm.proto.training_info):
+            self._init_programs = self._initializations
         #: evaluate_batch's loss programs by (algorithm, loss, prediction).
         self._loss_programs: dict[tuple[int, str, str | None], Program] = {}
         self._executors: dict[int, Executor] = {}
@@ -208,6 +214,13 @@ class TrainingSession:
         self.fit_position: dict[str, Any] | None = read_position(tm.proto)
 
     # ------------------------------------------------------------ properties
+    @property
+    def _initializations(self) -> list[Program | None]:
+        if self._init_programs is None:
+            tm = self._model
+            self._init_programs = [initialization_program(tm, i) for i in range(len(tm.training_info))]
+        return self._init_programs
+
     @property
     def state(self) -> Mapping[str, np.ndarray]:
         """Every state variable -> numpy array (copies; the mapping is read-only)."""
@@ -417,7 +430,7 @@ class TrainingSession:
         if ex is None:
             model, library = self._program_model(program)
             # A large model's initialization folded would hold a copy of what it fills.
-            fold = not (self._large and any(program is p for p in self._initializations))
+            fold = not (self._large and any(program is p for p in self._init_programs or ()))
             # A step that fetches nothing may skip the outputs only fetching reads
             # (not where lean memory's in-place writes follow the full program's order).
             prune_unfetched = any(program is p for p in self._algorithms) and not (self._lean or self._large)

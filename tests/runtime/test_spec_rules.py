@@ -412,3 +412,35 @@ def test_bad_bytes_raise_training_model_error():
     wrong_type = onnx.helper.make_tensor("t", F32, [1], [1.0]).SerializeToString()
     with pytest.raises(TrainingModelError):
         TrainingSession(wrong_type)
+
+
+# ---------------------------------------------------------------- R11 without inference
+def _no_inference(monkeypatch):
+    import onnxtrain.model
+
+    def refuse(*a, **k):
+        raise AssertionError("shape inference ran")
+
+    monkeypatch.setattr(onnxtrain.model, "infer_types", refuse)
+
+
+def test_r11_declared_types_are_checked_without_shape_inference(monkeypatch):
+    # Every bound value declares its element type and shape: the check reads
+    # those alone (a builder's models are so), mismatches included.
+    _no_inference(monkeypatch)
+    sess = TrainingSession(scale_model([decay_info()]))
+    sess.train_step(FEED)
+    np.testing.assert_array_equal(sess.state["W"], W0 * 0.5)
+    ti = training_info([helper.make_node("Cast", ["W"], ["W64"], to=TensorProto.DOUBLE)], [], [],
+                       [vi("W64", TensorProto.DOUBLE, [2])], [("W", "W64")])
+    assert "value 'W64' has element type DOUBLE" in error_of(scale_model([ti]))
+    ti = training_info([helper.make_node("Concat", ["W", "W"], ["WW"], axis=0)], [], [],
+                       [vi("WW", F32, [4])], [("W", "WW")])
+    assert "value 'WW' has shape [4], but state variable 'W' has shape [2]" in error_of(scale_model([ti]))
+
+
+def test_r11_a_declared_scalar_bound_to_a_tensor_is_refused():
+    # (checked with inference, which keeps the declared shape)
+    ti = training_info([helper.make_node("Mul", ["W", "f"], ["W_new"])], [tensor("f", np.float32(0.5))],
+                       [], [vi("W_new", F32, [])], [("W", "W_new")])
+    assert "value 'W_new' has shape [], but state variable 'W' has shape [2]" in error_of(scale_model([ti]))

@@ -4,7 +4,9 @@ visit, in the same order; the one-pass tensor check finds the error the
 labelled walk words; ``raw_length`` is ``len(raw_data)``; ``load`` spills
 exactly when ``storage.spill`` would; the builder's initialization graph
 holds every starting value bit for bit; the program cache's size bound
-refuses what the skeleton's size would."""
+refuses what the skeleton's size would; an initialization graph without
+training ops is lowered when ``initialize()`` first needs it, one with them
+at construction (where its errors surface)."""
 
 from __future__ import annotations
 
@@ -241,3 +243,53 @@ def _fast_path_passes(m) -> bool:
         return loading._strings_ok(m)
     except Exception:
         return False
+
+
+def _counting_initialization_programs(monkeypatch) -> list:
+    import onnxtrain.session
+
+    made = []
+    real = onnxtrain.session.initialization_program
+
+    def counted(tm, index):
+        made.append(index)
+        return real(tm, index)
+
+    monkeypatch.setattr(onnxtrain.session, "initialization_program", counted)
+    return made
+
+
+def test_a_plain_initialization_graph_is_lowered_when_initialize_first_needs_it(monkeypatch):
+    from onnxtrain import TrainingSession
+
+    made = _counting_initialization_programs(monkeypatch)
+    tm = build.training_model(mlp(), optimizer=build.Adam(lr=0.1), accumulate=2)
+    sess = TrainingSession(tm)
+    start = {k: v.copy() for k, v in sess.state.items()}
+    assert made == []  # construction and training do not need them
+    x = np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)
+    feeds = {"X": x, "target": np.array([0, 1, 2, 0])}
+    sess.train_step(feeds, algorithm=0)
+    sess.train_step(feeds, algorithm=1)
+    assert made == []
+    sess.initialize()
+    assert made == [0, 1]
+    for k, v in start.items():
+        np.testing.assert_array_equal(sess.state[k], v)
+    sess.initialize()
+    assert made == [0, 1]  # lowered once
+    assert {"training_info[0].initialization", "training_info[1].initialization"} <= set(sess.programs())
+
+
+def test_an_initialization_graph_with_training_ops_is_lowered_at_construction(monkeypatch):
+    from onnxtrain import TrainingSession
+
+    made = _counting_initialization_programs(monkeypatch)
+    tm = build.training_model(mlp(), optimizer=build.SGD(lr=0.1))
+    init = tm.training_info[0].initialization
+    # An unknown training op: lowering refuses it, so construction must.
+    init.node.append(helper.make_node("Bogus", [], ["extra"], domain="ai.onnx.preview.training"))
+    init.output.append(helper.make_tensor_value_info("extra", TensorProto.FLOAT, [1]))
+    with pytest.raises(TrainingModelError, match="Bogus"):
+        TrainingSession(tm)
+    assert made == [0]
