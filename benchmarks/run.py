@@ -10,7 +10,8 @@ the order rotating), so a change of machine load hits all of them alike.
 
 Reported per workload and framework: median and p90 ms per training step
 after warm-up, the ratio to the best peer, time to first step (construction +
-first step), peak RSS of the child, GFLOP/s (analytic FLOPs per step) and its
+first step; the median over ``--first-step-samples`` fresh children, 5 by
+default), peak RSS of the child, GFLOP/s (analytic FLOPs per step) and its
 share of the machine's measured float32 matmul ceiling.  Also: the
 equal-work check (losses of the first steps across frameworks), onnxtrain's
 per-step overhead on W3 against bare onnxruntime runs of the same program, and
