@@ -234,6 +234,65 @@ static OrtStatus *output_data(OrtKernelContext *ctx, size_t index, const int64_t
 #define CLONES
 #endif
 
+/* ------------------------------------------------------------ threads */
+/* The optimizer updates and the layer kernels are bound by memory traffic,
+ * which one core does not saturate.  A large one is split into contiguous
+ * ranges of items, run by this thread and SPLIT_THREADS - 1 short-lived
+ * helpers (a few tens of microseconds to start, paid only above
+ * SPLIT_MIN_BYTES).  Each output element is written by one thread, in the
+ * order one thread would: the results do not depend on the split.  (An
+ * update in place, whose outputs share its inputs' buffers, runs in one
+ * pass on this thread.) */
+#ifndef SPLIT_THREADS
+#define SPLIT_THREADS 2
+#endif
+#define SPLIT_MIN_BYTES (1 << 20)
+/* An optimizer update splits from more traffic than that: it is short, and
+ * below this a helper's start costs about what the second core saves (W1's
+ * 784x512 AdamW update, 11 MB, ran 1-2% slower split). */
+#define OPT_SPLIT_MIN_BYTES (16 << 20)
+
+typedef void (*PartFn)(void *, int64_t, int64_t);
+typedef struct {
+    PartFn fn;
+    void *arg;
+    int64_t begin, end;
+} Part;
+
+static void *run_part(void *p) {
+    Part *part = (Part *)p;
+    part->fn(part->arg, part->begin, part->end);
+    return NULL;
+}
+
+static void split_work_from(PartFn fn, void *arg, int64_t items, int64_t bytes, int64_t min_bytes) {
+    int parts = bytes >= min_bytes ? SPLIT_THREADS : 1;
+    if (parts > items) parts = (int)items;
+    if (parts <= 1) {
+        fn(arg, 0, items);
+        return;
+    }
+    Part work[SPLIT_THREADS];
+    pthread_t threads[SPLIT_THREADS];
+    int started[SPLIT_THREADS] = {0};
+    for (int k = 0; k < parts; ++k) {
+        work[k].fn = fn;
+        work[k].arg = arg;
+        work[k].begin = items * k / parts;
+        work[k].end = items * (k + 1) / parts;
+    }
+    for (int k = 1; k < parts; ++k) started[k] = pthread_create(&threads[k], NULL, run_part, &work[k]) == 0;
+    run_part(&work[0]);
+    for (int k = 1; k < parts; ++k) {
+        if (started[k]) pthread_join(threads[k], NULL);
+        else run_part(&work[k]); /* no thread to be had: this one does it */
+    }
+}
+
+static void split_work(PartFn fn, void *arg, int64_t items, int64_t bytes) {
+    split_work_from(fn, arg, items, bytes, SPLIT_MIN_BYTES);
+}
+
 /* One element of the update: every operation rounds as the standard kernels do. */
 #define ADAM_LOOP(T, SQRT)                                                                 \
     const T b1 = s[0], c1 = s[1], b2 = s[2], c2 = s[3], eps = s[4], step = s[5],           \
@@ -262,15 +321,28 @@ static OrtStatus *output_data(OrtKernelContext *ctx, size_t index, const int64_t
                                          const T *restrict s) {                            \
         ADAM_LOOP(T, SQRT)                                                                 \
     }                                                                                      \
+    typedef struct {                                                                       \
+        T *const *in, *const *out;                                                         \
+        const T *s;                                                                        \
+    } AdamJob_##SUFFIX;                                                                    \
+    /* Elements [b, e) of a split update. */                                               \
+    static void adam_##SUFFIX##_part(void *arg, int64_t b, int64_t e) {                    \
+        const AdamJob_##SUFFIX *j = (const AdamJob_##SUFFIX *)arg;                         \
+        adam_##SUFFIX##_distinct((size_t)(e - b), j->in[0] + b, j->in[1] + b, j->in[2] + b, \
+                                 j->in[3] + b, j->out[0] + b, j->out[1] + b, j->out[2] + b, j->s); \
+    }                                                                                      \
     static void adam_##SUFFIX(size_t n, void *const *in, void *const *out, const T *s) {   \
         int overlap = 0;                                                                   \
         for (int k = 0; k < N_OUTPUTS; ++k)                                                \
             for (int j = 0; j < N_TENSORS; ++j)                                            \
                 overlap |= ranges_overlap(out[k], in[j], n * sizeof(T));                   \
-        if (overlap)                                                                       \
+        if (overlap) {                                                                     \
             adam_##SUFFIX##_any(n, in[0], in[1], in[2], in[3], out[0], out[1], out[2], s); \
-        else                                                                               \
-            adam_##SUFFIX##_distinct(n, in[0], in[1], in[2], in[3], out[0], out[1], out[2], s); \
+        } else {                                                                           \
+            AdamJob_##SUFFIX job = {(T *const *)in, (T *const *)out, s};                   \
+            split_work_from(adam_##SUFFIX##_part, &job, (int64_t)n,                        \
+                            (int64_t)(n * sizeof(T) * (N_TENSORS + N_OUTPUTS)), OPT_SPLIT_MIN_BYTES); \
+        }                                                                                  \
     }
 
 static int ranges_overlap(const void *a, const void *b, size_t bytes) {
@@ -425,6 +497,30 @@ typedef void (*Loopf64_t)(LOOP_ARGS(double, ));
 DEFINE_LOOPS(float, sqrtf, f32)
 DEFINE_LOOPS(double, sqrt, f64)
 
+/* One spec update of one tensor: its loop, buffers and scalars. */
+typedef struct {
+    int f64;
+    Loopf32_t lf;
+    Loopf64_t ld;
+    void *in[4], *out[3];
+    const float *sf;
+    const double *sd;
+} SpecJob;
+
+/* Elements [b, e) of a spec update (a tensor the op does not use stays NULL). */
+static void spec_part(void *arg, int64_t b, int64_t e) {
+    const SpecJob *j = (const SpecJob *)arg;
+    const size_t n = (size_t)(e - b);
+#define AT(T, p) ((p) ? (T *)(p) + b : NULL)
+    if (j->f64)
+        j->ld(n, AT(double, j->in[0]), AT(double, j->in[1]), AT(double, j->in[2]), AT(double, j->in[3]),
+              AT(double, j->out[0]), AT(double, j->out[1]), AT(double, j->out[2]), j->sd);
+    else
+        j->lf(n, AT(float, j->in[0]), AT(float, j->in[1]), AT(float, j->in[2]), AT(float, j->in[3]),
+              AT(float, j->out[0]), AT(float, j->out[1]), AT(float, j->out[2]), j->sf);
+#undef AT
+}
+
 /* A status naming the op: "<op>: <what>". */
 static OrtStatus *op_fail(const OpDef *def, const char *what) {
     char msg[200];
@@ -510,12 +606,12 @@ static OrtStatus *spec_compute(const OpDef *def, OrtKernelContext *ctx) {
             for (size_t j = 0; j < pi; ++j)
                 overlap |= ranges_overlap(out[k], in[j], count0 * width);
         const int kind = def->kind - KIND_SPEC_ADAM;
-        if (def->elem_type == ELEM_FLOAT)
-            loops_f32[kind][nc][post][!overlap](count0, in[0], in[1], in[2], in[3], out[0], out[1],
-                                                out[2], sf);
-        else
-            loops_f64[kind][nc][post][!overlap](count0, in[0], in[1], in[2], in[3], out[0], out[1],
-                                                out[2], sd);
+        SpecJob job = {def->elem_type != ELEM_FLOAT, loops_f32[kind][nc][post][!overlap],
+                       loops_f64[kind][nc][post][!overlap], {in[0], in[1], in[2], in[3]},
+                       {out[0], out[1], out[2]}, sf, sd};
+        if (overlap) spec_part(&job, 0, (int64_t)count0); /* in place: one pass, in order */
+        else split_work_from(spec_part, &job, (int64_t)count0, (int64_t)(count0 * width * (pi + po)),
+                             OPT_SPLIT_MIN_BYTES);
     }
     return NULL;
 }
@@ -544,55 +640,6 @@ static OrtStatus *layer_inputs(const OpDef *def, OrtKernelContext *ctx, size_t r
     *x = (const float *)xd;
     *g = (const int64_t *)gd;
     return st;
-}
-
-/* ------------------------------------------------------------ threads */
-/* The layer kernels below are bound by memory traffic, which one core does
- * not saturate.  A large one is split into contiguous ranges of items, run
- * by this thread and SPLIT_THREADS - 1 short-lived helpers (a few tens of
- * microseconds to start, paid only above SPLIT_MIN_BYTES).  Each output
- * element is written by one thread, in the order one thread would: the
- * results do not depend on the split. */
-#ifndef SPLIT_THREADS
-#define SPLIT_THREADS 2
-#endif
-#define SPLIT_MIN_BYTES (1 << 20)
-
-typedef void (*PartFn)(void *, int64_t, int64_t);
-typedef struct {
-    PartFn fn;
-    void *arg;
-    int64_t begin, end;
-} Part;
-
-static void *run_part(void *p) {
-    Part *part = (Part *)p;
-    part->fn(part->arg, part->begin, part->end);
-    return NULL;
-}
-
-static void split_work(PartFn fn, void *arg, int64_t items, int64_t bytes) {
-    int parts = bytes >= SPLIT_MIN_BYTES ? SPLIT_THREADS : 1;
-    if (parts > items) parts = (int)items;
-    if (parts <= 1) {
-        fn(arg, 0, items);
-        return;
-    }
-    Part work[SPLIT_THREADS];
-    pthread_t threads[SPLIT_THREADS];
-    int started[SPLIT_THREADS] = {0};
-    for (int k = 0; k < parts; ++k) {
-        work[k].fn = fn;
-        work[k].arg = arg;
-        work[k].begin = items * k / parts;
-        work[k].end = items * (k + 1) / parts;
-    }
-    for (int k = 1; k < parts; ++k) started[k] = pthread_create(&threads[k], NULL, run_part, &work[k]) == 0;
-    run_part(&work[0]);
-    for (int k = 1; k < parts; ++k) {
-        if (started[k]) pthread_join(threads[k], NULL);
-        else run_part(&work[k]); /* no thread to be had: this one does it */
-    }
 }
 
 /* ------------------------------------------------------------ MaxPool */

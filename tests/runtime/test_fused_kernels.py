@@ -543,3 +543,50 @@ def test_spec_adam_is_not_taken_for_the_builders_adam():
     assert {n.op_type for n in fused.graph.node if n.domain == KERNEL_DOMAIN} == {"SpecAdamF32"}
     builder = _adam_graph()
     assert fuse_spec_optimizers(builder.graph, list(builder.opset_import)) == 0
+
+
+# ----------------------------------------------- large tensors: the update split over two threads
+def _large_feeds(dtype, features=1024, rows=8, classes=3):
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((rows, features)).astype(dtype)
+    return x, (np.arange(rows) % classes).astype(np.int64)
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", ["adam-nc-post", "momentum", "nesterov-nc", "adagrad-nc"])
+def test_spec_kernels_split_over_threads_equal_standard_bit_for_bit(case, dtype):
+    """A 1024x1024 weight is over the optimizer kernels' split threshold (16 MiB
+    of traffic): its update runs in two element ranges at once, with the same bits."""
+    optimizer, attrs, _ = SPEC_CASES[case]
+    tm = mlp_classifier(optimizer, sizes=(1024, 1024, 3), lr=0.05, dtype=dtype)
+    node = next(n for n in tm.training_info[0].algorithm.node
+                if n.domain == PREVIEW and n.op_type != "Gradient")
+    for name, value in attrs.items():
+        for a in list(node.attribute):
+            if a.name == name:
+                node.attribute.remove(a)
+        node.attribute.append(helper.make_attribute(name, value))
+    x, labels = _large_feeds(dtype)
+    feeds = {"X": x, "label": labels}
+    fused, fused_losses = run_steps(tm, feeds, steps=4, fused_kernels=True)
+    plain, plain_losses = run_steps(tm, feeds, steps=4, fused_kernels=False)
+    assert spec_ops(fused) and spec_ops(plain) == []
+    assert fused_losses == plain_losses
+    for name, value in plain.state.items():
+        np.testing.assert_array_equal(fused.state[name], value, err_msg=name)
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_adam_kernel_split_over_threads_equals_standard_bit_for_bit(dtype):
+    model = mlp(sizes=(1024, 1024, 3), dtype=dtype)
+    tm = build.training_model(model, loss="cross_entropy", optimizer=build.AdamW(0.01, weight_decay=0.1))
+    x, labels = _large_feeds(dtype)
+    feeds = {"X": x, "target": labels}
+    fused, fused_losses = run_steps(tm, feeds, steps=4, fused_kernels=True)
+    plain, plain_losses = run_steps(tm, feeds, steps=4, fused_kernels=False)
+    assert fused_ops(fused) and fused_ops(plain) == []
+    assert fused_losses == plain_losses
+    for name, value in plain.state.items():
+        np.testing.assert_array_equal(fused.state[name], value, err_msg=name)
