@@ -552,6 +552,16 @@ def _large_feeds(dtype, features=1024, rows=8, classes=3):
     return x, (np.arange(rows) % classes).astype(np.int64)
 
 
+def _assert_fused_trains_as_standard(tm, feeds, ops):
+    """Four steps with and without the fused kernels: the same losses and state, bit for bit."""
+    fused, fused_losses = run_steps(tm, feeds, steps=4, fused_kernels=True)
+    plain, plain_losses = run_steps(tm, feeds, steps=4, fused_kernels=False)
+    assert ops(fused) and ops(plain) == []
+    assert fused_losses == plain_losses
+    for name, value in plain.state.items():
+        np.testing.assert_array_equal(fused.state[name], value, err_msg=name)
+
+
 @needs_library
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("case", ["adam-nc-post", "momentum", "nesterov-nc", "adagrad-nc"])
@@ -568,13 +578,7 @@ def test_spec_kernels_split_over_threads_equal_standard_bit_for_bit(case, dtype)
                 node.attribute.remove(a)
         node.attribute.append(helper.make_attribute(name, value))
     x, labels = _large_feeds(dtype)
-    feeds = {"X": x, "label": labels}
-    fused, fused_losses = run_steps(tm, feeds, steps=4, fused_kernels=True)
-    plain, plain_losses = run_steps(tm, feeds, steps=4, fused_kernels=False)
-    assert spec_ops(fused) and spec_ops(plain) == []
-    assert fused_losses == plain_losses
-    for name, value in plain.state.items():
-        np.testing.assert_array_equal(fused.state[name], value, err_msg=name)
+    _assert_fused_trains_as_standard(tm, {"X": x, "label": labels}, spec_ops)
 
 
 @needs_library
@@ -583,10 +587,4 @@ def test_adam_kernel_split_over_threads_equals_standard_bit_for_bit(dtype):
     model = mlp(sizes=(1024, 1024, 3), dtype=dtype)
     tm = build.training_model(model, loss="cross_entropy", optimizer=build.AdamW(0.01, weight_decay=0.1))
     x, labels = _large_feeds(dtype)
-    feeds = {"X": x, "target": labels}
-    fused, fused_losses = run_steps(tm, feeds, steps=4, fused_kernels=True)
-    plain, plain_losses = run_steps(tm, feeds, steps=4, fused_kernels=False)
-    assert fused_ops(fused) and fused_ops(plain) == []
-    assert fused_losses == plain_losses
-    for name, value in plain.state.items():
-        np.testing.assert_array_equal(fused.state[name], value, err_msg=name)
+    _assert_fused_trains_as_standard(tm, {"X": x, "target": labels}, fused_ops)
