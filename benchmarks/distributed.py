@@ -100,7 +100,8 @@ def timed_steps(sess, feeds, warmup: int, steps: int, comm=None) -> dict:
 def ort_ms(model, feeds: dict, reps: int) -> float:
     """Median ms of one bare onnxruntime run of ``model`` (1 thread)."""
     import onnxruntime as ort
-    from onnxtrain.executor import default_session_options
+
+    from onnxtrain.runtime.executor import default_session_options
 
     s = ort.InferenceSession(model.SerializeToString(), default_session_options(1),
                              providers=["CPUExecutionProvider"])
@@ -113,8 +114,9 @@ def ort_ms(model, feeds: dict, reps: int) -> float:
 
 
 def worker_train(args) -> dict:
-    import onnxtrain
     from mpi4py import MPI
+
+    import onnxtrain
 
     comm = MPI.COMM_WORLD if args.mode == "dp" else None
     div = comm.Get_size() if comm else (2 if args.mode == "half" else 1)

@@ -79,7 +79,6 @@ def _declare_layernorm_stats(model) -> None:
 def export(key: str, outdir: Path) -> None:
     import onnx
     import torch
-
     import torch_models
     from workloads import WORKLOADS
 

@@ -10,7 +10,7 @@ process so that its peak resident memory (VmHWM) is its own:
   model over 1.5 GiB takes by default);
 - ``raw read``: reading the data file into one preallocated buffer, the
   disk-speed baseline (page cache warm, as for every phase here);
-- ``load``: ``onnxtrain.model.load(path)``, which reads every tensor of every
+- ``load``: ``onnxtrain.io.model.load(path)``, which reads every tensor of every
   graph into the ModelProto, after all the safety checks;
 - ``session``: ``TrainingSession(path)`` (load, validate, build programs,
   copy the state into onnxruntime buffers), for information.
@@ -123,7 +123,7 @@ def phase_raw(path: str) -> dict:
 
 
 def phase_load(path: str) -> dict:
-    import onnxtrain.model as otmodel
+    import onnxtrain.io.model as otmodel
 
     before = _status("VmRSS")
     _reset_peak()

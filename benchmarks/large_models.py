@@ -118,7 +118,7 @@ def _optimizer(mode: str):
 def phase_build(folder: str, mode: str) -> dict:
     import onnxtrain  # noqa: F401  (the baseline includes the import)
     from onnxtrain import build
-    from onnxtrain.storage import write_model
+    from onnxtrain.io.storage import write_model
 
     base = _status("VmRSS")
     _reset_peak()

@@ -163,7 +163,7 @@ def worker(mode, config: str, steps: int, warmup: int, shape: dict) -> dict:
     sys.path.insert(0, os.path.dirname(HERE))
     import onnxtrain
     from onnxtrain import build
-    from onnxtrain.executor import default_session_options
+    from onnxtrain.runtime.executor import default_session_options
 
     model, feeds = transformer_stack(**shape)
     tm = build.training_model(model, loss="mse", output="Y", optimizer=build.AdamW(lr=1e-3),

@@ -12,7 +12,7 @@ Each sample is one fresh child process of ``worker.py train`` (the children of
   ``artifacts ms``) plus ``build_ms + first_step_ms`` of the trainer child
   (``Module`` + ``Optimizer`` from the artifacts, first step).
 
-onnxtrain runs in three modes (``onnxtrain.cache``, docs/startup.md):
+onnxtrain runs in three modes (``onnxtrain.core.diskcache``, docs/startup.md):
 ``no-cache`` (``ONNXTRAIN_PROGRAM_CACHE=0``), ``cold`` (the cache on but
 empty: the child lowers every program and writes the entries) and ``warm``
 (the entries the cold children wrote); ``--baseline DIR`` adds ``before``:
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = tmp / "cache"
     cache.mkdir()
     # The fused-kernel library: copied, not compiled, so that no sample pays for cc.
-    from onnxtrain import kernels
+    from onnxtrain.kernels import library as kernels
 
     lib = kernels.library()
     if lib:

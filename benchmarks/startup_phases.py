@@ -68,16 +68,16 @@ def child(workdir: Path) -> None:
     worker.import_framework("onnxtrain")
     import onnx
     import onnxruntime
-
-    import onnxtrain.autodiff.engine
-    import onnxtrain.graph
-    import onnxtrain.kernels
-    import onnxtrain.model
-    import onnxtrain.passes
-    import onnxtrain.programs
-    import onnxtrain.session
     from training_model import training_model
     from workloads import WORKLOADS
+
+    import onnxtrain.autodiff.engine
+    import onnxtrain.core.graph
+    import onnxtrain.io.model
+    import onnxtrain.kernels.library
+    import onnxtrain.lower.pipeline
+    import onnxtrain.lower.programs
+    import onnxtrain.session
 
     acc: dict = defaultdict(float)
     count: dict = defaultdict(int)
@@ -97,7 +97,7 @@ def child(workdir: Path) -> None:
         if hasattr(mod, name):
             setattr(mod, name, timed(label, getattr(mod, name)))
 
-    S, P, PS = onnxtrain.session, onnxtrain.programs, onnxtrain.passes
+    S, PS = onnxtrain.session, onnxtrain.lower.pipeline
     import onnx.shape_inference as SI
 
     wrap(SI, "infer_shapes", "onnx.infer_shapes")
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="onnxtrain-phases-"))
     cache = tmp / "cache"
     cache.mkdir()
-    from onnxtrain import kernels
+    from onnxtrain.kernels import library as kernels
 
     lib = kernels.library()
     if lib:

@@ -33,10 +33,10 @@ sys.path.insert(0, str(HERE))
 def child(key: str, steps: int, warmup: int, use_builder: bool) -> dict:
     """One process: build the workload's training model, time its steps."""
     import numpy as np
-
-    import onnxtrain
     from training_model import training_model
     from workloads import WORKLOADS
+
+    import onnxtrain
 
     w = WORKLOADS[key]
     inference, _params, batch = w.build()

@@ -21,8 +21,20 @@ from torch import nn
 # is installed); the model definitions are pure Python.
 sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("stub"))
 
-from workloads import (BERT_D, BERT_FFN, BERT_HEADS, BERT_LABELS, BERT_LAYERS, BERT_SEQ, BERT_VOCAB,
-                       MLP_SIZES, RN_CLASSES, TF_D, TF_FFN, TF_HEADS)
+from workloads import (
+    BERT_D,
+    BERT_FFN,
+    BERT_HEADS,
+    BERT_LABELS,
+    BERT_LAYERS,
+    BERT_SEQ,
+    BERT_VOCAB,
+    MLP_SIZES,
+    RN_CLASSES,
+    TF_D,
+    TF_FFN,
+    TF_HEADS,
+)
 
 
 class MLP(nn.Module):

@@ -106,7 +106,7 @@ def maxrss_kb() -> int:
 
 def onnxtrain_session_options():
     """onnxtrain's own defaults, with the benchmark's thread count and spin setting."""
-    from onnxtrain.executor import default_session_options
+    from onnxtrain.runtime.executor import default_session_options
 
     so = default_session_options(THREADS)
     so.add_session_config_entry("session.intra_op.allow_spinning", ORT_SPIN)
@@ -119,11 +119,10 @@ class OnnxtrainTrainer:
 
     def __init__(self, workdir: Path, spec, params, batch) -> None:
         import onnx
+        from training_model import training_model
+        from workloads import WORKLOADS
 
         import onnxtrain
-        from training_model import training_model
-
-        from workloads import WORKLOADS
 
         workload = WORKLOADS[spec["key"]]
         inference = onnx.load(str(workdir / "model.onnx"))
@@ -149,7 +148,6 @@ class TorchTrainer:
 
     def __init__(self, workdir: Path, spec, params, batch, fused: bool, module=None) -> None:
         import torch
-
         import torch_models
 
         torch.set_num_threads(THREADS)
@@ -179,7 +177,6 @@ class TorchTrainer:
         model asks for (the spec's Adam op, T from 1, norm_coefficient_post = lr*wd),
         written in torch: isolates the epsilon/decay convention from everything else."""
         import torch
-
         import torch_models
 
         model = torch_models.build(spec["key"], params)
@@ -210,7 +207,6 @@ class TorchTrainer:
         momentum), two float32 implementations of the same training drift apart by as
         much as each drifts from this one."""
         import torch
-
         import torch_models
 
         model = torch_models.build(spec["key"], params).double()
@@ -333,12 +329,12 @@ def import_framework(framework: str) -> None:
     if framework == "onnxtrain":
         import onnx  # noqa: F401
         import onnxruntime  # noqa: F401
+        import training_model  # noqa: F401  (the benchmark's own modules, as the peers' are)
+        import workloads  # noqa: F401
 
         import onnxtrain  # noqa: F401
         import onnxtrain.build  # noqa: F401
-        import onnxtrain.executor  # noqa: F401
-        import training_model  # noqa: F401  (the benchmark's own modules, as the peers' are)
-        import workloads  # noqa: F401
+        import onnxtrain.runtime.executor  # noqa: F401
     elif framework in ("torch", "torch-fused"):
         import torch  # noqa: F401
         import torch._dynamo  # noqa: F401  (torch.optim imports it lazily on first use)
@@ -453,11 +449,10 @@ def overhead(workdir: Path, steps: int, rounds: int) -> dict:
     """train_step against a bare InferenceSession.run and an IOBinding run of the same program."""
     import onnx
     import onnxruntime as ort
+    from training_model import training_model
+    from workloads import WORKLOADS
 
     import onnxtrain
-    from training_model import training_model
-
-    from workloads import WORKLOADS
 
     spec, params, batch = load_workdir(workdir)
     workload = WORKLOADS[spec["key"]]
@@ -573,13 +568,12 @@ def profile(workdir: Path, steps: int, warmup: int) -> dict:
     """Profile the onnxtrain algorithm program (run as train_step runs it: IOBinding)."""
     import onnx
     import onnxruntime as ort
+    from training_model import training_model
+    from workloads import WORKLOADS
 
     import onnxtrain
-    import onnxtrain.fuse
-    import onnxtrain.kernels
-    from training_model import training_model
-
-    from workloads import WORKLOADS
+    import onnxtrain.kernels.fuse
+    import onnxtrain.kernels.library
 
     spec, params, batch = load_workdir(workdir)
     workload = WORKLOADS[spec["key"]]
@@ -589,8 +583,8 @@ def profile(workdir: Path, steps: int, warmup: int) -> dict:
     # What onnxruntime runs: with fused optimizer kernels where they apply.
     program = sess.programs(executed=True)["training_info[0].algorithm"]
     so = onnxtrain_session_options()
-    if any(n.domain == onnxtrain.fuse.KERNEL_DOMAIN for n in program.graph.node):
-        so.register_custom_ops_library(onnxtrain.kernels.library())
+    if any(n.domain == onnxtrain.kernels.fuse.KERNEL_DOMAIN for n in program.graph.node):
+        so.register_custom_ops_library(onnxtrain.kernels.library.library())
     so.enable_profiling = True
     so.profile_file_prefix = str(workdir / "onnxtrain_profile")
     psess = ort.InferenceSession(program.SerializeToString(), so, providers=["CPUExecutionProvider"])
@@ -620,9 +614,9 @@ def _optimized_op_counts(program, so_factory, ort, workdir: Path) -> dict:
 
     so = so_factory()
     if any(n.domain == "ai.onnxtrain.kernels" for n in program.graph.node):
-        import onnxtrain.kernels
+        import onnxtrain.kernels.library
 
-        so.register_custom_ops_library(onnxtrain.kernels.library())
+        so.register_custom_ops_library(onnxtrain.kernels.library.library())
     path = workdir / "onnxtrain_optimized.onnx"
     so.optimized_model_filepath = str(path)
     ort.InferenceSession(program.SerializeToString(), so, providers=["CPUExecutionProvider"])

@@ -6,7 +6,11 @@ True
 """
 
 from . import build
-from .callbacks import (
+from ._version import __version__ as __version__
+from .errors import ExecutionError, GradientError, TrainingModelError
+from .io.metadata import checkpoint_epoch
+from .session import TrainingSession
+from .train.callbacks import (
     Callback,
     Checkpoint,
     CSVLogger,
@@ -16,11 +20,8 @@ from .callbacks import (
     StopTraining,
     TerminateOnNaN,
 )
-from .datasets import train_test_split
-from .errors import ExecutionError, GradientError, TrainingModelError
-from .fit import NonFiniteLossError
-from .metadata import checkpoint_epoch
-from .session import TrainingSession
+from .train.datasets import train_test_split
+from .train.loop import NonFiniteLossError
 
 __all__ = [
     "CSVLogger",
@@ -40,4 +41,3 @@ __all__ = [
     "checkpoint_epoch",
     "train_test_split",
 ]
-__version__ = "0.1.0"

@@ -13,29 +13,29 @@ value of the wrong type, KeyboardInterrupt) leaves the state as it was.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import warnings
 import weakref
-from collections.abc import Container, Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
-from . import mapped
-from .combine import uses_preview_ops
+from .engine.checks import check_finite
+from .engine.execution import ExecutionMixin
+from .engine.export import ExportMixin
+from .engine.parallel_step import DataParallelMixin
+from .engine.settings import SettingsMixin
+from .engine.state_view import StateView
 from .errors import TrainingModelError
-from .inplace import inplace_keys, with_scratch_outputs
-from .executor import LARGE_MODEL_BYTES, Executor, default_session_options, device_of, nchwc_block, state_device
-from .storage import came_external, external_data_threshold, materialized, tensor_bytes, write_model
-from .metadata import model_metadata, read_position, write_position
-from .model import ModelLike, TrainingModel, load, validate
-from .passes import KernelChoice, check_fused_kernels, inference_export, kernel_choice
-from .programs import (
+from .io import mapped
+from .io.combine import uses_preview_ops
+from .io.metadata import model_metadata, read_position
+from .io.model import ModelLike, TrainingModel, load, validate
+from .lower.pipeline import KernelChoice, check_fused_kernels
+from .lower.programs import (
     Program,
     SplitAlgorithm,
     algorithm_programs,
@@ -44,40 +44,21 @@ from .programs import (
     initialization_program,
     loss_program,
 )
-from .comm import Communicator, SingleProcess, as_communicator
-from .distributed import BUCKET_BYTES, DataParallel, rows_of, threads_per_rank
-from .state import StateStore
+from .parallel.comm import Communicator, SingleProcess, as_communicator
+from .parallel.data_parallel import BUCKET_BYTES, DataParallel, threads_per_rank
+from .runtime.executor import (
+    LARGE_MODEL_BYTES,
+    Executor,
+    as_numpy,
+    copy_into,
+    default_session_options,
+    device_of,
+    state_device,
+)
+from .runtime.state import StateStore
 
 
-class StateView(Mapping):
-    """Read-only view of one consistent state version: each lookup returns a numpy copy.
-
-    Creating the view pins the current buffers (a training step never writes
-    into a pinned buffer), so ``dict(sess.state)`` taken while another thread
-    trains never mixes two steps; the pins go when the view is collected."""
-
-    def __init__(self, store: StateStore) -> None:
-        snap = store.snapshot()
-        self._values = snap.__enter__()
-        weakref.finalize(self, snap.__exit__, None, None, None)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self._values:
-            raise KeyError(name)
-        return np.array(self._values[name].numpy(), copy=True)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __repr__(self) -> str:
-        items = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in self.items())
-        return f"StateView({{{items}}})"
-
-
-class TrainingSession:
+class TrainingSession(SettingsMixin, ExecutionMixin, DataParallelMixin, ExportMixin):
     """Runs an ONNX training model on onnxruntime.
 
     >>> sess = TrainingSession("model.onnx")          # doctest: +SKIP
@@ -299,7 +280,7 @@ class TrainingSession:
 
         ``x`` may also be ``(X, y)``, a dict of feeds or an iterable of batch
         dicts (then ``y`` stays None).  See ``onnxtrain.fit.fit`` and docs/fit.md."""
-        from .fit import fit
+        from .train.loop import fit
 
         return fit(self, x, y, epochs=epochs, batch_size=batch_size,
                    validation_data=validation_data, validation_split=validation_split,
@@ -311,7 +292,7 @@ class TrainingSession:
         self, x: Any, y: Any = None, *, batch_size: int = 256, metrics: Any = None
     ) -> dict[str, float]:
         """Loss and metrics over ``x`` (and ``y``) without changing state (``onnxtrain.fit.evaluate``)."""
-        from .fit import evaluate
+        from .train.loop import evaluate
 
         return evaluate(self, x, y, batch_size=batch_size, metrics=metrics)
 
@@ -319,61 +300,9 @@ class TrainingSession:
         self, x: Any, *, batch_size: int = 256, outputs: str | Sequence[str] | None = None
     ) -> Any:
         """Run the main graph batch by batch (``onnxtrain.fit.predict``)."""
-        from .fit import predict
+        from .train.loop import predict
 
         return predict(self, x, batch_size=batch_size, outputs=outputs)
-
-    # ------------------------------------------------------------- learning rate
-    def _setting_state(self, key: str, what: str) -> str:
-        """The state variable that metadata ``onnxtrain.<key>`` names (a
-        setting the builder keeps as state), or a TrainingModelError."""
-        info = self._metadata.get(key)
-        name = info.get("state") if isinstance(info, dict) else None
-        if not name or name not in self._model.state:
-            raise TrainingModelError(
-                f"{key}: the model has no {what} state variable (only models made by "
-                f"onnxtrain.build record one, in metadata onnxtrain.{key}"
-                + ("; build with clip_grad_norm=... to clip" if key == "clip_grad_norm" else
-                   "; rebuild older ones with onnxtrain.build.training_model") + ")"
-            )
-        return name
-
-    def _set_setting(self, key: str, what: str, value: float, positive: bool) -> None:
-        name = self._setting_state(key, what)
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
-            raise TypeError(f"{key} must be a number, got {type(value).__name__}")
-        bad = float(value) <= 0 if positive else float(value) < 0
-        if not math.isfinite(float(value)) or bad:
-            raise ValueError(f"{key} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
-        self.load_state({name: np.asarray(float(value), dtype=self._model.state[name].dtype)})
-
-    def _lr_state(self) -> str:
-        return self._setting_state("learning_rate", "learning-rate")
-
-    @property
-    def learning_rate(self) -> float:
-        """The base learning rate (a schedule scales it), read from its state variable.
-
-        Setting it changes the next step and every later one, nothing is
-        rebuilt; the value is state, so it is saved in a checkpoint and
-        ``initialize()`` resets it to the rate the model was built with."""
-        return float(self.state[self._lr_state()])
-
-    @learning_rate.setter
-    def learning_rate(self, value: float) -> None:
-        self._set_setting("learning_rate", "learning-rate", value, positive=False)
-
-    @property
-    def clip_grad_norm(self) -> float:
-        """The global-norm clipping threshold of a model built with
-        ``clip_grad_norm=c``, read from its state variable; setting it works
-        like ``learning_rate`` (the next step, nothing rebuilt, checkpointed,
-        reset by ``initialize()``)."""
-        return float(self.state[self._setting_state("clip_grad_norm", "clipping-threshold")])
-
-    @clip_grad_norm.setter
-    def clip_grad_norm(self, value: float) -> None:
-        self._set_setting("clip_grad_norm", "clipping-threshold", value, positive=True)
 
     # ------------------------------------------------------------- introspection
     @property
@@ -399,56 +328,6 @@ class TrainingSession:
     def state_info(self) -> dict[str, Any]:
         """Every state variable -> StateVar (name, origin graph, dtype, shape)."""
         return dict(self._model.state)
-
-    # ------------------------------------------------------------- execution
-    def _program_model(self, program: Program) -> tuple[onnx.ModelProto, str | None]:
-        """The model to run for ``program`` and the custom-op library it needs
-        (``passes.kernel_choice`` decides, once per training algorithm)."""
-        if program not in self._algorithms and not any(program is s.b for s in self._splits):
-            return program.model, None
-        choice = self._executed.get(id(program))
-        if choice is None:
-            choice = kernel_choice(program.model, self._fused_kernels, device_of(self._providers)[0],
-                                   nchwc_block)
-            choice = self._executed[id(program)] = self._lean_rewrite(program, choice)
-        if choice.note:
-            self.fused_kernels_note = choice.note
-        return choice.model, choice.library
-
-    def _lean_rewrite(self, program: Program, choice: KernelChoice) -> KernelChoice:
-        """memory="lean": an update program's temporaries over its gradient
-        buffers (``inplace.with_scratch_outputs``); other programs as they are."""
-        if not self._lean or not any(program is s.b for s in self._splits):
-            return choice
-        model, scratch = with_scratch_outputs(choice.model, set(program.feeds))
-        self._scratch[id(program)] = scratch
-        return KernelChoice(model, choice.library, choice.note)
-
-    def _executor(self, program: Program) -> Executor:
-        key = id(program)
-        ex = self._executors.get(key)
-        if ex is None:
-            model, library = self._program_model(program)
-            # A large model's initialization folded would hold a copy of what it fills.
-            fold = not (self._large and any(program is p for p in self._init_programs or ()))
-            # A step that fetches nothing may skip the outputs only fetching reads
-            # (not where lean memory's in-place writes follow the full program's order).
-            prune_unfetched = any(program is p for p in self._algorithms) and not (self._lean or self._large)
-            try:
-                ex = Executor(model, self._providers, self._session_options, program.label, library,
-                              large=self._large, fold_constants=fold,
-                              mem_pattern=not self._recompute, prune_unfetched=prune_unfetched)
-            except TrainingModelError as exc:
-                if library is None or self._fused_kernels:
-                    raise
-                # The standard program always works where the fused one cannot load.
-                self.fused_kernels_note = f"onnxruntime did not load the fused kernels: {exc}"
-                choice = self._executed[key] = self._lean_rewrite(program, KernelChoice(program.model))
-                ex = Executor(choice.model, self._providers, self._session_options, program.label,
-                              large=self._large, fold_constants=fold,
-                              mem_pattern=not self._recompute)
-            self._executors[key] = ex
-        return ex
 
     def _check_names(self, feeds: Mapping[str, Any], caller: str) -> None:
         check_feed_names(feeds, self._known_names, self._input_names, caller)
@@ -492,10 +371,10 @@ class TrainingSession:
             raise exc
         staged = dict(zip(program.bound_keys, targets))
         for (key, source), buffer in zip(program.bound_copies, targets[len(program.bound_keys):]):
-            buffer.update_inplace(np.asarray(staged[source].numpy()))  # one output, two variables
+            copy_into(buffer, as_numpy(staged[source]))  # one output, two variables
             staged[key] = buffer
         if self._check_finite:
-            _check_finite(program, staged, field)
+            check_finite(program, staged, field)
         pending.update(staged)
         return outputs
 
@@ -504,7 +383,7 @@ class TrainingSession:
     ) -> None:
         """After a failed bound run: rerun plainly to name a bad bound value."""
         arrays = dict(feeds)
-        arrays.update({n: np.asarray(v.numpy()) for n, v in state_in.items()})
+        arrays.update({n: as_numpy(v) for n, v in state_in.items()})
         try:
             values = self._executor(program).run(arrays, program.outputs)
         except RuntimeError:
@@ -573,163 +452,6 @@ class TrainingSession:
             self._store.commit(pending)  # all bindings at once (R9)
             if len(programs) == 1:
                 self._plan_steps(programs[0])
-        return outputs
-
-    # ------------------------------------------------------- data parallel
-    def _cut_options(self, index: int) -> dict | None:
-        """How ``training_info[index]`` is cut for data-parallel training
-        (None without ``comm``): the rank-local state and the values to
-        reduce that the builder recorded (metadata ``onnxtrain.data_parallel``)."""
-        if self._dp is None:
-            return None
-        info = self._metadata.get("data_parallel")
-        info = info if isinstance(info, dict) else {}
-        bound = {b.key for b in self._model.proto.training_info[index].update_binding}
-        local = [n for n in info.get("local", []) if n in bound]
-        reduce = (info.get("reduce") or {}).get(str(index))
-        return {"local": local, "reduce": list(reduce) if reduce else None}
-
-    def _inplace_keys(self, program: Program) -> set[str]:
-        """The variables ``program`` (an update program B) may write in place,
-        judged on the model onnxruntime actually runs (``onnxtrain.inplace``)."""
-        keys = self._inplace.get(id(program))
-        if keys is None:
-            self._executor(program)  # settles fused or standard kernels
-            choice = self._executed.get(id(program))
-            model = choice.model if choice is not None else program.model
-            keys = self._inplace[id(program)] = inplace_keys(
-                model.graph, list(zip(program.bound_keys, program.bound_values)))
-        return keys
-
-    def _broadcast_state(self, names: Sequence[str]) -> None:
-        """Rank 0's values of the state variables ``names`` to every rank."""
-        dp = self._dp
-        assert dp is not None
-        if dp.size == 1:
-            return
-        if dp.rank == 0:
-            arrays = self._store.to_numpy(names)
-        else:
-            arrays = {n: np.empty(self._model.state[n].shape, self._model.state[n].dtype)
-                      for n in names}
-        dp.broadcast_arrays({n: a.reshape(-1) for n, a in arrays.items()})
-        if dp.rank != 0:
-            with self._lock:
-                self._store.replace(arrays)
-
-    def _agree(self, error: BaseException | None, what: str) -> None:
-        """Raise ``error`` here, or DistributedStepError elsewhere, if any rank failed."""
-        if self._dp is not None:
-            self._dp.agree(error, 0, what)
-        elif error is not None:
-            raise error
-
-    def _data_parallel_step(self, indices: Sequence[int], feeds: Mapping[str, Any],
-                            fetch: bool) -> dict[str, np.ndarray]:
-        """``train_step`` of a data-parallel session: per algorithm, program A
-        (forward + backward) into the gradient buffers, the ranks agree, the
-        buffers are reduced, program B (update), the ranks agree; then every
-        rank commits (``onnxtrain.distributed``)."""
-        dp = self._dp
-        assert dp is not None
-        pending: dict[str, Any] = {}
-        outputs: dict[str, np.ndarray] = {}
-        local_rows = self._local_rows
-        with self._lock:
-            for i in indices:
-                split, buffers = self._splits[i], self._grad_buffers[i]
-                where = f"train_step (training_info[{i}])"
-                error: BaseException | None = None
-                rows = 0
-                try:
-                    self._check_names(feeds, "train_step")
-                    checked = self._algorithms[i].check_feeds(feeds, False, "train_step")
-                    rows = rows_of(checked)
-                    a = split.a
-                    wanted = {n: v for n, v in checked.items() if n in a.feeds or n in a.optional_feeds}
-                    outputs.update(self._run_and_stage(
-                        a, wanted, pending, fetch, "update_binding",
-                        extra_out=buffers.ortvalues))  # every reduced value, by name
-                except BaseException as exc:  # KeyboardInterrupt too: the others must hear of it
-                    error = exc
-                weight = rows + (local_rows if split.sums else 0)
-                total = dp.agree(error, weight, where)
-                dp.reduce(buffers, weight, total)
-                wrote = False  # whether state was written in place (memory="lean")
-                try:
-                    if split.b is not None:
-                        b = split.b
-                        inplace = self._inplace_keys(b) if self._lean else set()
-                        if inplace and self._check_finite:
-                            _check_finite_arrays(b.label, buffers.views, "gradients")
-                        scratch = self._scratch.get(id(b), {})
-                        with self._store.exclusive(bool(inplace)):
-                            wrote = bool(inplace)
-                            outputs.update(self._run_and_stage(
-                                b, {}, pending, fetch, "update_binding",
-                                extra_in={n: buffers.ortvalues[n] for n in b.feeds},
-                                extra_out={v: buffers.ortvalues[n] for v, n in scratch.items()},
-                                inplace=inplace))
-                    if split.bn:
-                        targets = self._store.targets([k for k, _ in split.bn])
-                        staged = {}
-                        for (key, value), target in zip(split.bn, targets):
-                            target.update_inplace(buffers.views[value])
-                            staged[key] = target
-                        if self._check_finite:
-                            _check_finite(split.a, staged, "update_binding")
-                        pending.update(staged)
-                except BaseException as exc:
-                    error = exc
-                    if wrote:  # nothing to roll back to: keep what the update wrote
-                        self._store.commit(pending)
-                        pending = {}
-                        exc.add_note(f"{where}: memory='lean': the optimizer had started writing "
-                                     "the new state in place; the state holds the update as far as it got")
-                dp.agree(error, 0, where)
-                if split.sums:
-                    local_rows = 0
-                elif split.a.bindings:
-                    local_rows += rows
-            self._store.commit(pending)  # all bindings at once, on every rank
-            self._local_rows = local_rows
-        return outputs
-
-    # ------------------------------------------------------------ step plans
-    def _plan_steps(self, program: Program) -> None:
-        """Prepare the two alternating steps of ``program`` after a committed
-        one (``StateStore.plan_cycle``); the general path runs whenever they miss."""
-        self._plans = None
-        if self._check_finite or program.bound_copies or self._store.pinned:
-            return
-        executor = self._executor(program)
-        outputs = program.bound_values
-
-        def bind(state_in: dict, targets: list) -> Any:
-            return executor.binding(state_in, dict(zip(outputs, targets)))
-
-        cycle = self._store.plan_cycle(program.state_inputs, program.bound_keys, bind)
-        if cycle is not None:
-            self._plans = (program, cycle)
-
-    def _planned_step(self, program: Program, feeds: dict, fetch: bool) -> dict | None:
-        """A step through a plan, or None when no plan applies (see ``_plan_steps``)."""
-        plans = self._plans
-        if plans is None or plans[0] is not program:
-            return None
-        store = self._store
-        plan = store.plan_for_current(plans[1])
-        if plan is None:
-            return None
-        executor = self._executor(program)
-        names = program.returned if fetch else ()
-        try:
-            outputs = executor.run_binding(plan.binding, feeds, names, len(program.bound_values))
-        except RuntimeError:
-            self._diagnose(program, feeds, plan.state_in, "update_binding")
-            raise
-        if not store.install(plan):  # pragma: no cover
-            return None  # (cannot happen: the store only changes under our lock)
         return outputs
 
     def evaluate_batch(
@@ -866,107 +588,4 @@ class TrainingSession:
             staged[name] = arr
         return staged
 
-    # ---------------------------------------------------------------- export
-    def to_model(self, training: bool = False) -> onnx.ModelProto:
-        """The model with the current state written into its initializers.
 
-        ``training=False``: a plain inference model (training_info dropped).
-        ``training=True``: the whole training model, a complete checkpoint.
-        The result is self-contained, weights the session maps from external
-        data included, unless its tensors exceed the external-data threshold
-        (``ONNXTRAIN_EXTERNAL_DATA_THRESHOLD``, 1.5 GiB by default; protobuf
-        cannot hold 2 GiB): those then stay references to their files
-        (``onnxtrain.mapped``), which a ``TrainingSession`` of this process
-        accepts.  ``export`` writes any size to a file, streamed."""
-        with self._store.snapshot() as snap:
-            state = {n: np.array(v.numpy(), copy=True) for n, v in snap.items()}
-        out = self._snapshot(training, state, None)
-        if tensor_bytes(out) <= external_data_threshold():
-            out = materialized(out)
-        return out
-
-    def _snapshot(self, training: bool, state: Mapping[str, np.ndarray],
-                  deferred: dict[str, mapped.Deferred] | None) -> onnx.ModelProto:
-        """``to_model``'s result; with ``deferred``, state values and merged
-        weights are placeholders registered there (written by ``export``
-        straight from their buffers)."""
-        src = self._model.proto
-        out = onnx.ModelProto()
-        out.CopyFrom(src)
-        if not training:
-            del out.training_info[:]
-        _write_state(out.graph, state, deferred)
-        # The fit position: where training stands (none for an inference model).
-        write_position(out, self.fit_position if training else None)
-        if training:
-            for ti in out.training_info:
-                _write_state(ti.algorithm, state, deferred)
-        else:
-            out = inference_export(out, deferred)
-        return out
-
-    def export(
-        self, path: str | os.PathLike, training: bool = False, external_data: bool | None = None
-    ) -> Path:
-        """Write the current model to ``path`` atomically (temp file, fsync, rename).
-
-        ``external_data``: None writes tensors to a data file beside the model
-        when they exceed ``ONNXTRAIN_EXTERNAL_DATA_THRESHOLD`` (1.5 GiB by
-        default; protobuf cannot hold 2 GiB) or the session maps weights
-        from external data; True or False forces it.  Tensors are streamed: state from its buffers (pinned meanwhile, so a
-        step from another thread writes elsewhere), mapped weights file to
-        file, merged LoRA weights block by block."""
-        deferred: dict[str, mapped.Deferred] = {}
-        if external_data is None and came_external(self._model.proto):
-            external_data = True  # a model loaded with external data keeps it
-        with self._store.snapshot() as snap:
-            state = {n: v.numpy() for n, v in snap.items()}  # views of the pinned buffers
-            model = self._snapshot(training, state, deferred)
-            return write_model(model, path, external_data=external_data, deferred=deferred)
-
-
-def _write_state(graph: onnx.GraphProto, state: Mapping[str, np.ndarray],
-                 deferred: dict[str, mapped.Deferred] | None = None) -> None:
-    """Write state values into ``graph``'s initializers: copies, or with
-    ``deferred`` placeholders for the arrays themselves."""
-
-    def put(t: onnx.TensorProto, name: str) -> None:
-        if deferred is None:
-            t.CopyFrom(numpy_helper.from_array(state[name], name))
-        else:
-            t.Clear()
-            t.name = name
-            mapped.defer(t, f"state/{name}", mapped.of_array(np.asarray(state[name])), deferred)
-
-    for t in graph.initializer:
-        if t.name in state:
-            put(t, t.name)
-    sparse_state = [st for st in graph.sparse_initializer if st.values.name in state]
-    if sparse_state:
-        # Sparse state variables are written back dense: training fills them in.
-        kept = [st for st in graph.sparse_initializer if st.values.name not in state]
-        del graph.sparse_initializer[:]
-        graph.sparse_initializer.extend(kept)
-        for st in sparse_state:
-            put(graph.initializer.add(), st.values.name)
-
-
-def _check_finite_arrays(label: str, arrays: Mapping[str, np.ndarray], what: str) -> None:
-    """Refuse non-finite ``what`` (numpy arrays) before they reach the state."""
-    bad = [k for k, a in arrays.items() if a.dtype.kind in "fc" and not np.isfinite(a).all()]
-    if bad:
-        raise FloatingPointError(f"{label}: non-finite {what} {bad}; nothing was committed")
-
-
-def _check_finite(program: Program, targets: Mapping[str, Any], field: str) -> None:
-    """Refuse to commit NaN or Inf into state (check_finite=True)."""
-    bad = []
-    for key, value in targets.items():
-        arr = np.asarray(value.numpy())
-        if arr.dtype.kind in "fc" and not np.isfinite(arr).all():
-            bad.append(key)
-    if bad:
-        raise FloatingPointError(
-            f"{program.label}: the step would write non-finite values into state "
-            f"variable(s) {bad}; nothing was committed"
-        )

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from .metadata import model_metadata
+from .io.metadata import model_metadata
 
 __all__ = ["session_text", "session_html", "state_rows", "algorithm_rows", "describe_value", "model_text",
            "parameter_text"]
@@ -297,7 +297,7 @@ def model_text(model: Any) -> str:
     training_info[0]:
       algorithm 'digits_mlp_adam':
     """
-    from .model import load
+    from .io.model import load
 
     proto, _ = load(model)
     opsets = ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in proto.opset_import)
@@ -346,8 +346,8 @@ def parameter_text(model: Any, indent: str = "  ") -> str:
       W     float32  [2, 2]  train     weight
       p     float32  []      constant  scalar
     """
-    from .build.parameters import parameter_choices
-    from .model import load
+    from .builder.parameters import parameter_choices
+    from .io.model import load
 
     proto, _ = load(model)
     inits = {t.name: t for t in proto.graph.initializer}

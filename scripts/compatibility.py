@@ -14,7 +14,6 @@ framework's training has no counterpart in the export "n/a" (grad) and
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 import tempfile
 from pathlib import Path

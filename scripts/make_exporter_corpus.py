@@ -436,10 +436,11 @@ def make_torch_case(model_id: str, factory, batch, spec: dict, exporter: str, mo
 # ------------------------------------------------------------------ scikit-learn
 def sklearn_cases():
     """(name, model, proto, reference forward kind) for the skl2onnx conversions."""
-    from onnxtrain.datasets import load_digits
+    from skl2onnx import to_onnx
     from sklearn.linear_model import LinearRegression, LogisticRegression
     from sklearn.neural_network import MLPClassifier
-    from skl2onnx import to_onnx
+
+    from onnxtrain.datasets import load_digits
 
     x, y = load_digits()
     x = x.astype(np.float32).reshape(len(x), -1)
@@ -500,7 +501,7 @@ def sklearn_forward(model, kind: str):
 
 
 def make_sklearn_case(name: str, exporter: str, model, kind: str, proto: onnx.ModelProto):
-    from onnxtrain.build import adapt
+    from onnxtrain.builder import adapt
     from onnxtrain.datasets import load_digits
 
     x, y = load_digits()

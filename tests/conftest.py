@@ -13,7 +13,7 @@ for folder in ("", "autodiff", "builder", "runtime", "fit", "docs", "reliability
     if path not in sys.path:
         sys.path.insert(0, path)
 
-# The on-disk program cache (onnxtrain.cache) persists across processes and
+# The on-disk program cache (onnxtrain.core.diskcache) persists across processes and
 # runs: tests that patch onnxtrain's internals would leave entries other tests
 # then read.  The suite runs without it; tests/runtime/test_startup.py turns it
 # on, in a folder of its own, and tests it there.

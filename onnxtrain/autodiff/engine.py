@@ -25,9 +25,8 @@ from collections.abc import Sequence
 import onnx
 from onnx import helper
 
-from ..emitter import FLOAT_TYPES, Emitter
-from ..errors import GradientError
-from ..graph import (
+from ..core.emitter import FLOAT_TYPES, Emitter
+from ..core.graph import (
     PREVIEW_DOMAIN,
     constant_values,
     infer_types,
@@ -36,7 +35,8 @@ from ..graph import (
     toposort,
     value_types,
 )
-from ..names import NameGen
+from ..core.names import NameGen
+from ..errors import GradientError
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .inline import function_body, inline, type_proto
 from .masks import fold_masks

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import onnx
 from onnx import helper
 
-from ..names import NameGen
+from ..core.names import NameGen
 
 
 def function_body(

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import onnx
 
-from ..graph import constant_values, is_zero
-from ..names import NameGen
+from ..core.graph import constant_values, is_zero
+from ..core.names import NameGen
 
 
 def _zero_fill(node: onnx.NodeProto) -> bool:

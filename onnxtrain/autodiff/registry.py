@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..emitter import Emitter
+from ..core.emitter import Emitter
 from ..errors import TrainingModelError
 
 Dim = int | str | None
@@ -158,7 +158,7 @@ class VJPContext:
     @property
     def implicit_inputs(self) -> list[str]:
         """Outer-scope names the node's subgraphs read (If branches, Loop/Scan bodies)."""
-        from ..graph import outer_references, subgraphs
+        from ..core.graph import outer_references, subgraphs
 
         names: set[str] = set()
         for g in subgraphs(self.node):

@@ -39,10 +39,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from ..emitter import Emitter, np_dtype
+from ..core.emitter import Emitter, np_dtype
+from ..core.graph import PREVIEW_DOMAIN, graph_names, infer_types, opset_version, subgraphs
+from ..core.names import NameGen
 from ..errors import TrainingModelError
-from ..graph import PREVIEW_DOMAIN, graph_names, infer_types, opset_version, subgraphs
-from ..names import NameGen
 from .common import SIGNATURES, OptimizerCall, constant, describe, split_node
 
 #: Where (opset 9) is the newest op the lowerings need.

@@ -32,10 +32,9 @@ from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
 from onnxtrain.autodiff import expand_gradients
-from onnxtrain.errors import TrainingModelError
-from onnxtrain.executor import Executor
-from onnxtrain.graph import PREVIEW_DOMAIN
-from onnxtrain.names import NameGen
+from onnxtrain.core.graph import PREVIEW_DOMAIN
+from onnxtrain.core.names import NameGen
+from onnxtrain.runtime.executor import Executor
 
 #: Default opsets: an old one (signatures before the opset-13 changes), 13, 18.
 OPSETS = (9, 13, 18)

@@ -43,9 +43,9 @@ from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 from onnxtrain.autodiff import expand_gradients
-from onnxtrain.executor import Executor
-from onnxtrain.graph import PREVIEW_DOMAIN
-from onnxtrain.names import NameGen
+from onnxtrain.core.graph import PREVIEW_DOMAIN
+from onnxtrain.core.names import NameGen
+from onnxtrain.runtime.executor import Executor
 
 FLOAT32_ORACLES = ("ort", "ort64", "reference")
 

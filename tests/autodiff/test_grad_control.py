@@ -12,14 +12,14 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from models import PREVIEW, tensor, trainable_model, vi
 from onnx import TensorProto, helper, numpy_helper
 
-from models import PREVIEW, tensor, trainable_model, vi
 from onnxtrain import TrainingSession
 from onnxtrain.autodiff import expand_gradients
+from onnxtrain.core.names import NameGen
 from onnxtrain.errors import TrainingModelError
-from onnxtrain.executor import Executor
-from onnxtrain.names import NameGen
+from onnxtrain.runtime.executor import Executor
 
 D = TensorProto.DOUBLE
 I64 = TensorProto.INT64

@@ -66,9 +66,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain.autodiff import REGISTRY, expand_gradients
-from onnxtrain.executor import Executor
-from onnxtrain.graph import PREVIEW_DOMAIN
-from onnxtrain.names import NameGen
+from onnxtrain.core.graph import PREVIEW_DOMAIN
+from onnxtrain.core.names import NameGen
+from onnxtrain.runtime.executor import Executor
 
 #: Element types that are differentiated (float8/float4 are storage formats:
 #: onnxruntime has no arithmetic on them).

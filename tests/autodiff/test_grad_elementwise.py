@@ -257,8 +257,8 @@ def test_sigmoid_tanh_exp_reuse_forward_output():
     from onnx import helper
 
     from onnxtrain.autodiff import expand_gradients
-    from onnxtrain.graph import PREVIEW_DOMAIN
-    from onnxtrain.names import NameGen
+    from onnxtrain.core.graph import PREVIEW_DOMAIN
+    from onnxtrain.core.names import NameGen
 
     for op in ("Sigmoid", "Tanh", "Exp", "Sqrt"):
         g = helper.make_graph(
@@ -314,8 +314,8 @@ def test_runtime_broadcast_before_opset_9_is_refused_clearly(opset):
     an error naming the node, the input and the axis, instead of emitting ops
     the opset lacks."""
     from onnxtrain.autodiff import expand_gradients
+    from onnxtrain.core.names import NameGen
     from onnxtrain.errors import TrainingModelError
-    from onnxtrain.names import NameGen
 
     g = helper.make_graph(
         [helper.make_node("Add", ["a", "b"], ["c"], name="add"),

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
+from gradcheck import check_vjp
+from models import F64, PREVIEW, vi
 from onnx import helper
 
 from onnxtrain import TrainingSession
 from onnxtrain.autodiff import REGISTRY
-
-from gradcheck import check_vjp
-from models import F64, PREVIEW, vi
 
 RNG = np.random.default_rng(0)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradcheck import check_vjp, check_vjp_f32
 from onnx import helper
 
-from gradcheck import check_vjp, check_vjp_f32
 from onnxtrain.errors import TrainingModelError
 
 
@@ -117,10 +117,11 @@ def test_gemm_float32():
 
 def test_gemm_emits_one_gemm_per_matrix_gradient():
     """dA and dB are each a single Gemm: no Transpose, MatMul or scaling Mul."""
-    from onnxtrain.autodiff import expand_gradients
-    from onnxtrain.graph import PREVIEW_DOMAIN
-    from onnxtrain.names import NameGen
     from onnx import TensorProto
+
+    from onnxtrain.autodiff import expand_gradients
+    from onnxtrain.core.graph import PREVIEW_DOMAIN
+    from onnxtrain.core.names import NameGen
 
     nodes = [
         helper.make_node("Gemm", ["a", "b"], ["y"], transA=1, transB=1, alpha=3.0),

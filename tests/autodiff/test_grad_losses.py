@@ -9,7 +9,6 @@ import itertools
 
 import numpy as np
 import pytest
-
 from gradcheck import check_vjp, check_vjp_f32
 
 SHAPES = [(5, 4), (3, 4, 2), (2, 3, 2, 2), (1, 3)]

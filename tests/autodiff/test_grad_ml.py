@@ -21,17 +21,16 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import onnx
 import pytest
+from models import trainable_model, vi
 from onnx import TensorProto, helper
 
 from onnxtrain import TrainingSession
 from onnxtrain.autodiff import expand_gradients
 from onnxtrain.autodiff.registry import REGISTRY
+from onnxtrain.core.graph import PREVIEW_DOMAIN
+from onnxtrain.core.names import NameGen
 from onnxtrain.errors import GradientError
-from onnxtrain.executor import Executor
-from onnxtrain.graph import PREVIEW_DOMAIN
-from onnxtrain.names import NameGen
-
-from models import trainable_model, vi
+from onnxtrain.runtime.executor import Executor
 
 ML = "ai.onnx.ml"
 F32, F64, I64 = TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT64

@@ -20,17 +20,17 @@ import gradcheck
 import numpy as np
 import onnx
 import pytest
-from gradcheck import check_vjp, check_vjp_f32
 from grad_cases import Case, check_vjp_squared, const_node
+from gradcheck import check_vjp, check_vjp_f32
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
 from onnxtrain.autodiff import REGISTRY, expand_gradients
+from onnxtrain.core.graph import PREVIEW_DOMAIN
+from onnxtrain.core.names import NameGen
 from onnxtrain.errors import GradientError
-from onnxtrain.executor import Executor
-from onnxtrain.graph import PREVIEW_DOMAIN
-from onnxtrain.names import NameGen
+from onnxtrain.runtime.executor import Executor
 
 
 def _rng(seed: int = 0) -> np.random.Generator:

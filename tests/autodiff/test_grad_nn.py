@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from gradcheck import check_vjp, check_vjp_f32
+
 from onnxtrain.errors import TrainingModelError
 
 
@@ -482,9 +482,9 @@ def test_dropout_training(ratio, dtype, as_input):
     from onnx import TensorProto, helper
 
     from onnxtrain.autodiff import expand_gradients
-    from onnxtrain.executor import Executor
-    from onnxtrain.graph import PREVIEW_DOMAIN
-    from onnxtrain.names import NameGen
+    from onnxtrain.core.graph import PREVIEW_DOMAIN
+    from onnxtrain.core.names import NameGen
+    from onnxtrain.runtime.executor import Executor
 
     et = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     nodes = [

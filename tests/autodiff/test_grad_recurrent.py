@@ -19,18 +19,18 @@ import time
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
-
 from gradcheck import check_vjp_f32
 from models import F32, tensor, trainable_model, vi
+from onnx import TensorProto, helper
+
 from onnxtrain import TrainingSession
 from onnxtrain.autodiff import expand_gradients
 from onnxtrain.autodiff.rules.recurrent import GATES, lower_recurrent
-from onnxtrain.emitter import Emitter
+from onnxtrain.core.emitter import Emitter
+from onnxtrain.core.graph import PREVIEW_DOMAIN
+from onnxtrain.core.names import NameGen
 from onnxtrain.errors import TrainingModelError
-from onnxtrain.executor import Executor
-from onnxtrain.graph import PREVIEW_DOMAIN
-from onnxtrain.names import NameGen
+from onnxtrain.runtime.executor import Executor
 
 OUTPUTS = {"RNN": 2, "GRU": 2, "LSTM": 3}
 

@@ -18,10 +18,10 @@ from onnx import TensorProto, helper
 
 from onnxtrain.autodiff import expand_gradients
 from onnxtrain.autodiff.registry import REGISTRY
+from onnxtrain.core.graph import PREVIEW_DOMAIN
+from onnxtrain.core.names import NameGen
 from onnxtrain.errors import TrainingModelError
-from onnxtrain.executor import Executor
-from onnxtrain.graph import PREVIEW_DOMAIN
-from onnxtrain.names import NameGen
+from onnxtrain.runtime.executor import Executor
 
 OPSET = 18
 

@@ -11,9 +11,9 @@ from onnx import helper
 
 from onnxtrain.autodiff import expand_gradients
 from onnxtrain.autodiff.registry import REGISTRY
+from onnxtrain.core.graph import PREVIEW_DOMAIN
+from onnxtrain.core.names import NameGen
 from onnxtrain.errors import GradientError
-from onnxtrain.graph import PREVIEW_DOMAIN
-from onnxtrain.names import NameGen
 
 ZERO_OPS = [
     "Shape",
@@ -142,7 +142,7 @@ def test_gradient_through_only_zero_ops_is_zeros():
         helper.make_node("ReduceSum", ["mask"], ["loss"], keepdims=0),
     ]
     g = _expand(nodes)
-    from onnxtrain.executor import Executor
+    from onnxtrain.runtime.executor import Executor
 
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8

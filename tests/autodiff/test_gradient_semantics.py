@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from models import F64, PREVIEW, model, vi
 from onnx import helper
 
 from onnxtrain import GradientError, TrainingModelError, TrainingSession
-
-from models import F64, PREVIEW, model, vi
 
 RNG = np.random.default_rng(0)
 

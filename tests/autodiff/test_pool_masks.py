@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradcheck import check_vjp, check_vjp_f32, expand, make_model
 from onnx import TensorProto, helper
 
 import onnxtrain.autodiff.engine as engine
 import onnxtrain.autodiff.rules.pool as pool
-from gradcheck import check_vjp, check_vjp_f32, expand, make_model
-from onnxtrain.executor import Executor
-from onnxtrain.graph import PREVIEW_DOMAIN
+from onnxtrain.core.graph import PREVIEW_DOMAIN
+from onnxtrain.runtime.executor import Executor
 
 RELU = helper.make_node("Relu", ["x"], ["r"], name="relu")
 

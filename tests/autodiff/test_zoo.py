@@ -39,7 +39,6 @@ from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 from onnxtrain import TrainingSession
-from onnxtrain.errors import GradientError, TrainingModelError
 
 PREVIEW = "ai.onnx.preview.training"
 STEPS = 30

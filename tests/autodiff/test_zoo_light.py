@@ -61,9 +61,9 @@ from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
 from onnxtrain.autodiff import expand_gradients
-from onnxtrain.executor import Executor, default_session_options
-from onnxtrain.graph import PREVIEW_DOMAIN
-from onnxtrain.names import NameGen
+from onnxtrain.core.graph import PREVIEW_DOMAIN
+from onnxtrain.core.names import NameGen
+from onnxtrain.runtime.executor import Executor, default_session_options
 
 LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
 

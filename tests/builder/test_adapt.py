@@ -1,4 +1,4 @@
-"""skl2onnx default conversions train as converted (onnxtrain.build.adapt).
+"""skl2onnx default conversions train as converted (onnxtrain.builder.adapt).
 
 The models are skl2onnx 1.20 conversions committed in tests/data/exporters/
 (scripts/make_exporter_corpus.py writes them; scikit-learn is not needed
@@ -21,7 +21,7 @@ from onnx import TensorProto, helper
 
 import onnxtrain
 from onnxtrain import build
-from onnxtrain.build import adapt
+from onnxtrain.builder import adapt
 from onnxtrain.datasets import load_digits
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "exporters"

@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain import TrainingSession, build
 from onnxtrain.autodiff.registry import REGISTRY
-from onnxtrain.model import combined_graph
+from onnxtrain.io.model import combined_graph
 
 F32, F64 = TensorProto.FLOAT, TensorProto.DOUBLE
 STEPS = 50

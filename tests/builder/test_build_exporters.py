@@ -25,11 +25,11 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from test_build import numeric_grad
 
 from onnxtrain import TrainingSession, build
 from onnxtrain.build import parameter_choices
-from onnxtrain.graph import infer_types
-from test_build import numeric_grad
+from onnxtrain.core.graph import infer_types
 
 F32, F64, I64 = TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT64
 
@@ -226,7 +226,7 @@ def test_training_every_float_initializer_is_what_broke_gpt2():
     """The old default (every float initializer) moves the exponent off 3: NaN at step 2.
 
     fit stops there with an error naming the step."""
-    from onnxtrain.fit import NonFiniteLossError, fit
+    from onnxtrain.train.loop import NonFiniteLossError, fit
 
     model, weights, constants = gpt2_like_block()
     tm = build.training_model(model, trainable=weights + constants, optimizer=build.Adam(lr=1e-3))
@@ -289,7 +289,7 @@ def test_reason_words_and_doubtful_choices():
 
 
 def test_inspect_shows_the_builder_choice(tmp_path, capsys):
-    from onnxtrain.cli import main
+    from onnxtrain.cli.app import main
 
     model, _, _ = gpt2_like_block()
     path = tmp_path / "block.onnx"

@@ -14,9 +14,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from onnxtrain import TrainingSession, build  # noqa: E402
-
 from test_build import affine, blobs, initial_params, mlp, need_rules  # noqa: E402
+
+from onnxtrain import TrainingSession, build  # noqa: E402
 
 F = torch.nn.functional
 torch.set_num_threads(1)  # tiny tensors: threads only cost time on a shared machine

@@ -1,4 +1,4 @@
-"""Activation recompute (``build.training_model(..., recompute=...)``, ``onnxtrain.recompute``).
+"""Activation recompute (``build.training_model(..., recompute=...)``, ``onnxtrain.lower.recompute``).
 
 Every mode must train exactly like the plain model (same losses, same
 weights), while the program onnxruntime runs holds copies of forward nodes
@@ -15,15 +15,14 @@ import json
 import os
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain import TrainingModelError, TrainingSession, build
-from onnxtrain import recompute as rc
-from onnxtrain.executor import default_session_options
-from onnxtrain.metadata import model_metadata
+from onnxtrain.io.metadata import model_metadata
+from onnxtrain.lower import recompute as rc
+from onnxtrain.runtime.executor import default_session_options
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 F32 = TensorProto.FLOAT

@@ -11,13 +11,12 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-
-import onnxtrain.build.builder as builder
-from onnxtrain import TrainingSession, build
-from onnxtrain.model import validate
-from onnxtrain.storage import write_model
-
 from test_build import mlp
+
+import onnxtrain.builder.builder as builder
+from onnxtrain import TrainingSession, build
+from onnxtrain.io.model import validate
+from onnxtrain.io.storage import write_model
 
 F32 = TensorProto.FLOAT
 STEPS = 4
@@ -165,7 +164,7 @@ def test_small_state_and_nonzero_fills_stay_dense(monkeypatch):
 
 
 def test_large_weight_model_does_not_carry_its_moments(monkeypatch, tmp_path):
-    from onnxtrain import storage
+    from onnxtrain.io import storage
 
     rows, cols = 4096, 1024
     w = np.full((rows, cols), 0.01, np.float32)

@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 import onnxtrain
 from onnxtrain import build
@@ -159,7 +159,7 @@ def test_fit_on_rank_zero_only_writes_checkpoints(tmp_path):
 
 
 def test_cli_distributed_without_mpi4py_is_one_line(tmp_path, monkeypatch, capsys):
-    from onnxtrain import cli
+    from onnxtrain.cli import app as cli
 
     real_import = builtins.__import__
 
@@ -195,7 +195,7 @@ def test_train_step_refuses_a_type_error_in_feeds_on_every_rank():
 def test_threads_per_rank_share_the_cores(monkeypatch):
     import os
 
-    from onnxtrain import distributed
+    from onnxtrain.parallel import data_parallel as distributed
 
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)

@@ -31,16 +31,15 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
+from models import linear_regression, mlp_classifier, tensor, vi
 from onnx import TensorProto, helper
+from test_build import blobs, mlp
 
-import onnxtrain.passes as passes_mod
+import onnxtrain.lower.pipeline as passes_mod
 from onnxtrain import TrainingSession, build
 from onnxtrain.comm import local_group
 from onnxtrain.errors import DistributedStepError, TrainingModelError
-from onnxtrain.executor import Executor
-
-from models import linear_regression, mlp_classifier, tensor, vi
-from test_build import blobs, mlp
+from onnxtrain.runtime.executor import Executor
 
 #: Seconds a collective of the simulated world waits before breaking (a hang).
 GROUP_TIMEOUT = 20.0
@@ -301,7 +300,7 @@ def test_one_rank_algorithm_none_runs_the_whole_cycle_bit_for_bit():
 
 def test_one_rank_equals_plain_where_a_gemm_update_fusion_would_span_the_cut(monkeypatch):
     """Hand-written float32 SGD ``W - lr * dW`` with a constant lr: the plain
-    program folds the update into the gradient's Gemm (onnxtrain.fuse), which
+    program folds the update into the gradient's Gemm (onnxtrain.kernels.fuse), which
     the cut cannot (dW is reduced between the two).  That is float rounding,
     not a bug: against a plain program without the fusion the split step is
     bit for bit; with it, within float32 rounding."""

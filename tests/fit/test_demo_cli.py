@@ -17,9 +17,9 @@ import onnxruntime as ort
 import pytest
 
 from onnxtrain import TrainingSession
-from onnxtrain.cli import main
+from onnxtrain.cli.app import main
+from onnxtrain.cli.demo import ADAM_ATTRS, DEFAULT_LR, build_classifier, demo_steps, run_demo
 from onnxtrain.datasets import load_digits, train_test_split
-from onnxtrain.demo import ADAM_ATTRS, DEFAULT_LR, build_classifier, demo_steps, run_demo
 from onnxtrain.optim import reference
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,11 +11,12 @@ import sys
 import numpy as np
 import onnx
 import pytest
+from models import linear_regression, mlp_classifier
 
 from onnxtrain import TrainingSession
 from onnxtrain.datasets import load_digits, train_test_split
 from onnxtrain.demo import build_classifier
-from onnxtrain.fit import (
+from onnxtrain.train.loop import (
     Callback,
     Checkpoint,
     EarlyStopping,
@@ -25,8 +26,6 @@ from onnxtrain.fit import (
     fit_spec,
     model_metadata,
 )
-
-from models import linear_regression, mlp_classifier
 
 
 def with_metadata(model: onnx.ModelProto, **entries) -> onnx.ModelProto:
@@ -507,8 +506,8 @@ def test_html_summary():
 
 
 # ------------------------------------------------------------------ doctests
-@pytest.mark.parametrize("module", ["onnxtrain.fit", "onnxtrain.summary", "onnxtrain.cli",
-                                    "onnxtrain.callbacks", "onnxtrain.datasets"])
+@pytest.mark.parametrize("module", ["onnxtrain.train.loop", "onnxtrain.summary", "onnxtrain.cli.app",
+                                    "onnxtrain.train.callbacks", "onnxtrain.datasets"])
 def test_docstring_examples(module):
     import doctest
     import importlib
@@ -522,7 +521,7 @@ def test_infinite_loss_stops_fit_naming_the_step():
     from onnx import TensorProto, helper, numpy_helper
 
     from onnxtrain import build
-    from onnxtrain.fit import NonFiniteLossError
+    from onnxtrain.train.loop import NonFiniteLossError
 
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["X", "w"], ["z"]), helper.make_node("Log", ["z"], ["y"])],

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import csv
 import inspect
-import warnings
-
 import math
+import warnings
 
 import numpy as np
 import onnx
@@ -536,8 +535,9 @@ def test_readme_fit_section_shows_the_keras_call_and_docs_map_the_names():
 
 
 def test_notebooks_extra_installs_what_the_notebooks_need():
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     root = Path(__file__).resolve().parents[2]
     extras = tomllib.loads(root.joinpath("pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -579,7 +579,7 @@ def test_the_learning_rate_state_follows_the_spec_bindings():
     tm = build.training_model(mlp(), optimizer=build.SGD(lr=0.1), schedule=build.cosine(10))
     onnx.checker.check_model(tm)
     (ti,) = tm.training_info
-    lr = onnxtrain.fit.model_metadata(tm)["learning_rate"]["state"]
+    lr = onnxtrain.train.loop.model_metadata(tm)["learning_rate"]["state"]
     init = {t.name: t for t in ti.algorithm.initializer}[lr]
     assert numpy_helper.to_array(init).dtype == np.float64 and numpy_helper.to_array(init) == 0.1
     assert lr in {b.key for b in ti.initialization_binding}

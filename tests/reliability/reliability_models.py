@@ -12,9 +12,8 @@ from collections.abc import Mapping
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
-
 from models import model, tensor, training_info, vi
+from onnx import TensorProto, helper
 
 F64 = TensorProto.DOUBLE
 I64 = TensorProto.INT64

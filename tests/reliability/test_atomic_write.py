@@ -27,13 +27,12 @@ import time
 import numpy as np
 import onnx
 import pytest
+from models import model, tensor, training_info, vi
 from onnx import TensorProto, helper
 
 from onnxtrain import TrainingSession
-from onnxtrain.storage import THRESHOLD_ENV
-from onnxtrain.tensors import all_tensors
-
-from models import model, tensor, training_info, vi
+from onnxtrain.core.protos import all_tensors
+from onnxtrain.io.storage import THRESHOLD_ENV
 
 FULL = os.environ.get("ONNXTRAIN_RELIABILITY_FULL") == "1"
 ROWS, COLS = 128, 100_000  # W: 128 x 100,000 float32 = 51.2 MB

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from models import linear_regression, mlp_classifier, tensor
 from onnx import helper
+from reliability_models import COUNTER_FEED, assert_state_equal, counter_model, snapshot
 
 from onnxtrain import TrainingSession
-
-from models import linear_regression, mlp_classifier, tensor
-from reliability_models import COUNTER_FEED, assert_state_equal, counter_model, snapshot
 
 X = np.ones((4, 3), np.float32)
 T = np.ones((4, 1), np.float32)

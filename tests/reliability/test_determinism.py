@@ -14,12 +14,11 @@ import textwrap
 
 import numpy as np
 import pytest
+from models import mlp_classifier, model, tensor, training_info, vi
 from onnx import TensorProto, helper
+from reliability_models import state_digest
 
 from onnxtrain import TrainingSession
-
-from models import mlp_classifier, model, tensor, training_info, vi
-from reliability_models import state_digest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = textwrap.dedent(

@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("module", ["onnxtrain.loading", "onnxtrain.tensors", "onnxtrain.storage"])
+@pytest.mark.parametrize("module", ["onnxtrain.io.loading", "onnxtrain.io.tensors", "onnxtrain.io.storage"])
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0

@@ -22,16 +22,15 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from models import mlp_classifier, tensor, vi
 from onnx import TensorProto, helper, numpy_helper
+from reliability_models import assert_state_equal, counter_model, snapshot
 
 from onnxtrain import TrainingModelError, TrainingSession
-from onnxtrain import loading as otloading
-from onnxtrain import storage as otstorage
-from onnxtrain import tensors as ottensors
-from onnxtrain.storage import THRESHOLD_ENV, write_model
-
-from models import mlp_classifier, tensor, vi
-from reliability_models import assert_state_equal, counter_model, snapshot
+from onnxtrain.io import loading as otloading
+from onnxtrain.io import storage as otstorage
+from onnxtrain.io import tensors as ottensors
+from onnxtrain.io.storage import THRESHOLD_ENV, write_model
 
 FULL = os.environ.get("ONNXTRAIN_RELIABILITY_FULL") == "1"
 

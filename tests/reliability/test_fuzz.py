@@ -2,7 +2,7 @@
 
 Allowed exceptions, by call:
 
-- ``onnxtrain.model.load`` + ``validate`` (every model mutation):
+- ``onnxtrain.io.model.load`` + ``validate`` (every model mutation):
   ``TrainingModelError`` only.
 - ``TrainingSession(...)``, ``initialize()``, ``train_step()``, ``run()``:
   ``TrainingModelError`` (a ValueError: model problems, found while building
@@ -36,13 +36,12 @@ import onnx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from models import PREVIEW, linear_regression, mlp_classifier, vi
 from onnx import TensorProto, helper
+from reliability_models import ALLOWED, counter_model, state_digest
 
 from onnxtrain import TrainingModelError, TrainingSession
-from onnxtrain.model import load, validate
-
-from models import PREVIEW, linear_regression, mlp_classifier, vi
-from reliability_models import ALLOWED, counter_model, state_digest
+from onnxtrain.io.model import load, validate
 
 TOTAL = int(os.environ.get("ONNXTRAIN_FUZZ_EXAMPLES", "2400"))
 SHARES = {"feeds": 0.58, "validation": 0.34, "sessions": 0.08}

@@ -13,13 +13,12 @@ import random
 import numpy as np
 import onnx
 import pytest
+from models import linear_regression, mlp_classifier, vi
 from onnx import TensorProto, helper, numpy_helper
+from reliability_models import counter_model
 
 from onnxtrain import TrainingModelError, TrainingSession
-from onnxtrain.model import load, validate
-
-from models import linear_regression, mlp_classifier, vi
-from reliability_models import counter_model
+from onnxtrain.io.model import load, validate
 
 
 def refused(model, *needles: str) -> str:

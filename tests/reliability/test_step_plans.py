@@ -14,11 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from reliability_models import COUNTER_FEED, assert_state_equal, counter_model, snapshot
 
 from onnxtrain import TrainingSession, build
-from onnxtrain.executor import Executor
-
-from reliability_models import COUNTER_FEED, assert_state_equal, counter_model, snapshot
+from onnxtrain.runtime.executor import Executor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_build import blobs, mlp  # noqa: E402

@@ -13,12 +13,10 @@ import threading
 import time
 
 import numpy as np
-import pytest
-
-from onnxtrain import TrainingSession
-
 import proposed_fixes
 from reliability_models import COUNTER_FEED, counter_model, counter_version, snapshot
+
+from onnxtrain import TrainingSession
 
 TRAINERS, READERS = 2, 2
 STEPS_PER_TRAINER, RUNS_PER_READER = 1_500, 3_500  # 10,000 calls in all

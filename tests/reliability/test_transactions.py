@@ -30,16 +30,8 @@ import sys
 
 import numpy as np
 import onnx
-import pytest
-
-import onnxtrain.executor as executor_mod
-import onnxtrain.programs as programs_mod
-import onnxtrain.session as session_mod
-import onnxtrain.state as state_mod
-from onnxtrain import TrainingSession
-from onnxtrain.executor import Executor
-
 import proposed_fixes
+import pytest
 from reliability_models import (
     COUNTER_FEED,
     assert_state_equal,
@@ -47,6 +39,13 @@ from reliability_models import (
     counter_version,
     snapshot,
 )
+
+import onnxtrain.lower.programs as programs_mod
+import onnxtrain.runtime.executor as executor_mod
+import onnxtrain.runtime.state as state_mod
+import onnxtrain.session as session_mod
+from onnxtrain import TrainingSession
+from onnxtrain.runtime.executor import Executor
 
 #: Files whose lines the injector interrupts (programs: feed checks; proposed_fixes:
 #: the replacement methods).

@@ -13,11 +13,12 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxtrain import TrainingSession, build, kernels
-from onnxtrain.executor import nchwc_block
-from onnxtrain.fuse import KERNEL_DOMAIN, with_fused_kernels
-from onnxtrain.fuse_conv import IM2COL_KERNEL
-from onnxtrain.nchwc import DOMAIN, REORDER_KERNEL, rewrite
+from onnxtrain import TrainingSession, build
+from onnxtrain.kernels import library as kernels
+from onnxtrain.kernels.conv import IM2COL_KERNEL
+from onnxtrain.kernels.fuse import KERNEL_DOMAIN, with_fused_kernels
+from onnxtrain.kernels.nchwc import DOMAIN, REORDER_KERNEL, rewrite
+from onnxtrain.runtime.executor import nchwc_block
 
 needs_library = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"

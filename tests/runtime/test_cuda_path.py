@@ -27,14 +27,14 @@ from __future__ import annotations
 import copy
 import warnings
 
+import models
 import numpy as np
 import onnxruntime as ort
 import pytest
 
-import models
 from onnxtrain import TrainingSession
-from onnxtrain.executor import device_of, state_device
-from onnxtrain.passes import kernel_choice
+from onnxtrain.lower.pipeline import kernel_choice
+from onnxtrain.runtime.executor import device_of, state_device
 
 CUDA1 = [("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"]
 REAL_SESSION = ort.InferenceSession
@@ -216,7 +216,7 @@ def test_cuda_state_buffers_and_bound_outputs_are_on_the_device(monkeypatch):
 
 
 def test_empty_like_and_new_buffer_pass_the_device(monkeypatch):
-    from onnxtrain.executor import empty_like, new_buffer
+    from onnxtrain.runtime.executor import empty_like, new_buffer
 
     made = fake_cuda(monkeypatch)
     arr = np.arange(6, dtype=np.float32).reshape(2, 3)

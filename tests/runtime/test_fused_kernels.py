@@ -14,16 +14,15 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
-
-from onnxtrain import TrainingSession, build, kernels
-from onnxtrain import fuse
-from onnxtrain.fuse import KERNEL_DOMAIN, fuse_adam_updates, fuse_spec_optimizers, with_fused_kernels
-
 from models import PREVIEW, linear_regression, mlp_classifier
+from onnx import TensorProto, helper
+from test_build import TorchRule, assert_trajectories_close, blobs, initial_params, mlp, run_oracle, run_session
 from test_optim import _attrs, lower, make_model, random_state
-from test_build import (TorchRule, assert_trajectories_close, blobs, initial_params, mlp, run_oracle,
-                        run_session)
+
+from onnxtrain import TrainingSession, build
+from onnxtrain.kernels import fuse
+from onnxtrain.kernels import library as kernels
+from onnxtrain.kernels.fuse import KERNEL_DOMAIN, fuse_adam_updates, fuse_spec_optimizers, with_fused_kernels
 
 needs_library = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
@@ -477,7 +476,7 @@ def test_spec_batch_that_would_feed_itself_falls_back_to_one_node_per_tensor():
             if name == "G2":
                 n.input[k] = "G2_late"
     model.graph.node.append(helper.make_node("Add", ["G2", "X1_new"], ["G2_late"]))
-    from onnxtrain.graph import toposort
+    from onnxtrain.core.graph import toposort
     ordered = toposort(list(model.graph.node), [i.name for i in model.graph.input])
     del model.graph.node[:]
     model.graph.node.extend(ordered)

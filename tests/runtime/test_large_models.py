@@ -18,8 +18,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxtrain import TrainingModelError, TrainingSession, build, mapped
-from onnxtrain.storage import write_model
+from onnxtrain import TrainingModelError, TrainingSession, build
+from onnxtrain.io import mapped
+from onnxtrain.io.storage import write_model
 
 
 def linear_model(rows: int, cols: int, seed: int = 0) -> onnx.ModelProto:
@@ -49,7 +50,7 @@ def batch(rows: int, cols: int, n: int = 8, seed: int = 1):
 def external(tmp_path, monkeypatch):
     """A 2 MiB-weight model saved with external data, and the same model inline;
     the builder keeps models from 1 MiB on mapped (256 MiB by default)."""
-    from onnxtrain import storage
+    from onnxtrain.io import storage
 
     monkeypatch.setattr(storage, "SPILL_FROM", 2**20)
     model = linear_model(512, 1024)
@@ -274,7 +275,7 @@ def test_large_inline_weights_are_spilled_and_shared(tmp_path, monkeypatch):
     """A model whose weights are inside its protobuf: above ``SPILL_FROM`` they
     move to one spill file, shared by every program; training is unchanged
     and the export stays one self-contained file."""
-    from onnxtrain import storage
+    from onnxtrain.io import storage
 
     model = linear_model(512, 1024)
     path = tmp_path / "inline.onnx"
@@ -348,9 +349,9 @@ def test_adapters_applied_later_to_a_mapped_base_stream_to_a_file(external, tmp_
 
 
 def test_to_model_is_self_contained_below_the_threshold(external, tmp_path, monkeypatch):
-    from onnxtrain import storage
-    from onnxtrain.storage import THRESHOLD_ENV
-    from onnxtrain.tensors import has_external
+    from onnxtrain.io import storage
+    from onnxtrain.io.storage import THRESHOLD_ENV
+    from onnxtrain.io.tensors import has_external
 
     path, model = external
     tm = build.training_model(str(path), loss="mse", target="T", optimizer=build.SGD(lr=0.1),

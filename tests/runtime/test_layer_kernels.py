@@ -9,14 +9,14 @@ from __future__ import annotations
 import shutil
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxtrain import TrainingSession, build, kernels
-from onnxtrain.fuse import KERNEL_DOMAIN, with_fused_kernels
-from onnxtrain.fuse_layers import POOL_KERNEL, RELU_GRAD, max_pool_plan, relu_grad_plan
+from onnxtrain import TrainingSession, build
+from onnxtrain.kernels import library as kernels
+from onnxtrain.kernels.fuse import KERNEL_DOMAIN, with_fused_kernels
+from onnxtrain.kernels.layers import POOL_KERNEL, RELU_GRAD, max_pool_plan, relu_grad_plan
 
 needs_library = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"

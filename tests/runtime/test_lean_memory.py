@@ -1,5 +1,5 @@
 """TrainingSession(memory="lean"): one buffer per state variable where the
-update allows it (onnxtrain.inplace), the same results as the double-buffered
+update allows it (onnxtrain.lower.inplace), the same results as the double-buffered
 step, and the documented failure semantics."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain import TrainingSession, build
-from onnxtrain.inplace import inplace_keys, with_scratch_outputs
+from onnxtrain.lower.inplace import inplace_keys, with_scratch_outputs
 
 
 def base_model(seed: int = 0) -> onnx.ModelProto:
@@ -222,8 +222,16 @@ def test_lean_steps_hold_weights_gradients_and_moments_only(tmp_path, name, copi
 
 # ------------------------------------------------- every optimizer form, and ranks
 from test_split import (  # noqa: E402  (tests/distributed is on sys.path: conftest)
-    ONE_RANK_CASES, assert_bitwise, builder_model, cycle_of, global_batch, one_rank_data,
-    one_rank_params, run_ranks, sessions, shards,
+    ONE_RANK_CASES,
+    assert_bitwise,
+    builder_model,
+    cycle_of,
+    global_batch,
+    one_rank_data,
+    one_rank_params,
+    run_ranks,
+    sessions,
+    shards,
 )
 
 

@@ -12,11 +12,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from onnxtrain.core.graph import PREVIEW_DOMAIN
+from onnxtrain.core.names import NameGen
 from onnxtrain.errors import TrainingModelError
-from onnxtrain.executor import Executor
-from onnxtrain.graph import PREVIEW_DOMAIN
-from onnxtrain.names import NameGen
 from onnxtrain.optim import SIGNATURES, lower_optimizers, reference
+from onnxtrain.runtime.executor import Executor
 
 # Per-tensor state groups after X and G, and the output groups, per op.
 STATE = {"Adam": ("V", "H"), "Momentum": ("V",), "Adagrad": ("H",)}

@@ -5,12 +5,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from models import F32, model, tensor, training_info, vi
 from onnx import TensorProto, helper
 
 import onnxtrain
 from onnxtrain import TrainingModelError, TrainingSession
-
-from models import F32, model, tensor, training_info, vi
 
 W0 = np.array([1.0, 2.0], dtype=np.float32)
 #: The main graph's input: every combined graph includes the main graph.
@@ -416,12 +415,12 @@ def test_bad_bytes_raise_training_model_error():
 
 # ---------------------------------------------------------------- R11 without inference
 def _no_inference(monkeypatch):
-    import onnxtrain.model
+    import onnxtrain.io.model
 
     def refuse(*a, **k):
         raise AssertionError("shape inference ran")
 
-    monkeypatch.setattr(onnxtrain.model, "infer_types", refuse)
+    monkeypatch.setattr(onnxtrain.io.model, "infer_types", refuse)
 
 
 def test_r11_declared_types_are_checked_without_shape_inference(monkeypatch):

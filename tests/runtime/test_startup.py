@@ -1,4 +1,4 @@
-"""The startup caches (onnxtrain/cache.py): shape inference, lowered programs
+"""The startup caches (onnxtrain.core.diskcache and its clients): shape inference, lowered programs
 with their fused-kernel rewrite, and onnxruntime's optimized models.
 
 Each test gets a private cache directory.  A cached start must give exactly
@@ -18,15 +18,18 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import helper, numpy_helper
-
-from onnxtrain import TrainingSession, build, cache, fuse
-from onnxtrain.executor import default_session_options
-from onnxtrain.graph import infer_types
-from onnxtrain.errors import TrainingModelError
-
 from models import linear_regression, mlp_classifier
+from onnx import helper, numpy_helper
 from test_build import blobs, mlp
+
+from onnxtrain import TrainingSession, build
+from onnxtrain.core import diskcache as cache
+from onnxtrain.core.graph import infer_types
+from onnxtrain.errors import TrainingModelError
+from onnxtrain.kernels import fuse
+from onnxtrain.lower import program_cache
+from onnxtrain.runtime import ortcache
+from onnxtrain.runtime.executor import default_session_options
 
 
 @pytest.fixture(autouse=True)
@@ -35,8 +38,8 @@ def private_cache(tmp_path, monkeypatch):
     cache.flush()
     monkeypatch.setenv("ONNXTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv(cache.ENV, "1")
-    monkeypatch.setattr(cache, "ORT_DELAY", 0.0)
-    monkeypatch.setattr(cache, "ORT_MAX_MADE", 10_000)
+    monkeypatch.setattr(ortcache, "ORT_DELAY", 0.0)
+    monkeypatch.setattr(ortcache, "ORT_MAX_MADE", 10_000)
     cache.stats.clear()
     yield tmp_path / "cache" / "startup"
     cache.flush()
@@ -170,7 +173,7 @@ def test_a_replaced_module_constant_changes_the_key(private_cache, monkeypatch):
 def test_a_user_gradient_rule_is_part_of_the_key(monkeypatch):
     from onnxtrain.autodiff import registry
 
-    before = cache.runtime_digest()
+    before = program_cache.runtime_digest()
     rules = dict(registry.REGISTRY._rules)
     monkeypatch.setattr(registry.REGISTRY, "_rules", rules)
 
@@ -178,14 +181,14 @@ def test_a_user_gradient_rule_is_part_of_the_key(monkeypatch):
     def rule_a(ctx):  # pragma: no cover  (never run)
         return [None]
 
-    with_a = cache.runtime_digest()
+    with_a = program_cache.runtime_digest()
     del rules[("example.test", "MyOp")]
 
     @registry.vjp("MyOp", domain="example.test")
     def rule_a(ctx):  # noqa: F811  the same name, other code  # pragma: no cover
         return [ctx]
 
-    with_other = cache.runtime_digest()
+    with_other = program_cache.runtime_digest()
     assert len({before, with_a, with_other}) == 3
 
 
@@ -220,7 +223,7 @@ def test_a_lowering_error_is_never_cached(private_cache):
 def test_a_failed_lowering_is_rebuilt_every_time(private_cache, monkeypatch):
     """A model whose algorithm cannot be lowered: its inference program is
     cached, the error comes back at every construction."""
-    import onnxtrain.passes as passes
+    import onnxtrain.lower.pipeline as passes
 
     model = spec_model()
     calls = []
@@ -300,7 +303,7 @@ def test_an_optimized_model_onnxruntime_refuses_is_dropped(private_cache):
         raw = p.read_bytes()
         key = raw[len(cache.MAGIC):len(cache.MAGIC) + 32]
         p.unlink()
-        cache._write_now("ort", key, {"level": 2}, b"not a model")
+        cache.write_now("ort", key, {"level": 2}, b"not a model")
     cache.stats.clear()
     assert run(model) == good
     assert cache.stats.get("ort.hit", 0) >= 1
@@ -322,7 +325,7 @@ def test_eviction_keeps_the_newest_entries(private_cache, monkeypatch):
         cache.flush()
     left = entries(private_cache, "infer")
     assert 0 < len(left) <= 4
-    assert cache._path("infer", hashlib.sha256(b"11").digest()) in left
+    assert cache.entry_path("infer", hashlib.sha256(b"11").digest()) in left
 
 
 def test_stale_temporary_files_are_removed(private_cache):
@@ -430,7 +433,8 @@ def test_a_forked_child_writes_its_own_entries_and_exits_promptly(private_cache)
 _EXIT_SCRIPT = """
 import sys, time
 sys.path[:0] = {paths!r}
-from onnxtrain import TrainingSession, cache
+from onnxtrain import TrainingSession
+from onnxtrain.core import diskcache as cache
 from models import mlp_classifier
 from test_build import blobs
 x, y = blobs()
@@ -467,9 +471,10 @@ def test_interpreter_exit_writes_the_entries_and_exits_cleanly(tmp_path):
 def test_a_cached_nchwc_program_is_only_used_with_its_block(private_cache, monkeypatch):
     """The NCHWc layout depends on the machine's onnxruntime (its block): an
     entry made for another block is rewritten, not used."""
-    from onnxtrain import executor
-    from onnxtrain.nchwc import REORDER_KERNEL
     from test_conv_kernels import _cnn, needs_library
+
+    from onnxtrain.kernels.nchwc import REORDER_KERNEL
+    from onnxtrain.runtime import executor
 
     if needs_library.args[0]:
         pytest.skip("no C compiler")

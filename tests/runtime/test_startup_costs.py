@@ -14,12 +14,14 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-
-from onnxtrain import build, cache, loading, mapped, storage, tensors
-from onnxtrain.errors import TrainingModelError
-from onnxtrain.model import validate
-
 from test_build import mlp
+
+from onnxtrain import build
+from onnxtrain.core import diskcache
+from onnxtrain.errors import TrainingModelError
+from onnxtrain.io import loading, mapped, storage, tensors
+from onnxtrain.io.model import validate
+from onnxtrain.lower import program_cache
 
 
 def _rich_model() -> onnx.ModelProto:
@@ -187,14 +189,14 @@ def test_a_skeleton_over_the_entry_limit_is_refused_before_it_is_made(monkeypatc
     tm = build.training_model(m, optimizer=build.SGD(lr=0.1), trainable=["W1", "b1", "W2", "b2"])
     state = validate(tm, None).state
     assert "frozen" not in state
-    assert cache.model_digest(tm, state) is not None
-    monkeypatch.setattr(cache, "MAX_ENTRY_BYTES", 3999)
+    assert program_cache.model_digest(tm, state) is not None
+    monkeypatch.setattr(diskcache, "MAX_ENTRY_BYTES", 3999)
 
     def never(*a, **k):
         raise AssertionError("the skeleton was made")
 
-    monkeypatch.setattr(cache, "_graph_skeleton", never)
-    assert cache.model_digest(tm, state) is None
+    monkeypatch.setattr(program_cache, "_graph_skeleton", never)
+    assert program_cache.model_digest(tm, state) is None
 
 
 def _with_marker(where: str) -> onnx.ModelProto:

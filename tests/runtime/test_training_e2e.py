@@ -9,11 +9,10 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
+from models import OPTIMIZER_STATE, linear_regression, mlp_classifier
 
 from onnxtrain import TrainingSession
 from onnxtrain.optim import reference
-
-from models import OPTIMIZER_STATE, linear_regression, mlp_classifier
 
 OPTIMIZERS = ["sgd", "momentum", "nesterov", "adam", "adagrad"]
 ATTRS = {
@@ -183,7 +182,7 @@ def test_inference_export_predicts_the_same_in_plain_onnxruntime(tmp_path):
 
     exported = onnx.load(str(path))
     assert not exported.training_info
-    from onnxtrain.executor import MAX_IR_VERSION  # probed: the newest IR this onnxruntime loads
+    from onnxtrain.runtime.executor import MAX_IR_VERSION  # probed: the newest IR this onnxruntime loads
 
     assert exported.ir_version <= MAX_IR_VERSION
     onnx.checker.check_model(exported)

@@ -13,8 +13,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain import TrainingSession, build
-from onnxtrain.executor import Executor
-from onnxtrain.graph import prune
+from onnxtrain.core.graph import prune
+from onnxtrain.runtime.executor import Executor
 
 ALGORITHM = "training_info[0].algorithm"
 

@@ -1,6 +1,6 @@
 """Gradient rules, grouped by kind of op.  Importing this package registers them all."""
 
-from . import (  # noqa: F401
+from . import (
     activation,
     control,
     conv,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, numpy_helper
 
-from ...emitter import Emitter, np_dtype
+from ...core.emitter import Emitter, np_dtype
 from ...errors import TrainingModelError
 from ..registry import Dim, VJPContext
 

@@ -12,9 +12,9 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ...emitter import FLOAT_TYPES, Emitter
+from ...core.emitter import FLOAT_TYPES, Emitter
+from ...core.graph import graph_names, shape_of_type
 from ...errors import TrainingModelError
-from ...graph import graph_names, shape_of_type
 from ..registry import VJPContext, vjp
 
 

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 from onnx import TensorProto, numpy_helper
 
-from ...emitter import np_dtype
+from ...core.emitter import np_dtype
 from ...errors import GradientError, TrainingModelError
 from ..registry import VJPContext, vjp
 from ._common import constant_value, int64, zeros_of_shape
-from .window import Pads, Window, kernel_dims, spatial_rank
 from .resample import axis_taps
+from .window import Pads, Window, kernel_dims, spatial_rank
 
 
 def _bias_grad(ctx: VJPContext, dy: str, k: int) -> str:

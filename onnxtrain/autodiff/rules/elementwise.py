@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from ...emitter import FLOAT_TYPES
+from ...core.emitter import FLOAT_TYPES
 from ...errors import GradientError
 from ..registry import VJPContext, vjp
 

@@ -3,7 +3,6 @@ LayerNormalization, GroupNormalization, LpNormalization, MeanVarianceNormalizati
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from ...errors import TrainingModelError

@@ -9,7 +9,7 @@ import math
 import numpy as np
 from onnx import TensorProto, numpy_helper
 
-from ...emitter import np_dtype
+from ...core.emitter import np_dtype
 from ...errors import GradientError, TrainingModelError
 from ..registry import VJPContext, no_grad, vjp
 from ._common import int64, scatter_add_axis

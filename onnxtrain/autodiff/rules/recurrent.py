@@ -43,7 +43,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ...emitter import Emitter, np_dtype
+from ...core.emitter import Emitter, np_dtype
 from ...errors import TrainingModelError
 from ..registry import VJPContext, vjp
 from .control import Slots

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 from onnx import TensorProto, numpy_helper
 
-from ...emitter import Emitter, np_dtype
+from ...core.emitter import Emitter, np_dtype
 from ...errors import GradientError, TrainingModelError
 from ..registry import VJPContext, vjp
 from ._common import constant_value, int64, zeros_of_shape

@@ -15,7 +15,7 @@ at a negative position counts from the back of a sequence of another length.
 
 from __future__ import annotations
 
-from ...emitter import Emitter
+from ...core.emitter import Emitter
 from ...errors import TrainingModelError
 from ..registry import VJPContext, no_grad, vjp
 

@@ -17,11 +17,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...emitter import Emitter
+from ...core.emitter import Emitter
 from ...errors import GradientError, TrainingModelError
 from ..registry import VJPContext, vjp
 from ._common import (
-    along_axis, clamp, constant_value, int64, one_hot, scatter_add_axis, with_dim, wrap_negative,
+    along_axis,
+    clamp,
+    constant_value,
+    int64,
+    one_hot,
+    scatter_add_axis,
+    with_dim,
+    wrap_negative,
     zeros_of_shape,
 )
 

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...emitter import Emitter
+from ...core.emitter import Emitter
 from ...errors import GradientError
 from ..registry import VJPContext, no_grad, vjp
 from ._common import constant_value, int64, scatter_add_axis
-
 
 Axis = int | str  # a static axis, or a runtime 1-element int64 tensor (non-negative)
 

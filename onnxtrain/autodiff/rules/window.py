@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 from onnx import TensorProto
 
-from ...emitter import np_dtype
+from ...core.emitter import np_dtype
 from ...errors import TrainingModelError
 from ..registry import VJPContext
 

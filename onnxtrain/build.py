@@ -1,0 +1,50 @@
+"""Build standard ONNX training models from inference models.
+
+The public face of ``onnxtrain.builder``: what the README and the docs call
+``build``.
+
+>>> from onnxtrain import build
+>>> tm = build.training_model("model.onnx", loss="cross_entropy",
+...                           optimizer=build.AdamW(lr=1e-3))      # doctest: +SKIP
+
+See ``builder.builder.training_model`` for the arguments, ``losses``,
+``optimizers`` and ``schedules`` for the math of each part, ``lora`` for the
+adapters' format.
+"""
+
+from .builder import (
+    L1,
+    MSE,
+    NLL,
+    SGD,
+    Adagrad,
+    Adam,
+    AdamW,
+    BCEWithLogits,
+    CrossEntropy,
+    CustomLoss,
+    Huber,
+    LoRA,
+    Loss,
+    Optimizer,
+    ParameterChoice,
+    Schedule,
+    cosine,
+    linear_warmup,
+    lora,
+    losses,
+    optimizers,
+    parameter_choices,
+    parameters,
+    schedules,
+    step_decay,
+    training_model,
+)
+
+__all__ = [
+    "training_model", "parameter_choices", "ParameterChoice", "LoRA",
+    "Loss", "MSE", "L1", "Huber", "CrossEntropy", "BCEWithLogits", "NLL", "CustomLoss",
+    "Optimizer", "SGD", "Adagrad", "Adam", "AdamW",
+    "Schedule", "cosine", "step_decay", "linear_warmup",
+    "lora", "losses", "optimizers", "parameters", "schedules",
+]

@@ -1,0 +1,23 @@
+"""Build standard ONNX training models from inference models.
+
+>>> from onnxtrain import build
+>>> tm = build.training_model("model.onnx", loss="cross_entropy",
+...                           optimizer=build.AdamW(lr=1e-3))      # doctest: +SKIP
+
+See ``builder.training_model`` for the arguments, ``losses``, ``optimizers``
+and ``schedules`` for the math of each part.
+"""
+
+from .builder import training_model
+from .lora import LoRA
+from .losses import L1, MSE, NLL, BCEWithLogits, CrossEntropy, CustomLoss, Huber, Loss
+from .optimizers import SGD, Adagrad, Adam, AdamW, Optimizer
+from .parameters import ParameterChoice, parameter_choices
+from .schedules import Schedule, cosine, linear_warmup, step_decay
+
+__all__ = [
+    "training_model", "parameter_choices", "ParameterChoice", "LoRA",
+    "Loss", "MSE", "L1", "Huber", "CrossEntropy", "BCEWithLogits", "NLL", "CustomLoss",
+    "Optimizer", "SGD", "Adagrad", "Adam", "AdamW",
+    "Schedule", "cosine", "step_decay", "linear_warmup",
+]

@@ -1,0 +1,300 @@
+"""The algorithm and initialization graphs the builder writes: forward pass,
+loss, gradients, clipping, the optimizer update and its schedule
+(``Algorithm``), and the graphs that reset the state it adds."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..core.emitter import Emitter, np_dtype
+from ..core.graph import PREVIEW_DOMAIN
+from ..core.names import NameGen
+from .plan import F64, Plan, StateSpec
+from .train_forward import training_forward
+
+
+# ------------------------------------------------------------------ algorithm
+class Algorithm:
+    """The algorithm graph and update_binding of training_info[index]."""
+
+    def __init__(self, plan: Plan, index: int) -> None:
+        self.plan = plan
+        self.index = index
+        self.e = Emitter(plan.opset, NameGen(plan.taken), dict(plan.dtypes))
+        for var in plan.state.values():
+            self.e.dtypes[var.name] = var.elem_type
+        self.outputs: list[onnx.ValueInfoProto] = []
+        #: Types of values shape inference cannot derive (Gradient's outputs).
+        self.value_info: list[onnx.ValueInfoProto] = []
+        self.bindings: list[tuple[str, str]] = []
+        self.loss_type = plan.dtypes[plan.prediction]
+
+    def build(self, ti: onnx.TrainingInfoProto) -> None:
+        plan = self.plan
+        prediction, running_stats = self.forward()
+        if prediction != plan.prediction:
+            plan.train_predictions[self.index] = prediction
+        loss = self.loss(prediction)
+        grads = self.gradients(loss)
+        if self.index == 0:
+            plan.running_stats = plan.running_stats or bool(running_stats)
+            for key, value in running_stats:
+                self.bind(key, value)
+        if self.index != plan.final:
+            self.accumulate_into_sums(grads)
+        else:
+            if plan.accumulate > 1:
+                grads = self.mean_with_sums(grads)
+            if plan.clip_grad_norm is not None:
+                grads = self.clip(grads)
+            self.optimizer_step(grads)
+            self.count_step()
+        self.graph(ti.algorithm)
+        for key, value in self.bindings:
+            ti.update_binding.add(key=key, value=value)
+
+    # -- bookkeeping
+    def bind(self, key: str, value: str) -> None:
+        """Bind state variable ``key`` to ``value`` (declared as an algorithm output)."""
+        plan = self.plan
+        if key in plan.state:
+            vi = plan.state[key].value_info(value)
+        else:  # a running statistic: an initializer of the main graph
+            t = next(t for t in plan.proto.graph.initializer if t.name == key)
+            vi = helper.make_tensor_value_info(value, t.data_type, list(t.dims))
+        self.outputs.append(vi)
+        self.bindings.append((key, value))
+
+    def graph(self, graph: onnx.GraphProto) -> None:
+        """Fill the (empty) algorithm graph ``graph`` in place: what
+        ``helper.make_graph`` makes, without a copy of every node."""
+        plan = self.plan
+        loss_vi = helper.make_tensor_value_info(plan.loss_name, self.loss_type, [])
+        fill_graph(
+            graph, self.e.nodes, f"training_info[{self.index}].algorithm", [plan.target],
+            [loss_vi] + self.outputs, value_info=self.value_info,
+        )
+        for var in plan.state.values():
+            if var.home == self.index:
+                var.add_initializer(graph)
+
+    # -- stages
+    def forward(self) -> tuple[str, list[tuple[str, str]]]:
+        """The prediction the loss reads: the main graph's, or that of a
+        training-mode copy when Dropout/BatchNormalization are on its path."""
+        plan = self.plan
+        if not plan.train_mode:
+            return plan.prediction, []
+        prediction, stats, value_info = training_forward(
+            self.e, plan.proto.graph, plan.prediction, plan.opset, self.copied_type,
+            plan.batchnorm_var,
+        )
+        self.value_info.extend(value_info)
+        return prediction, stats
+
+    def copied_type(self, original: str, new: str) -> onnx.ValueInfoProto | None:
+        """The value_info of ``original`` (declared in the main graph, else
+        inferred) under the name ``new``; None when nothing is known."""
+        plan = self.plan
+        declared = plan.declared.get(original)
+        if declared is not None:
+            vi = onnx.ValueInfoProto()
+            vi.CopyFrom(declared)
+            vi.name = new
+            return vi
+        elem = plan.dtypes.get(original)
+        if elem is None:
+            return None
+        shape = plan.shapes.get(original)
+        dims = None if shape is None else [d if isinstance(d, (int, str)) else None for d in shape]
+        return helper.make_tensor_value_info(new, elem, dims)
+
+    def loss(self, prediction: str) -> str:
+        plan = self.plan
+        self.e.hint = "loss"
+        self.e.dtypes.setdefault(plan.target.name, plan.target.type.tensor_type.elem_type)
+        value = plan.loss.emit(self.e, prediction, plan.target.name)
+        self.e.op("Identity", [value], outputs=[plan.loss_name])
+        self.loss_type = self.e.dtypes.get(value, plan.dtypes[plan.prediction])
+        return plan.loss_name
+
+    def gradients(self, loss: str) -> list[str]:
+        """d loss / d param for every trainable parameter (one Gradient node)."""
+        plan = self.plan
+        zs = plan.data_inputs + [plan.target.name]
+        names = [self.e.names.fresh(f"{p}.grad") for p in plan.params]
+        self.e.hint = "gradient"
+        self.e.op(
+            "Gradient", plan.params + zs, outputs=names, domain=PREVIEW_DOMAIN,
+            xs=plan.params, zs=zs, y=loss,
+        )
+        for p, g in zip(plan.params, names):
+            self.e.dtypes[g] = plan.state[p].elem_type
+            self.value_info.append(plan.state[p].value_info(g))
+        return names
+
+    def accumulate_into_sums(self, grads: Sequence[str]) -> None:
+        """sums = (accum.step == step ? sums : 0) + g;  count likewise + 1;  accum.step = step."""
+        plan, e = self.plan, self.e
+        e.hint = "accumulate"
+        current = e.Equal(plan.accum_step, plan.step)
+        for p, g in zip(plan.params, grads):
+            kept = e.Where(current, plan.accum[p], e.const(0.0, like=g))
+            self.bind(plan.accum[p], e.Add(kept, g))
+        count = e.Where(current, plan.accum_count, e.scalar_int(0))
+        self.bind(plan.accum_count, e.Add(count, e.scalar_int(1)))
+        self.bind(plan.accum_step, e.Identity(plan.step))
+
+    def mean_with_sums(self, grads: Sequence[str]) -> list[str]:
+        """g_mean = (sums + g) / (count + 1) when the sums belong to this update, else g."""
+        plan, e = self.plan, self.e
+        e.hint = "accumulate"
+        current = e.Equal(plan.accum_step, plan.step)
+        n = e.Add(e.Where(current, plan.accum_count, e.scalar_int(0)), e.scalar_int(1))
+        out = []
+        for p, g in zip(plan.params, grads):
+            kept = e.Where(current, plan.accum[p], e.const(0.0, like=g))
+            total = e.Add(kept, g)
+            plan.reduce_points.append(total)
+            out.append(e.Div(total, e.Cast(n, to=e.dtype(g))))
+        return out
+
+    def hyperparameter(self, hint: str, value: float) -> str:
+        """A 0-D float64 state variable of this algorithm graph, reset to
+        ``value`` by this TrainingInfoProto's initialization_binding (which is
+        what makes it state per IR.md) and bound by no update: a setting the
+        session can change between steps without rebuilding anything, saved
+        with a checkpoint and read by the step like any other state."""
+        plan, e = self.plan, self.e
+        name = e.names.fresh(hint)
+        plan.taken.add(name)
+        plan.state[name] = StateSpec(name, F64, (), self.index, self.index, fill=float(value))
+        e.dtypes[name] = F64
+        return name
+
+    def clip(self, grads: Sequence[str]) -> list[str]:
+        """g *= min(1, c / (||g||_2 + 1e-6)), the norm over all gradients
+        (torch.nn.utils.clip_grad_norm_), computed in float64.  The threshold
+        c is a state variable (``hyperparameter``; metadata
+        ``onnxtrain.clip_grad_norm``), settable through
+        ``TrainingSession.clip_grad_norm``."""
+        e = self.e
+        e.hint = "clip"
+        self.plan.clip_state = self.hyperparameter("clip_grad_norm", self.plan.clip_grad_norm)
+        squares = [e.Cast(e.reduce("ReduceSumSquare", g, None, keepdims=False), to=F64) for g in grads]
+        norm = e.Sqrt(e.sum_all(squares))
+        coef = e.Div(self.plan.clip_state, e.Add(norm, e.const(1e-6, dtype=F64)))
+        coef = e.Min(coef, e.const(1.0, dtype=F64))
+        return [e.Mul(g, e.cast_to(coef, e.dtype(g))) for g in grads]
+
+    def learning_rate(self) -> str:
+        """lr * schedule(step) as a 0-D float64.
+
+        The base rate lr is a state variable (a 0-D float64 initializer of
+        this algorithm graph, reset to ``optimizer.lr`` by this
+        TrainingInfoProto's initialization_binding, which is what makes it
+        state per IR.md), not a Constant: ``TrainingSession.learning_rate``
+        changes it between steps without rebuilding, it is saved with a
+        checkpoint, and the step reads it like any other state (one commit).
+        Metadata ``onnxtrain.learning_rate`` names it."""
+        plan, e = self.plan, self.e
+        e.hint = "lr"
+        lr = plan.lr_state = self.hyperparameter("lr", plan.optimizer.lr)
+        if plan.schedule is None:
+            return lr
+        return e.Mul(lr, plan.schedule.emit(e, plan.step))
+
+    def optimizer_step(self, grads: Sequence[str]) -> None:
+        plan = self.plan
+        lr = self.learning_rate()
+        self.e.hint = "optimizer"
+        state = {
+            slot: [plan.slots[p][slot] for p in plan.params] for slot, _ in plan.optimizer.slots()
+        }
+        new_params, new_state = plan.optimizer.update(self.e, lr, plan.step, plan.params, grads, state)
+        for p, value in zip(plan.params, new_params):
+            self.bind(p, value)
+        for slot, values in new_state.items():
+            for p, value in zip(plan.params, values):
+                self.bind(plan.slots[p][slot], value)
+
+    def count_step(self) -> None:
+        e = self.e
+        e.hint = "counter"
+        self.bind(self.plan.step, e.Add(self.plan.step, e.scalar_int(1)))
+
+
+# ------------------------------------------------------------------ initialization
+def initialization_graph(plan: Plan, index: int, ti: onnx.TrainingInfoProto) -> None:
+    """The graph that resets the state variables training_info[index] owns."""
+    owned = [var for var in plan.state.values() if var.reset_by == index]
+    if index == 0:
+        owned += running_stat_vars(plan, ti)
+    names = NameGen(v.name for v in owned)
+    e = Emitter(plan.opset, names, hint="init")
+    outputs, binding = [], []
+    #: (node index, starting tensor) of the Constants whose value is filled in last.
+    fills: list[tuple[int, onnx.TensorProto]] = []
+    for var in owned:
+        if var.initial is not None:
+            fills.append((len(e.nodes), var.initial))
+        value = initial_value(e, var, names.fresh(f"{var.name}.initial"))
+        outputs.append(var.value_info(value))
+        binding.append((var.name, value))
+    graph = ti.initialization
+    fill_graph(graph, e.nodes, f"training_info[{index}].initialization", [], outputs)
+    # The starting values are copied once, straight into their place in the
+    # model (their Constants were emitted with the type and dims only).
+    for position, initial in fills:
+        value = graph.node[position].attribute[0].t
+        value.CopyFrom(initial)  # bit for bit, whatever the storage field
+        value.ClearField("name")
+    for key, value in binding:
+        ti.initialization_binding.add(key=key, value=value)
+
+
+def running_stat_vars(plan: Plan, ti: onnx.TrainingInfoProto) -> list[StateSpec]:
+    """BatchNormalization statistics bound by this TrainingInfoProto, as state to reset."""
+    inits = {t.name: t for t in plan.proto.graph.initializer}
+    out = []
+    for b in ti.update_binding:
+        if b.key in inits and b.key not in plan.state:
+            t = inits[b.key]
+            out.append(StateSpec(b.key, t.data_type, tuple(t.dims), "main", 0, initial=t, existing=True))
+    return out
+
+
+def initial_value(e: Emitter, var: StateSpec, out: str) -> str:
+    """A Constant holding the starting value (ConstantOfShape for a fill of a tensor)."""
+    if var.initial is not None:
+        # The type and dims only: ``initialization_graph`` copies the data in place.
+        value = onnx.TensorProto(data_type=var.initial.data_type, dims=var.initial.dims)
+        e.op("Constant", [], outputs=[out], value=value)
+    elif not var.shape:
+        e.op("Constant", [], outputs=[out], value=numpy_helper.from_array(var.start_value()))
+    else:
+        fill = numpy_helper.from_array(np.asarray([var.fill], dtype=np_dtype(var.elem_type)))
+        e.op("ConstantOfShape", [e.ints(var.shape)], outputs=[out], value=fill)
+    return out
+
+
+def fill_graph(
+    graph: onnx.GraphProto,
+    nodes: Sequence[onnx.NodeProto],
+    name: str,
+    inputs: Sequence[onnx.ValueInfoProto],
+    outputs: Sequence[onnx.ValueInfoProto],
+    value_info: Sequence[onnx.ValueInfoProto] = (),
+) -> None:
+    """``graph.CopyFrom(helper.make_graph(nodes, name, inputs, outputs,
+    value_info=value_info))`` for an empty ``graph``, with one copy of the
+    nodes instead of two."""
+    graph.node.extend(nodes)
+    graph.name = name
+    graph.input.extend(inputs)
+    graph.output.extend(outputs)
+    graph.value_info.extend(value_info)

@@ -1,0 +1,591 @@
+"""LoRA: train low-rank adapters of frozen MatMul/Gemm weights.
+
+``build.training_model(model, ..., lora=build.LoRA(rank=8, alpha=16))``
+freezes every targeted weight ``W`` and trains two small matrices per
+target.  With ``W`` read as a linear map from ``in`` to ``out`` features
+(``Y = X·W`` with ``W`` of shape ``[in, out]``) the adapters are
+
+    W.lora_A  [in, r]    uniform(-1/sqrt(in), 1/sqrt(in)), seeded
+    W.lora_B  [r, out]   zeros
+
+and the graph computes, with s = alpha / r,
+
+    Y = X·W + s · (drop(X)·A)·B                                   (1)
+
+so the first forward pass equals the base model's (B = 0), the product
+``A·B`` is never formed during training, and the gradients reach A and B
+only: W is an initializer no binding names, a constant.  ``drop`` is an
+inverted Dropout of ratio ``dropout`` on the adapter branch only; the main
+graph holds it in inference mode (the identity) and the builder's
+training-mode forward copy turns it on.  A's bound 1/sqrt(in) is what
+PyTorch's ``kaiming_uniform_(a=sqrt(5))`` gives for a ``[r, in]`` weight
+(gain sqrt(2 / (1 + 5)), bound gain·sqrt(3 / in)), as peft initializes it.
+
+**Orientation.**  "in" and "out" follow the product, whatever the layout
+of ``W`` in the graph.  For stored ``W`` of shape ``[d0, d1]``:
+
+    use                        in   out  stored as   adapter branch
+    MatMul(X, W)               d0   d1   [in, out]   s·(X·A)·B
+    Gemm(X, W), transB=0       d0   d1   [in, out]   g·s·(op(X)·A)·B
+    Gemm(X, W), transB=1       d1   d0   [out, in]   g·s·(op(X)·A)·B
+    MatMul(W, X)               d1   d0   [out, in]   s·Bᵀ·(Aᵀ·X)
+    Gemm(W, X), transA=0       d1   d0   [out, in]   g·s·Bᵀ·(Aᵀ·op(X))
+    Gemm(W, X), transA=1       d0   d1   [in, out]   g·s·Bᵀ·(Aᵀ·op(X))
+
+(g is Gemm's alpha, op(X) the transposed X where Gemm's trans flag asks
+for it; Gemm's ``beta·C`` stays in the base node.)  The merged weight, in
+``W``'s own layout, is ``W + s·A·B`` when stored ``[in, out]`` and
+``W + s·(A·B)ᵀ`` when stored ``[out, in]``.
+
+**Targets.**  ``targets=None`` takes every 2-D floating-point initializer
+that is read (directly or through Identity nodes) only as a MatMul or Gemm
+weight operand whose other operand is an activation (not an initializer),
+with one orientation across its uses.  Anything else (a Gather of a tied
+embedding, a bias slot, a graph output) would see the base weight during
+training but the merged one after export, so such initializers are skipped
+by ``None`` and refused by name.  ``targets`` may also be a list of
+initializer names or a predicate ``name -> bool`` applied to the eligible
+ones.
+
+**Export.**  ``apply`` records in metadata ``onnxtrain.lora`` (JSON) per
+target: the adapter names, the scale, the orientation and every node and
+value it inserted; ``merge`` removes them again, renames the rewritten
+nodes' outputs back and writes the merged weight, which gives the original
+graph.  ``TrainingSession.export(path)`` writes that merged model;
+``export(path, training=True)`` the whole training model.
+``save_adapters(sess, "a.npz")`` writes only the adapters (and the
+description), ``apply_adapters(base_model, "a.npz")`` merges them into the
+base model later.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..core.emitter import FLOAT_TYPES
+from ..core.graph import DEFAULT_DOMAINS, graph_names, identity_source, node_inputs
+from ..core.names import NameGen
+from ..io import mapped
+from ..io.metadata import PREFIX, drop_metadata, set_metadata
+from ..io.model import ModelLike, load
+
+#: Metadata key of the LoRA description (a JSON object).
+META_KEY = "onnxtrain.lora"
+#: Version of that description and of the adapter file.
+FORMAT = 1
+
+
+# ------------------------------------------------------------------ configuration
+@dataclass(frozen=True)
+class LoRA:
+    """Low-rank adapters: ``rank`` r >= 1, scale ``alpha / r``, ``targets``
+    (None, a list of initializer names or a predicate), adapter-branch
+    ``dropout`` in [0, 1) and the ``seed`` of A's initialization.
+
+    >>> import numpy as np
+    >>> from onnx import TensorProto, helper, numpy_helper
+    >>> from onnxtrain import TrainingSession, build
+    >>> g = helper.make_graph(
+    ...     [helper.make_node("MatMul", ["X", "W"], ["Y"])], "linear",
+    ...     [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 4])],
+    ...     [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 3])],
+    ...     [numpy_helper.from_array(np.ones((4, 3), np.float32), "W")])
+    >>> m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    >>> tm = build.training_model(m, loss="mse", optimizer=build.SGD(lr=0.1),
+    ...                           lora=build.LoRA(rank=2, alpha=4))
+    >>> sess = TrainingSession(tm)
+    >>> {k: v.shape for k, v in sess.state.items() if ".lora_" in k}
+    {'W.lora_A': (4, 2), 'W.lora_B': (2, 3)}
+    >>> [n.op_type for n in sess.to_model().graph.node]     # export(path) writes this
+    ['MatMul']
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: Sequence[str] | Callable[[str], bool] | None = None
+    dropout: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, (int, np.integer)) or isinstance(self.rank, bool) or self.rank < 1:
+            raise ValueError(f"LoRA.rank must be an integer >= 1, got {self.rank!r}")
+        if (not isinstance(self.alpha, (int, float, np.number)) or isinstance(self.alpha, bool)
+                or not np.isfinite(self.alpha) or self.alpha <= 0):
+            raise ValueError(f"LoRA.alpha must be a finite number > 0, got {self.alpha!r}")
+        if (not isinstance(self.dropout, (int, float, np.number)) or isinstance(self.dropout, bool)
+                or not 0.0 <= float(self.dropout) < 1.0):
+            raise ValueError(f"LoRA.dropout must be a number in [0, 1), got {self.dropout!r}")
+        if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool):
+            raise ValueError(f"LoRA.seed must be an integer, got {self.seed!r}")
+        t = self.targets
+        if isinstance(t, str):
+            raise TypeError(f"LoRA.targets must be a list of names, not the string {t!r}")
+        if t is not None and not callable(t) and not isinstance(t, Iterable):
+            raise TypeError(
+                f"LoRA.targets must be None, a list of names or a predicate, not {type(t).__name__}"
+            )
+        if t is not None and not callable(t):
+            names = tuple(t)
+            if not names or not all(isinstance(n, str) for n in names):
+                raise ValueError(f"LoRA.targets must be a non-empty list of names, got {t!r}")
+            object.__setattr__(self, "targets", names)
+
+    @property
+    def scale(self) -> float:
+        """alpha / r, the factor of the adapter branch."""
+        return float(self.alpha) / int(self.rank)
+
+
+# ------------------------------------------------------------------ target selection
+@dataclass
+class _Use:
+    """One MatMul/Gemm read of a weight: node position, operand index, orientation."""
+
+    position: int
+    operand: int  # 0 (W on the left) or 1 (W on the right)
+    transposed: bool  # W stored [out, in]
+
+
+def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def eligible_targets(graph: onnx.GraphProto) -> tuple[dict[str, list[_Use]], dict[str, str]]:
+    """(eligible weight -> its uses, other 2-D floating initializer -> why not).
+
+    A weight is eligible when it is a 2-D floating-point initializer, not a
+    graph input or output, and every read of it (through Identity chains)
+    is a MatMul/Gemm operand 0 or 1 whose other operand is not an
+    initializer, with the same orientation (``transposed``) in every use."""
+    source = identity_source(graph)
+    inits = {t.name: t for t in graph.initializer}
+    floats2d = {n for n, t in inits.items() if t.data_type in FLOAT_TYPES and len(t.dims) == 2}
+    uses: dict[str, list[_Use]] = {n: [] for n in floats2d}
+    why: dict[str, str] = {}
+    for o in list(graph.output) + list(graph.input):
+        name = source(o.name)
+        if name in floats2d:
+            why.setdefault(name, "it is a graph input or output")
+    for position, n in enumerate(graph.node):
+        kind = n.op_type if n.domain in DEFAULT_DOMAINS else f"{n.domain}.{n.op_type}"
+        if kind == "Identity":
+            continue
+        explicit = list(n.input)
+        for idx, name in enumerate(node_inputs(n)):
+            w = source(name)
+            if w not in floats2d:
+                continue
+            if idx >= len(explicit) or kind not in ("MatMul", "Gemm") or idx > 1:
+                why.setdefault(w, f"it is read by {kind} node {n.name or kind!r} (input {idx}), "
+                                  "not as a MatMul/Gemm weight")
+                continue
+            other = source(explicit[1 - idx])
+            if other in inits:
+                why.setdefault(w, f"{kind} node {n.name or kind!r} multiplies it with initializer "
+                                  f"{other!r}, not with an activation")
+                continue
+            if kind == "MatMul":
+                transposed = idx == 0
+            else:
+                flag = bool(_attr(n, "transA" if idx == 0 else "transB", 0))
+                transposed = (idx == 0) != flag
+            uses[w].append(_Use(position, idx, transposed))
+    out = {}
+    for w in floats2d:
+        if w in why:
+            continue
+        if not uses[w]:
+            why[w] = "no MatMul or Gemm reads it"
+            continue
+        if len({u.transposed for u in uses[w]}) > 1:
+            why[w] = "its MatMul/Gemm uses read it in both orientations"
+            continue
+        out[w] = uses[w]
+    return out, why
+
+
+def select_targets(graph: onnx.GraphProto, lora: LoRA) -> dict[str, list[_Use]]:
+    """The targets ``lora.targets`` names, in initializer order (ValueError for
+    an unknown or ineligible name, or when nothing is selected)."""
+    eligible, why = eligible_targets(graph)
+    order = [t.name for t in graph.initializer]
+    t = lora.targets
+    if t is None:
+        chosen = [n for n in order if n in eligible]
+    elif callable(t):
+        chosen = [n for n in order if n in eligible and t(n)]
+    else:
+        known = set(order)
+        for name in t:
+            if name not in known:
+                raise ValueError(
+                    f"LoRA.targets: unknown name {name!r}: not an initializer of the main graph; "
+                    f"eligible weights are {sorted(eligible)}"
+                )
+            if name not in eligible:
+                reason = why.get(name, "it is not a 2-D floating-point initializer")
+                raise ValueError(f"LoRA.targets: {name!r} cannot take an adapter: {reason}")
+        wanted = set(t)
+        chosen = [n for n in order if n in wanted]
+    if not chosen:
+        raise ValueError(
+            "LoRA: no target selected; eligible weights (2-D floating initializers read only as "
+            f"MatMul/Gemm weights) are {sorted(eligible)}"
+            + (f"; skipped: {dict(sorted(why.items())[:8])}" if why else "")
+        )
+    return {n: eligible[n] for n in chosen}
+
+
+# ------------------------------------------------------------------ the rewrite
+def apply(proto: onnx.ModelProto, lora: LoRA) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """Rewrite ``proto``'s main graph in place for (1) and return (proto, info).
+
+    Adds the initializers ``W.lora_A`` and ``W.lora_B`` per target, renames
+    the output of each MatMul/Gemm that reads a target to a fresh
+    ``W.lora/base`` value and inserts after it the adapter branch and the Add
+    that writes the original output.  ``info`` (also stored as metadata
+    ``onnxtrain.lora``) is what ``merge`` needs to undo it."""
+    if not isinstance(lora, LoRA):
+        raise TypeError(f"lora must be None or build.LoRA(...), not {type(lora).__name__}")
+    graph = proto.graph
+    targets = select_targets(graph, lora)
+    taken = graph_names(graph)
+    for w in targets:
+        for suffix in ("lora_A", "lora_B"):
+            if f"{w}.{suffix}" in taken:
+                raise ValueError(
+                    f"LoRA: the adapter name {w}.{suffix!s} is already used in the main graph"
+                )
+    names = NameGen(taken | {f"{w}.lora_{s}" for w in targets for s in "AB"})
+    inits = {t.name: t for t in graph.initializer}
+    rng = np.random.default_rng(int(lora.seed))
+    r, scale = int(lora.rank), lora.scale
+    entries = []
+    inserted_after: dict[int, list[onnx.NodeProto]] = {}
+    for w, uses in targets.items():
+        t = inits[w]
+        d0, d1 = int(t.dims[0]), int(t.dims[1])
+        transposed = uses[0].transposed
+        n_in, n_out = (d1, d0) if transposed else (d0, d1)
+        dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+        bound = 1.0 / np.sqrt(n_in)
+        a_name, b_name = f"{w}.lora_A", f"{w}.lora_B"
+        graph.initializer.append(
+            numpy_helper.from_array(rng.uniform(-bound, bound, (n_in, r)).astype(dtype), a_name))
+        graph.initializer.append(numpy_helper.from_array(np.zeros((r, n_out), dtype), b_name))
+        entry = {"weight": w, "A": a_name, "B": b_name, "in": n_in, "out": n_out,
+                 "transposed": transposed, "scale": scale, "nodes": [], "values": [], "renamed": {}}
+        for use in uses:
+            node = graph.node[use.position]
+            new_nodes = _branch(node, use, a_name, b_name, t.data_type, scale, lora.dropout,
+                                names, entry)
+            inserted_after.setdefault(use.position, []).extend(new_nodes)
+        entries.append(entry)
+    nodes = list(graph.node)
+    del graph.node[:]
+    for position, node in enumerate(nodes):
+        graph.node.append(node)
+        graph.node.extend(inserted_after.get(position, []))
+    info = {"format": FORMAT, "rank": r, "alpha": float(lora.alpha), "dropout": float(lora.dropout),
+            "seed": int(lora.seed), "targets": entries}
+    set_info(proto, info)
+    return proto, info
+
+
+def _branch(node: onnx.NodeProto, use: _Use, a: str, b: str, elem_type: int, scale: float,
+            dropout: float, names: NameGen, entry: dict) -> list[onnx.NodeProto]:
+    """The adapter branch of one MatMul/Gemm use (see the module table); the
+    node's output becomes a fresh ``base`` value and the last Add writes the
+    original output name."""
+    w = entry["weight"]
+    out: list[onnx.NodeProto] = []
+
+    def value(hint: str) -> str:
+        name = names.fresh(f"{w}.lora/{hint}")
+        entry["values"].append(name)
+        return name
+
+    def emit(op: str, inputs: list[str], hint: str, **attrs: Any) -> str:
+        result = value(hint)
+        name = names.fresh(f"{w}.lora/{op}")
+        entry["nodes"].append(name)
+        out.append(helper.make_node(op, inputs, [result], name=name, **attrs))
+        return result
+
+    original = node.output[0]
+    base = value("base")
+    node.output[0] = base
+    entry["renamed"][base] = original
+    x = node.input[1 - use.operand]
+    factor = scale
+    if node.op_type == "Gemm":
+        factor *= float(_attr(node, "alpha", 1.0))
+        if bool(_attr(node, "transA" if use.operand == 1 else "transB", 0)):
+            x = emit("Transpose", [x], "x_t")
+    if dropout > 0:
+        ratio = emit("Constant", [], "ratio",
+                     value=numpy_helper.from_array(np.asarray(dropout, np.float32)))
+        x = emit("Dropout", [x, ratio], "x_drop")
+    s = emit("Constant", [], "scale",
+             value=numpy_helper.from_array(np.asarray(factor, helper.tensor_dtype_to_np_dtype(elem_type))))
+    if use.operand == 1:  # Y = X·W:  s·(X·A)·B
+        h = emit("MatMul", [x, a], "xa")
+        h = emit("Mul", [h, s], "xa_scaled")
+        delta = emit("MatMul", [h, b], "delta")
+    else:  # Y = W·X:  s·Bᵀ·(Aᵀ·X)
+        h = emit("MatMul", [emit("Transpose", [a], "a_t"), x], "ax")
+        h = emit("Mul", [h, s], "ax_scaled")
+        delta = emit("MatMul", [emit("Transpose", [b], "b_t"), h], "delta")
+    name = names.fresh(f"{w}.lora/Add")
+    entry["nodes"].append(name)
+    out.append(helper.make_node("Add", [base, delta], [original], name=name))
+    return out
+
+
+# ------------------------------------------------------------------ metadata
+def set_info(proto: onnx.ModelProto, info: Mapping[str, Any]) -> None:
+    """Store ``info`` as metadata ``onnxtrain.lora`` (replacing any)."""
+    set_metadata(proto, META_KEY.removeprefix(PREFIX), dict(info))
+
+
+def info_of(proto: onnx.ModelProto) -> dict[str, Any] | None:
+    """The ``onnxtrain.lora`` description of a model, or None."""
+    for p in proto.metadata_props:
+        if p.key == META_KEY:
+            info = json.loads(p.value)
+            if not isinstance(info, dict) or info.get("format") != FORMAT:
+                raise ValueError(f"metadata {META_KEY}: unsupported LoRA description {p.value[:200]!r}")
+            return info
+    return None
+
+
+def trainable_params(main: onnx.GraphProto, info: Mapping[str, Any], choice: Any) -> list[str]:
+    """The trainable set under LoRA: the adapters, plus ``choice`` (None: nothing
+    more; a list of names; a predicate over the builder's default set), in
+    initializer order.  The frozen weights cannot be named."""
+    from .parameters import choose_trainable
+
+    adapters = {name for e in info["targets"] for name in (e["A"], e["B"])}
+    frozen = {e["weight"] for e in info["targets"]}
+    if choice is None:
+        extra: list[str] = []
+    elif callable(choice):
+        chosen = choose_trainable(main, lambda n: n in adapters or (n not in frozen and choice(n)))
+        extra = [n for n in chosen if n not in adapters]
+    elif isinstance(choice, str):
+        raise TypeError(f"trainable must be a list of names, not the string {choice!r}")
+    else:
+        wanted = list(choice)
+        for name in wanted:
+            if name in frozen:
+                raise ValueError(
+                    f"trainable: {name!r} is a LoRA target, frozen under LoRA (its adapters "
+                    f"{name}.lora_A and {name}.lora_B train); leave it out of LoRA.targets to train it"
+                )
+        extra = choose_trainable(main, wanted) if wanted else []
+    keep = adapters | set(extra)
+    return [t.name for t in main.initializer if t.name in keep]
+
+
+# ------------------------------------------------------------------ merging
+def merged_blocks(w: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float,
+                  transposed: bool) -> Iterator[np.ndarray]:
+    """W + s·A·B (or W + s·(A·B)ᵀ for W stored [out, in]) in blocks of W's
+    rows, each summed in float64 and rounded once to W's dtype.  A block
+    holds about ``mapped.CHUNK_BYTES`` of float64, so merging a weight needs
+    no copy of it (W may be a memory map)."""
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    out_shape = (b64.shape[1], a64.shape[0]) if transposed else (a64.shape[0], b64.shape[1])
+    if w.ndim != 2 or a64.shape[1] != b64.shape[0] or tuple(w.shape) != out_shape:
+        raise ValueError(f"LoRA merge: adapter product {list(out_shape)} does not fit "
+                         f"weight {list(w.shape)}")
+    step = max(1, mapped.rows(tuple(w.shape), 8) // 16)  # about 4 MiB of float64: cache-sized
+    for start in range(0, w.shape[0], step):
+        stop = min(start + step, w.shape[0])
+        if transposed:  # rows of (A·B)ᵀ are columns of A·B
+            delta = float(scale) * (a64 @ b64[:, start:stop]).T
+        else:
+            delta = float(scale) * (a64[start:stop] @ b64)
+        yield (w[start:stop].astype(np.float64) + delta).astype(w.dtype)
+
+
+def merged_weight(w: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float,
+                  transposed: bool) -> np.ndarray:
+    """The whole merged weight (``merged_blocks`` joined)."""
+    blocks = list(merged_blocks(w, a, b, scale, transposed))
+    return blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+
+
+def merge(model: onnx.ModelProto, state: Mapping[str, np.ndarray] | None = None,
+          deferred: dict[str, mapped.Deferred] | None = None) -> onnx.ModelProto:
+    """The merged inference model of a LoRA-rewritten ``model`` (not modified).
+
+    Removes every node and value ``apply`` inserted, gives the rewritten
+    nodes their original outputs back, drops the adapter initializers and
+    writes ``merged_weight`` into each target.  A and B are read from
+    ``state`` when given, else from the initializers.  With ``deferred`` (a
+    table of ``onnxtrain.mapped`` placeholders, which the initializers may
+    use), each merged weight becomes a deferred placeholder computed block by
+    block while the file is written.  training_info is dropped; metadata
+    ``onnxtrain.lora`` too (the result is a plain model)."""
+    info = info_of(model)
+    if info is None:
+        raise ValueError(f"LoRA merge: the model has no {META_KEY} metadata")
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.training_info[:]
+    graph = out.graph
+    inits = {t.name: t for t in graph.initializer}
+
+    def array(name: str) -> np.ndarray:
+        if state is not None and name in state:
+            return np.asarray(state[name])
+        if name not in inits:
+            raise ValueError(f"LoRA merge: no value for {name!r}")
+        later = mapped.deferred_of(inits[name], deferred or {})
+        return later.value() if later is not None else mapped.to_array(inits[name])
+
+    removed_nodes, removed_values, renamed, merged = set(), set(), {}, {}
+    for e in info["targets"]:
+        removed_nodes.update(e["nodes"])
+        removed_values.update(e["values"])
+        renamed.update(e["renamed"])
+        args = (array(e["weight"]), array(e["A"]), array(e["B"]), e["scale"], e["transposed"])
+        if deferred is None:
+            merged[e["weight"]] = merged_weight(*args)
+        else:
+            merged[e["weight"]] = mapped.Deferred(
+                args[0].dtype, tuple(args[0].shape), lambda args=args: merged_blocks(*args))
+        removed_values.update((e["A"], e["B"]))
+    kept = [n for n in graph.node if n.name not in removed_nodes]
+    for n in kept:
+        for i, o in enumerate(n.output):
+            if o in renamed:
+                n.output[i] = renamed[o]
+    del graph.node[:]
+    graph.node.extend(kept)
+    new_inits = []
+    for t in graph.initializer:
+        if t.name in removed_values:
+            continue
+        if t.name in merged and deferred is not None:
+            mapped.defer(t, f"lora/{t.name}", merged[t.name], deferred)
+        elif t.name in merged:
+            t = numpy_helper.from_array(merged[t.name], t.name)
+        new_inits.append(t)
+    del graph.initializer[:]
+    graph.initializer.extend(new_inits)
+    vis = [v for v in graph.value_info if v.name not in removed_values]
+    del graph.value_info[:]
+    graph.value_info.extend(vis)
+    drop_metadata(out, META_KEY.removeprefix(PREFIX))
+    return out
+
+
+# ------------------------------------------------------------------ adapter files
+def _source_of(obj: Any) -> tuple[onnx.ModelProto, Mapping[str, np.ndarray] | None]:
+    """(model, state) of a TrainingSession, or (model, None) of a model.
+
+    A session is recognised by its ``model`` (a ModelProto) and ``state``
+    properties, so that this module need not import the session's."""
+    if not isinstance(obj, (str, os.PathLike, bytes, bytearray, memoryview, onnx.ModelProto)):
+        model = getattr(obj, "model", None)
+        state = getattr(obj, "state", None)
+        if isinstance(model, onnx.ModelProto) and isinstance(state, Mapping):
+            return model, state
+    return load(obj)[0], None
+
+
+def save_adapters(source: Any, path: str | os.PathLike) -> Path:
+    """Write the adapters of a TrainingSession (current state) or of a LoRA
+    model (its initializers) to ``path``, an ``.npz`` file: one array per
+    adapter under its name (``W.lora_A``, ``W.lora_B``) and the description
+    under ``onnxtrain.lora`` (a JSON string), without node lists.  Its size
+    is that of the adapters: r·(in + out) values per target."""
+    model, state = _source_of(source)
+    info = info_of(model)
+    if info is None:
+        raise ValueError(f"save_adapters: the model has no {META_KEY} metadata (not built with lora=)")
+    inits = {t.name: t for t in model.graph.initializer}
+    arrays: dict[str, np.ndarray] = {}
+    targets = []
+    for e in info["targets"]:
+        for key in ("A", "B"):
+            name = e[key]
+            arrays[name] = (np.asarray(state[name]) if state is not None and name in state
+                            else mapped.to_array(inits[name]))
+        targets.append({k: e[k] for k in ("weight", "A", "B", "in", "out", "transposed", "scale")})
+    desc = {k: info[k] for k in ("format", "rank", "alpha", "dropout", "seed")}
+    desc["targets"] = targets
+    from ..io.storage import write_atomically
+
+    # Into an open file: np.savez on a path would append ".npz".
+    return write_atomically(path, lambda f: np.savez(f, **arrays, **{META_KEY: np.asarray(json.dumps(desc))}))
+
+
+def load_adapters(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(description, adapter arrays) of a file written by ``save_adapters``."""
+    with np.load(path, allow_pickle=False) as z:
+        if META_KEY not in z.files:
+            raise ValueError(f"{path}: not a LoRA adapter file (no {META_KEY} entry)")
+        desc = json.loads(str(z[META_KEY]))
+        arrays = {k: z[k] for k in z.files if k != META_KEY}
+    if desc.get("format") != FORMAT:
+        raise ValueError(f"{path}: unsupported LoRA adapter format {desc.get('format')!r}")
+    return desc, arrays
+
+
+def apply_adapters(base_model: ModelLike, path: str | os.PathLike,
+                   output: str | os.PathLike | None = None) -> onnx.ModelProto | Path:
+    """The base inference model with the adapters of ``path`` merged into its
+    weights (``merged_weight``): the same model ``TrainingSession.export``
+    writes for the session the adapters came from.  Each target must be an
+    initializer of the base model with the recorded shape.
+
+    ``output``: write the merged model there instead (atomically, streamed:
+    each merged weight is computed block by block while it is written, so a
+    base model with external data, mapped, is never copied into memory) and
+    return the path; a base model that came with external data keeps it."""
+    desc, arrays = load_adapters(path)
+    source, _ = load(base_model)
+    out = onnx.ModelProto()
+    out.CopyFrom(source)
+    if out.training_info:
+        raise ValueError("apply_adapters: base_model must be an inference model (it has training_info)")
+    inits = {t.name: i for i, t in enumerate(out.graph.initializer)}
+    deferred: dict[str, mapped.Deferred] = {}
+    for e in desc["targets"]:
+        w = e["weight"]
+        if w not in inits:
+            raise ValueError(f"apply_adapters: the base model has no initializer {w!r}")
+        missing = [e[k] for k in ("A", "B") if e[k] not in arrays]
+        if missing:
+            raise ValueError(f"{path}: adapter arrays {missing} are missing")
+        t = out.graph.initializer[inits[w]]
+        expected = [e["out"], e["in"]] if e["transposed"] else [e["in"], e["out"]]
+        if list(t.dims) != expected:
+            raise ValueError(f"apply_adapters: {w!r} has shape {list(t.dims)}, the adapters "
+                             f"were trained for {expected}")
+        args = (mapped.to_array(t), arrays[e["A"]], arrays[e["B"]], e["scale"], e["transposed"])
+        if output is None:
+            t.CopyFrom(numpy_helper.from_array(merged_weight(*args), w))
+        else:
+            value = mapped.Deferred(args[0].dtype, tuple(args[0].shape), lambda args=args: merged_blocks(*args))
+            mapped.defer(t, f"lora/{w}", value, deferred)
+    if output is None:
+        return out
+    from ..io.storage import came_external, write_model
+
+    return write_model(out, output, deferred=deferred, external_data=True if came_external(source) else None)

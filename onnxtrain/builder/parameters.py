@@ -1,0 +1,375 @@
+"""Which initializers the builder trains by default: parameters, not constants.
+
+Exporters store more than weights as initializers: attention scales, mask
+fills, GELU coefficients, ``Pow`` exponents, baked causal masks, shape
+vectors.  ``parameter_choices`` decides, for every floating-point
+initializer of an inference graph, whether ``trainable=None`` trains it and
+why (one word), and flags doubtful choices; ``choose_trainable`` applies a
+user's ``trainable=`` argument on top of it.  ``untie_shared_initializers``
+undoes the TorchScript exporter's sharing of equal initializers, so that
+each copy trains as its own parameter, as in the source model.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..core.emitter import FLOAT_TYPES
+from ..core.graph import DEFAULT_DOMAINS, identity_source, node_inputs
+from ..io.model import ModelLike, load
+
+
+# ------------------------------------------------------------------ shared initializers
+def _shared_identities(main: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """Identity nodes copying an initializer that something else reads too."""
+    inits = {t.name for t in main.initializer}
+    readers: dict[str, int] = {}
+    for n in main.node:
+        for name in node_inputs(n):
+            readers[name] = readers.get(name, 0) + 1
+    outputs = {o.name for o in main.output}
+    return [
+        n for n in main.node
+        if n.op_type == "Identity" and n.domain in DEFAULT_DOMAINS and len(n.input) == 1
+        and n.input[0] in inits and len(n.output) == 1 and n.output[0] not in outputs
+        and n.output[0] not in inits
+        and (readers.get(n.input[0], 0) > 1 or n.input[0] in outputs)
+    ]
+
+
+def untie_shared_initializers(main: onnx.GraphProto) -> None:
+    """Give each Identity copy of a shared initializer its own initializer.
+
+    The TorchScript exporter stores equal initializers once: the BatchNorm
+    weights (ones) of all layers of one width become ``Identity(first
+    weight)``, a fresh BatchNorm's running_var ``Identity(its weight)``.
+    Trained as they are, these parameters would be tied (and a running
+    statistic would overwrite a weight); the source model trains them
+    separately.  So an Identity whose input is an initializer that something
+    else reads too, and whose output is not a graph output, is replaced by an
+    initializer of the output's name and the same value: the inference graph
+    computes the same, and each copy becomes its own parameter or statistic."""
+    inits = {t.name: t for t in main.initializer}
+    for n in _shared_identities(main):
+        t = onnx.TensorProto()
+        t.CopyFrom(inits[n.input[0]])
+        t.name = n.output[0]
+        main.initializer.append(t)
+        main.node.remove(n)
+
+
+# ------------------------------------------------------------------ parameters vs constants
+#: Inputs that are statistics or settings of training-mode ops, never trainable,
+#: even when named explicitly: (op_type, input index).
+NOT_TRAINABLE_INPUTS = {
+    ("BatchNormalization", 3),
+    ("BatchNormalization", 4),
+    ("Dropout", 1),
+    ("Dropout", 2),
+}
+
+#: (op_type, input index) -> reason: inputs that set how an op behaves rather
+#: than carry a learned value.  An initializer whose every use is one of these
+#: is a constant by default.  None as the index means every input.
+SETTING_INPUTS: dict[tuple[str, int | None], str] = {
+    ("BatchNormalization", 3): "statistic",
+    ("BatchNormalization", 4): "statistic",
+    ("Dropout", 1): "setting",
+    ("Dropout", 2): "setting",
+    ("Pow", 1): "exponent",
+    ("Clip", 1): "bound",
+    ("Clip", 2): "bound",
+    ("ConstantOfShape", 0): "shape",
+    ("Reshape", 1): "shape",
+    ("Expand", 1): "shape",
+    ("Tile", 1): "shape",
+    ("Slice", 1): "shape",
+    ("Slice", 2): "shape",
+    ("Slice", 3): "shape",
+    ("Slice", 4): "shape",
+    ("Pad", 1): "shape",
+    ("Pad", 2): "fill",
+    ("Pad", 3): "shape",
+    ("Resize", 1): "shape",
+    ("Resize", 2): "shape",
+    ("Resize", 3): "shape",
+    ("Upsample", 1): "shape",
+    ("Range", None): "shape",
+    ("TopK", 1): "shape",
+    ("Squeeze", 1): "shape",
+    ("Unsqueeze", 1): "shape",
+    ("OneHot", 1): "shape",
+    ("OneHot", 2): "fill",
+    ("Gather", 1): "index",
+    ("GatherElements", 1): "index",
+    ("GatherND", 1): "index",
+    ("ScatterElements", 1): "index",
+    ("ScatterND", 1): "index",
+    ("Equal", None): "comparison",
+    ("Less", None): "comparison",
+    ("LessOrEqual", None): "comparison",
+    ("Greater", None): "comparison",
+    ("GreaterOrEqual", None): "comparison",
+    ("ArgMax", None): "nondifferentiable",
+    ("ArgMin", None): "nondifferentiable",
+    ("Sign", None): "nondifferentiable",
+    ("Floor", None): "nondifferentiable",
+    ("Ceil", None): "nondifferentiable",
+    ("Round", None): "nondifferentiable",
+    ("IsNaN", None): "nondifferentiable",
+    ("IsInf", None): "nondifferentiable",
+    ("NonZero", None): "nondifferentiable",
+    **{
+        (reduce_op, 1): "shape"  # axes
+        for reduce_op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd",
+                          "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp",
+                          "ReduceSumSquare")
+    },
+}
+
+#: Ops that read only the shape of their input: such a use says nothing about
+#: whether the tensor is a parameter (exporters read the shapes of weights).
+SHAPE_ONLY_OPS = {"Shape", "Size"}
+
+#: Ops whose input 2 is the bias added to a product (a 1-element bias there is a real parameter).
+_BIAS_INPUTS = {("Gemm", 2), ("Conv", 2), ("ConvTranspose", 2)}
+_PRODUCT_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum"}
+
+
+@dataclass(frozen=True)
+class ParameterChoice:
+    """What ``trainable=None`` does with one floating-point initializer.
+
+    ``reason`` is one word: "weight" (trained); for a constant "scalar",
+    "mask", "statistic", "setting", "exponent", "bound", "fill", "shape", "index",
+    "comparison", "nondifferentiable" or "cast"."""
+
+    name: str
+    trainable: bool
+    reason: str
+    #: Why the choice may be wrong, or "" when it looks sound.
+    doubt: str = ""
+
+
+def _setting_reason(node: onnx.NodeProto, index: int, size: int) -> str | None:
+    """The reason word when input ``index`` of ``node`` is a setting slot, else None."""
+    if node.domain not in DEFAULT_DOMAINS or index >= len(node.input):
+        return None
+    op = node.op_type
+    reason = SETTING_INPUTS.get((op, index)) or SETTING_INPUTS.get((op, None))
+    if reason is not None:
+        return reason
+    if op == "Where" and index in (1, 2) and size == 1:
+        return "fill"  # a fill value broadcast over the masked positions
+    if op == "Cast":
+        to = next((a.i for a in node.attribute if a.name == "to"), None)
+        if to is not None and to not in FLOAT_TYPES:
+            return "cast"
+    return None
+
+
+def parameter_choices(model: ModelLike | onnx.GraphProto) -> list[ParameterChoice]:
+    """The default trainable set (``trainable=None``), one entry per floating-point
+    initializer of the main graph, in initializer order.
+
+    The rule: an initializer is a **constant** (not trained by default) when
+
+    - it is a 0-d scalar (attention scales, mask fill values, GELU
+      coefficients, exponents: exporters store these as initializers), or
+    - it is an additive mask: every value is 0 or a huge negative fill
+      (<= -1e9 or -inf), at least one of them the fill (causal masks that
+      exporters bake into initializers), or
+    - every use of it (through Identity nodes) is a setting slot: a
+      BatchNormalization statistic, a Dropout ratio, a ``Pow`` exponent,
+      ``Clip`` bounds, the fill branch of ``Where`` when it has one element,
+      a ``Pad``/``OneHot`` fill value, a shape-like input (``Reshape``,
+      ``Expand``, ``Tile``, ``Slice``, ``Pad``, ``Resize``, ``Range``, ``TopK``,
+      ``ConstantOfShape``, axes of ``Squeeze``/``Unsqueeze``/reductions), an
+      index (``Gather`` indices), an input of a comparison (``Equal``,
+      ``Less``, ``Greater``, ...) or of a non-differentiable op (``ArgMax``,
+      ``Floor``, ...), or a ``Cast`` to a non-float type.  ``Shape`` and
+      ``Size`` read only the shape: they count as settings ("shape") for an
+      initializer nothing else reads, and are ignored otherwise.
+
+    Every other floating-point initializer is a **weight** and is trained,
+    whatever its shape (a ``[1]`` bias of a one-output Linear included).  An
+    initializer nothing reads is a weight (its gradient is zero).  Identity
+    copies of a shared initializer (TorchScript's deduplication of equal
+    initializers) count as initializers of their own, as the builder
+    unties them (see ``untie_shared_initializers``).
+
+    ``doubt`` flags a choice that may be wrong: a trained initializer with
+    one element that is not the bias of a product (Gemm/Conv input 2, or an
+    Add to a MatMul/Gemm/Conv output), or one used both as a setting and as
+    a weight (it is trained)."""
+    graph = model if isinstance(model, onnx.GraphProto) else load(model)[0].graph
+    if _shared_identities(graph):  # judge the graph the builder trains
+        untied = onnx.GraphProto()
+        untied.CopyFrom(graph)
+        untie_shared_initializers(untied)
+        graph = untied
+    floats = {t.name: t for t in graph.initializer if t.data_type in FLOAT_TYPES}
+    source = identity_source(graph)
+    producer = {o: n for n in graph.node for o in n.output if o}
+    settings: dict[str, str] = {}  # name -> first setting reason
+    shape_only: set[str] = set()  # names read by Shape / Size
+    weight_uses: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for n in graph.node:
+        if n.op_type == "Identity" and n.domain in DEFAULT_DOMAINS:
+            continue  # its consumers count, not the Identity itself
+        for idx, name in enumerate(node_inputs(n)):
+            name = source(name)
+            if name not in floats:
+                continue
+            if n.op_type in SHAPE_ONLY_OPS and n.domain in DEFAULT_DOMAINS:
+                shape_only.add(name)
+                continue
+            size = int(np.prod(floats[name].dims)) if floats[name].dims else 1
+            reason = _setting_reason(n, idx, size)
+            if reason is None:
+                weight_uses.setdefault(name, []).append((n, idx))
+            else:
+                settings.setdefault(name, reason)
+    for o in graph.output:
+        if source(o.name) in floats:
+            weight_uses.setdefault(source(o.name), [])
+
+    def is_bias(node: onnx.NodeProto, idx: int) -> bool:
+        if (node.op_type, idx) in _BIAS_INPUTS:
+            return True
+        if node.op_type == "Add" and len(node.input) == 2:
+            other = producer.get(node.input[1 - idx])
+            return other is not None and other.op_type in _PRODUCT_OPS
+        return False
+
+    out = []
+    for name, t in floats.items():
+        if len(t.dims) == 0:
+            out.append(ParameterChoice(name, False, "scalar"))
+            continue
+        uses = weight_uses.get(name)
+        if uses is None and name in settings:
+            out.append(ParameterChoice(name, False, settings[name]))
+            continue
+        if uses is None and name in shape_only:
+            out.append(ParameterChoice(name, False, "shape"))
+            continue
+        # A mask is added to scores; a weight read by a product is never read for this check
+        # (reading every weight's values would cost a copy of the model).
+        added = uses and all(n.op_type in _MASK_READERS for n, _ in uses)
+        if added and _is_additive_mask(t):
+            out.append(ParameterChoice(name, False, "mask"))
+            continue
+        doubt = ""
+        if name in settings:
+            doubt = f"it is also used as a setting ({settings[name]})"
+        elif int(np.prod(t.dims)) == 1 and uses and not all(is_bias(n, i) for n, i in uses):
+            n, _ = uses[0]
+            doubt = (f"it has one element (read by {n.op_type} node "
+                     f"{n.name or n.op_type!r}) and may be a constant")
+        out.append(ParameterChoice(name, True, "weight", doubt))
+    return out
+
+
+#: Magnitude from which a value counts as "minus infinity" in an additive mask
+#: (exporters write float32's lowest value, -3.4e38, or -inf, or -1e9 style fills).
+_MASK_MAGNITUDE = 1e9
+#: Masks larger than this are not inspected (their values would have to be read).
+_MASK_MAX_ELEMENTS = 1 << 22
+
+
+#: Ops through which an additive mask reaches the scores it masks.
+_MASK_READERS = {"Add", "Sub", "Where", "Expand", "Reshape", "Slice", "Unsqueeze", "Cast"}
+
+
+def _is_additive_mask(t: onnx.TensorProto) -> bool:
+    """True for an attention-style additive mask: every value is 0 or a huge
+    negative fill (<= -1e9, -inf), and at least one is the fill.  Exporters
+    bake causal masks into initializers this way; training one would move a
+    "minus infinity" by lr and break the masking."""
+    size = int(np.prod(t.dims)) if t.dims else 1
+    if size > _MASK_MAX_ELEMENTS or t.data_location == onnx.TensorProto.EXTERNAL:
+        return False
+    try:
+        values = numpy_helper.to_array(t)
+    except Exception:  # unreadable storage: judged by its uses alone
+        return False
+    values = values.astype(np.float64, copy=False)
+    fill = values <= -_MASK_MAGNITUDE
+    return bool(fill.any()) and bool(np.all(fill | (values == 0.0)))
+
+
+def _not_trainable_by_default(main: onnx.GraphProto) -> set[str]:
+    """Initializers read only as BatchNormalization statistics or Dropout settings
+    (directly or through Identity nodes): never trainable, even by name."""
+    source = identity_source(main)
+    settings: set[str] = set()
+    other_uses: set[str] = set()
+    for n in main.node:
+        if n.op_type == "Identity" and n.domain in DEFAULT_DOMAINS:
+            continue
+        setting_slots = n.domain in DEFAULT_DOMAINS
+        for idx, name in enumerate(node_inputs(n)):
+            is_setting = setting_slots and idx < len(n.input) and (n.op_type, idx) in NOT_TRAINABLE_INPUTS
+            (settings if is_setting else other_uses).add(source(name))
+    other_uses.update(source(o.name) for o in main.output)
+    return settings - other_uses
+
+
+def choose_trainable(main: onnx.GraphProto, trainable: Any) -> list[str]:
+    """The trainable parameters, in initializer order (see ``parameter_choices``)."""
+    floats = [t.name for t in main.initializer if t.data_type in FLOAT_TYPES]
+    if not floats:
+        raise ValueError(
+            "the main graph has no floating-point initializers: there is nothing to train"
+        )
+    excluded = _not_trainable_by_default(main)
+    choices = {c.name: c for c in parameter_choices(main)}
+    candidates = [n for n in floats if choices[n].trainable and n not in excluded]
+    if trainable is None:
+        chosen = candidates
+    elif callable(trainable):
+        chosen = [n for n in candidates if trainable(n)]
+    elif isinstance(trainable, str):
+        raise TypeError(f"trainable must be a list of names, not the string {trainable!r}")
+    elif isinstance(trainable, Iterable):
+        wanted = list(dict.fromkeys(trainable))
+        for name in wanted:
+            if name not in floats:
+                raise ValueError(
+                    f"unknown trainable name {name!r}: not a floating-point initializer of the "
+                    f"main graph; those are {floats}"
+                )
+            if name in excluded:
+                raise ValueError(
+                    f"{name!r} is a BatchNormalization statistic or a Dropout setting and "
+                    "cannot be trainable"
+                )
+        chosen = [n for n in floats if n in wanted]
+    else:
+        raise TypeError(
+            f"trainable must be None, a list of names or a predicate, not {type(trainable).__name__}"
+        )
+    if not chosen:
+        constants = [f"{n} ({choices[n].reason})" for n in floats if not choices[n].trainable]
+        raise ValueError(
+            f"no trainable parameters selected among {candidates}"
+            + (f"; constants by default: {constants[:8]} (name them in trainable=[...] to "
+               "train them)" if constants else "")
+        )
+    if not isinstance(trainable, Iterable) or callable(trainable):
+        for name in chosen:
+            if choices[name].doubt:
+                warnings.warn(
+                    f"training_model: initializer {name!r} is trained by default, but "
+                    f"{choices[name].doubt}; pass trainable=[...] to choose explicitly",
+                    stacklevel=4,  # the caller of training_model
+                )
+    return chosen

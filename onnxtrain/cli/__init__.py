@@ -1,0 +1,5 @@
+"""The command line (``onnxtrain``, ``python -m onnxtrain``): ``main`` in ``cli.app``."""
+
+from .app import main
+
+__all__ = ["main"]

@@ -1,0 +1,728 @@
+"""Model files on disk: external tensor data read at load, and models written
+atomically, with external data for large ones.
+
+Reading: ``load_external_data(model, folder)`` checks every external
+location (relative, inside the model's folder, a regular file, a byte range
+that exactly fits the tensor) before reading any byte.
+
+Writing:
+
+``write_model(model, path)`` never leaves a half-written file at ``path``:
+every file is written under a temporary name in the destination folder,
+flushed and fsynced, and then renamed over the destination, so ``path`` holds
+either the previous complete model or the new one, whatever happens
+(SIGKILL, power loss after the fsync, a full disk, an exception).
+
+Models whose tensors add up to more than a threshold (1.5 GiB by default;
+protobuf cannot serialize 2 GiB) are written with **external data**: tensor
+bytes go to one data file next to the model, named
+``<model file name>.<8 hex digits>.data``, and the model refers to it.  The
+data file gets a fresh name on every write and is renamed into place before
+the model, so the old model keeps pointing at its old, intact data until the
+model rename switches both at once; data files of earlier writes to the same
+path are then removed.  One writer per destination path at a time.
+
+Temporary files are named ``.<file name>.<pid>.<random>.tmp``; a write
+removes the ones left for the same destination by dead processes.
+
+>>> import tempfile, onnx
+>>> folder = tempfile.mkdtemp()
+>>> m = onnx.helper.make_model(onnx.helper.make_graph([], "g", [], []))
+>>> write_model(m, f"{folder}/m.onnx").name
+'m.onnx'
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import secrets
+import shutil
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path, PureWindowsPath
+from typing import BinaryIO
+
+import numpy as np
+import onnx
+from google.protobuf.message import EncodeError
+from onnx import numpy_helper
+
+from ..core.protos import all_tensors, labelled_tensors
+from ..errors import TrainingModelError
+from . import mapped
+from .tensors import check_dims, copy_fields, data_type_name, element_count, memory_limit, raw_bytes, stored_bytes
+
+#: Module state that changes at run time: not part of any cache key.
+__fingerprint__ = False
+
+#: Default tensor bytes above which ``write_model`` switches to external data.
+DEFAULT_EXTERNAL_DATA_THRESHOLD = 3 * 2**29  # 1.5 GiB
+#: Environment variable overriding that threshold (a number of bytes, e.g. ``1e6``).
+THRESHOLD_ENV = "ONNXTRAIN_EXTERNAL_DATA_THRESHOLD"
+#: Initializers smaller than this stay inline even in external-data mode.
+DEFAULT_MIN_EXTERNAL_BYTES = 1024
+#: Tensors of at least this size start at a page boundary in the data file,
+#: so that runtimes can memory-map them.
+_PAGE_ALIGN_FROM = 2**20
+_PAGE = 4096
+#: Temporary files older than this are stale even if their pid seems alive.
+STALE_TEMP_SECONDS = 24 * 3600
+
+
+# ------------------------------------------------------------------ reading
+def load_external_data(
+    model: onnx.ModelProto, base: Path, map_from: int | None = None
+) -> list[onnx.TensorProto]:
+    """Resolve the model's external tensor data (in place).
+
+    Every location is checked before any byte is read: it must be relative,
+    stay inside ``base`` once symlinks are resolved, name a regular file, and
+    its [offset, offset + length) range must lie inside that file and hold
+    exactly the bytes the tensor's dims and type need.  Then tensors of at
+    least ``map_from`` bytes (default ``mapped.MAP_FROM``) of a type numpy
+    views natively stay in their file: their location becomes the file's
+    absolute path, trusted in this process (``onnxtrain.mapped``), and their
+    data is memory-mapped when used.  Smaller ones are read into the model
+    (one read per tensor; their total must fit in this machine's memory).
+    Returns the tensors it resolved (their data length is checked already)."""
+    root = base.resolve()
+    floor = mapped.MAP_FROM if map_from is None else map_from
+    plan: list[tuple[onnx.TensorProto, Path, int, int]] = []
+    for where, t in labelled_tensors(model):
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        plan.append((t, *_external_range(t, where, root)))
+    keep = [p for p in plan if p[3] >= max(floor, 1) and mapped.mappable(p[0].data_type)]
+    kept = {id(p[0]) for p in keep}
+    read = [p for p in plan if id(p[0]) not in kept]
+    total = sum(length for _, _, _, length in read)
+    limit = memory_limit()
+    if total > limit:
+        raise TrainingModelError(
+            f"the model's external data adds up to {total} bytes, more than this machine's "
+            f"memory ({limit} bytes)"
+        )
+    for t, target, offset, length in keep:
+        mapped.point(t, mapped.trust(target), offset, length)
+    for t, target, offset, length in read:
+        with open(target, "rb") as f:
+            f.seek(offset)
+            data = f.read(length)
+        if len(data) != length:
+            raise TrainingModelError(
+                f"tensor {t.name!r}: external data file {target.name!r} ended after "
+                f"{len(data)} of {length} bytes (was it truncated while loading?)"
+            )
+        t.raw_data = data
+        del data
+        del t.external_data[:]
+        t.data_location = onnx.TensorProto.DEFAULT
+    return [t for t, _, _, _ in plan]
+
+
+def _external_range(t: onnx.TensorProto, where: str, root: Path) -> tuple[Path, int, int]:
+    """(file, offset, length) of an external tensor, after every safety check."""
+    info = {e.key: e.value for e in t.external_data}
+    location = info.get("location", "")
+    if not location:
+        raise TrainingModelError(f"{where}: external data without a location")
+    if "\x00" in location:
+        raise TrainingModelError(f"{where}: external data location {location!r} has a NUL byte")
+    if (
+        os.path.isabs(location)
+        or location.startswith(("/", "\\"))
+        or PureWindowsPath(location).drive
+    ):
+        raise TrainingModelError(f"{where}: external data location {location!r} is absolute")
+    if t.data_type == onnx.TensorProto.STRING:
+        raise TrainingModelError(f"{where}: a STRING tensor cannot be stored as external data")
+    try:
+        target = (root / location).resolve()
+    except (OSError, RuntimeError, ValueError) as exc:  # RuntimeError: a symlink loop
+        raise TrainingModelError(f"{where}: bad external data location {location!r}: {exc}") from exc
+    if root not in target.parents:
+        raise TrainingModelError(
+            f"{where}: external data location {location!r} points outside the model's folder"
+        )
+    try:
+        st = target.stat()
+    except OSError as exc:
+        raise TrainingModelError(f"{where}: cannot read external data {location!r}: {exc}") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise TrainingModelError(f"{where}: external data {location!r} is not a regular file")
+    size = st.st_size
+    try:
+        offset = int(info.get("offset") or 0)
+        length = int(info["length"]) if info.get("length") else size - offset
+    except ValueError as exc:
+        raise TrainingModelError(f"{where}: bad external data offset or length: {exc}") from exc
+    if offset < 0 or length < 0 or offset + length > size:
+        raise TrainingModelError(
+            f"{where}: external data range [{offset}, {offset + length}) lies past the end "
+            f"of {location!r} ({size} bytes)"
+        )
+    check_dims(t, where)
+    expected = raw_bytes(t.data_type, element_count(t.dims))
+    if expected is None:
+        raise TrainingModelError(f"{where}: {data_type_name(t.data_type)} cannot be external data")
+    if expected != length:
+        raise TrainingModelError(
+            f"{where}: external data holds {length} bytes, but dims {list(t.dims)} of "
+            f"{data_type_name(t.data_type)} need {expected}"
+        )
+    return target, offset, length
+
+
+# ------------------------------------------------------------------ spilling
+#: Inline tensors (of at least ``mapped.MAP_FROM`` bytes each) adding up to this
+#: many bytes are moved out of the protobuf at load time (``spill``).
+SPILL_FROM = 2**28
+_spill_lock = threading.Lock()
+_spill_folder: list[Path] = []
+
+
+def _spill_dir() -> Path:
+    """This process's folder for spilled tensors: in /dev/shm (memory, no disk
+    I/O) where it exists, else the temporary folder; removed at exit."""
+    with _spill_lock:
+        if not _spill_folder:
+            base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+            folder = Path(tempfile.mkdtemp(prefix=f"onnxtrain-{os.getpid()}-", dir=base))
+            atexit.register(shutil.rmtree, folder, True)
+            _spill_folder.append(folder)
+        return _spill_folder[0]
+
+
+def spill(model: onnx.ModelProto, threshold: int | None = None) -> onnx.ModelProto | None:
+    """A copy of ``model`` whose large inline tensors live in a spill file and
+    are mapped like external data (``onnxtrain.mapped``), or None when they
+    add up to less than ``threshold`` (``SPILL_FROM``).
+
+    A model whose weights are inside its protobuf (most exporters' output
+    under 2 GiB) would otherwise be copied by onnxruntime once per program,
+    and prepacked once more; spilled, every program shares one copy.  The
+    file lives in this process's spill folder (memory-backed /dev/shm where
+    there is one) until the process exits.  ``model`` is not modified."""
+    limit = SPILL_FROM if threshold is None else threshold
+
+    def big(t: onnx.TensorProto) -> bool:
+        return (t.data_location != onnx.TensorProto.EXTERNAL and mapped.mappable(t.data_type)
+                and (stored_bytes(t) or 0) >= mapped.MAP_FROM)
+
+    if sum(stored_bytes(t) or 0 for t in all_tensors(model) if big(t)) < max(limit, 1):
+        return None
+    folder = _spill_dir()
+    name = f"spill-{secrets.token_hex(6)}.data"
+    sink = _DataSink(name, mapped.MAP_FROM, select=big)
+    try:
+        with open(folder / name, "wb") as f:
+            sink.file = f
+            skeleton = _skeleton_model(model, sink)
+    except OSError:
+        _unlink(folder / name)
+        return None  # no room: the model stays as it is
+    path = mapped.trust(folder / name)
+    for t in all_tensors(skeleton):
+        if t.data_location == onnx.TensorProto.EXTERNAL and mapped.source(t)[0] == name:
+            _, offset, length = mapped.source(t)
+            mapped.point(t, path, offset, length)
+    return skeleton
+
+
+def materialized(model: onnx.ModelProto, deferred: Mapping[str, mapped.Deferred] | None = None
+                 ) -> onnx.ModelProto:
+    """A copy of ``model`` with every placeholder (``onnxtrain.mapped``) holding
+    its data inline, or ``model`` itself when it has none: a self-contained
+    ModelProto, as any tool expects one."""
+    if not _has_placeholders(model):
+        return model
+    return _skeleton_model(model, _DataSink("", None, deferred))
+
+
+def came_external(model: onnx.ModelProto) -> bool:
+    """Whether some tensor of ``model`` maps a model's external data (not a spill file)."""
+    spilled = str(_spill_folder[0]) + os.sep if _spill_folder else None
+    return any(mapped.is_mapped(t) and not (spilled and mapped.source(t)[0].startswith(spilled))
+               for t in all_tensors(model))
+
+
+# ------------------------------------------------------------------ writing
+def external_data_threshold() -> int:
+    """The auto-mode threshold in bytes: ``$ONNXTRAIN_EXTERNAL_DATA_THRESHOLD`` or 1.5 GiB."""
+    text = os.environ.get(THRESHOLD_ENV, "").strip()
+    if not text:
+        return DEFAULT_EXTERNAL_DATA_THRESHOLD
+    try:
+        value = int(float(text))
+    except ValueError:
+        raise ValueError(f"{THRESHOLD_ENV}={text!r} is not a number of bytes") from None
+    if value < 0:
+        raise ValueError(f"{THRESHOLD_ENV}={text!r} must be >= 0")
+    return value
+
+
+def write_model(
+    model: onnx.ModelProto,
+    path: str | os.PathLike,
+    external_data: bool | None = None,
+    threshold: int | None = None,
+    min_tensor_bytes: int = DEFAULT_MIN_EXTERNAL_BYTES,
+    deferred: Mapping[str, mapped.Deferred] | None = None,
+) -> Path:
+    """Serialize ``model`` to ``path`` atomically: temp file in the same folder, fsync, rename.
+
+    ``external_data``: ``True`` writes every initializer and tensor attribute
+    (Constant values) of at least ``min_tensor_bytes``, in every graph (main,
+    training_info algorithm and initialization graphs, subgraphs), to a data
+    file next to the model;
+    ``False`` writes one self-contained file (which protobuf limits to 2 GiB);
+    ``None`` (default) chooses external data when the model's tensor bytes
+    exceed ``threshold`` (default: ``external_data_threshold()``) or some of
+    its tensors are mapped from external data already.  Placeholders (``onnxtrain.mapped``) are streamed into the data file:
+    mapped tensors are copied file to file, ``deferred`` values (keyed by
+    their placeholder's location) chunk by chunk, so no tensor is copied into
+    a protobuf message; in a self-contained file they are written inline.
+    ``model`` is not modified.  Returns the model's path."""
+    target = Path(path)
+    deferred = deferred or {}
+    # The path as given, not resolved: a symlink at ``path`` is replaced by the
+    # new file (as ``mv`` would), and the temporary files live next to it.
+    folder = Path(os.path.abspath(target)).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    name = target.name
+    remove_stale_temp_files(folder, name)
+    if external_data is None:
+        limit = external_data_threshold() if threshold is None else threshold
+        # Data that came from external data (mapped) stays external.
+        external_data = tensor_bytes(model, deferred) > limit or (
+            isinstance(model, onnx.ModelProto) and came_external(model))
+    if not external_data:
+        model = materialized(model, deferred)
+        _atomic_write(folder, name, _serialize(model, ""))
+        _remove_old_data_files(folder, name, keep=_locations(model))
+        return target
+
+    data_name = f"{name}.{secrets.token_hex(4)}.data"
+    sink = _DataSink(data_name, min_tensor_bytes, deferred)
+    holder: list[onnx.ModelProto] = []
+
+    def write_data(f: BinaryIO) -> None:
+        sink.file = f
+        holder.append(_skeleton_model(model, sink))
+
+    # Data first, under its own fresh name: nothing refers to it until the
+    # model rename below, which switches to the new model and data at once.
+    data_tmp = _write_temp(folder, data_name, write_data)
+    try:
+        skeleton = holder[0]
+        if sink.offset == 0:  # nothing was large enough to go external
+            os.unlink(data_tmp)
+            data_tmp = None
+        model_tmp = _write_temp(folder, name, _serialize(skeleton, " even with external data"))
+        try:
+            if data_tmp is not None:
+                os.replace(data_tmp, folder / data_name)
+                data_tmp = None
+            os.replace(model_tmp, folder / name)
+        except BaseException:
+            _unlink(model_tmp)
+            raise
+    except BaseException:
+        if data_tmp is not None:
+            _unlink(data_tmp)
+        raise
+    _fsync_dir(folder)
+    # The new files are onnxtrain's own: a later load may map them.
+    _remove_old_data_files(folder, name, keep=_locations(skeleton))
+    return target
+
+
+def tensor_bytes(model: onnx.ModelProto, deferred: Mapping[str, mapped.Deferred] | None = None) -> int:
+    """Bytes of tensor data a model holds, from dims and types (nothing is
+    copied), placeholders (``onnxtrain.mapped``) included."""
+    total = 0
+    for t in all_tensors(model):
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            total += stored_bytes(t) or 0
+        elif mapped.is_mapped(t):
+            total += mapped.source(t)[2]
+        elif deferred and (value := mapped.deferred_of(t, deferred)) is not None:
+            total += value.nbytes
+    return total
+
+
+def _has_placeholders(model: onnx.ModelProto) -> bool:
+    if not isinstance(model, onnx.ModelProto):
+        return False  # a stand-in with its own serialization
+    return any(mapped.is_mapped(t) or mapped.is_deferred(t) for t in all_tensors(model))
+
+
+def _serialize(model: onnx.ModelProto, how: str) -> bytes:
+    try:
+        return model.SerializeToString()
+    except (ValueError, EncodeError) as exc:  # protobuf refuses messages of 2 GiB or more
+        raise TrainingModelError(
+            f"cannot serialize the model{how}: {exc} (protobuf's limit is 2 GiB; "
+            "write it with external_data=True)"
+        ) from exc
+
+
+def write_atomically(path: str | os.PathLike, content: bytes | Callable[[BinaryIO], object]) -> Path:
+    """Write a file the way ``write_model`` does (temporary file in the same
+    folder, fsync, rename): ``path`` holds the old file or the new one, never
+    a part.  ``content``: the bytes, or a function that writes them."""
+    target = Path(path)
+    folder = Path(os.path.abspath(target)).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    _atomic_write(folder, target.name, content)
+    return target
+
+
+def _atomic_write(folder: Path, name: str, data: bytes | Callable[[BinaryIO], object]) -> None:
+    tmp = _write_temp(folder, name, data)
+    try:
+        os.replace(tmp, folder / name)
+    except BaseException:
+        _unlink(tmp)
+        raise
+    _fsync_dir(folder)
+
+
+def _write_temp(
+    folder: Path, name: str, content: bytes | Callable[[BinaryIO], object]
+) -> str:
+    """A fully written and fsynced temporary file for ``folder / name``; returns its path.
+
+    ``content``: the bytes, or a function that writes them to the open file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.{os.getpid()}.", suffix=".tmp", dir=folder)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "wb") as f:
+            if callable(content):
+                content(f)
+            else:
+                f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        _unlink(tmp)
+        raise
+    return tmp
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass
+
+
+def _unlink(path: str | os.PathLike) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (Linux); 0o022 elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def _temp_pattern(name: str) -> re.Pattern:
+    data = r"(?:\.[0-9a-f]{8}\.data)?"
+    return re.compile(rf"^\.{re.escape(name)}{data}\.(?:(\d+)\.)?[A-Za-z0-9_]+\.tmp$")
+
+
+def remove_stale_temp_files(folder: str | os.PathLike, name: str) -> list[str]:
+    """Remove temporary files that interrupted writes of ``folder/name`` left.
+
+    A temporary file is stale when the process that wrote it (its pid is in
+    the name) is gone, or when it is older than a day.  Returns the removed
+    names.  Files of live writers are kept, so concurrent exports of other
+    paths in the same folder are never disturbed."""
+    pattern = _temp_pattern(name)
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        m = pattern.match(entry.name)
+        if not m or not entry.is_file(follow_symlinks=False):
+            continue
+        pid = int(m.group(1)) if m.group(1) else None
+        try:
+            old = now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_SECONDS
+        except OSError:
+            continue
+        if old or (pid is not None and not _pid_alive(pid)):
+            try:
+                os.unlink(entry.path)
+                removed.append(entry.name)
+            except OSError:
+                pass
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0
+    return True
+
+
+def _locations(model: onnx.ModelProto) -> set[str]:
+    """External data files a model refers to."""
+    out = set()
+    for t in all_tensors(model):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            out.update(e.value for e in t.external_data if e.key == "location")
+    return out
+
+
+def _remove_old_data_files(folder: Path, name: str, keep: set[str]) -> None:
+    """Data files of earlier writes to ``folder/name`` that the new model does not use.
+
+    A file a live session of this process reads from (``mapped.hold``: a
+    session loaded from an earlier checkpoint at this path maps its weights
+    there) stays: removing it would break that session's next export and any
+    program it compiles later.  A later write, once no session holds it,
+    removes it."""
+    pattern = re.compile(rf"^{re.escape(name)}\.[0-9a-f]{{8}}\.data$")
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.name not in keep and pattern.match(entry.name) and entry.is_file(
+            follow_symlinks=False
+        ) and not mapped.in_use(entry.path):
+            _unlink(entry.path)
+
+
+# ----------------------------------------------------------- external data
+class _DataSink:
+    """Appends tensor bytes to the data file and says where they went.
+
+    With ``min_bytes=None`` nothing goes to a file: placeholders are written
+    inline (a self-contained model)."""
+
+    def __init__(self, location: str, min_bytes: int | None,
+                 deferred: Mapping[str, mapped.Deferred] | None = None,
+                 select: Callable[[onnx.TensorProto], bool] | None = None) -> None:
+        self.location = location
+        self.min_bytes = min_bytes
+        self.select = select
+        self.deferred = dict(deferred or {})
+        self.file: BinaryIO | None = None
+        self.offset = 0
+        #: (path, offset, length) of a mapped range -> its offset in the data file.
+        self.copied: dict[tuple[str, int, int], int] = {}
+
+    def placeholder(self, t: onnx.TensorProto) -> bool:
+        return mapped.is_mapped(t) or mapped.is_deferred(t)
+
+    def wants(self, t: onnx.TensorProto) -> bool:
+        """Whether ``t`` must be rewritten: a placeholder, or data large enough for the file."""
+        if self.placeholder(t):
+            return True
+        if t.data_location == onnx.TensorProto.EXTERNAL or self.min_bytes is None:
+            return False  # already-external ones stay as they are
+        if self.select is not None and not self.select(t):
+            return False
+        size = stored_bytes(t)
+        return size is not None and size >= max(self.min_bytes, 1)  # strings cannot be external
+
+    def streams(self, t: onnx.TensorProto) -> bool:
+        """Whether a placeholder goes to the data file (else it is written inline)."""
+        return self.min_bytes is not None and self._length(t) >= max(self.min_bytes, 1)
+
+    def _length(self, t: onnx.TensorProto) -> int:
+        if mapped.is_mapped(t):
+            return mapped.source(t)[2]
+        return self._deferred(t).nbytes
+
+    def _deferred(self, t: onnx.TensorProto) -> mapped.Deferred:
+        value = mapped.deferred_of(t, self.deferred)
+        if value is None:
+            raise ValueError(f"tensor {t.name!r}: no value for deferred placeholder")
+        return value
+
+    def inline(self, t: onnx.TensorProto) -> bytes:
+        """A placeholder's bytes, for a tensor written inline."""
+        if mapped.is_mapped(t):
+            return np.ascontiguousarray(mapped.array(t)).tobytes()
+        return np.ascontiguousarray(self._deferred(t).value()).tobytes()
+
+    def _align(self, size: int) -> int:
+        align = _PAGE if size >= _PAGE_ALIGN_FROM else 64
+        pad = -self.offset % align
+        if pad:
+            self.file.write(b"\0" * pad)
+            self.offset += pad
+        return self.offset
+
+    def write(self, t: onnx.TensorProto) -> tuple[int, int]:
+        if self.placeholder(t):
+            return self._stream(t)
+        if t.HasField("raw_data"):
+            data = t.raw_data  # one copy of this tensor, released below
+        else:
+            data = numpy_helper.from_array(numpy_helper.to_array(t)).raw_data
+        start = self._align(len(data))
+        self.file.write(data)
+        self.offset += len(data)
+        return start, len(data)
+
+    def _stream(self, t: onnx.TensorProto) -> tuple[int, int]:
+        """A placeholder's bytes into the file without a protobuf copy: a
+        mapped range file to file (copy_file_range where the OS has it), a
+        deferred value chunk by chunk."""
+        length = self._length(t)
+        if mapped.is_mapped(t):
+            # A range written already (a weight and its starting value) is shared.
+            key = mapped.source(t)
+            if key in self.copied:
+                return self.copied[key], length
+            start = self.copied[key] = self._align(length)
+            _copy_range(key[0], key[1], length, self.file)
+        else:
+            start = self._align(length)
+            written = 0
+            for chunk in self._deferred(t).chunks():
+                self.file.write(chunk)
+                written += len(chunk)
+            if written != length:
+                raise ValueError(f"tensor {t.name!r}: its value gave {written} of {length} bytes")
+        self.offset += length
+        return start, length
+
+
+def _copy_range(path: str, offset: int, length: int, out: BinaryIO) -> None:
+    """Append ``length`` bytes of ``path`` from ``offset`` to the open file ``out``."""
+    out.flush()
+    fd = out.fileno()
+    with open(path, "rb", buffering=0) as src:
+        left, pos = length, offset
+        fast = hasattr(os, "copy_file_range")
+        while left:
+            n = 0
+            if fast:
+                try:
+                    n = os.copy_file_range(src.fileno(), fd, min(left, 2**30), pos)
+                except OSError:
+                    fast = False  # another file system, or an old kernel: copy through memory
+            if not fast:
+                src.seek(pos)
+                block = src.read(min(left, mapped.CHUNK_BYTES))
+                n = os.write(fd, block) if block else 0
+            if n <= 0:
+                raise TrainingModelError(f"external data {path!r} ended before its range did")
+            left -= n
+            pos += n
+    out.seek(0, os.SEEK_END)
+
+
+def _skeleton_model(model: onnx.ModelProto, sink: _DataSink) -> onnx.ModelProto:
+    """A copy of ``model`` whose large initializers (every graph) live in ``sink``."""
+    out = onnx.ModelProto()
+    copy_fields(model, out, ("graph", "training_info"))
+    if model.HasField("graph"):
+        _skeleton_graph(model.graph, out.graph, sink)
+    for ti in model.training_info:
+        new = out.training_info.add()
+        copy_fields(ti, new, ("initialization", "algorithm"))
+        for field in ("initialization", "algorithm"):
+            if ti.HasField(field):
+                _skeleton_graph(getattr(ti, field), getattr(new, field), sink)
+    return out
+
+
+def _skeleton_graph(src: onnx.GraphProto, dst: onnx.GraphProto, sink: _DataSink) -> None:
+    """Copy ``src`` into ``dst`` with large initializers and tensor attributes external."""
+    copy_fields(src, dst, ("initializer", "node"))
+    for t in src.initializer:
+        _put_tensor(t, dst.initializer.add(), sink)
+    for n in src.node:
+        new = dst.node.add()
+        if not any(_attribute_goes_external(a, sink) for a in n.attribute):
+            new.CopyFrom(n)
+            continue
+        copy_fields(n, new, ("attribute",))
+        for a in n.attribute:
+            _skeleton_attribute(a, new.attribute.add(), sink)
+
+
+#: attribute type -> the field holding its graph(s) or tensor(s)
+_ITEM_FIELDS = {
+    onnx.AttributeProto.GRAPH: "g",
+    onnx.AttributeProto.GRAPHS: "graphs",
+    onnx.AttributeProto.TENSOR: "t",
+    onnx.AttributeProto.TENSORS: "tensors",
+}
+
+
+def _skeleton_attribute(a: onnx.AttributeProto, dst: onnx.AttributeProto, sink: _DataSink) -> None:
+    """``dst`` = ``a``, with its graphs skeletonized and its large tensors in the sink."""
+    field = _ITEM_FIELDS.get(a.type)
+    if field is None:
+        dst.CopyFrom(a)
+        return
+    copy_fields(a, dst, (field,))
+    graphs = a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+    copy = _skeleton_graph if graphs else _put_tensor
+    if a.type in (onnx.AttributeProto.GRAPHS, onnx.AttributeProto.TENSORS):
+        for item in getattr(a, field):
+            copy(item, getattr(dst, field).add(), sink)
+    else:
+        copy(getattr(a, field), getattr(dst, field), sink)
+
+
+def _attribute_goes_external(a: onnx.AttributeProto, sink: _DataSink) -> bool:
+    """Whether an attribute holds a graph (walked) or a tensor large enough for the data file."""
+    if a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
+        return True
+    if a.type == onnx.AttributeProto.TENSOR:
+        return sink.wants(a.t)
+    if a.type == onnx.AttributeProto.TENSORS:
+        return any(sink.wants(t) for t in a.tensors)
+    return False
+
+
+def _put_tensor(t: onnx.TensorProto, dst: onnx.TensorProto, sink: _DataSink) -> None:
+    """``dst`` = ``t``, its bytes in the data file if it is large enough."""
+    if not sink.wants(t):
+        dst.CopyFrom(t)
+        return
+    copy_fields(t, dst, ("raw_data", "float_data", "int32_data", "string_data", "int64_data",
+                          "double_data", "uint64_data", "external_data", "data_location"))
+    if sink.placeholder(t) and not sink.streams(t):
+        dst.raw_data = sink.inline(t)
+        return
+    offset, length = sink.write(t)
+    dst.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", sink.location), ("offset", offset), ("length", length)):
+        dst.external_data.add(key=key, value=str(value))

@@ -1,0 +1,323 @@
+"""The executable programs of a training model, and how their feeds are checked.
+
+One program per use, each a plain ONNX model of standard ops built by the
+pipeline of ``onnxtrain.passes``:
+
+- ``inference``: the main graph M (``run``, ``predict``);
+- ``training_info[i].algorithm``: M ⊕ A_i (``train_step``);
+- ``training_info[i].initialization``: I_i (``initialize``);
+- ``evaluate(training_info[i])``: M ⊕ A_i pruned to the loss and prediction,
+  a forward pass through the model's own loss (``evaluate_batch``);
+- for data-parallel training, M ⊕ A_i cut in two (``SplitAlgorithm``):
+  forward + backward, then the update from the reduced gradients.
+
+Feed checking lives here too: ``check_feed_names`` (every name known) and
+``Program.check_feeds`` (dtype, rank, static sizes, shared symbolic sizes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from ..io.model import TrainingModel
+from . import program_cache
+from .pipeline import combine, finish, loss_graph, lower_front, run_pipeline
+from .split import Reduced, cut
+
+
+@dataclass(frozen=True)
+class FeedSpec:
+    """What one input accepts, precomputed so a step checks feeds cheaply."""
+
+    name: str
+    dtype: np.dtype | None
+    dims: tuple[int | None, ...] | None  # None: any rank; None entries: any size
+    text: str  # e.g. "float32['N', 4]", for messages
+
+    @classmethod
+    def of(cls, vi: onnx.ValueInfoProto) -> FeedSpec:
+        tt = vi.type.tensor_type
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)) if tt.elem_type else None
+        dims = None
+        shown: Any = ""
+        if tt.HasField("shape"):
+            dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
+            shown = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tt.shape.dim]
+        return cls(vi.name, dtype, dims, f"{dtype.name if dtype is not None else '?'}{shown}")
+
+    def check(self, value: Any, caller: str) -> np.ndarray:
+        """The feed as a C-contiguous array of the right dtype and rank (or ValueError)."""
+        arr = value if value.__class__ is np.ndarray else self._convert(value, caller)
+        if arr.dtype != self.dtype and self.dtype is not None:
+            raise ValueError(
+                f"{caller}: feed {self.name!r} has dtype {arr.dtype}, expected {self.text}"
+            )
+        dims = self.dims
+        if dims is not None:
+            shape = arr.shape
+            if len(shape) != len(dims):
+                self._bad_shape(shape, caller)
+            for axis, size in self.fixed:
+                if shape[axis] != size:
+                    self._bad_shape(shape, caller)
+        if not arr.flags.c_contiguous:
+            arr = np.array(arr, order="C")
+        return arr
+
+    @property
+    def fixed(self) -> tuple[tuple[int, int], ...]:
+        """(axis, size) of every statically known dimension."""
+        cached = self.__dict__.get("_fixed")
+        if cached is None:
+            cached = tuple((a, d) for a, d in enumerate(self.dims or ()) if d is not None)
+            object.__setattr__(self, "_fixed", cached)
+        return cached
+
+    def _convert(self, value: Any, caller: str) -> np.ndarray:
+        if isinstance(value, np.ndarray):
+            return value
+        try:
+            return np.asarray(value, dtype=self.dtype)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(
+                f"{caller}: feed {self.name!r} cannot be converted to {self.dtype}: {exc}"
+            ) from exc
+
+    def _bad_shape(self, shape: tuple, caller: str) -> None:
+        raise ValueError(
+            f"{caller}: feed {self.name!r} has shape {list(shape)}, expected {self.text}"
+        )
+
+
+@dataclass
+class Program:
+    """A standard-op ONNX model plus how the session feeds and reads it."""
+
+    label: str
+    model: onnx.ModelProto
+    #: Inputs the caller must feed: name -> ValueInfoProto.
+    feeds: dict[str, onnx.ValueInfoProto] = field(default_factory=dict)
+    #: Inputs that have a default (an initializer) and may be fed to override it.
+    optional_feeds: dict[str, onnx.ValueInfoProto] = field(default_factory=dict)
+    #: State variables read by the program (fed from the session's state).
+    state_inputs: list[str] = field(default_factory=list)
+    #: Output names in the order the program produces them.
+    outputs: list[str] = field(default_factory=list)
+    #: (state variable, output) pairs applied after a run.
+    bindings: list[tuple[str, str]] = field(default_factory=list)
+    #: Checks of the inputs above, and of state variables fed as overrides.
+    feed_specs: list[FeedSpec] = field(default_factory=list)
+    optional_specs: dict[str, FeedSpec] = field(default_factory=dict)
+    state_specs: dict[str, FeedSpec] = field(default_factory=dict)
+    #: Outputs a step returns: those no binding consumes, in program order.
+    returned: list[str] = field(default_factory=list)
+    #: Symbolic dims shared by several feeds: symbol -> [(feed, axis), ...].
+    shared_dims: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    #: The binding plan: state variables written, the output each reads (first
+    #: binding of an output), and (key, source key) pairs for outputs bound twice.
+    bound_keys: tuple[str, ...] = ()
+    bound_values: tuple[str, ...] = ()
+    bound_copies: tuple[tuple[str, str], ...] = ()
+    #: Every state variable a run writes: bound_keys, then the copies' keys.
+    target_keys: tuple[str, ...] = ()
+
+    def check_feeds(
+        self, feeds: Mapping[str, Any], allow_state_override: bool, caller: str
+    ) -> dict[str, np.ndarray]:
+        """Checked numpy feeds (state variables come from the store unless
+        ``allow_state_override`` lets a feed override one for this call)."""
+        out: dict[str, np.ndarray] = {}
+        for spec in self.feed_specs:
+            try:
+                value = feeds[spec.name]
+            except KeyError:
+                raise ValueError(
+                    f"{caller}: missing feed {spec.name!r} (input of {self.label}, "
+                    f"expected {spec.text})"
+                ) from None
+            out[spec.name] = spec.check(value, caller)
+        if len(feeds) > len(out):
+            for name, spec in self.optional_specs.items():
+                if name in feeds:
+                    out[name] = spec.check(feeds[name], caller)
+            for name, spec in self.state_specs.items():
+                if name in feeds:
+                    if not allow_state_override:
+                        raise ValueError(
+                            f"{caller}: {name!r} is a state variable; set it with load_state(), "
+                            "not as a feed"
+                        )
+                    out[name] = spec.check(feeds[name], caller)
+        for symbol, places in self.shared_dims.items():
+            # Kernels trust the model's shapes: a batch of 8 inputs and 3 labels
+            # would make onnxruntime read past the shorter feed.
+            sizes = {(n, a): out[n].shape[a] for n, a in places if n in out}
+            if len(set(sizes.values())) > 1:
+                found = ", ".join(f"{n}[{a}]={v}" for (n, a), v in sizes.items())
+                raise ValueError(
+                    f"{caller}: feeds disagree on the symbolic dimension {symbol!r}: {found}"
+                )
+        return out
+
+
+def check_feed_names(feeds: Mapping[str, Any], known: frozenset[str], inputs: Iterable[str],
+                     caller: str) -> None:
+    """Refuse a feeds object that is not a mapping, or names nothing in ``known``."""
+    try:
+        if feeds.keys() <= known:
+            return
+    except AttributeError:
+        raise TypeError(
+            f"{caller}: feeds must be a dict of name -> array, not {type(feeds).__name__}"
+        ) from None
+    unknown = [k for k in feeds if k not in known]
+    raise ValueError(
+        f"{caller}: unknown feed {unknown[0]!r}; the model's inputs are {sorted(inputs)}"
+    )
+
+
+def build_program(
+    tm: TrainingModel,
+    label: str,
+    graph: onnx.GraphProto,
+    bindings: list[tuple[str, str]] | None = None,
+    state_left_out: Iterable[str] = (),
+) -> Program:
+    """Lower one graph (already combined where needed) into a Program.
+
+    ``state_left_out``: state variables whose initializers the caller already
+    left out of ``graph`` (they become inputs all the same)."""
+    g, model = run_pipeline(tm, label, graph, state_left_out)
+    return program_of(tm, label, g, model, bindings)
+
+
+def program_of(tm: TrainingModel, label: str, g: onnx.GraphProto, model: onnx.ModelProto,
+               bindings: list[tuple[str, str]] | None = None) -> Program:
+    """The Program of a lowered graph ``g`` (and its model)."""
+    init_names = {t.name for t in g.initializer}
+    program = Program(label=label, model=model, bindings=list(bindings or []))
+    for vi in g.input:
+        if vi.name in tm.state:
+            program.state_inputs.append(vi.name)
+        elif vi.name in init_names:
+            program.optional_feeds[vi.name] = vi
+        else:
+            program.feeds[vi.name] = vi
+    program.outputs = [o.name for o in g.output]
+    program.feed_specs = [FeedSpec.of(vi) for vi in program.feeds.values()]
+    program.optional_specs = {n: FeedSpec.of(vi) for n, vi in program.optional_feeds.items()}
+    for vi in g.input:
+        if vi.name in tm.state:
+            program.state_specs[vi.name] = FeedSpec.of(vi)
+    symbols: dict[str, list[tuple[str, int]]] = {}
+    for vi in list(program.feeds.values()) + list(program.optional_feeds.values()):
+        tt = vi.type.tensor_type
+        if tt.HasField("shape"):
+            for axis, d in enumerate(tt.shape.dim):
+                if d.HasField("dim_param") and d.dim_param:
+                    symbols.setdefault(d.dim_param, []).append((vi.name, axis))
+    program.shared_dims = {k: v for k, v in symbols.items() if len(v) > 1}
+    bound = {v for _, v in program.bindings}
+    program.returned = [o for o in program.outputs if o not in bound]
+    first: dict[str, str] = {}
+    copies = []
+    for key, value in program.bindings:
+        if value in first:
+            copies.append((key, first[value]))
+        else:
+            first[value] = key
+    program.bound_keys = tuple(first.values())
+    program.bound_values = tuple(first)
+    program.bound_copies = tuple(copies)
+    program.target_keys = program.bound_keys + tuple(k for k, _ in copies)
+    return program
+
+
+def cached_program(tm: TrainingModel, label: str, lower: Any,
+                   bindings: list[tuple[str, str]] | None = None) -> Program:
+    """The Program of ``label``, its lowered model from the program cache
+    (``onnxtrain.cache``) or from ``lower()`` (a model, whose errors are
+    raised as usual), which is then stored.  ``label`` must name the program
+    of ``tm`` exactly: it is part of the key."""
+    model = program_cache.program_model(tm, label, lower)
+    return program_of(tm, label, model.graph, model, bindings)
+
+
+def inference_program(tm: TrainingModel) -> Program:
+    return cached_program(tm, "inference", lambda: run_pipeline(tm, "inference", tm.proto.graph)[1])
+
+
+def algorithm_program(tm: TrainingModel, index: int) -> Program:
+    return algorithm_programs(tm, index)[0]
+
+
+@dataclass
+class SplitAlgorithm:
+    """A training algorithm cut for data-parallel training (``onnxtrain.split``).
+
+    ``a`` binds the rank-local state; its outputs also include ``reduced``
+    (the values summed across ranks).  ``b`` (None when nothing needs it)
+    reads the reduced gradients and binds the other state.  ``bn`` binds
+    reduced BatchNormalization statistics: (state variable, value) pairs.
+    ``sums``: the reduced values are gradient sums over local accumulation
+    steps (the model named them), not one batch's gradients."""
+
+    label: str
+    a: Program
+    b: Program | None
+    reduced: list[Reduced]
+    bn: list[tuple[str, str]]
+    sums: bool = False
+
+
+def algorithm_programs(tm: TrainingModel, index: int, data_parallel: dict | None = None
+                       ) -> tuple[Program, SplitAlgorithm | None]:
+    """The program of ``training_info[index]``, and with ``data_parallel``
+    (``{"local": [...], "reduce": [...] or None}``) its cut as well; the
+    FRONT passes (autodiff) run once for both."""
+    ti = tm.proto.training_info[index]
+    label = f"training_info[{index}].algorithm"
+    bindings = [(e.key, e.value) for e in ti.update_binding]
+    if data_parallel is None:
+        return cached_program(tm, label, lambda: finish(lower_front(tm, label, *combine(tm, index)))[1],
+                              bindings), None
+    combined, state = combine(tm, index)
+    low = lower_front(tm, label, combined, state)
+    whole = onnx.GraphProto()
+    whole.CopyFrom(low.graph)
+    program = program_of(tm, label, *finish(low.copy(whole)), bindings)
+    reduce = data_parallel.get("reduce")
+    c = cut(low, index, bindings, program.returned, data_parallel.get("local", ()), reduce)
+    a = program_of(tm, c.a.label, *finish(c.a), c.local)
+    a.returned = list(c.returned_a)
+    b = None
+    if c.b is not None:
+        b = program_of(tm, c.b.label, *finish(c.b), c.updates)
+        b.returned = list(c.returned_b)
+    bn = [(r.key, r.name) for r in c.reduced if r.key is not None]
+    return program, SplitAlgorithm(label, a, b, c.reduced, bn, sums=reduce is not None)
+
+
+def initialization_program(tm: TrainingModel, index: int) -> Program | None:
+    ti = tm.proto.training_info[index]
+    if not ti.HasField("initialization"):
+        return None
+    bindings = [(e.key, e.value) for e in ti.initialization_binding]
+    # Not cached: the cache key leaves initialization graphs out (a builder's
+    # holds the initial weights), and they have no training ops to lower.
+    return build_program(tm, f"training_info[{index}].initialization", ti.initialization, bindings)
+
+
+def loss_program(tm: TrainingModel, index: int, loss: str, prediction: str | None = None,
+                 train_prediction: str | None = None) -> Program:
+    """The evaluation program of algorithm ``index``: its combined graph pruned
+    to ``loss`` and ``prediction`` (see ``passes.loss_graph``); binds nothing."""
+    outputs = [n for n in (loss, prediction) if n is not None]
+    graph = loss_graph(tm, index, outputs, train_prediction, prediction)
+    return build_program(tm, f"evaluate(training_info[{index}])", graph, [])

@@ -1,0 +1,406 @@
+"""Callbacks of the fit loop, with the hooks and semantics of Keras.
+
+Every hook is optional; a callback must define at least one of them:
+
+=========================== ===================================================
+hook                        called
+=========================== ===================================================
+``on_train_begin(logs)``    once, before the first step (logs: ``epochs``,
+                            ``initial_epoch``, ``steps_per_epoch``)
+``on_epoch_begin(e, logs)`` before epoch ``e`` (0-based)
+``on_batch_begin(b, logs)`` before batch ``b`` (0-based within the epoch)
+``on_batch_end(b, logs)``   after it: logs hold ``epoch``, ``batch``, ``step``
+                            (1-based over the fit call), ``size`` (rows),
+                            ``loss`` when fetched and ``lr`` when known
+``on_epoch_end(e, logs)``   after the epoch, with its values (``loss``,
+                            metrics, ``val_*``, ``lr``)
+``on_train_end(logs)``      once, after the last epoch (also after a stop)
+=========================== ===================================================
+
+A hook stops training by returning True or raising ``StopTraining`` (after
+the current batch; the partial epoch is still logged).  The loop hands each
+callback the session first: ``set_session(sess)`` where defined (the base
+class stores it as ``self.session``), so ``ModelCheckpoint`` and
+``EarlyStopping(restore_best_weights=True)`` need no session argument.
+
+Callbacks use only the session's public API (``state``, ``load_state``,
+``export``/``to_model``, ``fit_position``).  ``History`` (what ``fit``
+returns) and ``write_checkpoint`` live here too.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "HOOKS",
+    "CSVLogger",
+    "Callback",
+    "Checkpoint",
+    "EarlyStopping",
+    "History",
+    "ModelCheckpoint",
+    "StopTraining",
+    "TerminateOnNaN",
+    "check_callbacks",
+    "check_writable",
+    "write_checkpoint",
+]
+
+#: The hooks the loop calls, in the order of a run.
+HOOKS = ("on_train_begin", "on_epoch_begin", "on_batch_begin", "on_batch_end",
+         "on_epoch_end", "on_train_end")
+
+
+class StopTraining(Exception):
+    """Raised by a callback to end ``fit`` after the current batch or epoch."""
+
+
+class Callback:
+    """Base class of fit callbacks: every hook does nothing (see the module doc)."""
+
+    session: Any = None
+
+    def set_session(self, sess: Any) -> None:
+        self.session = sess
+
+    def output_paths(self) -> list[Path]:
+        """Files this callback will write (checked before the first step)."""
+        return []
+
+    def on_train_begin(self, logs: dict[str, Any]) -> bool | None:
+        return None
+
+    def on_train_end(self, logs: dict[str, Any]) -> bool | None:
+        return None
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any]) -> bool | None:
+        return None
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any]) -> bool | None:
+        return None
+
+    def on_batch_begin(self, batch: int, logs: dict[str, Any]) -> bool | None:
+        return None
+
+    def on_batch_end(self, batch: int, logs: dict[str, Any]) -> bool | None:
+        return None
+
+
+def check_callbacks(callbacks: Any) -> list[Any]:
+    """The callbacks as a list; TypeError for anything that has none of the hooks
+    (a lambda or a function passed by mistake would otherwise be ignored)."""
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, Callback) or not isinstance(callbacks, Sequence):
+        callbacks = [callbacks]
+    out = list(callbacks)
+    for i, cb in enumerate(out):
+        if not any(callable(getattr(cb, hook, None)) for hook in HOOKS):
+            raise TypeError(
+                f"fit: callbacks[{i}] ({type(cb).__name__}) has none of the hooks {list(HOOKS)}; "
+                "subclass onnxtrain.Callback and define one (a plain function is not a callback)"
+            )
+    return out
+
+
+def check_writable(path: str | os.PathLike, what: str) -> Path:
+    """ValueError unless ``path`` can be written as a file: not a folder, and
+    its folder exists and is writable.  Checked before training, so that a bad
+    path fails at once, not after the last epoch."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{what}: {str(p)!r} is a folder; give a file path such as {str(p / 'model.onnx')!r}")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"{what}: the folder {str(parent)!r} of {str(p)!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{what}: the folder {str(parent)!r} is not writable")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise ValueError(f"{what}: {str(p)!r} exists and is not writable")
+    return p
+
+
+class EarlyStopping(Callback):
+    """Stop when ``monitor`` has not improved by more than ``min_delta`` for
+    ``patience`` epochs (Keras and Lightning semantics).
+
+    ``mode``: "min", "max" or "auto" (max for names with accuracy/auc, else
+    min).  ``restore_best_weights``: at the end of training, load the state
+    of the best epoch back (it needs the session, which the loop gives).
+    The state is reset at ``on_train_begin``, so one object serves several fits.
+
+    >>> es = EarlyStopping("val_loss", patience=1)
+    >>> [es.on_epoch_end(e, {"val_loss": v}) for e, v in enumerate([1.0, 0.5, 0.6])]
+    [False, False, True]
+    """
+
+    def __init__(self, monitor: str = "val_loss", patience: int = 0, mode: str = "auto",
+                 min_delta: float = 0.0, restore_best_weights: bool = False) -> None:
+        if mode == "auto":
+            mode = "max" if any(k in monitor for k in ("acc", "auc")) else "min"
+        if mode not in ("min", "max"):
+            raise ValueError(f"EarlyStopping: mode must be 'min', 'max' or 'auto', got {mode!r}")
+        if int(patience) < 0:
+            raise ValueError(f"EarlyStopping: patience must be >= 0, got {patience!r}")
+        self.monitor, self.patience, self.mode = monitor, int(patience), mode
+        self.min_delta = abs(float(min_delta))
+        self.restore_best_weights = bool(restore_best_weights)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.best = math.inf if self.mode == "min" else -math.inf
+        self.best_epoch: int | None = None
+        self.best_state: dict[str, np.ndarray] | None = None
+        self.wait = 0
+        self.stopped_epoch: int | None = None
+
+    def on_train_begin(self, logs: dict[str, Any]) -> None:
+        self._reset()
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any]) -> bool:
+        if self.monitor not in logs:
+            raise ValueError(f"EarlyStopping: no {self.monitor!r} in the epoch logs {sorted(logs)}")
+        value = float(logs[self.monitor])
+        better = (value < self.best - self.min_delta if self.mode == "min"
+                  else value > self.best + self.min_delta)
+        if better:
+            self.best, self.best_epoch, self.wait = value, epoch, 0
+            if self.restore_best_weights:
+                if self.session is None:
+                    raise ValueError("EarlyStopping(restore_best_weights=True) needs the session; "
+                                     "pass it in fit(callbacks=[...])")
+                self.best_state = dict(self.session.state.items())
+            return False
+        self.wait += 1
+        if self.wait >= self.patience:
+            self.stopped_epoch = epoch
+            return True
+        return False
+
+    def on_train_end(self, logs: dict[str, Any]) -> None:
+        if self.restore_best_weights and self.best_state is not None and self.session is not None:
+            self.session.load_state(self.best_state)
+
+
+class TerminateOnNaN(Callback):
+    """Stop training cleanly at the first NaN or infinite batch loss.
+
+    Without it, ``fit`` raises ``NonFiniteLossError`` at such a loss (the
+    library default); with it, ``fit`` returns its History (``stopped_early``)
+    and ``self.terminated`` holds ``(epoch, batch, step, loss)``.  The CLI
+    adds it by default and reports the step in one line."""
+
+    def __init__(self) -> None:
+        self.terminated: tuple[int, int, int, float] | None = None
+
+    def on_train_begin(self, logs: dict[str, Any]) -> None:
+        self.terminated = None
+
+    def on_batch_end(self, batch: int, logs: dict[str, Any]) -> bool:
+        loss = logs.get("loss")
+        if loss is not None and not math.isfinite(loss):
+            self.terminated = (int(logs.get("epoch", 0)), batch, int(logs.get("step", 0)), float(loss))
+            return True
+        return False
+
+
+class CSVLogger(Callback):
+    """Write one CSV row per epoch: ``epoch`` (1-based) and every logged value.
+
+    ``append=True`` adds to an existing file (for a resumed run) instead of
+    replacing it.  Values missing in an epoch are left empty."""
+
+    def __init__(self, path: str | os.PathLike, separator: str = ",", append: bool = False) -> None:
+        self.path, self.separator, self.append = Path(path), separator, append
+        self._keys: list[str] | None = None
+
+    def output_paths(self) -> list[Path]:
+        return [self.path]
+
+    def on_train_begin(self, logs: dict[str, Any]) -> None:
+        self._keys = None
+        if self.append and self.path.exists() and self.path.stat().st_size:
+            with open(self.path, newline="") as f:
+                header = next(csv.reader(f, delimiter=self.separator), None)
+            self._keys = header[1:] if header else None
+        elif not self.append:
+            self.path.write_text("")
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any]) -> None:
+        values = {k: v for k, v in logs.items() if isinstance(v, (int, float))}
+        with open(self.path, "a", newline="") as f:
+            writer = csv.writer(f, delimiter=self.separator)
+            if self._keys is None:
+                self._keys = list(values)
+                writer.writerow(["epoch", *self._keys])
+            writer.writerow([epoch + 1, *("" if values.get(k) is None else repr(float(values[k]))
+                                         for k in self._keys)])
+
+
+class ModelCheckpoint(Callback):
+    """Write a complete training checkpoint after epochs (Keras ``ModelCheckpoint``).
+
+    ``filepath`` may hold ``{epoch}`` (1-based) and any logged value, e.g.
+    ``"ckpt-{epoch:02d}-{val_loss:.3f}.onnx"``.  ``monitor`` with
+    ``save_best_only=True``: write only when ``monitor`` improved (``mode``
+    as in EarlyStopping).  The file is the training model with its state and
+    the fit position, so ``TrainingSession(path).fit(...)`` resumes it.
+    ``every``: every n-th epoch.  Files written are listed in ``written``."""
+
+    def __init__(self, filepath: str | os.PathLike, monitor: str | None = None,
+                 save_best_only: bool = False, mode: str = "auto", every: int = 1) -> None:
+        if save_best_only and monitor is None:
+            raise ValueError("ModelCheckpoint: save_best_only=True needs a monitor, e.g. 'val_loss'")
+        if int(every) < 1:
+            raise ValueError(f"ModelCheckpoint: every must be >= 1, got {every!r}")
+        if mode == "auto":
+            mode = "max" if monitor and any(k in monitor for k in ("acc", "auc")) else "min"
+        if mode not in ("min", "max"):
+            raise ValueError(f"ModelCheckpoint: mode must be 'min', 'max' or 'auto', got {mode!r}")
+        self.filepath, self.monitor, self.save_best_only = str(filepath), monitor, save_best_only
+        self.mode, self.every = mode, int(every)
+        self.best = math.inf if mode == "min" else -math.inf
+        self.written: list[Path] = []
+
+    def output_paths(self) -> list[Path]:
+        return [Path(re.sub(r"\{[^}]*\}", "0", self.filepath))]
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any]) -> None:
+        if (epoch + 1) % self.every:
+            return
+        if self.monitor is not None:
+            if self.monitor not in logs:
+                raise ValueError(f"ModelCheckpoint: no {self.monitor!r} in the epoch logs {sorted(logs)}")
+            value = float(logs[self.monitor])
+            better = value < self.best if self.mode == "min" else value > self.best
+            if better:
+                self.best = value
+            elif self.save_best_only:
+                return
+        if self.session is None:
+            raise ValueError("ModelCheckpoint needs the session; pass it in fit(callbacks=[...])")
+        path = self.filepath.format(epoch=epoch + 1, **logs) if "{" in self.filepath else self.filepath
+        self.written.append(Path(self.session.export(path, training=True)))
+
+
+class Checkpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` bound to a session up front (the older spelling):
+    ``Checkpoint(sess, path, every=1)`` writes the checkpoint every ``every`` epochs."""
+
+    def __init__(self, sess: Any, path: str | os.PathLike, every: int = 1) -> None:
+        super().__init__(path, every=every)
+        self.session = sess
+        self.path = Path(path)
+
+    def set_session(self, sess: Any) -> None:
+        if sess is not self.session:
+            raise ValueError("Checkpoint: it was made for another session")
+
+
+# ------------------------------------------------------------------- history
+class History:
+    """Per-epoch training and validation values, as returned by ``fit``.
+
+    ``history["loss"]`` is the list of epoch losses (the batch-size weighted mean
+    of the batch losses), ``history["val_accuracy"]`` that of the validation
+    accuracy, and so on; ``history.epochs`` holds the (0-based) epoch indices and
+    ``history.seconds`` the wall time of each epoch.
+
+    >>> h = History()
+    >>> h.append(0, {"loss": 0.5}, 1.0); h.append(1, {"loss": 0.25}, 1.0)
+    >>> h["loss"], h.last
+    ([0.5, 0.25], {'loss': 0.25})
+    """
+
+    def __init__(self) -> None:
+        self.history: dict[str, list[float]] = {}
+        self.epochs: list[int] = []
+        self.seconds: list[float] = []
+        self.steps = 0
+        self.stopped_early = False
+
+    def append(self, epoch: int, logs: Mapping[str, float], seconds: float) -> None:
+        n = len(self.epochs)
+        for key in logs:
+            if key not in self.history:
+                self.history[key] = [float("nan")] * n
+        for key, values in self.history.items():
+            values.append(float(logs.get(key, float("nan"))))
+        self.epochs.append(epoch)
+        self.seconds.append(seconds)
+
+    def __getitem__(self, key: str) -> list[float]:
+        return self.history[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.history
+
+    def __len__(self) -> int:
+        return len(self.epochs)
+
+    def keys(self) -> list[str]:
+        return list(self.history)
+
+    @property
+    def last(self) -> dict[str, float]:
+        """The values of the last epoch."""
+        return {k: v[-1] for k, v in self.history.items()} if self.epochs else {}
+
+    def __repr__(self) -> str:
+        values = ", ".join(f"{k}={v:.4g}" for k, v in self.last.items())
+        return f"History({len(self)} epochs{': ' + values if values else ''})"
+
+    def plot(self, keys: Sequence[str] | None = None, ax: Any = None) -> Any:
+        """Plot the curves (default: every key; ``val_x`` dashed next to ``x``) with matplotlib.
+
+        Returns the matplotlib Axes.  matplotlib is an optional extra:
+        ``pip install 'onnxtrain[plot]'``."""
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError(
+                "History.plot needs matplotlib, which is not installed; "
+                "install it with: pip install 'onnxtrain[plot]'"
+            ) from None
+        from matplotlib.ticker import MaxNLocator
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(6, 3.5), layout="constrained")
+        # lr has another scale: plotted only when asked for.
+        names = list(keys) if keys is not None else [k for k in self.keys() if k != "lr"]
+        missing = [k for k in names if k not in self.history]
+        if missing:
+            raise KeyError(f"History.plot: no values for {missing}; available: {self.keys()}")
+        x = [e + 1 for e in self.epochs]
+        for name in names:
+            style = "--" if name.startswith("val_") else "-"
+            ax.plot(x, self.history[name], style, marker="o", markersize=3, label=name)
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
+        ax.legend()
+        ax.grid(alpha=0.3)
+        return ax
+
+
+# --------------------------------------------------------------- checkpoints
+def write_checkpoint(sess: Any, path: str | os.PathLike, epochs_done: int) -> Path:
+    """Export the training model with its fit position at ``epochs_done`` finished
+    epochs (``export(training=True)``: streamed, external data as the model had it)."""
+    position = dict(sess.fit_position or {})
+    if position.get("epoch") != int(epochs_done):
+        position = {"epoch": int(epochs_done)}
+    saved = sess.fit_position
+    sess.fit_position = position
+    try:
+        return sess.export(path, training=True)
+    finally:
+        sess.fit_position = saved

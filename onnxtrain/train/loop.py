@@ -1,0 +1,534 @@
+"""The training loop around a TrainingSession: ``fit``, ``evaluate``, ``predict``.
+
+``TrainingSession.fit/evaluate/predict`` delegate here.  What the loop needs
+to know about a model (which inputs the data feeds, which output is the loss,
+which algorithm runs on which batch) comes from ``model.metadata_props``
+written by ``onnxtrain.build`` (JSON values, ``onnxtrain.metadata`` lists the
+keys), and is inferred from the graphs for hand-built models.
+
+How ``evaluate`` computes the loss without training: through the session's
+*loss program* (``TrainingSession.evaluate_batch``, built by
+``programs.loss_program``): the combined graph M ⊕ A of the algorithm that
+produces the loss, pruned to the loss and the prediction, run on a pinned
+snapshot of the state and writing nothing back.  The loss is thus exactly the
+one training minimizes, whatever its kind, and the state cannot change.
+
+History, the callbacks and checkpoints live in ``onnxtrain.callbacks``, the
+metadata contract in ``onnxtrain.metadata``, the file-based training of the
+CLI in ``onnxtrain.cli_train``; their names stay importable from here.
+
+>>> from onnxtrain.demo import build_classifier
+>>> from onnxtrain.datasets import load_digits
+>>> from onnxtrain import TrainingSession
+>>> X, y = load_digits()
+>>> sess = TrainingSession(build_classifier(hidden=16))
+>>> history = sess.fit(X, y, epochs=2, batch_size=64, progress=False)
+>>> len(history["loss"]), history["loss"][1] < history["loss"][0]
+(2, True)
+>>> sorted(sess.evaluate((X, y)))
+['accuracy', 'loss']
+>>> sess.predict(X[:5]).shape
+(5, 10)
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import TrainingModelError
+from ..io.metadata import checkpoint_epoch, model_metadata
+from ..parallel.comm import together
+from ..parallel.data_parallel import rows_of
+from .callbacks import (
+    HOOKS,
+    Callback,
+    Checkpoint,
+    CSVLogger,
+    EarlyStopping,
+    History,
+    ModelCheckpoint,
+    StopTraining,
+    TerminateOnNaN,
+    check_callbacks,
+    check_writable,
+    write_checkpoint,
+)
+from .data import Data, as_data, check_same_rows, check_targets, comm_sum, in_step
+from .metrics import Mean, metric_functions
+from .spec import FitSpec, find_value_info, fit_spec, label_classes
+
+__all__ = [
+    "CSVLogger",
+    "Callback",
+    "Checkpoint",
+    "EarlyStopping",
+    "ModelCheckpoint",
+    "TerminateOnNaN",
+    "FitSpec",
+    "History",
+    "NonFiniteLossError",
+    "StopTraining",
+    "checkpoint_epoch",
+    "evaluate",
+    "fit",
+    "fit_spec",
+    "model_metadata",
+    "predict",
+    "write_checkpoint",
+]
+
+DEFAULT_EVAL_BATCH = 256
+
+
+class NonFiniteLossError(FloatingPointError):
+    """``fit`` met a NaN or infinite training loss.
+
+    ``epoch`` and ``batch`` (0-based, within the epoch) and ``step`` (1-based,
+    counted over this ``fit`` call) name the step; ``loss`` is its value.
+    The step was committed: the session holds the state after it."""
+
+    def __init__(self, message: str, epoch: int, batch: int, step: int, loss: float) -> None:
+        super().__init__(message)
+        self.epoch, self.batch, self.step, self.loss = epoch, batch, step, loss
+
+
+def _call(callbacks: Sequence[Any], hook: str, *args: Any) -> bool:
+    """Run one hook of every callback; True if one asked to stop."""
+    stop = False
+    for cb in callbacks:
+        fn = getattr(cb, hook, None)
+        if fn is None:
+            continue
+        try:
+            if fn(*args) is True:
+                stop = True
+        except StopTraining:
+            stop = True
+    return stop
+
+
+# ---------------------------------------------------------------------- fit
+def fit(
+    sess: Any,
+    x: Any,
+    y: Any = None,
+    *,
+    epochs: int = 1,
+    batch_size: int = 32,
+    validation_data: Any = None,
+    validation_split: float = 0.0,
+    shuffle: bool = True,
+    seed: int = 0,
+    callbacks: Sequence[Any] | None = None,
+    metrics: Any = None,
+    initial_epoch: int | None = None,
+    progress: bool | str = True,
+    drop_last: bool | None = None,
+    log_every: int = 1,
+    cycle: Sequence[int | None] | None = None,
+) -> History:
+    """Train ``sess``; returns a History of per-epoch loss, metrics and lr.
+
+    - ``x, y``: arrays (Keras style; x feeds ``onnxtrain.inputs``, y
+      ``onnxtrain.target``; x may be a dict or tuple for several inputs), or
+      ``x`` alone as ``(X, y)``, a dict of feeds, or an iterable of batch
+      dicts (used as given: no batching, no shuffling).  Arrays are converted
+      once to the declared dtype when the kind matches, and class labels are
+      checked against the loss before the first step (``check_targets``).
+    - ``validation_split``: hold out that fraction of the rows (the last
+      ones, before shuffling, as Keras does) as ``validation_data``.
+    - Epochs run from ``initial_epoch`` to ``epochs - 1``.  ``initial_epoch=None``:
+      where the checkpoint the session was loaded from stood (its epoch, and
+      the batch within it), else 0; an explicit number starts at that epoch's
+      first batch.  With ``shuffle``, the order of epoch e is a permutation
+      drawn from ``(seed, e)``, so a resumed run sees the batches an
+      uninterrupted run would.
+    - ``drop_last``: skip the last partial batch of each epoch.  None: True
+      when the model's inputs have a fixed batch dimension (with a note),
+      else False.
+    - Batch k of the run (counted from the start of epoch 0, so resuming keeps
+      the position) runs algorithm ``cycle[k % len(cycle)]`` through
+      ``train_step``; the cycle comes from ``onnxtrain.cycle`` metadata (e.g.
+      ``[0, 0, 1]`` for gradient accumulation over 3 batches) or, without it,
+      every algorithm in order on each batch.
+    - The loss (and the prediction, for training metrics) is fetched on every
+      ``log_every``-th batch only; ``log_every=0`` never fetches it.
+    - ``metrics``: names (``"accuracy"``, ``"mse"``, ``"mae"``) or callables
+      ``fn(y_true, y_pred) -> float``; None is accuracy for classification.
+    - ``progress``: a ``tqdm.auto`` bar per epoch (a widget in notebooks)
+      with the running loss and lr; ``"epoch"``: one plain line per epoch on
+      stderr; False: silent.
+    - ``callbacks``: see ``onnxtrain.callbacks`` (Keras hooks).
+
+    ``sess.fit_position`` is updated after every batch, so ``export(training=True)``
+    at any point (a callback, after Ctrl-C) records where the run stands.
+    A failed step raises and leaves the state as the previous step left it.
+
+    A NaN or infinite training loss raises ``NonFiniteLossError`` naming
+    the epoch, batch and step, unless a ``TerminateOnNaN`` callback is
+    given: then fit stops there and returns.  Either way that step was
+    committed (only its returned loss is checked)."""
+    caller = "fit"
+    epochs, batch_size = int(epochs), int(batch_size)
+    if batch_size < 1:
+        raise ValueError(f"fit: batch_size must be >= 1, got {batch_size}")
+    if not 0.0 <= float(validation_split) < 1.0:
+        raise ValueError(f"fit: validation_split must be in [0, 1), got {validation_split!r}")
+    if log_every < 0:
+        raise ValueError(f"fit: log_every must be >= 0, got {log_every}")
+    if sess.num_algorithms == 0:
+        raise TrainingModelError("fit: the model has no training_info: there is nothing to train")
+    position = sess.fit_position
+    skip = 0
+    if initial_epoch is None:
+        if position is not None and position.get("source") == "checkpoint":
+            initial_epoch, skip = int(position["epoch"]), int(position.get("batch") or 0)
+        else:
+            initial_epoch = 0
+    initial_epoch = int(initial_epoch)
+    if epochs < 0 or initial_epoch < 0:
+        raise ValueError(f"fit: epochs and initial_epoch must be >= 0, got {epochs}, {initial_epoch}")
+    spec = fit_spec(sess)
+    if cycle is not None:
+        cycle = tuple(cycle)
+        n = sess.num_algorithms
+        if not cycle or not all(i is None or (isinstance(i, int) and 0 <= i < n) for i in cycle):
+            raise ValueError(f"fit: cycle must list algorithm indices in [0, {n}) or None, got {cycle!r}")
+    else:
+        cycle = spec.cycle
+    callbacks = check_callbacks(callbacks)
+    train = as_data(sess, spec, x, caller, need_target=True, y=y)
+    if validation_split:
+        if train.arrays is None:
+            raise ValueError("fit: validation_split needs arrays, not an iterable of batches")
+        if validation_data is not None:
+            raise ValueError("fit: give validation_data or validation_split, not both")
+        n_val = int(train.rows * float(validation_split))
+        if not 0 < n_val < train.rows:
+            raise ValueError(f"fit: validation_split={validation_split} of {train.rows} rows leaves "
+                             "an empty part")
+        cut = train.rows - n_val
+        validation = Data({k: v[cut:] for k, v in train.arrays.items()}, None)
+        train = Data({k: v[:cut] for k, v in train.arrays.items()}, None)
+    else:
+        validation = None
+    metric_fns = metric_functions(spec, metrics, caller)
+    if validation_data is not None:
+        validation = as_data(sess, spec, validation_data, "fit(validation_data)", need_target=True)
+    if validation is not None and spec.loss is None:
+        raise ValueError(
+            "fit: validation needs the loss output, and the model names none (no "
+            "onnxtrain.loss metadata, no output named 'loss')"
+        )
+    drop_last = _decide_drop_last(sess, spec, train, batch_size, drop_last)
+    comm = getattr(sess, "comm", None)
+    rank, ranks = (comm.rank, comm.size) if comm is not None else (0, 1)
+    if ranks > 1:
+        check_same_rows(comm, train, "fit")
+        if rank != 0:
+            # Rank 0 alone shows progress and writes files (checkpoints, logs).
+            progress = False
+            callbacks = [cb for cb in callbacks if not getattr(cb, "output_paths", None)]
+    for cb in callbacks:
+        for path in getattr(cb, "output_paths", lambda: [])():
+            check_writable(path, f"fit: {type(cb).__name__}")
+    for cb in callbacks:
+        if callable(getattr(cb, "set_session", None)):
+            cb.set_session(sess)
+    terminate_on_nan = any(isinstance(cb, TerminateOnNaN) for cb in callbacks)
+    lr_known = _has_learning_rate(sess)
+    classes = label_classes(sess, spec.target) if spec.target is not None else None
+
+    per_epoch = train.num_batches(batch_size, drop_last, ranks)
+    # The cycle position continues across epochs (and across a resume).
+    cycle_pos = initial_epoch * per_epoch + skip if per_epoch is not None else 0
+    done_steps = (position or {}).get("step") if skip or initial_epoch else 0
+    base_step = done_steps if isinstance(done_steps, int) else cycle_pos
+    hooks = {h: [cb for cb in callbacks if getattr(cb, h, None) is not None] for h in HOOKS}
+
+    history = History()
+    step = 0
+    stop = broke = nan_stop = False
+    _call(hooks["on_train_begin"], "on_train_begin",
+          {"epochs": epochs, "initial_epoch": initial_epoch, "steps_per_epoch": per_epoch})
+    try:
+        for epoch in range(initial_epoch, epochs):
+            start = time.perf_counter()
+            order = None
+            if shuffle and train.arrays is not None:
+                order = np.random.default_rng((int(seed), epoch)).permutation(train.rows)
+            loss_mean = Mean()
+            metric_means = {name: Mean() for name in metric_fns}
+            if _call(hooks["on_epoch_begin"], "on_epoch_begin", epoch, {}):
+                history.stopped_early = True
+                break
+            first = skip if epoch == initial_epoch else 0
+            lr = sess.learning_rate if lr_known else None
+            bar = _progress_bar(progress, per_epoch, f"epoch {epoch + 1}/{epochs}", first)
+            batches = train.batches(batch_size, order, drop_last, (rank, ranks))
+            if ranks > 1 and train.arrays is None:
+                batches = in_step(comm, batches)
+            try:
+                for i, batch in enumerate(batches):
+                    if i < first:
+                        continue
+                    if train.arrays is None and spec.target in batch:
+                        target = np.asarray(batch[spec.target])
+                        if ranks > 1:  # a bad batch on one rank stops every rank
+                            together(comm, "fit: the batch check", check_targets, sess, spec,
+                                     target, caller, classes)
+                        else:
+                            check_targets(sess, spec, target, caller, classes)
+                    if _call(hooks["on_batch_begin"], "on_batch_begin", i, {"epoch": epoch, "batch": i}):
+                        stop = broke = True
+                        break
+                    algorithm = cycle[cycle_pos % len(cycle)]
+                    fetch = bool(log_every) and i % log_every == 0
+                    if lr_known:
+                        lr = sess.learning_rate
+                    out = sess.train_step(batch, algorithm=algorithm, fetch=fetch)
+                    cycle_pos += 1
+                    step += 1
+                    sess.fit_position = {"epoch": epoch, "batch": i + 1, "step": base_step + step,
+                                         "source": "fit"}
+                    rows = rows_of(batch)
+                    logs: dict[str, Any] = {"epoch": epoch, "batch": i, "step": step, "size": rows}
+                    if lr is not None:
+                        logs["lr"] = lr
+                    if fetch and spec.loss in out:
+                        logs["loss"] = float(np.mean(out[spec.loss]))
+                        if ranks > 1:  # the global batch's loss, the same on every rank
+                            total, rows = comm_sum(comm, [logs["loss"] * rows, rows])
+                            logs["loss"], logs["size"] = total / rows, int(rows)
+                        if not math.isfinite(logs["loss"]):
+                            if terminate_on_nan:
+                                _call(hooks["on_batch_end"], "on_batch_end", i, logs)
+                                stop = broke = nan_stop = True
+                                break
+                            raise NonFiniteLossError(
+                                f"fit: the training loss is {logs['loss']} at epoch {epoch + 1}, "
+                                f"batch {i + 1} (step {step} of this run); training stopped. The "
+                                "step was committed: the state holds the parameters after it",
+                                epoch, i, step, logs["loss"],
+                            )
+                        loss_mean.add(logs["loss"], rows)
+                        if spec.prediction in out and spec.target in batch:
+                            for name, fn in metric_fns.items():
+                                value, weight = fn(batch[spec.target], out[spec.prediction])
+                                metric_means[name].add(value, weight)
+                    if bar is not None:
+                        if "loss" in logs:
+                            post = {"loss": f"{loss_mean.result():.4f}"}
+                            if lr is not None:
+                                post["lr"] = f"{lr:.3g}"
+                            bar.set_postfix(post, refresh=False)
+                        bar.update(1)
+                    if hooks["on_batch_end"] and _call(hooks["on_batch_end"], "on_batch_end", i, logs):
+                        stop = broke = True
+                        break
+                epoch_logs: dict[str, float] = {}
+                if ranks > 1:
+                    for mean in metric_means.values():
+                        mean.total, mean.weight = comm_sum(comm, [mean.total, mean.weight])
+                if loss_mean.weight:
+                    epoch_logs["loss"] = loss_mean.result()
+                for name, mean in metric_means.items():
+                    if mean.weight:
+                        epoch_logs[name] = mean.result()
+                if validation is not None and not nan_stop:  # no validation of NaN weights
+                    val = _evaluate_data(sess, spec, validation, DEFAULT_EVAL_BATCH, metric_fns,
+                                         comm if ranks > 1 else None)
+                    epoch_logs.update({f"val_{k}": v for k, v in val.items()})
+                if lr is not None:
+                    epoch_logs["lr"] = lr
+                if bar is not None:
+                    bar.set_postfix({k: f"{v:.4g}" for k, v in epoch_logs.items()}, refresh=False)
+            finally:
+                if bar is not None:
+                    bar.close()
+            seconds = time.perf_counter() - start
+            history.append(epoch, epoch_logs, seconds)
+            history.steps = step
+            if not broke:
+                sess.fit_position = {"epoch": epoch + 1, "batch": 0, "step": base_step + step,
+                                     "source": "fit"}
+            if progress == "epoch" and rank == 0:
+                print(epoch_line(epoch, epochs, epoch_logs, seconds), file=sys.stderr, flush=True)
+            if _call(hooks["on_epoch_end"], "on_epoch_end", epoch, dict(epoch_logs)):
+                stop = True
+            if stop:
+                history.stopped_early = broke or epoch + 1 < epochs
+                break
+    finally:
+        history.steps = step
+    _call(hooks["on_train_end"], "on_train_end", dict(history.last))
+    return history
+
+
+def epoch_line(epoch: int, epochs: int, logs: Mapping[str, float], seconds: float) -> str:
+    """``epoch 3/10: loss 0.4123, accuracy 0.9, lr 0.001 (1.2 s)``: one line per epoch."""
+    values = ", ".join(f"{k} {v:.4g}" for k, v in logs.items())
+    return f"epoch {epoch + 1}/{epochs}: {values or 'done'} ({seconds:.1f} s)"
+
+
+def _has_learning_rate(sess: Any) -> bool:
+    try:
+        sess.learning_rate
+    except (TrainingModelError, AttributeError):
+        return False
+    return True
+
+
+def _fixed_batch(sess: Any, spec: FitSpec) -> int | None:
+    """The fixed first dimension of the data inputs, if they declare one."""
+    for name in spec.inputs:
+        vi = find_value_info(sess, name)
+        if vi is None or not vi.type.tensor_type.HasField("shape"):
+            continue
+        dims = vi.type.tensor_type.shape.dim
+        if dims and dims[0].HasField("dim_value") and dims[0].dim_value > 0:
+            return int(dims[0].dim_value)
+    return None
+
+
+def _decide_drop_last(sess: Any, spec: FitSpec, train: Data, batch_size: int,
+                      drop_last: bool | None) -> bool:
+    fixed = _fixed_batch(sess, spec)
+    if fixed is not None and train.arrays is not None and batch_size != fixed:
+        raise ValueError(f"fit: the model's inputs have a fixed batch dimension of {fixed}; "
+                         f"pass batch_size={fixed} (got {batch_size})")
+    if drop_last is None:
+        drop_last = fixed is not None
+        if drop_last and train.arrays is not None and train.rows % batch_size:
+            warnings.warn(
+                f"fit: the model has a fixed batch size of {fixed}, so the last "
+                f"{train.rows % batch_size} row(s) of each epoch (a partial batch) are skipped "
+                "(drop_last=True); pass drop_last=False to keep them", UserWarning, stacklevel=3)
+    if drop_last and train.arrays is not None and train.rows < batch_size:
+        raise ValueError(f"fit: drop_last with {train.rows} rows and batch_size {batch_size} "
+                         "leaves no batch")
+    return bool(drop_last)
+
+
+def _progress_bar(progress: bool | str, total: int | None, desc: str, initial: int = 0) -> Any:
+    if progress is not True:
+        return None
+    from tqdm import tqdm as text_bar
+    from tqdm.auto import tqdm  # a widget in notebooks (ipywidgets), text elsewhere
+
+    options = dict(total=total, desc=desc, unit="batch", file=sys.stderr, leave=True,
+                   dynamic_ncols=True, mininterval=0.2, initial=initial)
+    try:
+        return tqdm(**options)
+    except ImportError:  # older tqdm picks the widget in any notebook, then misses ipywidgets
+        return text_bar(**options)
+
+
+# ------------------------------------------------------------------ evaluate
+def evaluate(
+    sess: Any, x: Any, y: Any = None, *, batch_size: int = DEFAULT_EVAL_BATCH, metrics: Any = None
+) -> dict[str, float]:
+    """The loss and metrics over ``data`` at the current state, which stays unchanged.
+
+    The loss is the model's own (its loss program, see the module doc), the
+    batch-size weighted mean of the batch losses; ``metrics`` as in ``fit``.
+    """
+    if int(batch_size) < 1:
+        raise ValueError(f"evaluate: batch_size must be >= 1, got {batch_size}")
+    spec = fit_spec(sess)
+    if spec.loss is None:
+        raise ValueError(
+            "evaluate: cannot tell which output is the loss (no onnxtrain.loss metadata, "
+            "no output named 'loss')"
+        )
+    data_ = as_data(sess, spec, x, "evaluate", need_target=True, y=y)
+    return _evaluate_data(sess, spec, data_, int(batch_size), metric_functions(spec, metrics, "evaluate"))
+
+
+def _evaluate_data(sess: Any, spec: FitSpec, data: Data, batch_size: int,
+                   metric_fns: Mapping[str, Callable], comm: Any = None) -> dict[str, float]:
+    """Loss and metrics over ``data``; with ``comm`` (data-parallel fit), each
+    rank evaluates its share of the rows and the means combine over the ranks."""
+    if comm is not None and data.arrays is not None:
+        lo = comm.rank * data.rows // comm.size
+        hi = (comm.rank + 1) * data.rows // comm.size
+        data = Data({k: v[lo:hi] for k, v in data.arrays.items()}, None)
+    loss_mean = Mean()
+    metric_means = {name: Mean() for name in metric_fns}
+    fixed = _fixed_batch(sess, spec) if data.arrays is not None else None
+    if fixed is not None:
+        # A fixed batch dimension: whole batches only (a padded batch would
+        # count its padding in the loss); the rest is skipped with a note.
+        batch_size = fixed
+        if data.rows < fixed:
+            raise ValueError(f"evaluate: the model has a fixed batch size of {fixed}, and the data "
+                             f"has only {data.rows} rows")
+        if data.rows % fixed:
+            warnings.warn(f"evaluate: the model has a fixed batch size of {fixed}; the last "
+                          f"{data.rows % fixed} row(s) are not evaluated", UserWarning, stacklevel=3)
+    for batch in data.batches(batch_size, drop_last=fixed is not None):
+        out = sess.evaluate_batch(batch, spec.loss, spec.prediction, spec.loss_algorithm)
+        rows = rows_of(batch)
+        loss_mean.add(float(np.mean(out[spec.loss])), rows)
+        for name, fn in metric_fns.items():
+            value, weight = fn(batch[spec.target], out[spec.prediction])
+            metric_means[name].add(value, weight)
+    if comm is not None:
+        for mean in [loss_mean, *metric_means.values()]:
+            mean.total, mean.weight = comm_sum(comm, [mean.total, mean.weight])
+    result = {"loss": loss_mean.result()}
+    result.update({name: mean.result() for name, mean in metric_means.items()})
+    return result
+
+
+# ------------------------------------------------------------------- predict
+def predict(
+    sess: Any, x: Any, *, batch_size: int = DEFAULT_EVAL_BATCH, outputs: Any = None
+) -> Any:
+    """Run the main graph batch by batch and concatenate along the first axis.
+
+    ``x``: X, (X, y) (y ignored), a dict of feeds or an iterable of batch
+    dicts.  Returns the prediction output (``onnxtrain.prediction``, else the
+    first main-graph output) as one array, or a dict when ``outputs`` lists
+    names."""
+    if int(batch_size) < 1:
+        raise ValueError(f"predict: batch_size must be >= 1, got {batch_size}")
+    spec = fit_spec(sess)
+    data_ = as_data(sess, spec, x, "predict", need_target=False)
+    single = outputs is None
+    names = [spec.prediction] if single else ([outputs] if isinstance(outputs, str) else list(outputs))
+    if names == [None]:
+        raise ValueError("predict: the main graph has no outputs")
+    targets = _algo_only(sess)
+    parts: dict[str, list[np.ndarray]] = {n: [] for n in names}
+    fixed = _fixed_batch(sess, spec) if data_.arrays is not None else None
+    if fixed is not None:
+        batch_size = fixed
+    for batch in data_.batches(int(batch_size)):
+        rows = rows_of(batch)
+        if fixed is not None and rows < fixed:
+            # A fixed batch dimension: pad the last batch by repeating its last
+            # row, and keep only the real rows' predictions (rows are independent).
+            batch = {k: np.concatenate([v, np.repeat(v[-1:], fixed - rows, axis=0)])
+                     for k, v in batch.items()}
+        out = sess.run({k: v for k, v in batch.items() if k not in targets}, names)
+        for n in names:
+            value = out[n]
+            parts[n].append(value[:rows] if fixed is not None and np.ndim(value) else value)
+    if not parts[names[0]]:
+        raise ValueError("predict: the data is empty")
+    result = {n: np.concatenate(v, axis=0) if v[0].ndim else np.stack(v) for n, v in parts.items()}
+    return result[names[0]] if single else result
+
+
+def _algo_only(sess: Any) -> set[str]:
+    """Feeds only algorithms read (targets): dropped before inference."""
+    main = set(sess.inference_inputs)
+    return {n for feeds in sess.algorithm_inputs for n in feeds if n not in main}
