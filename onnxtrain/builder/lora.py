@@ -529,7 +529,7 @@ def save_adapters(source: Any, path: str | os.PathLike) -> Path:
         targets.append({k: e[k] for k in ("weight", "A", "B", "in", "out", "transposed", "scale")})
     desc = {k: info[k] for k in ("format", "rank", "alpha", "dropout", "seed")}
     desc["targets"] = targets
-    from ..io.storage import write_atomically
+    from ..core.files import write_atomically
 
     # Into an open file: np.savez on a path would append ".npz".
     return write_atomically(path, lambda f: np.savez(f, **arrays, **{META_KEY: np.asarray(json.dumps(desc))}))

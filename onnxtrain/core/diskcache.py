@@ -34,12 +34,13 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Callable
+
+from .files import write_atomically
 
 #: Module state that changes at run time: not part of any cache key
 #: (``core.fingerprint.module_digest`` skips such modules).
@@ -255,23 +256,12 @@ def write_now(kind: str, key: bytes, meta: dict, payload: bytes) -> None:
     body = meta_bytes + payload
     data = MAGIC + _HEADER.pack(key, hashlib.sha256(body).digest(), len(meta_bytes), len(payload)) + body
     path = entry_path(kind, key)
-    tmp = None
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
+        write_atomically(path, data)
         count(f"{kind}.write")
         _evict(folder)
     except OSError:
         pass
-    finally:
-        if tmp is not None:
-            remove(Path(tmp))
 
 
 def remove(path: Path) -> None:

@@ -52,6 +52,7 @@ import onnx
 from google.protobuf.message import EncodeError
 from onnx import numpy_helper
 
+from ..core.files import fsync_dir, replace_with, unlink_quietly, write_temp
 from ..core.protos import all_tensors, labelled_tensors
 from ..errors import TrainingModelError
 from . import mapped
@@ -224,7 +225,7 @@ def spill(model: onnx.ModelProto, threshold: int | None = None) -> onnx.ModelPro
             sink.file = f
             skeleton = _skeleton_model(model, sink)
     except OSError:
-        _unlink(folder / name)
+        unlink_quietly(folder / name)
         return None  # no room: the model stays as it is
     path = mapped.trust(folder / name)
     for t in all_tensors(skeleton):
@@ -303,7 +304,7 @@ def write_model(
             isinstance(model, onnx.ModelProto) and came_external(model))
     if not external_data:
         model = materialized(model, deferred)
-        _atomic_write(folder, name, _serialize(model, ""))
+        replace_with(folder, name, _serialize(model, ""))
         _remove_old_data_files(folder, name, keep=_locations(model))
         return target
 
@@ -317,26 +318,26 @@ def write_model(
 
     # Data first, under its own fresh name: nothing refers to it until the
     # model rename below, which switches to the new model and data at once.
-    data_tmp = _write_temp(folder, data_name, write_data)
+    data_tmp = write_temp(folder, data_name, write_data)
     try:
         skeleton = holder[0]
         if sink.offset == 0:  # nothing was large enough to go external
             os.unlink(data_tmp)
             data_tmp = None
-        model_tmp = _write_temp(folder, name, _serialize(skeleton, " even with external data"))
+        model_tmp = write_temp(folder, name, _serialize(skeleton, " even with external data"))
         try:
             if data_tmp is not None:
                 os.replace(data_tmp, folder / data_name)
                 data_tmp = None
             os.replace(model_tmp, folder / name)
         except BaseException:
-            _unlink(model_tmp)
+            unlink_quietly(model_tmp)
             raise
     except BaseException:
         if data_tmp is not None:
-            _unlink(data_tmp)
+            unlink_quietly(data_tmp)
         raise
-    _fsync_dir(folder)
+    fsync_dir(folder)
     # The new files are onnxtrain's own: a later load may map them.
     _remove_old_data_files(folder, name, keep=_locations(skeleton))
     return target
@@ -370,79 +371,6 @@ def _serialize(model: onnx.ModelProto, how: str) -> bytes:
             f"cannot serialize the model{how}: {exc} (protobuf's limit is 2 GiB; "
             "write it with external_data=True)"
         ) from exc
-
-
-def write_atomically(path: str | os.PathLike, content: bytes | Callable[[BinaryIO], object]) -> Path:
-    """Write a file the way ``write_model`` does (temporary file in the same
-    folder, fsync, rename): ``path`` holds the old file or the new one, never
-    a part.  ``content``: the bytes, or a function that writes them."""
-    target = Path(path)
-    folder = Path(os.path.abspath(target)).parent
-    folder.mkdir(parents=True, exist_ok=True)
-    _atomic_write(folder, target.name, content)
-    return target
-
-
-def _atomic_write(folder: Path, name: str, data: bytes | Callable[[BinaryIO], object]) -> None:
-    tmp = _write_temp(folder, name, data)
-    try:
-        os.replace(tmp, folder / name)
-    except BaseException:
-        _unlink(tmp)
-        raise
-    _fsync_dir(folder)
-
-
-def _write_temp(
-    folder: Path, name: str, content: bytes | Callable[[BinaryIO], object]
-) -> str:
-    """A fully written and fsynced temporary file for ``folder / name``; returns its path.
-
-    ``content``: the bytes, or a function that writes them to the open file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.{os.getpid()}.", suffix=".tmp", dir=folder)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f:
-            if callable(content):
-                content(f)
-            else:
-                f.write(content)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        _unlink(tmp)
-        raise
-    return tmp
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        dir_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:
-        pass
-
-
-def _unlink(path: str | os.PathLike) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _umask() -> int:
-    """The process umask, read without changing it (Linux); 0o022 elsewhere."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    return 0o022
 
 
 def _temp_pattern(name: str) -> re.Pattern:
@@ -520,7 +448,7 @@ def _remove_old_data_files(folder: Path, name: str, keep: set[str]) -> None:
         if entry.name not in keep and pattern.match(entry.name) and entry.is_file(
             follow_symlinks=False
         ) and not mapped.in_use(entry.path):
-            _unlink(entry.path)
+            unlink_quietly(entry.path)
 
 
 # ----------------------------------------------------------- external data

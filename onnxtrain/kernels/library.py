@@ -35,11 +35,11 @@ import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
 from ..core.diskcache import cache_dir
+from ..core.files import replacing
 
 #: Module state that changes at run time: not part of any cache key.
 __fingerprint__ = False
@@ -63,27 +63,23 @@ def _suffix() -> str:
     return ".dll" if sys.platform == "win32" else ".dylib" if sys.platform == "darwin" else ".so"
 
 
+class _CompileError(Exception):
+    """The compiler's complaint."""
+
+
 def _compile(cc: str, flags: list[str], target: Path) -> str | None:
     """Compile into ``target`` atomically; the compiler's complaint on failure."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
-    os.close(fd)
     try:
-        proc = subprocess.run(
-            [cc, *flags, "-o", tmp, str(_SOURCE)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if proc.returncode != 0:
-            return (proc.stderr or proc.stdout).strip()[-2000:] or f"{cc} exited {proc.returncode}"
-        os.replace(tmp, target)
+        with replacing(target) as tmp:
+            proc = subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE)], capture_output=True, text=True,
+                                  timeout=120)
+            if proc.returncode != 0:
+                raise _CompileError((proc.stderr or proc.stdout).strip()[-2000:] or f"{cc} exited {proc.returncode}")
         return None
+    except _CompileError as exc:
+        return str(exc)
     except (OSError, subprocess.SubprocessError) as exc:
         return f"{cc}: {exc}"
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _build() -> tuple[str | None, str]:

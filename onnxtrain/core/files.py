@@ -1,0 +1,106 @@
+"""Atomic file writes, the one way onnxtrain writes a file that must never be
+seen half written: a temporary file in the destination's folder, written,
+flushed and fsynced, then renamed over the destination, then the folder
+fsynced.  The destination holds the old file or the new one, never a part,
+whatever interrupts the write (SIGKILL, power loss after the fsync, a full
+disk, an exception).  Temporary files are named ``.<name>.<pid>.<random>.tmp``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+
+def write_atomically(path: str | os.PathLike, content: bytes | Callable[[BinaryIO], object]) -> Path:
+    """Write a file the way ``write_model`` does (temporary file in the same
+    folder, fsync, rename): ``path`` holds the old file or the new one, never
+    a part.  ``content``: the bytes, or a function that writes them."""
+    target = Path(path)
+    folder = Path(os.path.abspath(target)).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    replace_with(folder, target.name, content)
+    return target
+
+
+def replace_with(folder: Path, name: str, data: bytes | Callable[[BinaryIO], object]) -> None:
+    tmp = write_temp(folder, name, data)
+    try:
+        os.replace(tmp, folder / name)
+    except BaseException:
+        unlink_quietly(tmp)
+        raise
+    fsync_dir(folder)
+
+
+def write_temp(
+    folder: Path, name: str, content: bytes | Callable[[BinaryIO], object]
+) -> str:
+    """A fully written and fsynced temporary file for ``folder / name``; returns its path.
+
+    ``content``: the bytes, or a function that writes them to the open file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.{os.getpid()}.", suffix=".tmp", dir=folder)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "wb") as f:
+            if callable(content):
+                content(f)
+            else:
+                f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        unlink_quietly(tmp)
+        raise
+    return tmp
+
+
+def fsync_dir(folder: Path) -> None:
+    try:
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass
+
+
+def unlink_quietly(path: str | os.PathLike) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (Linux); 0o022 elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+@contextmanager
+def replacing(target: str | os.PathLike) -> Iterator[str]:
+    """A temporary path beside ``target`` for another program to write (a
+    compiler's output); renamed over ``target`` when the block ends without
+    an exception, removed otherwise."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, target)
+        fsync_dir(target.parent)
+    finally:
+        unlink_quietly(tmp)
