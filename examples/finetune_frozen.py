@@ -21,7 +21,7 @@ from onnx import numpy_helper
 
 from onnxtrain import TrainingSession, build
 from onnxtrain.datasets import load_digits, train_test_split
-from onnxtrain.train.loop import model_metadata
+from onnxtrain.io.metadata import model_metadata
 
 
 def initializers(model) -> dict[str, np.ndarray]:

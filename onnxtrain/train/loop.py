@@ -13,9 +13,10 @@ produces the loss, pruned to the loss and the prediction, run on a pinned
 snapshot of the state and writing nothing back.  The loss is thus exactly the
 one training minimizes, whatever its kind, and the state cannot change.
 
-History, the callbacks and checkpoints live in ``onnxtrain.callbacks``, the
-metadata contract in ``onnxtrain.metadata``, the file-based training of the
-CLI in ``onnxtrain.cli_train``; their names stay importable from here.
+What the loop reads of a model is ``train.spec``'s FitSpec, its data handling
+``train.data``, its metrics ``train.metrics``; History, the callbacks and
+checkpoints live in ``train.callbacks``, the metadata contract in
+``io.metadata``, the file-based training of the CLI in ``cli.train``.
 
 >>> from onnxtrain.demo import build_classifier
 >>> from onnxtrain.datasets import load_digits
@@ -43,46 +44,21 @@ from typing import Any
 import numpy as np
 
 from ..errors import TrainingModelError
-from ..io.metadata import checkpoint_epoch, model_metadata
 from ..parallel.comm import together
 from ..parallel.data_parallel import rows_of
 from .callbacks import (
     HOOKS,
-    Callback,
-    Checkpoint,
-    CSVLogger,
-    EarlyStopping,
     History,
-    ModelCheckpoint,
     StopTraining,
     TerminateOnNaN,
     check_callbacks,
     check_writable,
-    write_checkpoint,
 )
 from .data import Data, as_data, check_same_rows, check_targets, comm_sum, in_step
 from .metrics import Mean, metric_functions
 from .spec import FitSpec, find_value_info, fit_spec, label_classes
 
-__all__ = [
-    "CSVLogger",
-    "Callback",
-    "Checkpoint",
-    "EarlyStopping",
-    "ModelCheckpoint",
-    "TerminateOnNaN",
-    "FitSpec",
-    "History",
-    "NonFiniteLossError",
-    "StopTraining",
-    "checkpoint_epoch",
-    "evaluate",
-    "fit",
-    "fit_spec",
-    "model_metadata",
-    "predict",
-    "write_checkpoint",
-]
+__all__ = ["NonFiniteLossError", "evaluate", "fit", "predict"]
 
 DEFAULT_EVAL_BATCH = 256
 

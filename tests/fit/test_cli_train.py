@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain import TrainingSession
 from onnxtrain.cli.app import main, parse_schedule
 from onnxtrain.datasets import load_digits, train_test_split
-from onnxtrain.train.loop import checkpoint_epoch, model_metadata
+from onnxtrain.io.metadata import checkpoint_epoch, model_metadata
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:

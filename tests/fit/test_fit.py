@@ -16,16 +16,9 @@ from models import linear_regression, mlp_classifier
 from onnxtrain import TrainingSession
 from onnxtrain.datasets import load_digits, train_test_split
 from onnxtrain.demo import build_classifier
-from onnxtrain.train.loop import (
-    Callback,
-    Checkpoint,
-    EarlyStopping,
-    History,
-    StopTraining,
-    checkpoint_epoch,
-    fit_spec,
-    model_metadata,
-)
+from onnxtrain.io.metadata import checkpoint_epoch, model_metadata
+from onnxtrain.train.callbacks import Callback, Checkpoint, EarlyStopping, History, StopTraining
+from onnxtrain.train.spec import fit_spec
 
 
 def with_metadata(model: onnx.ModelProto, **entries) -> onnx.ModelProto:
@@ -507,7 +500,7 @@ def test_html_summary():
 
 # ------------------------------------------------------------------ doctests
 @pytest.mark.parametrize("module", ["onnxtrain.train.loop", "onnxtrain.summary", "onnxtrain.cli.app",
-                                    "onnxtrain.train.callbacks", "onnxtrain.datasets"])
+                                    "onnxtrain.train.callbacks", "onnxtrain.train.datasets"])
 def test_docstring_examples(module):
     import doctest
     import importlib

@@ -579,7 +579,7 @@ def test_the_learning_rate_state_follows_the_spec_bindings():
     tm = build.training_model(mlp(), optimizer=build.SGD(lr=0.1), schedule=build.cosine(10))
     onnx.checker.check_model(tm)
     (ti,) = tm.training_info
-    lr = onnxtrain.train.loop.model_metadata(tm)["learning_rate"]["state"]
+    lr = onnxtrain.io.metadata.model_metadata(tm)["learning_rate"]["state"]
     init = {t.name: t for t in ti.algorithm.initializer}[lr]
     assert numpy_helper.to_array(init).dtype == np.float64 and numpy_helper.to_array(init) == 0.1
     assert lr in {b.key for b in ti.initialization_binding}

@@ -43,6 +43,8 @@ from reliability_models import (
 import onnxtrain.lower.programs as programs_mod
 import onnxtrain.runtime.executor as executor_mod
 import onnxtrain.runtime.state as state_mod
+import onnxtrain.engine.execution as execution_mod
+import onnxtrain.engine.parallel_step as parallel_step_mod
 import onnxtrain.session as session_mod
 from onnxtrain import TrainingSession
 from onnxtrain.runtime.executor import Executor
@@ -51,6 +53,8 @@ from onnxtrain.runtime.executor import Executor
 #: the replacement methods).
 SOURCES = {
     os.path.abspath(session_mod.__file__),
+    os.path.abspath(execution_mod.__file__),
+    os.path.abspath(parallel_step_mod.__file__),
     os.path.abspath(executor_mod.__file__),
     os.path.abspath(programs_mod.__file__),
     os.path.abspath(state_mod.__file__),

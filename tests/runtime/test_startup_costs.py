@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from test_build import mlp
 
 from onnxtrain import build
-from onnxtrain.core import diskcache
+from onnxtrain.core import diskcache, protos
 from onnxtrain.errors import TrainingModelError
 from onnxtrain.io import loading, mapped, storage, tensors
 from onnxtrain.io.model import validate
@@ -70,22 +70,22 @@ def _rich_model() -> onnx.ModelProto:
 
 def test_the_label_free_walk_visits_what_the_labelled_walk_visits_in_order():
     m = _rich_model()
-    labelled = [t for _, t in tensors.labelled_tensors(m)]
-    plain = list(tensors.all_tensors(m))
+    labelled = [t for _, t in protos.labelled_tensors(m)]
+    plain = list(protos.all_tensors(m))
     assert len(plain) == len(labelled) == 13
     assert all(a is b for a, b in zip(plain, labelled))  # the same objects, the same order
-    assert [g for _, g in tensors.all_graphs(m)] == tensors._walk_graphs(m)
-    sparse = [st for g in tensors._walk_graphs(m) for st in tensors._graph_contents(g)[1]]
+    assert [g for _, g in protos.all_graphs(m)] == protos.walk_graphs(m)
+    sparse = [st for g in protos.walk_graphs(m) for st in protos.graph_contents(g)[1]]
     assert [st.SerializeToString() for st in sparse] == [
-        st.SerializeToString() for _, st in tensors.labelled_sparse_tensors(m)]
+        st.SerializeToString() for _, st in protos.labelled_sparse_tensors(m)]
 
 
 def _labelled_error(m: onnx.ModelProto) -> str:
     """The error of the labelled walk alone (what check_tensors said before)."""
     try:
-        for where, t in tensors.labelled_tensors(m):
+        for where, t in protos.labelled_tensors(m):
             tensors.check_tensor(t, where)
-        for where, st in tensors.labelled_sparse_tensors(m):
+        for where, st in protos.labelled_sparse_tensors(m):
             tensors.check_sparse_tensor(st, where)
     except TrainingModelError as exc:
         return str(exc)
@@ -115,7 +115,7 @@ def test_the_one_pass_check_reports_the_first_bad_tensor_with_its_place(where):
 
 def test_raw_length_is_the_length_of_raw_data():
     m = _rich_model()
-    for t in tensors.all_tensors(m):
+    for t in protos.all_tensors(m):
         if t.HasField("raw_data"):
             assert tensors.raw_length(t) == len(t.raw_data)
     big = numpy_helper.from_array(np.zeros(300_000, np.float32), "big")
