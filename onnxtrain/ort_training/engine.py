@@ -40,7 +40,7 @@ RESET = "@lazy_reset_grad"
 LR = "@learning_rate"
 STEP = "@step"
 #: metadata key of the optimizer settings in the optimizer models we write
-OPTIMIZER_KEY = "onnxtrain.ort_optimizer"
+OPTIMIZER_KEY = "ort_training.optimizer"
 
 
 def grad_name(p: str) -> str:

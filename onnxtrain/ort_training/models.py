@@ -21,7 +21,7 @@ from onnx import helper
 from .engine import OPTIMIZER_KEY, OptimizerConfig
 
 #: metadata key marking the models ``artifacts.generate_artifacts`` writes
-KIND_KEY = "onnxtrain.ort_training"
+KIND_KEY = "ort_training.kind"
 ACCUMULATED = "_grad.accumulation.out"
 STANDARD = ("", "ai.onnx", "ai.onnx.ml")
 
