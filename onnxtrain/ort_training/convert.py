@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from ..metadata import set_metadata
 from ..storage import write_model
@@ -34,12 +35,18 @@ def _artifact(folder: Path, prefix: str, name: str, required: bool) -> Path | No
 
 
 def import_ort(art_dir: str | os.PathLike, output: str | os.PathLike | None = None,
-               prefix: str = "", checkpoint: str | os.PathLike | None = None):
+               prefix: str = "", checkpoint: str | os.PathLike | None = None,
+               prediction: str | None = None):
     """Convert the artifacts in ``art_dir`` (``{prefix}training_model.onnx``,
     ``{prefix}eval_model.onnx``, ``{prefix}optimizer_model.onnx``,
     ``{prefix}checkpoint``, or the checkpoint file ``checkpoint``) to one
     training model; write it to ``output`` (atomically) when given.  Returns
-    the ModelProto.  Without an optimizer model the model trains with SGD."""
+    the ModelProto.  Without an optimizer model the model trains with SGD.
+
+    ``prediction``: the value the loss compares with the target, made a
+    main-graph output for ``fit``'s metrics; by default the one value the
+    loss nodes (those that read the target) take from the model, if there is
+    exactly one (otherwise fit needs ``metrics=()``)."""
     folder = Path(os.fspath(art_dir))
     if not folder.is_dir():
         raise FileNotFoundError(f"import_ort: {folder} is not a folder")
@@ -84,6 +91,10 @@ def import_ort(art_dir: str | os.PathLike, output: str | os.PathLike | None = No
     if len(user_inputs) > 1:
         set_metadata(model, "inputs", user_inputs[:-1])
         set_metadata(model, "target", user_inputs[-1])
+        prediction = prediction or _prediction(model.graph, user_inputs[-1])
+    if prediction:
+        _add_output(model, prediction)
+        set_metadata(model, "prediction", prediction)
     set_metadata(model, "loss", loss)
     set_metadata(model, "trainable", trainable)
     set_metadata(model, "learning_rate", {"state": engine.LR, "base": float(lr)})
@@ -93,3 +104,29 @@ def import_ort(art_dir: str | os.PathLike, output: str | os.PathLike | None = No
     if output is not None:
         write_model(model, output)
     return model
+
+
+def _prediction(graph, target: str) -> str | None:
+    """The one model value the target-reading (loss) nodes consume, else None."""
+    tainted = {target}
+    for node in graph.node:
+        if any(i in tainted for i in node.input):
+            tainted.update(node.output)
+    produced = {o for n in graph.node if not any(i in tainted for i in n.input) for o in n.output}
+    found = {i for n in graph.node if any(i in tainted for i in n.input)
+             for i in n.input if i in produced}
+    return found.pop() if len(found) == 1 else None
+
+
+def _add_output(model, name: str) -> None:
+    graph = model.graph
+    if any(o.name == name for o in graph.output):
+        return
+    if not any(name in n.output for n in graph.node):
+        raise ValueError(f"import_ort: prediction {name!r} is not a value of the model")
+    graph.output.add().name = name
+
+    inferred = onnx.shape_inference.infer_shapes(model)
+    for vi in inferred.graph.value_info:
+        if vi.name == name:
+            graph.output[-1].CopyFrom(vi)
