@@ -89,6 +89,8 @@ def ort_side(model, rec):
     module = Module(str(a / "training_model.onnx"), state, str(a / "eval_model.onnx"))
     opt = Optimizer(str(a / "optimizer_model.onnx"), module)
     rec["adamw_default_lr"] = np.float32(opt.get_learning_rate())
+    rec["adamw_contiguous_all"] = module.get_contiguous_parameters(trainable_only=False).numpy()
+    rec["adamw_contiguous_trainable"] = module.get_contiguous_parameters(trainable_only=True).numpy()
     opt.set_learning_rate(0.01)
     losses, steps = [], []
     for i in range(5):

@@ -28,10 +28,15 @@ from . import engine, models
 from .engine import LR, RESET, STEP, OptimizerConfig
 
 
-def _ortvalue_type():
-    import onnxruntime  # only to hand OrtValues back to callers that pass them
+def _to_ortvalue(arr: np.ndarray):
+    """An OrtValue owning a copy of ``arr`` (one made from numpy would only
+    borrow the array's memory)."""
+    import onnxruntime  # only to hand OrtValues back, as ORT's API does
 
-    return onnxruntime.OrtValue
+    arr = np.ascontiguousarray(arr)
+    value = onnxruntime.OrtValue.ortvalue_from_shape_and_type(list(arr.shape), arr.dtype)
+    value.update_inplace(arr)
+    return value
 
 
 def _is_ortvalue(x) -> bool:
@@ -299,8 +304,7 @@ class Module:
             out = self._eval.run(feeds, self._eval_outputs)
             values = [out[n] for n in self._eval_outputs]
         if as_ortvalue:
-            make = _ortvalue_type().ortvalue_from_numpy
-            values = [make(np.ascontiguousarray(v)) for v in values]
+            values = [_to_ortvalue(v) for v in values]
         return values[0] if len(values) == 1 else tuple(values)
 
     def train(self, mode: bool = True) -> "Module":
@@ -328,7 +332,7 @@ class Module:
         parts = [np.asarray(self._session.state[n], np.float32).ravel()
                  for n in self._selected(trainable_only)]
         flat = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-        return _ortvalue_type().ortvalue_from_numpy(flat)
+        return _to_ortvalue(flat)
 
     def copy_buffer_to_parameters(self, buffer, trainable_only: bool = True) -> None:
         """Set the parameters from a flat buffer (completes a nominal state)."""
