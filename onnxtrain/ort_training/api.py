@@ -238,7 +238,12 @@ class Module:
         self.training = True
         self._options = session_options
         params = set(state._names())
-        self._forward = models.forward_model(models.load(train_model_uri, "Module"), params)
+        try:
+            self._forward = models.forward_model(models.load(train_model_uri, "Module"), params)
+        except NotImplementedError:  # ORT rewrote the forward pass with its own ops
+            if eval_model_uri is None:
+                raise
+            self._forward = models.forward_model(models.load(eval_model_uri, "Module"), params)
         graph = self._forward.graph
         self._order = [i.name for i in graph.input if i.name in params]
         self._order += [n for n in state._names() if n not in self._order]
