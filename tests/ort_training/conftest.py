@@ -2,15 +2,11 @@
 that ONNX Runtime training 1.19.2 made, and PyTorch's references
 (tests/data/ort_training, written by scripts/make_ort_artifacts.py)."""
 
-from pathlib import Path
-
 import numpy as np
 import pytest
+from ort_data import DATA
 
 pytest.importorskip("flatbuffers")
-
-DATA = Path(__file__).resolve().parent.parent / "data" / "ort_training"
-PARAMS = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import onnxruntime
 import pytest
-from conftest import PARAMS
+from ort_data import PARAMS
 
 from onnxtrain.ort_training import artifacts, onnxblock
 from onnxtrain.ort_training.api import CheckpointState, Module, Optimizer

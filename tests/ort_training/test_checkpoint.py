@@ -3,7 +3,7 @@
 import numpy as np
 import onnx
 import pytest
-from conftest import PARAMS
+from ort_data import PARAMS
 from onnx import numpy_helper
 
 from onnxtrain.ort_training import checkpoint as ckpt

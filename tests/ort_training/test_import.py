@@ -4,7 +4,7 @@ training model that TrainingSession, fit and the CLI run."""
 import numpy as np
 import onnx
 import pytest
-from conftest import PARAMS
+from ort_data import PARAMS
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain import TrainingSession

@@ -3,7 +3,7 @@ Module/Optimizer: the numbers ORT recorded (tests/data/ort_training/ort_runs.npz
 
 import numpy as np
 import pytest
-from conftest import PARAMS
+from ort_data import PARAMS
 
 from onnxtrain.ort_training.api import CheckpointState, LinearLRScheduler, Module, Optimizer
 
