@@ -56,6 +56,9 @@ class Parameter:
 
     @property
     def data(self) -> np.ndarray:
+        if self._name not in self._state._loaded:
+            raise RuntimeError(f"Parameter {self._name}: the state is nominal. Please load the "
+                               "parameter states first (Module.copy_buffer_to_parameters)")
         return self._state._value(self._name)
 
     @data.setter
@@ -64,7 +67,8 @@ class Parameter:
 
     @property
     def grad(self) -> np.ndarray | None:
-        """The summed gradient (None before a Module computes one)."""
+        """The summed gradient of a trainable parameter of a Module (zeros
+        before the first step); None for frozen parameters or without a Module."""
         return self._state._grad(self._name)
 
     @property
@@ -84,11 +88,17 @@ class Parameters:
     def __getitem__(self, name: str) -> Parameter:
         if name not in self:
             raise KeyError(f"Parameter {name} not found.")
+        if name not in self._state._loaded:
+            raise RuntimeError(f"Parameter {name}: the state is nominal. Please load the parameter "
+                               "states first (Module.copy_buffer_to_parameters)")
         return Parameter(name, self._state)
 
     def __setitem__(self, name: str, value: np.ndarray) -> None:
         if name not in self:
             raise KeyError(f"Parameter {name} not found.")
+        if self._state._missing():
+            raise RuntimeError("the state is nominal. Please load all the parameter states first "
+                               "(Module.copy_buffer_to_parameters)")
         self._state._set(name, value)
 
     def __contains__(self, name: object) -> bool:
@@ -117,8 +127,9 @@ class Properties:
         return self._props[name]
 
     def __setitem__(self, name: str, value: int | float | str) -> None:
-        ckpt.property_kind(name, value)  # TypeError for anything but int, float, str
-        self._props[name] = value
+        kind = ckpt.property_kind(name, value)  # TypeError for anything but int, float, str
+        # stored as the checkpoint stores them: int64, float32, str
+        self._props[name] = {"int": int, "float": lambda v: float(np.float32(v)), "str": str}[kind](value)
 
     def __contains__(self, name: object) -> bool:
         return name in self._props
@@ -195,7 +206,7 @@ class CheckpointState:
 
     def _grad(self, name: str) -> np.ndarray | None:
         m = self._module
-        if m is None or name not in self._data.trainable or not m._computed:
+        if m is None or name not in self._data.trainable:
             return None
         return np.array(m._session.state[engine.grad_name(name)])
 
@@ -252,7 +263,6 @@ class Module:
         self._trainable = [n for n in self._order if n in state._data.trainable]
         values = self._start_values(state)
         self._optimizer: OptimizerConfig | None = None
-        self._computed = False
         self._session = self._build(values, None, {})
         self._eval = self._eval_session(eval_model_uri, params)
         self._state = state
@@ -293,8 +303,7 @@ class Module:
         if missing:
             raise RuntimeError(
                 f"Module: the checkpoint is nominal: parameter {missing[0]!r} has no data yet; "
-                "load the parameters with copy_buffer_to_parameters(buffer, trainable_only=False) "
-                "or state.parameters[name].data = value")
+                "load the parameters with copy_buffer_to_parameters(buffer, trainable_only=False)")
         names = self.input_names()
         if len(user_inputs) != len(names):
             raise ValueError(f"Module: expected {len(names)} inputs {names}, got {len(user_inputs)}")
@@ -302,7 +311,6 @@ class Module:
         feeds = {n: (x.numpy() if _is_ortvalue(x) else x) for n, x in zip(names, user_inputs)}
         if self.training:
             out = self._session.train_step(feeds, algorithm=0)
-            self._computed = True
             values = [out[n] for n in self._outputs]
         else:
             feeds.update({n: self._session.state[n] for n in self._eval_params})
@@ -334,6 +342,10 @@ class Module:
 
     def get_contiguous_parameters(self, trainable_only: bool = False):
         """The parameters, flattened and concatenated (float32) as an OrtValue."""
+        missing = self._state._missing()
+        if missing:
+            raise RuntimeError(f"get_contiguous_parameters: the state is nominal ({missing[0]!r} has "
+                               "no data). Please load the model parameters first.")
         parts = [np.asarray(self._session.state[n], np.float32).ravel()
                  for n in self._selected(trainable_only)]
         flat = np.concatenate(parts) if parts else np.zeros(0, np.float32)

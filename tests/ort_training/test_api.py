@@ -167,7 +167,8 @@ def test_parameters_and_properties_api(data_dir, tmp_path):
     assert [name for name, _ in params] == ["fc2.weight", "fc2.bias", "fc1.weight", "fc1.bias"]
     assert params["fc2.bias"].requires_grad and not params["fc1.bias"].requires_grad
     assert repr(params["fc2.bias"]) == "Parameter(name=fc2.bias, requires_grad=True)"
-    assert params["fc2.bias"].grad is None  # nothing computed yet
+    np.testing.assert_array_equal(params["fc2.bias"].grad, np.zeros(5, np.float32))  # no step yet
+    assert params["fc1.bias"].grad is None  # frozen
     new = np.full(5, 0.5, np.float32)
     params["fc2.bias"].data = new
     np.testing.assert_array_equal(params["fc2.bias"].data, new)
@@ -182,6 +183,9 @@ def test_parameters_and_properties_api(data_dir, tmp_path):
     props = state.properties
     props["epoch"], props["score"], props["name"] = 7, 0.75, "run-1"
     assert len(props) == 3 and "epoch" in props and dict(props)["name"] == "run-1"
+    props["tenth"] = 0.1  # kept as float32, as the checkpoint (and ORT) keeps it
+    assert props["tenth"] == float(np.float32(0.1)) != 0.1
+    del state._data.properties["tenth"]
     with pytest.raises(TypeError):
         props["bad"] = [1, 2]
     with pytest.raises(KeyError):

@@ -98,6 +98,16 @@ def test_nominal_checkpoint_refuses_until_loaded(data_dir, ort_runs):
         opt.set_learning_rate(0.01)
     with pytest.raises(RuntimeError, match="nominal"):
         opt.step()
+    with pytest.raises(RuntimeError, match="load the parameter states first"):
+        state.parameters["fc1.weight"]
+    with pytest.raises(RuntimeError, match="load all the parameter states first"):
+        state.parameters["fc1.weight"] = np.ones((16, 12), np.float32)
+    with pytest.raises(RuntimeError, match="load the model parameters first"):
+        module.get_contiguous_parameters()
+    with pytest.raises(RuntimeError, match="nominal"):
+        module.eval()(ort_runs["x"][0], ort_runs["labels"][0])
+    module.train()
+    assert module.get_parameters_size(False) == 293
     full_state, full, _ = _open(data_dir, "adamw")
     buffer = full.get_contiguous_parameters(trainable_only=False)
     assert full.get_parameters_size(False) == 16 * 12 + 16 + 5 * 16 + 5
