@@ -176,6 +176,29 @@ def torch_side(model, rec):
             rec[f"{key}_grad_{n}"] = p[n].grad.numpy()
     rec["bce_target"] = (target[0] > 0).astype(np.float32)
 
+    # loss options: reduction="sum", class weights, pos_weight
+    F = torch.nn.functional
+    class_weight = np.array([1.0, 2.0, 0.5, 1.5, 1.0], np.float32)
+    pos_weight = np.array([2.0, 1.0, 0.5, 3.0, 1.0], np.float32)
+    rec["class_weight"], rec["pos_weight"] = class_weight, pos_weight
+    variants = {
+        "mse_sum": lambda o: F.mse_loss(o, torch.from_numpy(target[0]).double(), reduction="sum"),
+        "l1_sum": lambda o: F.l1_loss(o, torch.from_numpy(target[0]).double(), reduction="sum"),
+        "ce_weighted": lambda o: F.cross_entropy(o, torch.from_numpy(labels[0]),
+                                                 weight=torch.from_numpy(class_weight).double()),
+        "ce_sum": lambda o: F.cross_entropy(o, torch.from_numpy(labels[0]), reduction="sum"),
+        "bce_pos_weight": lambda o: F.binary_cross_entropy_with_logits(
+            o, torch.from_numpy((target[0] > 0).astype(np.float64)),
+            pos_weight=torch.from_numpy(pos_weight).double()),
+    }
+    for key, fn in variants.items():
+        p = {n: torch.tensor(init[n], dtype=torch.float64, requires_grad=True) for n in PARAMS}
+        loss = fn(net(p, torch.from_numpy(x[0]).double()))
+        loss.backward()
+        rec[f"{key}_loss"] = np.float64(loss.item())
+        for n in PARAMS:
+            rec[f"{key}_grad_{n}"] = p[n].grad.numpy()
+
     # torch.optim.SGD(lr=0.05) on MSE, 3 steps, float32.
     p = [torch.tensor(init[n], requires_grad=True) for n in PARAMS]
     opt = torch.optim.SGD(p, lr=0.05)

@@ -268,3 +268,27 @@ def test_generate_artifacts_options(data_dir, tmp_path):
     assert nominal._data.nominal and len(nominal.parameters) == 2  # fc2.* stay graph constants
     for name in ("p_training_model.onnx", "p_eval_model.onnx"):
         onnx.checker.check_model(onnx.load(tmp_path / name), full_check=True)
+
+
+LOSS_OPTIONS = {
+    "mse_sum": lambda r: onnxblock.loss.MSELoss(reduction="sum"),
+    "l1_sum": lambda r: onnxblock.loss.L1Loss(reduction="sum"),
+    "ce_weighted": lambda r: onnxblock.loss.CrossEntropyLoss(weight=r["class_weight"]),
+    "ce_sum": lambda r: onnxblock.loss.CrossEntropyLoss(reduction="sum"),
+    "bce_pos_weight": lambda r: onnxblock.loss.BCEWithLogitsLoss(pos_weight=r["pos_weight"]),
+}
+
+
+@pytest.mark.parametrize("key", sorted(LOSS_OPTIONS))
+def test_loss_options_match_pytorch(key, data_dir, tmp_path, ort_runs, torch_ref):
+    state, module, _ = _generate(data_dir, tmp_path, loss=LOSS_OPTIONS[key](torch_ref), optimizer=None)
+    loss = module(ort_runs["x"][0], _target(key.split("_")[0], ort_runs, torch_ref))
+    np.testing.assert_allclose(loss, torch_ref[f"{key}_loss"], rtol=1e-6)
+    for n in PARAMS:
+        np.testing.assert_allclose(state.parameters[n].grad, torch_ref[f"{key}_grad_{n}"],
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_loss_reduction_checked():
+    with pytest.raises(RuntimeError, match="Reduction max not supported"):
+        onnxblock.loss.MSELoss(reduction="max")
