@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import numpy as np
 import onnx
 
-from ..session import TrainingSession
+from .. import TrainingSession
 from ..storage import write_model
 from . import checkpoint as ckpt
 from . import engine, models

@@ -111,7 +111,7 @@ def generate_artifacts(
     else:
         raise RuntimeError(f"Unknown loss provided {type(loss)}. Expected loss to be either one of "
                            "onnxtrain.ort_training.artifacts.LossType or onnxblock.Block.")
-    if optimizer is not None and not isinstance(optimizer, (OptimType, onnxblock.optim._Optimizer)):
+    if optimizer is not None and not isinstance(optimizer, (OptimType, onnxblock.optim.OptimizerBlock)):
         raise TypeError(f"Unknown optimizer provided {type(optimizer)}. Expected optimizer to be either one of "
                         "OptimType or onnxblock.optim.AdamW/SGD.")
     if requires_grad is not None and frozen_params is not None and set(requires_grad) & set(frozen_params):

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 PREVIEW = "ai.onnx.preview.training"
 RESET = "@lazy_reset_grad"
@@ -70,7 +70,7 @@ class OptimizerConfig:
         return json.dumps(asdict(self))
 
 
-class _Graph:
+class Graph:
     """Nodes of one algorithm graph, with fresh names."""
 
     def __init__(self, taken: set[str], prefix: str) -> None:
@@ -94,7 +94,7 @@ class _Graph:
         return self.op("Constant", [], value=numpy_helper.from_array(np.asarray(value, dtype)))
 
 
-def _adamw(g: _Graph, cfg: OptimizerConfig, lr: str, t: str, p: str, grad: str, m0: str, m1: str,
+def adamw_update(g: Graph, cfg: OptimizerConfig, lr: str, t: str, p: str, grad: str, m0: str, m1: str,
            dtype) -> tuple[str, str, str]:
     """One AdamW update (see the module docstring); ``t``: step + 1 as ``dtype``."""
     b1, b2 = cfg.betas
@@ -115,7 +115,7 @@ def _adamw(g: _Graph, cfg: OptimizerConfig, lr: str, t: str, p: str, grad: str, 
     return p_new, m0_new, m1_new
 
 
-def _clip(g: _Graph, grads: list[str], max_norm: float, dtype) -> list[str]:
+def _clip(g: Graph, grads: list[str], max_norm: float, dtype) -> list[str]:
     squares = [g.op("ReduceSumSquare", [x], keepdims=0) for x in grads]
     total = squares[0] if len(squares) == 1 else g.op("Sum", squares)
     norm = g.op("Sqrt", [total])
@@ -186,7 +186,7 @@ def training_model(forward: onnx.ModelProto, values: dict[str, np.ndarray],
         main.name = "state"
     main.initializer.extend(numpy_helper.from_array(v, n) for n, v in state.items())
 
-    g = _Graph(taken, "module")
+    g = Graph(taken, "module")
     grads = g.op("Gradient", list(trainable) + user_inputs, n_out=len(trainable), domain=PREVIEW,
                  xs=list(trainable), zs=user_inputs, y=loss)
     grads = [grads] if isinstance(grads, str) else grads
@@ -198,7 +198,7 @@ def training_model(forward: onnx.ModelProto, values: dict[str, np.ndarray],
         ti.algorithm.node.extend(g.nodes)
         ti = model.training_info.add()
         ti.algorithm.name = "optimizer_step"
-        g = _Graph(taken, "optimizer")
+        g = Graph(taken, "optimizer")
         grads = [grad_name(p) for p in trainable]
     updates = _updates(g, optimizer, trainable, grads, values) if optimizer is not None else {}
     # identity bindings keep every parameter and setting a state variable
@@ -247,7 +247,7 @@ def _shared_state(values, trainable, optimizer, extra_state, fused) -> dict[str,
     return state
 
 
-def _updates(g: _Graph, optimizer: OptimizerConfig, trainable: Sequence[str], grads: list[str],
+def _updates(g: Graph, optimizer: OptimizerConfig, trainable: Sequence[str], grads: list[str],
              values: dict[str, np.ndarray]) -> dict[str, str]:
     """The new value of every parameter, moment and the step."""
     updates: dict[str, str] = {}
@@ -264,7 +264,7 @@ def _updates(g: _Graph, optimizer: OptimizerConfig, trainable: Sequence[str], gr
             updates[p] = g.op("Sub", [p, g.op("Mul", [lr, gr])])
         else:
             m0, m1 = moment_name(p, 0), moment_name(p, 1)
-            updates[p], updates[m0], updates[m1] = _adamw(g, optimizer, lr, t, p, gr, m0, m1, dtype)
+            updates[p], updates[m0], updates[m1] = adamw_update(g, optimizer, lr, t, p, gr, m0, m1, dtype)
     updates[STEP] = g.op("Add", [STEP, g.const(1, np.int64)])
     return updates
 

@@ -2,7 +2,6 @@
 training model that TrainingSession, fit and the CLI run."""
 
 import numpy as np
-import onnx
 import pytest
 from ort_data import PARAMS
 from onnx import TensorProto, helper, numpy_helper

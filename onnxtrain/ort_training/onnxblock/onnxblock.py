@@ -19,7 +19,6 @@ import onnx
 
 from ..models import KIND_KEY
 from . import blocks
-from . import model_accessor as accessor
 
 
 def register_graph_outputs(model: onnx.ModelProto, output_names) -> None:

@@ -17,7 +17,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from .. import engine
-from . import blocks, model_accessor
+from . import blocks
 
 
 class ClipGradNorm(blocks.Block):
@@ -37,7 +37,9 @@ class ClipGradNorm(blocks.Block):
             "or optim.SGD(clip_grad=...)")
 
 
-class _Optimizer(blocks.Block):
+class OptimizerBlock(blocks.Block):
+    """Base of AdamW and SGD: builds the optimizer model (see the module docstring)."""
+
     _kind = ""
 
     def __init__(self, clip_grad: Optional[ClipGradNorm] = None, **settings) -> None:
@@ -56,7 +58,7 @@ class _Optimizer(blocks.Block):
         dtype = helper.tensor_dtype_to_np_dtype(et)
         model = self.base
         cfg = self.config
-        g = engine._Graph({"learning_rate", "step", "param", "gradient"}, "update")
+        g = engine.Graph({"learning_rate", "step", "param", "gradient"}, "update")
         lr = g.op("Cast", ["learning_rate"], to=et)
         t = g.op("Cast", [g.op("Add", ["step", g.const(1, np.int64)])], to=et)
         inputs = [helper.make_tensor_value_info("learning_rate", TensorProto.FLOAT, []),
@@ -67,7 +69,7 @@ class _Optimizer(blocks.Block):
             outputs = {"updated_param": g.op("Sub", ["param", g.op("Mul", [lr, "gradient"])])}
         else:
             inputs += [helper.make_tensor_value_info(f"momentum{i}", et, None) for i in (0, 1)]
-            p, m0, m1 = engine._adamw(g, cfg, lr, t, "param", "gradient", "momentum0",
+            p, m0, m1 = engine.adamw_update(g, cfg, lr, t, "param", "gradient", "momentum0",
                                       "momentum1", dtype)
             outputs = {"updated_param": p, "updated_momentum0": m0, "updated_momentum1": m1}
         model.graph.input.extend(inputs)
@@ -85,7 +87,7 @@ class _Optimizer(blocks.Block):
         return self._model
 
 
-class AdamW(_Optimizer):
+class AdamW(OptimizerBlock):
     """AdamW in ONNX Runtime training's form (eps added to sqrt(v) before the
     bias correction, weight decay after the update; see ``engine``)."""
 
@@ -99,7 +101,7 @@ class AdamW(_Optimizer):
                          weight_decay=float(weight_decay))
 
 
-class SGD(_Optimizer):
+class SGD(OptimizerBlock):
     """p <- p - lr g."""
 
     _kind = "SGD"
@@ -108,4 +110,4 @@ class SGD(_Optimizer):
         super().__init__(clip_grad)
 
 
-__all__ = ["AdamW", "SGD", "ClipGradNorm", "model_accessor"]
+__all__ = ["AdamW", "SGD", "ClipGradNorm", "OptimizerBlock"]
