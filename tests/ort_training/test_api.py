@@ -292,3 +292,14 @@ def test_loss_options_match_pytorch(key, data_dir, tmp_path, ort_runs, torch_ref
 def test_loss_reduction_checked():
     with pytest.raises(RuntimeError, match="Reduction max not supported"):
         onnxblock.loss.MSELoss(reduction="max")
+
+
+def test_session_options_and_device_index(data_dir, ort_runs):
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 1
+    d = data_dir / "adamw"
+    state = CheckpointState.load_checkpoint(d / "checkpoint")
+    module = Module(d / "training_model.onnx", state, d / "eval_model.onnx", device="cpu:0",
+                    session_options=options)
+    np.testing.assert_allclose(module.eval()(ort_runs["x"][0], ort_runs["labels"][0]),
+                               ort_runs["adamw_losses"][0], rtol=2e-6)
