@@ -128,6 +128,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="keep training_info (write a training checkpoint, not inference)")
     export.set_defaults(handler=_cmd_export)
     _add_training_commands(sub)
+    from ..ort_training.cli import add_parser as _add_import_ort
+    _add_import_ort(sub)
     return parser
 
 

@@ -502,6 +502,15 @@ def as_numpy(value: ort.OrtValue | np.ndarray) -> np.ndarray:
     return value.numpy() if isinstance(value, ort.OrtValue) else np.asarray(value)
 
 
+def owned_ortvalue(arr: np.ndarray) -> ort.OrtValue:
+    """A CPU OrtValue owning a copy of ``arr`` (one made with
+    ``ortvalue_from_numpy`` only borrows the array's memory)."""
+    arr = np.ascontiguousarray(arr)
+    value = ort.OrtValue.ortvalue_from_shape_and_type(list(arr.shape), arr.dtype)
+    value.update_inplace(arr)
+    return value
+
+
 def copy_into(target: ort.OrtValue, arr: np.ndarray) -> None:
     """Copy ``arr`` into the buffer of the OrtValue ``target`` (same shape and type)."""
     target.update_inplace(arr)

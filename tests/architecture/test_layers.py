@@ -134,17 +134,37 @@ def test_the_cycle_finder_sees_function_level_imports_and_package_inits():
     assert f"{PKG}.train.loop" in real[f"{PKG}.session"]  # imported inside TrainingSession.fit
 
 
+def _own_privates(tree: ast.Module) -> set[str]:
+    """The private attributes the classes of a module define: methods and
+    class attributes, and ``self._x = ...`` in their methods."""
+    names = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for node in ast.walk(cls):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("_"):
+                names.add(node.name)
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+            for t in targets:
+                if isinstance(t, ast.Name) and t.id.startswith("_"):
+                    names.add(t.id)
+                elif (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                      and t.value.id == "self" and t.attr.startswith("_")):
+                    names.add(t.attr)
+    return names
+
+
 def _private_uses(path: Path) -> list[str]:
-    """``x._name`` where ``x`` is not ``self``/``cls``, and ``from m import _name``."""
+    """``x._name`` where ``x`` is not ``self``/``cls`` and ``_name`` is not an
+    attribute of a class of the same module, and ``from m import _name``."""
     found = []
     label = path.relative_to(ROOT.parent) if path.is_relative_to(ROOT.parent) else path.name
     tree = ast.parse(path.read_text())
-    defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    own = _own_privates(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             owner = node.value
-            if isinstance(owner, ast.Name) and (owner.id in ("self", "cls") or owner.id in defined):
-                continue  # its own object, or a class of this module
+            if (isinstance(owner, ast.Name) and owner.id in ("self", "cls")) or node.attr in own:
+                continue  # its own object, or an object of a class of this module
             found.append(f"{label}:{node.lineno}: {ast.unparse(node)}")
         elif isinstance(node, ast.ImportFrom):
             for alias in node.names:

@@ -40,11 +40,11 @@ from reliability_models import (
     snapshot,
 )
 
+import onnxtrain.engine.execution as execution_mod
+import onnxtrain.engine.parallel_step as parallel_step_mod
 import onnxtrain.lower.programs as programs_mod
 import onnxtrain.runtime.executor as executor_mod
 import onnxtrain.runtime.state as state_mod
-import onnxtrain.engine.execution as execution_mod
-import onnxtrain.engine.parallel_step as parallel_step_mod
 import onnxtrain.session as session_mod
 from onnxtrain import TrainingSession
 from onnxtrain.runtime.executor import Executor

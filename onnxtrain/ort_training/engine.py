@@ -1,0 +1,278 @@
+"""The standard ONNX training model behind ``Module`` and ``Optimizer``.
+
+ONNX Runtime training splits a step into ``module(x, y)`` (forward, backward,
+gradients added into buffers until ``lazy_reset_grad()``) and
+``optimizer.step()`` (the update from those buffers).  ``training_model`` builds
+one TrainingInfoProto model with the same split, from a **forward model**
+(inputs: the user inputs then the parameters; first output: the loss):
+
+- main graph: the forward model, parameters as initializers, plus the state
+  the two algorithms share (initializers no node of it reads): the gradient
+  buffers ``<p>@grad``, the flag ``@lazy_reset_grad``, the learning rate,
+  the step count and the optimizer moments ``<p>@momentum0/1``;
+- training_info[0] ("module"): ``g = Gradient(xs=trainable, zs=user inputs,
+  y=loss)``; ``buffer = reset ? g : buffer + g``; ``reset = false``;
+- training_info[1] ("optimizer"): optional global-norm clipping of the
+  buffers, then the update of every trainable parameter, ``step + 1``.
+
+Update rules (``cfg.kind``), with g the summed gradient, as 1.19.2's kernels:
+
+- SGD:   p <- p - lr g;
+- AdamW (Hugging Face form, ``adam_mode=1``), t = step + 1:
+  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2;
+  p <- p - lr_t m / (sqrt(v) + eps), lr_t = lr sqrt(1 - b2^t) / (1 - b1^t)
+  (lr without bias correction);  then p <- p - lr wd p (decay after the update);
+- clipping: g <- g * min(1, max_norm / (||g||_2 + 1e-6)) over all gradients.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+PREVIEW = "ai.onnx.preview.training"
+RESET = "@lazy_reset_grad"
+LR = "@learning_rate"
+STEP = "@step"
+#: metadata key of the optimizer settings in the optimizer models we write
+OPTIMIZER_KEY = "ort_training.optimizer"
+
+
+def grad_name(p: str) -> str:
+    return f"{p}@grad"
+
+
+def moment_name(p: str, i: int) -> str:
+    return f"{p}@momentum{i}"
+
+
+@dataclass
+class OptimizerConfig:
+    """What an optimizer model describes."""
+
+    kind: str = "AdamW"              # "AdamW" or "SGD"
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-6
+    weight_decay: float = 0.0
+    bias_correction: bool = True
+    max_norm: float | None = None    # ClipGradNorm
+
+    @property
+    def moments(self) -> int:
+        return 2 if self.kind == "AdamW" else 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+class Graph:
+    """Nodes of one algorithm graph, with fresh names."""
+
+    def __init__(self, taken: set[str], prefix: str) -> None:
+        self.taken, self.prefix, self.nodes = taken, prefix, []
+
+    def fresh(self, hint: str) -> str:
+        i, name = 0, f"{self.prefix}/{hint}"
+        while name in self.taken:
+            i += 1
+            name = f"{self.prefix}/{hint}_{i}"
+        self.taken.add(name)
+        return name
+
+    def op(self, op_type: str, inputs: Sequence[str], n_out: int = 1, domain: str = "",
+           **attrs) -> str | list[str]:
+        outs = [self.fresh(op_type) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, domain=domain, **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def const(self, value, dtype) -> str:
+        return self.op("Constant", [], value=numpy_helper.from_array(np.asarray(value, dtype)))
+
+
+def adamw_update(g: Graph, cfg: OptimizerConfig, lr: str, t: str, p: str, grad: str, m0: str, m1: str,
+           dtype) -> tuple[str, str, str]:
+    """One AdamW update (see the module docstring); ``t``: step + 1 as ``dtype``."""
+    b1, b2 = cfg.betas
+    c = lambda v: g.const(v, dtype)  # noqa: E731
+    m0_new = g.op("Add", [g.op("Mul", [m0, c(b1)]), g.op("Mul", [grad, c(1 - b1)])])
+    m1_new = g.op("Add", [g.op("Mul", [m1, c(b2)]),
+                          g.op("Mul", [g.op("Mul", [grad, grad]), c(1 - b2)])])
+    denom = g.op("Add", [g.op("Sqrt", [m1_new]), c(cfg.eps)])
+    step_size = lr
+    if cfg.bias_correction:
+        corr2 = g.op("Sqrt", [g.op("Sub", [c(1.0), g.op("Pow", [c(b2), t])])])
+        corr1 = g.op("Sub", [c(1.0), g.op("Pow", [c(b1), t])])
+        step_size = g.op("Div", [g.op("Mul", [lr, corr2]), corr1])
+    p_new = g.op("Sub", [p, g.op("Mul", [step_size, g.op("Div", [m0_new, denom])])])
+    if cfg.weight_decay:
+        decay = g.op("Mul", [g.op("Mul", [lr, c(cfg.weight_decay)]), p_new])
+        p_new = g.op("Sub", [p_new, decay])
+    return p_new, m0_new, m1_new
+
+
+def _clip(g: Graph, grads: list[str], max_norm: float, dtype) -> list[str]:
+    squares = [g.op("ReduceSumSquare", [x], keepdims=0) for x in grads]
+    total = squares[0] if len(squares) == 1 else g.op("Sum", squares)
+    norm = g.op("Sqrt", [total])
+    coef = g.op("Div", [g.const(max_norm, dtype), g.op("Add", [norm, g.const(1e-6, dtype)])])
+    coef = g.op("Min", [coef, g.const(1.0, dtype)])
+    return [g.op("Mul", [x, coef]) for x in grads]
+
+
+def _vi(name: str, arr_or_dtype, shape=None) -> onnx.ValueInfoProto:
+    if isinstance(arr_or_dtype, np.ndarray):
+        dtype, shape = arr_or_dtype.dtype, list(arr_or_dtype.shape)
+    else:
+        dtype = np.dtype(arr_or_dtype)
+    return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(dtype), shape)
+
+
+def _bind(ti: onnx.TrainingInfoProto, graph: onnx.GraphProto, key: str, value: str,
+          like: np.ndarray) -> None:
+    graph.output.append(_vi(value, like))
+    ti.update_binding.add(key=key, value=value)
+
+
+def training_model(forward: onnx.ModelProto, values: dict[str, np.ndarray],
+                   trainable: Sequence[str], optimizer: OptimizerConfig | None,
+                   extra_state: dict[str, np.ndarray] | None = None,
+                   fused: bool = False) -> onnx.ModelProto:
+    """The TrainingInfoProto model (see the module docstring).
+
+    ``values``: every parameter (graph inputs of ``forward`` or initializers)
+    with its value; ``trainable``: those that get gradients; ``extra_state``:
+    start values of the shared state (gradient buffers, moments, step, lr)
+    by name, zeros / defaults otherwise.
+
+    ``fused=False`` (Module's layout): the main graph holds only the state
+    and the forward pass sits in training_info[0], so that training_info[1]
+    (the optimizer) needs no feeds.  ``fused=True`` (``import_ort``'s): the
+    main graph is the forward model (inference and evaluation work as for any
+    training model) and one training_info applies the optimizer to the
+    gradient of the batch directly, without buffers."""
+    forward = _with_parameters(forward, values)
+    loss = forward.graph.output[0].name
+    params = set(values)
+    user_inputs = [i.name for i in forward.graph.input]
+    taken = {v for n in forward.graph.node for v in (*n.input, *n.output)} | set(user_inputs) | {
+        t.name for t in forward.graph.initializer}
+    state = _shared_state(values, trainable, optimizer, extra_state, fused)
+    clash = sorted(taken & set(state))
+    if clash:
+        raise ValueError(f"the model already has a value named {clash[0]!r}")
+    taken |= set(state)
+
+    model = onnx.ModelProto()
+    model.CopyFrom(forward)
+    main = model.graph
+    ti = model.training_info.add()
+    ti.algorithm.name = "module_step"
+    if not fused:  # the forward pass moves into training_info[0]
+        algo = ti.algorithm
+        algo.node.extend(main.node)
+        algo.input.extend(main.input)
+        algo.output.extend(main.output)
+        algo.value_info.extend(main.value_info)
+        algo.initializer.extend(t for t in main.initializer if t.name not in params)
+        kept = [t for t in main.initializer if t.name in params]
+        for field in ("node", "input", "output", "value_info", "initializer"):
+            main.ClearField(field)
+        main.initializer.extend(kept)
+        main.name = "state"
+    main.initializer.extend(numpy_helper.from_array(v, n) for n, v in state.items())
+
+    g = Graph(taken, "module")
+    grads = g.op("Gradient", list(trainable) + user_inputs, n_out=len(trainable), domain=PREVIEW,
+                 xs=list(trainable), zs=user_inputs, y=loss)
+    grads = [grads] if isinstance(grads, str) else grads
+    if not fused:  # gradients summed into the buffers
+        for p, gr in zip(trainable, grads):
+            new = g.op("Where", [RESET, gr, g.op("Add", [grad_name(p), gr])])
+            _bind(ti, ti.algorithm, grad_name(p), new, values[p])
+        _bind(ti, ti.algorithm, RESET, g.const(False, np.bool_), state[RESET])
+        ti.algorithm.node.extend(g.nodes)
+        ti = model.training_info.add()
+        ti.algorithm.name = "optimizer_step"
+        g = Graph(taken, "optimizer")
+        grads = [grad_name(p) for p in trainable]
+    updates = _updates(g, optimizer, trainable, grads, values) if optimizer is not None else {}
+    # identity bindings keep every parameter and setting a state variable
+    for name in [*values, *(k for k in state if k not in (RESET,) and "@grad" not in k)]:
+        value = updates.get(name) or g.op("Identity", [name])
+        _bind(ti, ti.algorithm, name, value, values.get(name, state.get(name)))
+    ti.algorithm.node.extend(g.nodes)
+
+    del model.opset_import[:]
+    for domain, version in _opsets(forward).items():
+        model.opset_import.add(domain=domain, version=version)
+    model.opset_import.add(domain=PREVIEW, version=1)
+    model.ir_version = max(model.ir_version, 8)
+    return model
+
+
+def _with_parameters(forward: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """A copy of ``forward`` whose parameters are initializers holding ``values``."""
+    out = onnx.ModelProto()
+    out.CopyFrom(forward)
+    graph = out.graph
+    kept = [i for i in graph.input if i.name not in values]
+    del graph.input[:]
+    graph.input.extend(kept)
+    others = [t for t in graph.initializer if t.name not in values]
+    del graph.initializer[:]
+    graph.initializer.extend(others)
+    graph.initializer.extend(numpy_helper.from_array(np.asarray(values[n]), n) for n in values)
+    return out
+
+
+def _shared_state(values, trainable, optimizer, extra_state, fused) -> dict[str, np.ndarray]:
+    state: dict[str, np.ndarray] = {}
+    for p in trainable:
+        if not fused:
+            state[grad_name(p)] = np.zeros_like(values[p])
+        for i in range(optimizer.moments if optimizer is not None else 0):
+            state[moment_name(p, i)] = np.zeros_like(values[p])
+    if not fused:
+        state[RESET] = np.array(False)
+    state[LR] = np.array(0.001, np.float32)
+    state[STEP] = np.array(0, np.int64)
+    for name, value in (extra_state or {}).items():
+        if name in state:
+            state[name] = np.asarray(value, state[name].dtype).reshape(state[name].shape)
+    return state
+
+
+def _updates(g: Graph, optimizer: OptimizerConfig, trainable: Sequence[str], grads: list[str],
+             values: dict[str, np.ndarray]) -> dict[str, str]:
+    """The new value of every parameter, moment and the step."""
+    updates: dict[str, str] = {}
+    if not trainable:
+        return updates
+    dtype = values[trainable[0]].dtype
+    et = helper.np_dtype_to_tensor_dtype(dtype)
+    if optimizer.max_norm is not None:
+        grads = _clip(g, grads, float(optimizer.max_norm), dtype)
+    lr = g.op("Cast", [LR], to=et)
+    t = g.op("Cast", [g.op("Add", [STEP, g.const(1, np.int64)])], to=et)
+    for p, gr in zip(trainable, grads):
+        if optimizer.kind == "SGD":
+            updates[p] = g.op("Sub", [p, g.op("Mul", [lr, gr])])
+        else:
+            m0, m1 = moment_name(p, 0), moment_name(p, 1)
+            updates[p], updates[m0], updates[m1] = adamw_update(g, optimizer, lr, t, p, gr, m0, m1, dtype)
+    updates[STEP] = g.op("Add", [STEP, g.const(1, np.int64)])
+    return updates
+
+
+def _opsets(forward: onnx.ModelProto) -> dict[str, int]:
+    """The forward model's opsets that its nodes use (default domain at least 13)."""
+    used = {n.domain for n in forward.graph.node}
+    out = {o.domain: o.version for o in forward.opset_import
+           if o.domain in used or o.domain in ("", "ai.onnx")}
+    out[""] = max(out.pop("ai.onnx", 0), out.get("", 0), 13)
+    return out

@@ -1,0 +1,119 @@
+"""Reading training artifacts: ONNX Runtime training's, or the ones ``artifacts`` writes.
+
+- ``forward_model``: the forward pass + loss of a training or eval model, as a
+  standard ONNX model whose inputs are the user inputs then the parameters
+  (ORT's eval model already has this form; from ORT's training model the
+  gradient and accumulation nodes, ``com.microsoft`` ops, are cut away);
+- ``optimizer_config``: the optimizer an optimizer model describes (ORT's
+  ``AdamWOptimizer`` / ``SGDOptimizerV2`` / ``InplaceClipGradNorm`` node
+  attributes, or the settings our own optimizer models carry as metadata).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import onnx
+from onnx import helper
+
+from .engine import OPTIMIZER_KEY, OptimizerConfig
+
+#: metadata key marking the models ``artifacts.generate_artifacts`` writes
+KIND_KEY = "ort_training.kind"
+ACCUMULATED = "_grad.accumulation.out"
+STANDARD = ("", "ai.onnx", "ai.onnx.ml")
+
+
+def load(path: str | os.PathLike, what: str) -> onnx.ModelProto:
+    """Load an .onnx artifact; refuse ORT's flatbuffer format with a clear error."""
+    p = Path(os.fspath(path))
+    if not p.is_file():
+        raise FileNotFoundError(f"{what}: no such file: {p}")
+    with open(p, "rb") as f:
+        head = f.read(8)
+    if p.suffix == ".ort" or head[4:8] == b"ORTM":
+        raise NotImplementedError(
+            f"{what}: {p.name} is in ONNX Runtime's .ort format, which onnxtrain does not read; "
+            "generate the artifacts with ort_format=False (the .onnx files)")
+    return onnx.load(os.fspath(p))
+
+
+def metadata(model: onnx.ModelProto) -> dict[str, str]:
+    return {p.key: p.value for p in model.metadata_props}
+
+
+def is_ort_training_model(model: onnx.ModelProto) -> bool:
+    return any(o.name.endswith(ACCUMULATED) for o in model.graph.output) or any(
+        i.name == "lazy_reset_grad" for i in model.graph.input)
+
+
+def forward_model(model: onnx.ModelProto, parameters: set[str]) -> onnx.ModelProto:
+    """The forward pass + loss of ``model`` (see the module docstring).
+
+    Raises NotImplementedError naming the op when what remains is not
+    standard ONNX (then the eval model is the way)."""
+    if not is_ort_training_model(model):
+        return model
+    graph = model.graph
+    outputs = [o for o in graph.output if not o.name.endswith(ACCUMULATED)]
+    needed = {o.name for o in outputs}
+    nodes = []
+    for node in reversed(graph.node):
+        if any(o in needed for o in node.output):
+            nodes.append(node)
+            needed.update(i for i in node.input if i)
+    nodes.reverse()
+    for node in nodes:
+        if node.domain not in STANDARD:
+            raise NotImplementedError(
+                f"the forward pass of this training model uses {node.domain}:{node.op_type} "
+                f"(node {node.name or node.output[0]!r}), which standard ONNX Runtime does not run")
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    for field in ("node", "output", "input", "initializer", "value_info"):
+        g.ClearField(field)
+    g.node.extend(nodes)
+    g.output.extend(outputs)
+    g.input.extend(i for i in graph.input if i.name in needed or i.name in parameters)
+    g.initializer.extend(t for t in graph.initializer if t.name in needed)
+    g.value_info.extend(v for v in graph.value_info if v.name in needed)
+    used = {n.domain for n in nodes}
+    kept = [o for o in out.opset_import if o.domain in used or o.domain in ("", "ai.onnx")]
+    del out.opset_import[:]
+    out.opset_import.extend(kept)
+    return out
+
+
+def optimizer_config(model: onnx.ModelProto) -> OptimizerConfig:
+    """The optimizer ``model`` describes (see the module docstring)."""
+    meta = metadata(model)
+    if OPTIMIZER_KEY in meta:
+        cfg = json.loads(meta[OPTIMIZER_KEY])
+        cfg["betas"] = tuple(cfg["betas"])
+        return OptimizerConfig(**cfg)
+    cfg: OptimizerConfig | None = None
+    max_norm = None
+    for node in model.graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "AdamWOptimizer":
+            if attrs.get("adam_mode", 0) != 1:
+                raise NotImplementedError(
+                    f"AdamWOptimizer adam_mode={attrs.get('adam_mode', 0)} (PyTorch's form) is not "
+                    "supported; artifacts.generate_artifacts writes adam_mode=1")
+            cfg = OptimizerConfig(
+                "AdamW", (float(attrs.get("alpha", 0.9)), float(attrs.get("beta", 0.999))),
+                float(attrs.get("epsilon", 1e-8)), float(attrs.get("weight_decay", 0.0)),
+                bool(attrs.get("correct_bias", 1)))
+        elif node.op_type in ("SGDOptimizerV2", "SGDOptimizer"):
+            cfg = OptimizerConfig("SGD")
+        elif node.op_type == "InplaceClipGradNorm":
+            max_norm = float(attrs.get("max_norm", 1.0))
+    if cfg is None:
+        ops = sorted({f"{n.domain}:{n.op_type}" if n.domain else n.op_type for n in model.graph.node})
+        raise ValueError(f"not an optimizer model: no AdamWOptimizer or SGDOptimizerV2 node "
+                         f"(found {ops})")
+    cfg.max_norm = max_norm
+    return cfg
