@@ -680,7 +680,7 @@ def fit(
                 history.stopped_early = True
                 break
             first = skip if epoch == initial_epoch else 0
-            lr = sess.learning_rate if lr_known else None
+            lr = _current_rate(sess) if lr_known else None
             bar = _progress_bar(progress, per_epoch, f"epoch {epoch + 1}/{epochs}", first)
             batches = train.batches(batch_size, order, drop_last, (rank, ranks))
             if ranks > 1 and train.arrays is None:
@@ -701,8 +701,8 @@ def fit(
                         break
                     algorithm = cycle[cycle_pos % len(cycle)]
                     fetch = bool(log_every) and i % log_every == 0
-                    if lr_known:
-                        lr = sess.learning_rate
+                    if lr_known:  # the rate this step uses, schedule included
+                        lr = _current_rate(sess)
                     out = sess.train_step(batch, algorithm=algorithm, fetch=fetch)
                     cycle_pos += 1
                     step += 1
@@ -786,6 +786,13 @@ def epoch_line(epoch: int, epochs: int, logs: Mapping[str, float], seconds: floa
     """``epoch 3/10: loss 0.4123, accuracy 0.9, lr 0.001 (1.2 s)``: one line per epoch."""
     values = ", ".join(f"{k} {v:.4g}" for k, v in logs.items())
     return f"epoch {epoch + 1}/{epochs}: {values or 'done'} ({seconds:.1f} s)"
+
+
+def _current_rate(sess: Any) -> float:
+    """The rate the next step uses (``current_learning_rate``, the schedule
+    applied), or the base rate for a session that does not offer it."""
+    rate = getattr(sess, "current_learning_rate", None)
+    return float(sess.learning_rate if rate is None else rate)
 
 
 def _has_learning_rate(sess: Any) -> bool:

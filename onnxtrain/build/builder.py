@@ -205,6 +205,9 @@ class Plan:
     #: State variables holding the base learning rate and the clipping threshold
     #: (TrainingSession.learning_rate / clip_grad_norm set them between steps).
     lr_state: str = ""
+    #: The rate the update uses (lr * schedule(step)) and the algorithm computing it.
+    lr_value: str = ""
+    lr_algorithm: int = 0
     clip_state: str = ""
     #: The activation recompute option (``onnxtrain.recompute``), None when off.
     recompute: Any = None
@@ -662,9 +665,12 @@ class _Algorithm:
         plan, e = self.plan, self.e
         e.hint = "lr"
         lr = plan.lr_state = self.hyperparameter("lr", plan.optimizer.lr)
+        plan.lr_algorithm = self.index
         if plan.schedule is None:
+            plan.lr_value = lr
             return lr
-        return e.Mul(lr, plan.schedule.emit(e, plan.step))
+        plan.lr_value = e.Mul(lr, plan.schedule.emit(e, plan.step))
+        return plan.lr_value
 
     def optimizer_step(self, grads: Sequence[str]) -> None:
         plan = self.plan
@@ -783,7 +789,10 @@ def _set_metadata(plan: Plan) -> None:
         # it for the main graph's inference-mode prediction).
         "train_prediction": {str(i): name for i, name in plan.train_predictions.items()},
         # The base learning rate's state variable and value (TrainingSession.learning_rate).
-        "learning_rate": {"state": plan.lr_state, "base": float(plan.optimizer.lr)},
+        # "value": the tensor of training_info["algorithm"] holding the rate the
+        # update uses, lr * schedule(step) (TrainingSession.current_learning_rate).
+        "learning_rate": {"state": plan.lr_state, "base": float(plan.optimizer.lr),
+                          "value": plan.lr_value, "algorithm": plan.lr_algorithm},
         # For the label check before training: the classes C (None: unknown),
         # their axis in the prediction and the label that is skipped.
         "classes": _classes(plan),
