@@ -34,6 +34,8 @@ import csv
 import math
 import os
 import re
+import stat
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,8 @@ __all__ = [
     "TerminateOnNaN",
     "check_callbacks",
     "check_writable",
+    "same_file",
+    "special_kind",
     "write_checkpoint",
 ]
 
@@ -114,20 +118,66 @@ def check_callbacks(callbacks: Any) -> list[Any]:
 
 
 def check_writable(path: str | os.PathLike, what: str) -> Path:
-    """ValueError unless ``path`` can be written as a file: not a folder, and
-    its folder exists and is writable.  Checked before training, so that a bad
-    path fails at once, not after the last epoch."""
+    """ValueError unless ``path`` can be written as a file, checked before
+    training so that a bad path fails at once, not after the last epoch.
+
+    Refused: an existing path that is not a regular file (a folder, a device,
+    a FIFO, a socket: replacing it would destroy it; it is left as it is), a
+    missing folder, and a folder where no file can be made (``/proc``, a
+    read-only mount: a file is made there and removed again, since
+    permissions alone do not say it for root).  Each error is one line
+    ``{what} {path}: ...`` naming the path as given."""
     p = Path(path)
+    shown = f"{what} {os.fspath(path)}"
     if p.is_dir():
-        raise ValueError(f"{what}: {str(p)!r} is a folder; give a file path such as {str(p / 'model.onnx')!r}")
+        raise ValueError(f"{shown}: is a folder; give a file path such as {str(p / 'model.onnx')!r}")
+    kind = special_kind(p)
+    if kind:
+        raise ValueError(f"{shown}: exists and is not a regular file (a {kind}); it was left as it "
+                         "is: give the path of a file")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
-        raise ValueError(f"{what}: the folder {str(parent)!r} of {str(p)!r} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{what}: the folder {str(parent)!r} is not writable")
+        raise ValueError(f"{shown}: the folder {str(parent)!r} does not exist")
     if p.exists() and not os.access(p, os.W_OK):
-        raise ValueError(f"{what}: {str(p)!r} exists and is not writable")
+        raise ValueError(f"{shown}: exists and is not writable")
+    try:  # can a file be made there?  (the temporary file's name is not shown)
+        fd, probe = tempfile.mkstemp(prefix=f".{p.name}.{os.getpid()}.", suffix=".tmp", dir=parent)
+    except OSError as exc:
+        raise ValueError(f"{shown}: cannot write in the folder {str(parent)!r} "
+                         f"({exc.strerror or type(exc).__name__})") from None
+    os.close(fd)
+    try:
+        os.unlink(probe)
+    except OSError:
+        pass
     return p
+
+
+def special_kind(path: str | os.PathLike) -> str | None:
+    """What ``path`` is when it exists and is not a regular file (following
+    links): "folder", "character device", "FIFO", ...; None otherwise."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    for test, name in ((stat.S_ISDIR, "folder"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two paths name one file (links and hard links included)."""
+    try:
+        if os.path.exists(a) and os.path.exists(b):
+            return os.path.samefile(a, b)
+    except OSError:
+        pass
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 class EarlyStopping(Callback):

@@ -225,6 +225,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from .callbacks import check_writable
 
     check_writable(args.output, "-o")
+    _not_the_input(args.output, args.checkpoint, "the checkpoint read (CKPT)")
     path = TrainingSession(args.checkpoint).export(args.output, training=args.training)
     kind = "training checkpoint" if args.training else "inference model"
     print(f"wrote {kind} {path}")
@@ -283,6 +284,9 @@ def _add_training_commands(sub) -> None:
                        help="write the training model (a complete checkpoint) after each epoch")
     train.add_argument("--resume", default=None, metavar="CKPT.onnx",
                        help="continue from a checkpoint written by --checkpoint")
+    train.add_argument("--overwrite", action="store_true",
+                       help="start again over an existing --checkpoint (without it, an existing "
+                            "checkpoint needs --resume)")
     train.add_argument("--validation-data", default=None, metavar="VAL.npz",
                        help="report val_loss and val_accuracy after each epoch")
     train.add_argument("--seed", type=int, default=0, help="shuffling seed (default 0)")
@@ -296,6 +300,14 @@ def _add_training_commands(sub) -> None:
                        help="raise at a NaN/Inf loss instead of stopping through TerminateOnNaN "
                             "(either way: one error line, exit 1, no output)")
     train.set_defaults(handler=_cmd_train)
+
+
+def _not_the_input(output: str, source: str, what: str) -> None:
+    """ValueError when ``-o`` names the file the command reads."""
+    from .callbacks import same_file
+
+    if same_file(output, source):
+        raise ValueError(f"-o {output}: is {what}; writing there would replace it: give another path")
 
 
 def _positive_float(text: str) -> float:
@@ -359,6 +371,7 @@ def _cmd_make_training(args: argparse.Namespace) -> int:
     from .storage import write_model
 
     check_writable(args.output, "-o")
+    _not_the_input(args.output, args.model, "the model read (MODEL)")
     schedule = parse_schedule(args.schedule) if args.schedule else None
     optimizer = _optimizer(args)
     trainable = None
@@ -400,7 +413,7 @@ class _EpochLines:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .cli_train import train_files
+    from .cli_train import TrainingInterrupted, train_files
     from .metadata import checkpoint_epoch
 
     comm = _world() if args.distributed else None
@@ -415,7 +428,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
                              validation_data=args.validation_data, seed=args.seed,
                              progress=not args.no_progress,
                              callbacks=[_EpochLines(args.epochs)] if rank == 0 else [],
-                             terminate_on_nan=not args.no_terminate_on_nan, comm=comm)
+                             terminate_on_nan=not args.no_terminate_on_nan, comm=comm,
+                             overwrite=args.overwrite)
+    except TrainingInterrupted as exc:
+        if exc.checkpoint is None:
+            raise
+        # The whole command that goes on from the checkpoint.
+        told = f"continue with --resume {exc.checkpoint}"
+        raise TrainingInterrupted(str(exc).replace(
+            told, f"continue with: {_resume_command(args, exc.checkpoint)}"), exc.checkpoint) from None
     except USER_ERRORS:
         if rank == 0:
             raise
@@ -432,6 +453,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"wrote checkpoint {result.checkpoint}")
     print(f"wrote inference model {result.output}")
     return 0
+
+
+def _resume_command(args: argparse.Namespace, checkpoint) -> str:
+    """``onnxtrain train ... --resume CKPT``: this run's command, resumed."""
+    import shlex
+
+    words = [PROG, "train", args.model, "--data", args.data, "--epochs", args.epochs,
+             "--batch-size", args.batch_size, "--seed", args.seed, "-o", args.output]
+    if args.checkpoint:
+        words += ["--checkpoint", args.checkpoint]
+    words += ["--resume", checkpoint]
+    if args.validation_data:
+        words += ["--validation-data", args.validation_data]
+    if args.no_progress:
+        words.append("--no-progress")
+    return shlex.join(str(w) for w in words)
 
 
 def _world():

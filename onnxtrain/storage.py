@@ -295,6 +295,7 @@ def write_model(
     a protobuf message; in a self-contained file they are written inline.
     ``model`` is not modified.  Returns the model's path."""
     target = Path(path)
+    refuse_special(target)
     deferred = deferred or {}
     # The path as given, not resolved: a symlink at ``path`` is replaced by the
     # new file (as ``mv`` would), and the temporary files live next to it.
@@ -383,10 +384,25 @@ def write_atomically(path: str | os.PathLike, content: bytes | Callable[[BinaryI
     folder, fsync, rename): ``path`` holds the old file or the new one, never
     a part.  ``content``: the bytes, or a function that writes them."""
     target = Path(path)
+    refuse_special(target)
     folder = Path(os.path.abspath(target)).parent
     folder.mkdir(parents=True, exist_ok=True)
     _atomic_write(folder, target.name, content)
     return target
+
+
+def refuse_special(path: str | os.PathLike) -> None:
+    """FileExistsError when ``path`` exists and is not a regular file (a
+    folder, a device, a FIFO, a socket; links followed): the rename of an
+    atomic write would replace it (``/dev/null`` by a regular file)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return  # nothing there (or a dangling link, which the write replaces)
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+        raise FileExistsError(f"{os.fspath(path)}: exists and is {kind}; refusing to write over it "
+                              "(give the path of a file)")
 
 
 def _atomic_write(folder: Path, name: str, data: bytes | Callable[[BinaryIO], object]) -> None:
