@@ -245,8 +245,9 @@ def _add_training_commands(sub) -> None:
                     "inference model, as a standard ONNX training model.")
     make.add_argument("model", metavar="MODEL", help="path of an inference .onnx model")
     make.add_argument("-o", "--output", required=True, metavar="OUT", help="output path")
-    make.add_argument("--loss", default="cross_entropy", choices=LOSSES,
-                      help="the loss (default cross_entropy)")
+    make.add_argument("--loss", default=None, choices=LOSSES,
+                      help="the loss (default cross_entropy, for an output of several classes; "
+                           "a one-column output needs --loss)")
     make.add_argument("--target", default="target",
                       help="name of the new target input (default 'target')")
     make.add_argument("--output-name", default=None, metavar="NAME",
@@ -389,11 +390,16 @@ def _cmd_make_training(args: argparse.Namespace) -> int:
 
     try:
         built = build.training_model(
-            model, loss=args.loss, target=args.target, output=args.output_name,
+            model, loss=args.loss or "cross_entropy", target=args.target, output=args.output_name,
             optimizer=optimizer, trainable=trainable, schedule=schedule,
             clip_grad_norm=args.clip_grad_norm, accumulate=args.accumulate)
     except TypeError as exc:  # the builder's type checks: a user mistake here
         raise ValueError(str(exc)) from None
+    except ValueError as exc:
+        if args.loss is None and "one class" in str(exc):  # the default does not fit: ask
+            raise ValueError(f"--loss: no default fits this model ({exc}); pass --loss mse for "
+                             "a regression or --loss bce_with_logits for 0/1 targets") from None
+        raise
     path = write_model(built, args.output)
     sess = TrainingSession(built)
     print(f"wrote training model {path}")

@@ -149,7 +149,7 @@ def test_terminate_on_nan_is_on_by_default(tmp_path):
     line = one_line_error(cli(*common), "training loss is nan", "TerminateOnNaN")
     assert not (tmp_path / "t.onnx").exists()
     assert "epoch 1, batch" in line
-    one_line_error(cli(*common, "--no-terminate-on-nan"), "training loss is nan")
+    one_line_error(cli(*common, "--no-terminate-on-nan", "--overwrite"), "training loss is nan")
 
 
 def test_check_says_when_a_model_is_not_a_training_model(files):
