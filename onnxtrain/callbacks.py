@@ -185,17 +185,27 @@ class EarlyStopping(Callback):
     ``patience`` epochs (Keras and Lightning semantics).
 
     ``mode``: "min", "max" or "auto" (max for names with accuracy/auc, else
-    min).  ``restore_best_weights``: at the end of training, load the state
-    of the best epoch back (it needs the session, which the loop gives).
-    The state is reset at ``on_train_begin``, so one object serves several fits.
+    min).  ``restore_best_weights``: at the end of training, go back to the
+    end of the best epoch.  The whole state is restored (weights, optimizer
+    moments, the step counter and so on, not the weights alone) and the
+    session's ``fit_position`` is set back to that epoch's, so the session,
+    its position and a checkpoint written by ``export(training=True)`` all
+    describe the same moment; resuming that checkpoint trains on from the best
+    epoch.  It needs the session, which the loop gives.
+    ``verbose``: print one line when it stops (the epoch, 1-based) and one
+    when it restores (Keras's words).  The state is reset at
+    ``on_train_begin``, so one object serves several fits.
+    ``stopped_epoch`` and ``restored_epoch`` (0-based, None when it did not)
+    say what happened.
 
-    >>> es = EarlyStopping("val_loss", patience=1)
+    >>> es = EarlyStopping("val_loss", patience=1, verbose=False)
     >>> [es.on_epoch_end(e, {"val_loss": v}) for e, v in enumerate([1.0, 0.5, 0.6])]
     [False, False, True]
     """
 
     def __init__(self, monitor: str = "val_loss", patience: int = 0, mode: str = "auto",
-                 min_delta: float = 0.0, restore_best_weights: bool = False) -> None:
+                 min_delta: float = 0.0, restore_best_weights: bool = False,
+                 verbose: bool = True) -> None:
         if mode == "auto":
             mode = "max" if any(k in monitor for k in ("acc", "auc")) else "min"
         if mode not in ("min", "max"):
@@ -205,14 +215,18 @@ class EarlyStopping(Callback):
         self.monitor, self.patience, self.mode = monitor, int(patience), mode
         self.min_delta = abs(float(min_delta))
         self.restore_best_weights = bool(restore_best_weights)
+        self.verbose = bool(verbose)
         self._reset()
 
     def _reset(self) -> None:
         self.best = math.inf if self.mode == "min" else -math.inf
         self.best_epoch: int | None = None
         self.best_state: dict[str, np.ndarray] | None = None
+        self.best_position: dict[str, Any] | None = None
         self.wait = 0
         self.stopped_epoch: int | None = None
+        self.restored_epoch: int | None = None
+        self._last_epoch: int | None = None
 
     def on_train_begin(self, logs: dict[str, Any]) -> None:
         self._reset()
@@ -220,6 +234,7 @@ class EarlyStopping(Callback):
     def on_epoch_end(self, epoch: int, logs: dict[str, Any]) -> bool:
         if self.monitor not in logs:
             raise ValueError(f"EarlyStopping: no {self.monitor!r} in the epoch logs {sorted(logs)}")
+        self._last_epoch = epoch
         value = float(logs[self.monitor])
         better = (value < self.best - self.min_delta if self.mode == "min"
                   else value > self.best + self.min_delta)
@@ -229,17 +244,36 @@ class EarlyStopping(Callback):
                 if self.session is None:
                     raise ValueError("EarlyStopping(restore_best_weights=True) needs the session; "
                                      "pass it in fit(callbacks=[...])")
+                # The whole state and the position (the loop has set it to the
+                # end of this epoch): one moment, restored together.
                 self.best_state = dict(self.session.state.items())
+                position = getattr(self.session, "fit_position", None)
+                self.best_position = dict(position) if position is not None else None
             return False
         self.wait += 1
         if self.wait >= self.patience:
             self.stopped_epoch = epoch
+            if self.verbose:
+                print(f"EarlyStopping: stopped at epoch {epoch + 1}: {self.monitor} has not "
+                      f"improved for {self.wait} epoch(s) (best {self.best:.4g} at epoch "
+                      f"{(self.best_epoch or 0) + 1})", flush=True)
             return True
         return False
 
     def on_train_end(self, logs: dict[str, Any]) -> None:
-        if self.restore_best_weights and self.best_state is not None and self.session is not None:
-            self.session.load_state(self.best_state)
+        if not (self.restore_best_weights and self.best_state is not None
+                and self.session is not None):
+            return
+        if self.best_epoch == self._last_epoch:
+            return  # the state is the best epoch's already
+        self.session.load_state(self.best_state)
+        if hasattr(self.session, "fit_position"):
+            self.session.fit_position = (dict(self.best_position)
+                                         if self.best_position is not None else None)
+        self.restored_epoch = self.best_epoch
+        if self.verbose:
+            print(f"Restoring model weights from the end of the best epoch: {self.best_epoch + 1}.",
+                  flush=True)
 
 
 class TerminateOnNaN(Callback):

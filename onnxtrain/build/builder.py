@@ -789,14 +789,15 @@ def _set_metadata(plan: Plan) -> None:
         # it for the main graph's inference-mode prediction).
         "train_prediction": {str(i): name for i, name in plan.train_predictions.items()},
         # The base learning rate's state variable and value (TrainingSession.learning_rate).
-        # "value": the tensor of training_info["algorithm"] holding the rate the
-        # update uses, lr * schedule(step) (TrainingSession.current_learning_rate).
-        "learning_rate": {"state": plan.lr_state, "base": float(plan.optimizer.lr),
-                          "value": plan.lr_value, "algorithm": plan.lr_algorithm},
+        "learning_rate": {"state": plan.lr_state, "base": float(plan.optimizer.lr)},
         # For the label check before training: the classes C (None: unknown),
         # their axis in the prediction and the label that is skipped.
         "classes": _classes(plan),
     }
+    if plan.schedule is not None:
+        # The tensor of training_info[algorithm].algorithm holding the rate the update
+        # uses, lr * schedule(step) (TrainingSession.current_learning_rate).
+        entries["learning_rate"].update(value=plan.lr_value, algorithm=plan.lr_algorithm)
     if plan.clip_state:
         # The clipping threshold's state variable (TrainingSession.clip_grad_norm).
         entries["clip_grad_norm"] = {"state": plan.clip_state, "base": plan.clip_grad_norm}
