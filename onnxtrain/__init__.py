@@ -5,6 +5,8 @@
 True
 """
 
+# First: in the command line, Ctrl-C during the imports below is one line, exit 130.
+from . import startup  # noqa: F401  (it installs that on import)
 from . import build
 from .callbacks import (
     Callback,

@@ -447,7 +447,10 @@ class History:
     def plot(self, keys: Sequence[str] | None = None, ax: Any = None) -> Any:
         """Plot the curves (default: every key; ``val_x`` dashed next to ``x``) with matplotlib.
 
-        Returns the matplotlib Axes.  matplotlib is an optional extra:
+        Losses go on the left y axis, metrics (accuracy, ...) on a second y
+        axis on the right (``ax.twinx()``), so that a loss falling near 0 and an
+        accuracy near 1 both stay readable; each axis names what it shows.
+        Returns the matplotlib Axes of the losses (the first one).  matplotlib is an optional extra:
         ``pip install 'onnxtrain[plot]'``."""
         try:
             import matplotlib.pyplot as plt
@@ -466,12 +469,25 @@ class History:
         if missing:
             raise KeyError(f"History.plot: no values for {missing}; available: {self.keys()}")
         x = [e + 1 for e in self.epochs]
-        for name in names:
-            style = "--" if name.startswith("val_") else "-"
-            ax.plot(x, self.history[name], style, marker="o", markersize=3, label=name)
+        # Losses and metrics have their own scales: losses on ``ax`` (left),
+        # the metrics on a second y axis sharing the epochs (right), each labelled.
+        losses = [k for k in names if "loss" in k]
+        metrics = [k for k in names if "loss" not in k]
+        groups = [(ax, losses or metrics)]
+        if losses and metrics:
+            groups.append((ax.twinx(), metrics))
+        handles = []
+        for axes, group in groups:
+            for name in group:
+                style = "--" if name.startswith("val_") else "-"
+                color = f"C{names.index(name)}"
+                handles += axes.plot(x, self.history[name], style, marker="o", markersize=3,
+                                     label=name, color=color)
+            bases = sorted({k.removeprefix("val_") for k in group})
+            axes.set_ylabel(bases[0] if len(bases) == 1 else ", ".join(bases))
         ax.set_xlabel("epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
-        ax.legend()
+        ax.legend(handles=handles, labels=[h.get_label() for h in handles])
         ax.grid(alpha=0.3)
         return ax
 

@@ -34,6 +34,7 @@ import onnx
 from . import __version__
 from .emitter import FLOAT_TYPES
 from .errors import DistributedStepError, ExecutionError, TrainingModelError
+from .fit import fmt_loss
 from .model import load
 from .session import TrainingSession
 
@@ -135,20 +136,23 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from .callbacks import check_writable
     from .demo import demo_steps, run_demo
+
+    check_writable(args.output, "-o")
 
     total = demo_steps(args.epochs, args.batch_size)
     with tqdm(total=total, unit="step", desc="training", disable=args.no_progress,
               file=sys.stderr) as bar:
 
         def progress(epoch: int, step: int, loss: float) -> None:
-            bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", refresh=False)
+            bar.set_postfix({"epoch": epoch, "last batch loss": fmt_loss(loss)}, refresh=False)
             bar.update(1)
 
         result = run_demo(epochs=args.epochs, batch_size=args.batch_size, out_path=args.output,
                           seed=args.seed, progress=progress)
     print(f"test accuracy: {result['accuracy']:.2%} on {result['test_size']} digits "
-          f"({result['steps']} steps, final loss {result['final_loss']:.4f}, "
+          f"({result['steps']} steps, last epoch's mean loss {fmt_loss(result['final_loss'])}, "
           f"{result['seconds']:.1f} s)")
     print(f"wrote {result['path']}")
     return 0
@@ -414,7 +418,8 @@ class _EpochLines:
         self.epochs = epochs
 
     def on_epoch_end(self, epoch: int, logs: dict) -> None:
-        values = ", ".join(f"{k} {v:.4g}" if k == "lr" else f"{k} {v:.4f}" for k, v in logs.items())
+        values = ", ".join(f"{k} {v:.4g}" if k == "lr" else f"{k} {fmt_loss(v)}"
+                           for k, v in logs.items())
         print(f"epoch {epoch + 1}/{self.epochs}: {values}", flush=True)
 
 

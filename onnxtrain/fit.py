@@ -741,7 +741,7 @@ def fit(
                                 metric_means[name].add(value, weight)
                     if bar is not None:
                         if "loss" in logs:
-                            post = {"loss": f"{loss_mean.result():.4f}"}
+                            post = {"loss": fmt_loss(loss_mean.result())}
                             if lr is not None:
                                 post["lr"] = f"{lr:.3g}"
                             bar.set_postfix(post, refresh=False)
@@ -786,6 +786,18 @@ def fit(
         history.steps = step
     _call(hooks["on_train_end"], "on_train_end", dict(history.last))
     return history
+
+
+def fmt_loss(value: float) -> str:
+    """A loss or metric for a line of text: 4 decimals, scientific notation
+    beyond 1e6 (a diverging loss stays readable) and below 1e-4.
+
+    >>> fmt_loss(0.41234), fmt_loss(4.459e35), fmt_loss(2e-7), fmt_loss(0.0)
+    ('0.4123', '4.459e+35', '2e-07', '0.0000')"""
+    value = float(value)
+    if value != 0 and math.isfinite(value) and not 1e-4 <= abs(value) < 1e6:
+        return f"{value:.4g}"
+    return f"{value:.4f}"
 
 
 def epoch_line(epoch: int, epochs: int, logs: Mapping[str, float], seconds: float) -> str:
