@@ -167,6 +167,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
           file=out)
     opsets = ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in proto.opset_import)
     print(f"opsets: {opsets}", file=out)
+    from .summary import pytorch_export_hint
+
+    hint = pytorch_export_hint(proto)
+    if hint:
+        print(hint, file=out)
     g = proto.graph
     print(f"graph {g.name!r}: {len(g.node)} nodes, {len(g.initializer)} initializers", file=out)
     _print_values("inputs", g.input, out)
