@@ -34,6 +34,7 @@ CLI in ``onnxtrain.cli_train``; their names stay importable from here.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 import warnings
@@ -56,6 +57,7 @@ from .callbacks import (
     TerminateOnNaN,
     check_callbacks,
     check_writable,
+    same_file,
     write_checkpoint,
 )
 from .comm import together
@@ -652,9 +654,16 @@ def fit(
             # Rank 0 alone shows progress and writes files (checkpoints, logs).
             progress = False
             callbacks = [cb for cb in callbacks if not getattr(cb, "output_paths", None)]
+    seen: list[tuple[str, Any]] = []
     for cb in callbacks:
         for path in getattr(cb, "output_paths", lambda: [])():
-            check_writable(path, f"fit: {type(cb).__name__}")
+            what = f"fit: {type(cb).__name__}"
+            check_writable(path, what)
+            for other_what, other in seen:  # two callbacks writing one file
+                if same_file(path, other):
+                    raise ValueError(f"{what} {os.fspath(path)}: is the file of {other_what} "
+                                     "too; give each output its own path")
+            seen.append((what, path))
     for cb in callbacks:
         if callable(getattr(cb, "set_session", None)):
             cb.set_session(sess)

@@ -212,3 +212,13 @@ def test_check_writable_names_the_option_and_the_path(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
     check_writable(tmp_path / "fine.onnx", "-o")
     assert os.listdir(tmp_path) == []  # the probe file is gone
+
+
+def test_two_fit_callbacks_writing_one_file_are_refused(tmp_path):
+    sess = TrainingSession(build.training_model(inference_model(), optimizer=build.SGD(lr=0.05)))
+    X, y = np.zeros((4, 4), np.float32), np.zeros(4, np.int64)
+    with pytest.raises(ValueError, match=f"CSVLogger {tmp_path / 'a.onnx'}: is the file of "
+                                         "fit: ModelCheckpoint"):
+        sess.fit(X, y, progress=False, callbacks=[ModelCheckpoint(tmp_path / "a.onnx"),
+                                                  CSVLogger(tmp_path / "a.onnx")])
+    assert not (tmp_path / "a.onnx").exists()
