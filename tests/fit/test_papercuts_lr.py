@@ -100,3 +100,27 @@ def test_history_lr_is_the_rate_of_each_epochs_last_step(capsys):
 def test_epoch_line_shows_the_scheduled_rate():
     line = epoch_line(0, 1, {"loss": 0.5, "lr": 0.1 * math.cos(1.0)}, 1.0)
     assert "lr 0.05403" in line
+
+
+def test_the_cli_epoch_lines_show_the_scheduled_rate(capsys, tmp_path):
+    """make-training --schedule cosine:6, then train: 2 steps per epoch, so epoch
+    e's last step is step 2e + 1 and its line shows 0.1 * f(2e + 1)."""
+    import onnx
+
+    from onnxtrain.cli import main
+
+    onnx.save(one_weight_model(), tmp_path / "m.onnx")
+    assert main(["make-training", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "t.onnx"),
+                 "--loss", "mse", "--optimizer", "sgd", "--lr", "0.1",
+                 "--schedule", "cosine:6"]) == 0
+    np.savez(tmp_path / "d.npz", X=np.ones((8, 1)), y=np.zeros((8, 1)))
+    capsys.readouterr()
+    assert main(["train", str(tmp_path / "t.onnx"), "--data", str(tmp_path / "d.npz"),
+                 "--epochs", "4", "--batch-size", "4", "-o", str(tmp_path / "out.onnx"),
+                 "--no-progress"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("epoch ")]
+    schedule = build.cosine(6)
+    shown = [float(ln.split("lr ")[1].split(",")[0].split()[0]) for ln in lines]
+    expected = [0.1 * schedule.factor(2 * e + 1) for e in range(4)]
+    assert shown == pytest.approx(expected, rel=1e-3, abs=1e-12)
+    assert shown[-1] == 0.0

@@ -222,3 +222,29 @@ def test_two_fit_callbacks_writing_one_file_are_refused(tmp_path):
         sess.fit(X, y, progress=False, callbacks=[ModelCheckpoint(tmp_path / "a.onnx"),
                                                   CSVLogger(tmp_path / "a.onnx")])
     assert not (tmp_path / "a.onnx").exists()
+
+
+def test_ctrl_c_names_the_resume_command_that_goes_on(capsys, files, monkeypatch):
+    import shlex
+
+    from onnxtrain import cli
+
+    ck, out = files / "ck.onnx", files / "t.onnx"
+
+    def interrupt_after_epoch_2(self, epoch, logs):
+        if epoch == 1:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(cli._EpochLines, "on_epoch_end", interrupt_after_epoch_2)
+        code, _, err = train(capsys, files, "-o", out, "--checkpoint", ck, epochs=5)
+    assert code == 130
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert f"the checkpoint {ck} holds epoch 2" in lines[0]
+    command = lines[0].split("continue with: ", 1)[1]
+    words = shlex.split(command)
+    assert words[:2] == ["onnxtrain", "train"] and words[words.index("--resume") + 1] == str(ck)
+    assert main(words[1:]) == 0  # the command as printed goes on from epoch 2
+    assert checkpoint_epoch(ck) == 5
+    assert "resumed from" in capsys.readouterr().out
