@@ -37,6 +37,7 @@ from .errors import DistributedStepError, ExecutionError, TrainingModelError
 from .fit import fmt_loss
 from .model import load
 from .session import TrainingSession
+from .startup import end_of_start
 
 PROG = "onnxtrain"
 
@@ -49,6 +50,7 @@ USER_ERRORS = (TrainingModelError, ValueError, OSError, FloatingPointError, Exec
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``) and return the exit code."""
+    end_of_start()  # Ctrl-C raises KeyboardInterrupt from here on (reported below)
     parser = _parser()
     try:
         args = parser.parse_args(argv)

@@ -61,6 +61,21 @@ def test_ctrl_c_during_start_up_is_one_line_and_130(entry, interrupting_import, 
     assert "Traceback" not in proc.stderr
 
 
+def test_ctrl_c_is_not_lost_in_an_import_that_swallows_it(tmp_path):
+    """An extension whose import clears errors (as C code may) swallows the
+    KeyboardInterrupt; the start-up handler exits on the signal itself."""
+    d = tmp_path / "swallow"
+    (d / "onnxruntime").mkdir(parents=True)
+    (d / "onnxruntime" / "__init__.py").write_text(
+        "import os, signal, time\ntry:\n    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(5)\nexcept BaseException:\n    pass\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(d), str(ROOT)]))
+    proc = subprocess.run([sys.executable, "-m", "onnxtrain", "--version"], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["onnxtrain: interrupted"]
+
+
 def test_a_program_importing_onnxtrain_keeps_pythons_own_behaviour(interrupting_import):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(interrupting_import), str(ROOT)]))
     proc = subprocess.run([sys.executable, "-c", "import onnxtrain"], capture_output=True,
@@ -68,17 +83,33 @@ def test_a_program_importing_onnxtrain_keeps_pythons_own_behaviour(interrupting_
     assert proc.returncode != 130 and "KeyboardInterrupt" in proc.stderr
 
 
-def test_ctrl_c_at_any_moment_of_a_short_command_is_one_line(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "onnxtrain", "demo", "--epochs", "500",
+def loaded(pid: int, library: str) -> bool:
+    try:
+        return library in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc (Linux)")
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.2, 0.5, 1.0])
+def test_ctrl_c_at_any_moment_after_the_interpreter_starts_is_one_line(tmp_path, delay):
+    """SIGINT once numpy is being loaded (onnxtrain's first heavy import: the
+    interpreter's own start-up, before any onnxtrain code, is Python's), then
+    ``delay`` later: in the imports (onnx, onnxruntime, whose C code may
+    swallow a KeyboardInterrupt), building the session, or training."""
+    proc = subprocess.Popen([sys.executable, "-m", "onnxtrain", "demo", "--epochs", "2000",
                              "--no-progress", "-o", str(tmp_path / "d.onnx")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
-        time.sleep(0.4)  # somewhere in the imports or the first epochs
+        deadline = time.monotonic() + 60
+        while not loaded(proc.pid, "_multiarray_umath") and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(delay)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 130, err
+    assert proc.returncode == 130, (out, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("onnxtrain: ") and "Traceback" not in err
 
@@ -90,9 +121,19 @@ def test_ctrl_c_at_any_moment_of_a_short_command_is_one_line(tmp_path):
     (["-m"], ["python", "-m", "onnxtrain.cli"], False),
     (["-c"], ["python", "-c", "import onnxtrain"], False),
     (["t.py"], ["python", "-u", "t.py", "-m", "onnxtrain"], False),
+    (["-m"], ["python", "-X", "dev", "-W", "error", "-m", "onnxtrain"], True),
 ])
 def test_started_as_cli(argv, orig, expected):
     assert started_as_cli(argv, orig) is expected
+
+
+def test_startup_doctests():
+    import doctest
+
+    import onnxtrain.startup
+
+    result = doctest.testmod(onnxtrain.startup)
+    assert result.failed == 0 and result.attempted >= 3
 
 
 # ------------------------------------------------------------- demo and numbers
