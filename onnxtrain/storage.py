@@ -420,8 +420,13 @@ def _write_temp(
 ) -> str:
     """A fully written and fsynced temporary file for ``folder / name``; returns its path.
 
-    ``content``: the bytes, or a function that writes them to the open file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.{os.getpid()}.", suffix=".tmp", dir=folder)
+    ``content``: the bytes, or a function that writes them to the open file.
+    An OSError names ``folder / name``, the file the caller asked for, never
+    the temporary file."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.{os.getpid()}.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise _named(exc, folder / name) from None
     try:
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
@@ -431,10 +436,20 @@ def _write_temp(
                 f.write(content)
             f.flush()
             os.fsync(f.fileno())
+    except OSError as exc:
+        _unlink(tmp)
+        if exc.filename is None or exc.filename == tmp:
+            raise _named(exc, folder / name) from None
+        raise  # about another file (a mapped source, ...): as it is
     except BaseException:
         _unlink(tmp)
         raise
     return tmp
+
+
+def _named(exc: OSError, path: Path) -> OSError:
+    """``exc`` again, naming ``path`` (the destination) as its file."""
+    return type(exc)(exc.errno, exc.strerror or str(exc), str(path))
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -248,3 +248,20 @@ def test_ctrl_c_names_the_resume_command_that_goes_on(capsys, files, monkeypatch
     assert main(words[1:]) == 0  # the command as printed goes on from epoch 2
     assert checkpoint_epoch(ck) == 5
     assert "resumed from" in capsys.readouterr().out
+
+
+def test_a_failed_write_names_the_destination_not_the_temporary_file(tmp_path):
+    with pytest.raises(OSError) as info:
+        write_atomically("/proc/t.onnx", b"x")
+    assert "/proc/t.onnx" in str(info.value) and ".tmp" not in str(info.value)
+    with pytest.raises(OSError) as info:
+        write_model(inference_model(), "/proc/t.onnx")
+    assert "/proc/t.onnx" in str(info.value) and ".tmp" not in str(info.value)
+
+    def fails(f):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left") as info:
+        write_atomically(tmp_path / "full.onnx", fails)
+    assert info.value.filename == str(tmp_path / "full.onnx")
+    assert os.listdir(tmp_path) == []  # the temporary file is gone
