@@ -408,8 +408,10 @@ def _cmd_make_training(args: argparse.Namespace) -> int:
         raise ValueError(str(exc)) from None
     except ValueError as exc:
         if args.loss is None and "one class" in str(exc):  # the default does not fit: ask
-            raise ValueError(f"--loss: no default fits this model ({exc}); pass --loss mse for "
-                             "a regression or --loss bce_with_logits for 0/1 targets") from None
+            detail = str(exc).split(";")[0].removeprefix("cross_entropy: ")
+            raise ValueError(f"--loss: the default, cross_entropy, does not fit this model "
+                             f"({detail}): pass --loss mse for a regression or --loss "
+                             "bce_with_logits for 0/1 targets") from None
         raise
     path = write_model(built, args.output)
     sess = TrainingSession(built)

@@ -216,12 +216,16 @@ def check_outputs(model: Any, data: Any, output: Any, checkpoint: Any, resume: A
                                   ("the validation data (--validation-data)", validation_data))
               if isinstance(p, (str, os.PathLike))]
     for i, (what, path) in enumerate(outputs):
-        for name, other in inputs + [(f"{w} too", p) for w, p in outputs[:i]]:
+        for name, other in inputs:
             if what == "--checkpoint" and "(--resume)" in name:
                 continue  # resume a checkpoint and go on writing it: the usual way
             if same_file(path, other):
                 raise ValueError(f"{what} {os.fspath(path)}: is {name}; writing there would "
                                  "replace it: give another path")
+        for name, other in outputs[:i]:
+            if same_file(path, other):
+                raise ValueError(f"{what} {os.fspath(path)}: is also the {name} output; give "
+                                 "each output its own path")
     if checkpoint is not None and resume is None and not overwrite and os.path.exists(checkpoint):
         try:
             held = f"epoch {checkpoint_epoch(checkpoint)} of an earlier run"

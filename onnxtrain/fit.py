@@ -552,7 +552,9 @@ def fit(
     log_every: int = 1,
     cycle: Sequence[int | None] | None = None,
 ) -> History:
-    """Train ``sess``; returns a History of per-epoch loss, metrics and lr.
+    """Train ``sess``; returns a History of per-epoch loss, metrics and lr
+    (the rate the epoch's last step used, schedule included:
+    ``sess.current_learning_rate`` before that step).
 
     - ``x, y``: arrays (Keras style; x feeds ``onnxtrain.inputs``, y
       ``onnxtrain.target``; x may be a dict or tuple for several inputs), or

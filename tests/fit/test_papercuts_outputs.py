@@ -126,7 +126,7 @@ def test_an_output_over_the_model_or_another_output_is_refused(capsys, files):
     code, _, err = train(capsys, files, "-o", files / "x.onnx", "--checkpoint", model)
     one_line_error(code, err, f"--checkpoint {model}: ", "the model being trained")
     code, _, err = train(capsys, files, "-o", files / "x.onnx", "--checkpoint", files / "x.onnx")
-    one_line_error(code, err, f"--checkpoint {files / 'x.onnx'}: ", "-o too")
+    one_line_error(code, err, f"--checkpoint {files / 'x.onnx'}: ", "also the -o output")
     # the same file by another spelling, and a hard link
     code, _, err = train(capsys, files, "-o", str(files / "sub" / ".." / "train.onnx"))
     assert code == 1 and "sub/../train.onnx" in err
