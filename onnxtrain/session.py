@@ -377,12 +377,13 @@ class TrainingSession:
         info = self._metadata["learning_rate"]
         value = info.get("value")
         if not value or value == name:
-            return float(self.state[name])
+            return float(self._store.to_numpy([name])[name])
         lr_exec = getattr(self, "_lr_exec", None)
         if lr_exec is None:
             lr_exec = self._lr_exec = self._rate_executor(value, int(info.get("algorithm", 0)))
         executor, inputs = lr_exec
-        (out,) = executor.run({n: np.asarray(self.state[n]) for n in inputs}, [value])
+        # One state version for every input (fit reads this before each step).
+        (out,) = executor.run(self._store.to_numpy(inputs), [value])
         return float(out)
 
     def _rate_executor(self, value: str, index: int) -> tuple[Executor, list[str]]:
