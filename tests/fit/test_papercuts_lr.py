@@ -102,6 +102,7 @@ def test_epoch_line_shows_the_scheduled_rate():
     assert "lr 0.05403" in line
 
 
+@pytest.mark.filterwarnings("ignore:training_model")  # W is one element: trained, as meant
 def test_the_cli_epoch_lines_show_the_scheduled_rate(capsys, tmp_path):
     """make-training --schedule cosine:6, then train: 2 steps per epoch, so epoch
     e's last step is step 2e + 1 and its line shows 0.1 * f(2e + 1)."""
