@@ -24,6 +24,7 @@ from onnxtrain.datasets import load_digits, train_test_split
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short run (2 epochs)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--epochs", type=int, default=None, help="passes over the data (default 12)")
     parser.add_argument("-o", "--output", default=None, help="also write the trained inference model")
     args = parser.parse_args(argv)
@@ -38,7 +39,8 @@ def main(argv=None) -> int:
     sess = TrainingSession(model)
     print(sess)
     history = sess.fit(X_train, y_train, epochs=epochs, batch_size=32,
-                       validation_data=(X_test, y_test), progress=not args.quick)
+                       validation_data=(X_test, y_test),
+                       progress=not (args.quick or args.no_progress))
     result = sess.evaluate((X_test, y_test))
     print(f"after {len(history)} epochs ({sum(history.seconds):.1f} s): "
           f"test loss {result['loss']:.4f}, test accuracy {result['accuracy']:.2%}")

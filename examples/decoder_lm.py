@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 import time
 import zlib
 from dataclasses import asdict, dataclass
@@ -246,11 +247,16 @@ def write_decoder_lm(path: str | os.PathLike, cfg: DecoderConfig) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (this example shows none anyway)")
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
-    parser.add_argument("--out", default="decoder_lm", help="output folder")
+    parser.add_argument("--out", default=None,
+                        help="output folder (default: a new temporary folder, printed)")
     args = parser.parse_args(argv)
     cfg = CONFIGS[args.config]
-    info = write_decoder_lm(Path(args.out) / f"decoder_lm_{args.config}.onnx", cfg)
+    # Never into the repository by default: the weights run to gigabytes.
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="decoder_lm_"))
+    info = write_decoder_lm(out / f"decoder_lm_{args.config}.onnx", cfg)
     print(f"{info['path']}: {info['parameters'] / 1e6:.1f} M parameters, "
           f"{info['data_bytes'] / 2**30:.2f} GiB of weights written in {info['seconds']:.1f} s")
     return 0

@@ -30,6 +30,7 @@ from onnxtrain.demo import build_classifier
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short run (2 epochs)")
+    parser.add_argument("--no-progress", action="store_true", help="no per-epoch lines")
     parser.add_argument("--batch-size", type=int, default=32, help="rows per rank per step")
     args = parser.parse_args(argv)
     epochs = 2 if args.quick else 10
@@ -47,7 +48,8 @@ def main(argv=None) -> int:
 
     sess = onnxtrain.TrainingSession(model, comm=world)
     history = sess.fit(X_train, y_train, epochs=epochs, batch_size=args.batch_size, seed=1,
-                       progress="epoch")  # rank 0 prints; every rank gets the same logs
+                       # rank 0 prints; every rank gets the same logs
+                       progress=False if args.no_progress else "epoch")
     if rank != 0:
         return 0
     print(f"ranks: {ranks}, global batch {args.batch_size * ranks}, {history.steps} steps, "

@@ -31,6 +31,8 @@ def initializers(model) -> dict[str, np.ndarray]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short run (2 + 2 epochs)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (this example shows none anyway)")
     args = parser.parse_args(argv)
     epochs = 2 if args.quick else 10
 

@@ -28,6 +28,7 @@ from onnxtrain.datasets import load_digits, train_test_split
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short run")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
 
     X, y = load_digits()
@@ -55,7 +56,8 @@ def main(argv=None) -> int:
         mlp(hidden=64), loss="cross_entropy", target="label",
         optimizer=build.Adam(lr=1e-2), accumulate=4))
     history = adam.fit((X_train, y_train), epochs=epochs, batch_size=8,
-                       validation_data=(X_test, y_test), progress=not args.quick)
+                       validation_data=(X_test, y_test),
+                       progress=not (args.quick or args.no_progress))
     print(f"Adam, micro-batches of 8 accumulated 4 times: test accuracy "
           f"{history['val_accuracy'][-1]:.2%} after {epochs} epochs")
     return 0 if diff < 1e-5 else 1

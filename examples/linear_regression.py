@@ -84,6 +84,8 @@ def build_model(n_features: int, lr: float) -> onnx.ModelProto:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short run (60 steps)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (this example shows none anyway)")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default 300)")
     args = parser.parse_args(argv)
     steps = args.steps or (60 if args.quick else 300)

@@ -29,6 +29,8 @@ from onnxtrain.demo import DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_LR, build
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short run (2 epochs)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (this example shows none anyway)")
     parser.add_argument("--epochs", type=int, default=None,
                         help=f"passes over the data (default {DEFAULT_EPOCHS})")
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)

@@ -27,6 +27,7 @@ from onnxtrain.datasets import load_digits
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short run (1 + 1 epochs)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     half = 1 if args.quick else 3
     total = 2 * half
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
         resumed = TrainingSession(path)
         start = checkpoint_epoch(resumed)
         history = resumed.fit(X_train, y_train, epochs=total, batch_size=32,
-                              progress=not args.quick)  # continues at epoch `start`
+                              progress=not (args.quick or args.no_progress))  # continues at epoch `start`
         print(f"resumed at epoch {start}, trained epochs {[e + 1 for e in history.epochs]}")
 
     same = all(np.array_equal(uninterrupted.state[k], resumed.state[k]) for k in resumed.state)

@@ -102,6 +102,7 @@ def build_model() -> onnx.ModelProto:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short run (2 epochs)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     epochs = 2 if args.quick else 10
 
@@ -118,7 +119,8 @@ def main(argv=None) -> int:
     sess.initialize()                   # both initialization graphs: a fresh start
 
     history = sess.fit(X_train, y_train, epochs=epochs, batch_size=32,
-                       validation_data=(X_test, y_test), progress=not args.quick)
+                       validation_data=(X_test, y_test),
+                       progress=not (args.quick or args.no_progress))
     print(f"fit with cycle [0, 1]: {history.steps} batches -> step0 = {int(sess.state['step0'])}, "
           f"step1 = {int(sess.state['step1'])}")
     print(f"test accuracy after {epochs} epochs: {history['val_accuracy'][-1]:.2%}")

@@ -5,6 +5,10 @@
 True
 """
 
+# isort: off
+# First: in the command line, Ctrl-C during the imports below is one line, exit 130.
+from . import startup  # noqa: F401  (it installs that on import)
+# isort: on
 from . import build
 from ._version import __version__ as __version__
 from .errors import ExecutionError, GradientError, TrainingModelError

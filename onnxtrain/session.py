@@ -258,11 +258,46 @@ class TrainingSession(SettingsMixin, ExecutionMixin, DataParallelMixin, ExportMi
         return session_html(self)
 
     # ------------------------------------------------------------- training loop
-    # Keras style, ``sess.fit(X, y, epochs=5)``: the loop of ``train/loop.py``
-    # (docs/fit.md), whose functions take the session first.
-    fit = loop.fit
-    evaluate = loop.evaluate
-    predict = loop.predict
+    def fit(
+        self,
+        x: Any,
+        y: Any = None,
+        *,
+        epochs: int = 1,
+        batch_size: int = 32,
+        validation_data: Any = None,
+        validation_split: float = 0.0,
+        shuffle: bool = True,
+        seed: int = 0,
+        callbacks: Sequence[Any] | None = None,
+        metrics: Any = None,
+        initial_epoch: int | None = None,
+        progress: bool | str = True,
+        drop_last: bool | None = None,
+        log_every: int = 1,
+        cycle: Sequence[int | None] | None = None,
+    ) -> Any:
+        """Train for some epochs, Keras style: ``sess.fit(X, y, epochs=5)``; returns a History.
+
+        ``x`` may also be ``(X, y)``, a dict of feeds or an iterable of batch
+        dicts (then ``y`` stays None).  See ``train.loop.fit`` and docs/fit.md."""
+        return loop.fit(self, x, y, epochs=epochs, batch_size=batch_size,
+                        validation_data=validation_data, validation_split=validation_split,
+                        shuffle=shuffle, seed=seed, callbacks=callbacks, metrics=metrics,
+                        initial_epoch=initial_epoch, progress=progress, drop_last=drop_last,
+                        log_every=log_every, cycle=cycle)
+
+    def evaluate(
+        self, x: Any, y: Any = None, *, batch_size: int = 256, metrics: Any = None
+    ) -> dict[str, float]:
+        """Loss and metrics over ``x`` (and ``y``) without changing state (``train.loop.evaluate``)."""
+        return loop.evaluate(self, x, y, batch_size=batch_size, metrics=metrics)
+
+    def predict(
+        self, x: Any, *, batch_size: int = 256, outputs: str | Sequence[str] | None = None
+    ) -> Any:
+        """Run the main graph batch by batch (``train.loop.predict``)."""
+        return loop.predict(self, x, batch_size=batch_size, outputs=outputs)
 
     # ------------------------------------------------------------- introspection
     @property

@@ -367,3 +367,30 @@ def parameter_text(model: Any, indent: str = "  ") -> str:
         if c.doubt:
             lines.append(f"{indent}note: {c.name}: {c.doubt}")
     return "\n".join(lines)
+
+
+#: What ``onnxtrain inspect`` says about a PyTorch export without BatchNormalization.
+PYTORCH_EXPORT_HINT = (
+    "hint: exported by PyTorch with no BatchNormalization: an eval-mode "
+    "torch.onnx.export folds BatchNorm into the Conv before it, so fine-tuning would not "
+    "match PyTorch; to keep it, export with dynamo=True, optimize=False (or dynamo=False, "
+    "training=TrainingMode.PRESERVE) and a dynamic batch dimension (docs/compatibility.md)"
+)
+
+
+def pytorch_export_hint(model: onnx.ModelProto) -> str | None:
+    """``PYTORCH_EXPORT_HINT`` for a model whose producer is PyTorch and whose
+    graphs hold no BatchNormalization node, else None.
+
+    >>> m = onnx.ModelProto(producer_name="pytorch")
+    >>> pytorch_export_hint(m) == PYTORCH_EXPORT_HINT
+    True
+    >>> m.graph.node.add(op_type="BatchNormalization") and pytorch_export_hint(m)
+    >>> pytorch_export_hint(onnx.ModelProto(producer_name="skl2onnx"))
+    """
+    if model.producer_name.lower() != "pytorch":
+        return None
+    graphs = [model.graph] + [ti.algorithm for ti in model.training_info]
+    if any(n.op_type == "BatchNormalization" for g in graphs for n in g.node):
+        return None
+    return PYTORCH_EXPORT_HINT

@@ -21,6 +21,52 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "compatibility.md"
 
+#: How to export a PyTorch model for fine-tuning (written into the doc as is).
+EXPORT_GUIDE = """
+## Exporting a PyTorch model for fine-tuning
+
+An eval-mode `torch.onnx.export` is made for inference: the dynamo exporter's
+default `optimize=True`, like TorchScript's constant folding, folds each
+BatchNormalization into the Conv before it. The folded model trains, but not
+as PyTorch does (no batch statistics, no running averages: the fused rows
+above). `onnxtrain inspect` prints a one-line hint for a PyTorch export without
+BatchNormalization. To fine-tune like PyTorch:
+
+- **Keep BatchNormalization**: `dynamo=True, optimize=False` (model in eval
+  mode), or `dynamo=False, training=torch.onnx.TrainingMode.PRESERVE` with the
+  model in training mode (`model.train()`). `build.training_model` then trains
+  on batch statistics and updates the running averages (`batchnorm_var="auto"`
+  follows PyTorch's unbiased variance for a `pytorch` producer).
+- **Make the batch dimension dynamic**: `dynamic_shapes=({0: torch.export.Dim("batch")},)`
+  with dynamo, `dynamic_axes={"x": {0: "batch"}}` with TorchScript, and
+  export with a batch of 2 or more. A fixed batch dimension makes `fit` drop the
+  last partial batch (`drop_last=True`, with a note).
+
+```python
+import torch
+
+net.eval()
+torch.onnx.export(net, (torch.randn(4, 3, 32, 32),), "net.onnx", dynamo=True, optimize=False,
+                  input_names=["x"], output_names=["logits"],
+                  dynamic_shapes=({0: torch.export.Dim("batch")},))
+```
+
+Language models:
+
+- **Opset**: keep torch's default (20 for the dynamo exporter in torch 2.13):
+  plain ops, each with a gradient rule here. Opset 23 writes the `Attention`
+  and `RMSNormalization` ops; 24 decomposes RMSNorm again. T5 fails in the
+  dynamo exporter (view/stride); `dynamo=False` exports it.
+- **Dynamic sizes**: batch and sequence dimensions both dynamic
+  (`{0: Dim("batch"), 1: Dim("seq")}` for `input_ids` and `attention_mask`).
+- **Padding side**: pad on the right for training, so that each sequence's
+  tokens keep positions 0, 1, ... (left padding shifts them unless the model
+  takes `position_ids`), and set the labels of padding to -100: the
+  cross-entropy's `ignore_index`, which the loss skips. Feed `attention_mask`
+  when the model has it as an input. The labels are `[B, T]` class indices; the
+  builder finds the vocabulary axis of `[B, T, V]` logits itself.
+"""
+
 
 def load_checks():
     spec = importlib.util.spec_from_file_location("exporter_corpus", ROOT / "tests" / "builder" / "test_exporter_corpus.py")
@@ -99,6 +145,7 @@ def main() -> int:
         "|---|---|---|---|---|---|",
     ]
     lines += [f"| {e} | {m} | {g} | {t} | {x} | {n} |" for e, m, g, t, x, n in rows]
+    lines += ["", *EXPORT_GUIDE.strip("\n").splitlines()]
     lines += [
         "",
         "## Versions",

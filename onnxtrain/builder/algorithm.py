@@ -204,9 +204,12 @@ class Algorithm:
         plan, e = self.plan, self.e
         e.hint = "lr"
         lr = plan.lr_state = self.hyperparameter("lr", plan.optimizer.lr)
+        plan.lr_algorithm = self.index
         if plan.schedule is None:
+            plan.lr_value = lr
             return lr
-        return e.Mul(lr, plan.schedule.emit(e, plan.step))
+        plan.lr_value = e.Mul(lr, plan.schedule.emit(e, plan.step))
+        return plan.lr_value
 
     def optimizer_step(self, grads: Sequence[str]) -> None:
         plan = self.plan

@@ -376,6 +376,10 @@ def _set_metadata(plan: Plan) -> None:
         # their axis in the prediction and the label that is skipped.
         "classes": _classes(plan),
     }
+    if plan.schedule is not None:
+        # The tensor of training_info[algorithm].algorithm holding the rate the update
+        # uses, lr * schedule(step) (TrainingSession.current_learning_rate).
+        entries["learning_rate"].update(value=plan.lr_value, algorithm=plan.lr_algorithm)
     if plan.clip_state:
         # The clipping threshold's state variable (TrainingSession.clip_grad_norm).
         entries["clip_grad_norm"] = {"state": plan.clip_state, "base": plan.clip_grad_norm}

@@ -281,6 +281,20 @@ def resolve_class_axis(
     )
 
 
+def check_classes(loss_name: str, prediction: str, shape: Shape, axis: int) -> None:
+    """ValueError when the class axis of ``prediction`` holds one class: a
+    softmax over one score is 1, so the loss is 0 whatever the weights (a
+    regression or yes/no output)."""
+    if shape is None or len(shape) < 2:
+        return
+    if shape[axis] == 1:
+        raise ValueError(
+            f"{loss_name}: the prediction {prediction!r} has shape {list(shape)}: one class, over "
+            "which the loss is always 0 and nothing trains; use loss='mse' for a regression "
+            "(float targets) or loss='bce_with_logits' for 0/1 targets"
+        )
+
+
 def _class_target(elem_type: int, shape: Shape, class_axis: Any = 1) -> tuple[int, Shape]:
     """int64 class indices shaped like the scores without their class axis."""
     if shape is None:
@@ -351,8 +365,9 @@ class NLL(Loss):
         _check_ignore_index("NLL", self.ignore_index)
 
     def for_model(self, graph: onnx.GraphProto, prediction: str, shape: Shape) -> Loss:
-        return replace(self, class_axis=resolve_class_axis(
-            "NLL", self.class_axis, self.weight, graph, prediction, shape))
+        axis = resolve_class_axis("NLL", self.class_axis, self.weight, graph, prediction, shape)
+        check_classes("nll", prediction, shape, axis)
+        return replace(self, class_axis=axis)
 
     def target_type(self, elem_type: int, shape: Shape) -> tuple[int, Shape]:
         return _class_target(elem_type, shape, self.class_axis)
@@ -404,8 +419,10 @@ class CrossEntropy(Loss):
         _check_ignore_index("CrossEntropy", self.ignore_index)
 
     def for_model(self, graph: onnx.GraphProto, prediction: str, shape: Shape) -> Loss:
-        return replace(self, class_axis=resolve_class_axis(
-            "CrossEntropy", self.class_axis, self.weight, graph, prediction, shape))
+        axis = resolve_class_axis("CrossEntropy", self.class_axis, self.weight, graph, prediction,
+                                  shape)
+        check_classes("cross_entropy", prediction, shape, axis)
+        return replace(self, class_axis=axis)
 
     def target_type(self, elem_type: int, shape: Shape) -> tuple[int, Shape]:
         return _class_target(elem_type, shape, self.class_axis)

@@ -130,6 +130,9 @@ class Plan:
     #: State variables holding the base learning rate and the clipping threshold
     #: (TrainingSession.learning_rate / clip_grad_norm set them between steps).
     lr_state: str = ""
+    #: The rate the update uses (lr * schedule(step)) and the algorithm computing it.
+    lr_value: str = ""
+    lr_algorithm: int = 0
     clip_state: str = ""
     #: The activation recompute option (``onnxtrain.recompute``), None when off.
     recompute: Any = None

@@ -36,6 +36,8 @@ from ..core.emitter import FLOAT_TYPES
 from ..errors import DistributedStepError, ExecutionError, TrainingModelError
 from ..io.model import load
 from ..session import TrainingSession
+from ..startup import end_of_start
+from ..train.loop import fmt_loss
 
 PROG = "onnxtrain"
 
@@ -48,6 +50,7 @@ USER_ERRORS = (TrainingModelError, ValueError, OSError, FloatingPointError, Exec
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``) and return the exit code."""
+    end_of_start()  # Ctrl-C raises KeyboardInterrupt from here on (reported below)
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -137,20 +140,23 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from ..train.callbacks import check_writable
     from .demo import demo_steps, run_demo
+
+    check_writable(args.output, "-o")
 
     total = demo_steps(args.epochs, args.batch_size)
     with tqdm(total=total, unit="step", desc="training", disable=args.no_progress,
               file=sys.stderr) as bar:
 
         def progress(epoch: int, step: int, loss: float) -> None:
-            bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", refresh=False)
+            bar.set_postfix({"epoch": epoch, "last batch loss": fmt_loss(loss)}, refresh=False)
             bar.update(1)
 
         result = run_demo(epochs=args.epochs, batch_size=args.batch_size, out_path=args.output,
                           seed=args.seed, progress=progress)
     print(f"test accuracy: {result['accuracy']:.2%} on {result['test_size']} digits "
-          f"({result['steps']} steps, final loss {result['final_loss']:.4f}, "
+          f"({result['steps']} steps, last epoch's mean loss {fmt_loss(result['final_loss'])}, "
           f"{result['seconds']:.1f} s)")
     print(f"wrote {result['path']}")
     return 0
@@ -165,6 +171,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
           file=out)
     opsets = ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in proto.opset_import)
     print(f"opsets: {opsets}", file=out)
+    from ..summary import pytorch_export_hint
+
+    hint = pytorch_export_hint(proto)
+    if hint:
+        print(hint, file=out)
     g = proto.graph
     print(f"graph {g.name!r}: {len(g.node)} nodes, {len(g.initializer)} initializers", file=out)
     _print_values("inputs", g.input, out)
@@ -227,6 +238,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from ..train.callbacks import check_writable
 
     check_writable(args.output, "-o")
+    _not_the_input(args.output, args.checkpoint, "the checkpoint read (CKPT)")
     path = TrainingSession(args.checkpoint).export(args.output, training=args.training)
     kind = "training checkpoint" if args.training else "inference model"
     print(f"wrote {kind} {path}")
@@ -246,8 +258,9 @@ def _add_training_commands(sub) -> None:
                     "inference model, as a standard ONNX training model.")
     make.add_argument("model", metavar="MODEL", help="path of an inference .onnx model")
     make.add_argument("-o", "--output", required=True, metavar="OUT", help="output path")
-    make.add_argument("--loss", default="cross_entropy", choices=LOSSES,
-                      help="the loss (default cross_entropy)")
+    make.add_argument("--loss", default=None, choices=LOSSES,
+                      help="the loss (default cross_entropy, for an output of several classes; "
+                           "a one-column output needs --loss)")
     make.add_argument("--target", default="target",
                       help="name of the new target input (default 'target')")
     make.add_argument("--output-name", default=None, metavar="NAME",
@@ -285,6 +298,9 @@ def _add_training_commands(sub) -> None:
                        help="write the training model (a complete checkpoint) after each epoch")
     train.add_argument("--resume", default=None, metavar="CKPT.onnx",
                        help="continue from a checkpoint written by --checkpoint")
+    train.add_argument("--overwrite", action="store_true",
+                       help="start again over an existing --checkpoint (without it, an existing "
+                            "checkpoint needs --resume)")
     train.add_argument("--validation-data", default=None, metavar="VAL.npz",
                        help="report val_loss and val_accuracy after each epoch")
     train.add_argument("--seed", type=int, default=0, help="shuffling seed (default 0)")
@@ -298,6 +314,14 @@ def _add_training_commands(sub) -> None:
                        help="raise at a NaN/Inf loss instead of stopping through TerminateOnNaN "
                             "(either way: one error line, exit 1, no output)")
     train.set_defaults(handler=_cmd_train)
+
+
+def _not_the_input(output: str, source: str, what: str) -> None:
+    """ValueError when ``-o`` names the file the command reads."""
+    from ..train.callbacks import same_file
+
+    if same_file(output, source):
+        raise ValueError(f"-o {output}: is {what}; writing there would replace it: give another path")
 
 
 def _positive_float(text: str) -> float:
@@ -361,6 +385,7 @@ def _cmd_make_training(args: argparse.Namespace) -> int:
     from ..train.callbacks import check_writable
 
     check_writable(args.output, "-o")
+    _not_the_input(args.output, args.model, "the model read (MODEL)")
     schedule = parse_schedule(args.schedule) if args.schedule else None
     optimizer = _optimizer(args)
     trainable = None
@@ -378,11 +403,18 @@ def _cmd_make_training(args: argparse.Namespace) -> int:
 
     try:
         built = build.training_model(
-            model, loss=args.loss, target=args.target, output=args.output_name,
+            model, loss=args.loss or "cross_entropy", target=args.target, output=args.output_name,
             optimizer=optimizer, trainable=trainable, schedule=schedule,
             clip_grad_norm=args.clip_grad_norm, accumulate=args.accumulate)
     except TypeError as exc:  # the builder's type checks: a user mistake here
         raise ValueError(str(exc)) from None
+    except ValueError as exc:
+        if args.loss is None and "one class" in str(exc):  # the default does not fit: ask
+            detail = str(exc).split(";")[0].removeprefix("cross_entropy: ")
+            raise ValueError(f"--loss: the default, cross_entropy, does not fit this model "
+                             f"({detail}): pass --loss mse for a regression or --loss "
+                             "bce_with_logits for 0/1 targets") from None
+        raise
     path = write_model(built, args.output)
     sess = TrainingSession(built)
     print(f"wrote training model {path}")
@@ -397,13 +429,14 @@ class _EpochLines:
         self.epochs = epochs
 
     def on_epoch_end(self, epoch: int, logs: dict) -> None:
-        values = ", ".join(f"{k} {v:.4g}" if k == "lr" else f"{k} {v:.4f}" for k, v in logs.items())
+        values = ", ".join(f"{k} {v:.4g}" if k == "lr" else f"{k} {fmt_loss(v)}"
+                           for k, v in logs.items())
         print(f"epoch {epoch + 1}/{self.epochs}: {values}", flush=True)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from ..io.metadata import checkpoint_epoch
-    from .train import train_files
+    from .train import TrainingInterrupted, train_files
 
     comm = _world() if args.distributed else None
     rank = comm.rank if comm is not None else 0
@@ -417,7 +450,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
                              validation_data=args.validation_data, seed=args.seed,
                              progress=not args.no_progress,
                              callbacks=[_EpochLines(args.epochs)] if rank == 0 else [],
-                             terminate_on_nan=not args.no_terminate_on_nan, comm=comm)
+                             terminate_on_nan=not args.no_terminate_on_nan, comm=comm,
+                             overwrite=args.overwrite)
+    except TrainingInterrupted as exc:
+        if exc.checkpoint is None:
+            raise
+        # The whole command that goes on from the checkpoint.
+        told = f"continue with --resume {exc.checkpoint}"
+        raise TrainingInterrupted(str(exc).replace(
+            told, f"continue with: {_resume_command(args, exc.checkpoint)}"), exc.checkpoint) from None
     except USER_ERRORS:
         if rank == 0:
             raise
@@ -434,6 +475,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"wrote checkpoint {result.checkpoint}")
     print(f"wrote inference model {result.output}")
     return 0
+
+
+def _resume_command(args: argparse.Namespace, checkpoint) -> str:
+    """``onnxtrain train ... --resume CKPT``: this run's command, resumed."""
+    import shlex
+
+    words = [PROG, "train", args.model, "--data", args.data, "--epochs", args.epochs,
+             "--batch-size", args.batch_size, "--seed", args.seed, "-o", args.output]
+    if args.checkpoint:
+        words += ["--checkpoint", args.checkpoint]
+    words += ["--resume", checkpoint]
+    if args.validation_data:
+        words += ["--validation-data", args.validation_data]
+    if args.no_progress:
+        words.append("--no-progress")
+    return shlex.join(str(w) for w in words)
 
 
 def _world():

@@ -25,10 +25,10 @@ from ..io.metadata import checkpoint_epoch
 from ..io.model import load, validate
 from ..parallel.comm import as_communicator, together
 from ..session import TrainingSession
-from ..train.callbacks import History, ModelCheckpoint, TerminateOnNaN, check_writable, write_checkpoint
+from ..train.callbacks import History, ModelCheckpoint, TerminateOnNaN, check_writable, same_file, write_checkpoint
 from ..train.loop import NonFiniteLossError, fit, fit_spec
 
-__all__ = ["TrainResult", "TrainingInterrupted", "load_npz", "train_files"]
+__all__ = ["TrainResult", "TrainingInterrupted", "check_outputs", "load_npz", "train_files"]
 
 
 def load_npz(path: str | os.PathLike, sess: Any | None = None) -> Any:
@@ -65,7 +65,13 @@ def load_npz(path: str | os.PathLike, sess: Any | None = None) -> Any:
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C during ``train_files``; the message says what the checkpoint holds."""
+    """Ctrl-C during ``train_files``; the message says what the checkpoint holds
+    and how to go on (``--resume``); ``checkpoint`` is the file to resume from
+    (None when none was written)."""
+
+    def __init__(self, message: str, checkpoint: Path | None = None) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
 
 
 @dataclass
@@ -94,6 +100,7 @@ def train_files(
     callbacks: Sequence[Any] = (),
     terminate_on_nan: bool = True,
     comm: Any = None,
+    overwrite: bool = False,
 ) -> TrainResult:
     """``onnxtrain train``: fit a training model file on an .npz file.
 
@@ -102,8 +109,11 @@ def train_files(
     ``epochs``, exactly as if it had never stopped, provided ``data``,
     ``batch_size`` and ``seed`` are the same.  The checkpoint must hold the
     state variables of ``model``.  ``output``: the trained inference model.
+    A ``checkpoint`` that exists is refused unless the run resumes
+    (``resume``) or ``overwrite`` says to start again over it.
 
-    Every output path is checked before the first step.  ``terminate_on_nan``
+    Every output path is checked before the first step: a file path whose
+    folder takes a new file, not the model, the data or another output.  ``terminate_on_nan``
     (on, as in the CLI): a NaN/Inf loss stops the run through ``TerminateOnNaN``
     and raises ``NonFiniteLossError`` afterwards, with the checkpoint of the last
     finished epoch left as it was and no output written.  Ctrl-C raises
@@ -123,10 +133,8 @@ def train_files(
     writes = rank == 0  # data-parallel: rank 0 alone writes files and shows progress
 
     def check_paths() -> Any:
-        if writes and output is not None:
-            check_writable(output, "-o")
-        if writes and checkpoint is not None:
-            check_writable(checkpoint, "--checkpoint")
+        if writes:
+            check_outputs(model, data, output, checkpoint, resume, validation_data, overwrite)
         return validate(*load(model)) if resume is not None else None
 
     base = _everywhere(comm, check_paths)
@@ -160,13 +168,19 @@ def train_files(
     except KeyboardInterrupt:
         at = sess.fit_position or {}
         where = f" during epoch {at.get('epoch', initial) + 1}" if at.get("batch") else ""
-        if saver is not None:
-            saved = (f"the checkpoint {saver.written[-1]} holds epoch {checkpoint_epoch(saver.written[-1])}"
-                     if saver.written else
-                     f"no checkpoint was written ({checkpoint} still holds what it held)")
+        held = None
+        if saver is not None and saver.written:
+            held = saver.written[-1]
+            saved = (f"the checkpoint {held} holds epoch {checkpoint_epoch(held)}; "
+                     f"continue with --resume {held}")
+        elif saver is not None:
+            saved = f"no checkpoint was written ({checkpoint} still holds what it held)"
+            if resume is not None:
+                held = Path(resume)
+                saved += f"; continue with --resume {resume}"
         else:
             saved = "nothing was saved (use --checkpoint to keep finished epochs)"
-        raise TrainingInterrupted(f"interrupted{where}: {saved}") from None
+        raise TrainingInterrupted(f"interrupted{where}: {saved}", held) from None
     if nan_stop is not None and nan_stop.terminated is not None:
         e, b, st, value = nan_stop.terminated
         kept = (f"; the checkpoint {saver.written[-1]} holds epoch {checkpoint_epoch(saver.written[-1])}"
@@ -184,6 +198,40 @@ def train_files(
     return TrainResult(history, Path(out) if out else None,
                        Path(written_ckpt) if written_ckpt else None, initial, int(epochs),
                        time.perf_counter() - start)
+
+
+def check_outputs(model: Any, data: Any, output: Any, checkpoint: Any, resume: Any = None,
+                  validation_data: Any = None, overwrite: bool = False) -> None:
+    """Refuse, in one line naming the option and the path, an output that
+    cannot be written (``check_writable``), that is one of the inputs (the
+    model being trained, the data) or another output, and an existing
+    checkpoint that the run neither resumes nor may overwrite."""
+    outputs = [(w, p) for w, p in (("-o", output), ("--checkpoint", checkpoint)) if p is not None]
+    for what, path in outputs:
+        check_writable(path, what)
+    inputs = [(w, p) for w, p in (("the model being trained (MODEL)", model),
+                                  ("the checkpoint being resumed (--resume)", resume),
+                                  ("the data (--data)", data),
+                                  ("the validation data (--validation-data)", validation_data))
+              if isinstance(p, (str, os.PathLike))]
+    for i, (what, path) in enumerate(outputs):
+        for name, other in inputs:
+            if what == "--checkpoint" and "(--resume)" in name:
+                continue  # resume a checkpoint and go on writing it: the usual way
+            if same_file(path, other):
+                raise ValueError(f"{what} {os.fspath(path)}: is {name}; writing there would "
+                                 "replace it: give another path")
+        for name, other in outputs[:i]:
+            if same_file(path, other):
+                raise ValueError(f"{what} {os.fspath(path)}: is also the {name} output; give "
+                                 "each output its own path")
+    if checkpoint is not None and resume is None and not overwrite and os.path.exists(checkpoint):
+        try:
+            held = f"epoch {checkpoint_epoch(checkpoint)} of an earlier run"
+        except Exception:  # not an ONNX model: still not ours to replace
+            held = "a file already"
+        raise ValueError(f"--checkpoint {os.fspath(checkpoint)}: holds {held}; continue it with "
+                         f"--resume {os.fspath(checkpoint)}, or start again over it with --overwrite")
 
 
 def _everywhere(comm: Any, fn: Any) -> Any:

@@ -9,6 +9,7 @@ disk, an exception).  Temporary files are named ``.<name>.<pid>.<random>.tmp``.
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,10 +22,25 @@ def write_atomically(path: str | os.PathLike, content: bytes | Callable[[BinaryI
     folder, fsync, rename): ``path`` holds the old file or the new one, never
     a part.  ``content``: the bytes, or a function that writes them."""
     target = Path(path)
+    refuse_special(target)
     folder = Path(os.path.abspath(target)).parent
     folder.mkdir(parents=True, exist_ok=True)
     replace_with(folder, target.name, content)
     return target
+
+
+def refuse_special(path: str | os.PathLike) -> None:
+    """FileExistsError when ``path`` exists and is not a regular file (a
+    folder, a device, a FIFO, a socket; links followed): the rename of an
+    atomic write would replace it (``/dev/null`` by a regular file)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return  # nothing there (or a dangling link, which the write replaces)
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+        raise FileExistsError(f"{os.fspath(path)}: exists and is {kind}; refusing to write over it "
+                              "(give the path of a file)")
 
 
 def replace_with(folder: Path, name: str, data: bytes | Callable[[BinaryIO], object]) -> None:
@@ -42,8 +58,13 @@ def write_temp(
 ) -> str:
     """A fully written and fsynced temporary file for ``folder / name``; returns its path.
 
-    ``content``: the bytes, or a function that writes them to the open file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.{os.getpid()}.", suffix=".tmp", dir=folder)
+    ``content``: the bytes, or a function that writes them to the open file.
+    An OSError names ``folder / name``, the file the caller asked for, never
+    the temporary file."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.{os.getpid()}.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise _named(exc, folder / name) from None
     try:
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
@@ -53,10 +74,20 @@ def write_temp(
                 f.write(content)
             f.flush()
             os.fsync(f.fileno())
+    except OSError as exc:
+        unlink_quietly(tmp)
+        if exc.filename is None or exc.filename == tmp:
+            raise _named(exc, folder / name) from None
+        raise  # about another file (a mapped source, ...): as it is
     except BaseException:
         unlink_quietly(tmp)
         raise
     return tmp
+
+
+def _named(exc: OSError, path: Path) -> OSError:
+    """``exc`` again, naming ``path`` (the destination) as its file."""
+    return type(exc)(exc.errno, exc.strerror or str(exc), str(path))
 
 
 def fsync_dir(folder: Path) -> None:

@@ -6,8 +6,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import onnx
 
+from ..core.graph import node_inputs, prune
 from ..errors import TrainingModelError
+from ..runtime.executor import Executor
 
 
 class SettingsMixin:
@@ -52,6 +55,58 @@ class SettingsMixin:
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
         self._set_setting("learning_rate", "learning-rate", value, positive=False)
+
+    @property
+    def current_learning_rate(self) -> float:
+        """The rate the next ``train_step`` update uses (read-only): the base
+        ``learning_rate`` times the schedule's factor at the step counter (ONNX
+        Runtime training's ``get_learning_rate()``).  It runs the algorithm
+        graph's own nodes that compute the rate (metadata
+        ``onnxtrain.learning_rate`` names their result) on the current state,
+        the values the step reads, so it is exact for every schedule.  A model
+        without a schedule, or built before the rate was recorded: the base rate."""
+        name = self._lr_state()
+        info = self._metadata["learning_rate"]
+        value = info.get("value")
+        if not value or value == name:
+            return float(self._store.to_numpy([name])[name])
+        lr_exec = getattr(self, "_lr_exec", None)
+        if lr_exec is None:
+            lr_exec = self._lr_exec = self._rate_executor(value, int(info.get("algorithm", 0)))
+        executor, inputs = lr_exec
+        # One state version for every input (fit reads this before each step).
+        (out,) = executor.run(self._store.to_numpy(inputs), [value])
+        return float(out)
+
+    def _rate_executor(self, value: str, index: int) -> tuple[Executor, list[str]]:
+        """An executor of the nodes of training_info[index].algorithm that
+        compute ``value`` from state variables and constants, and its inputs."""
+        where = f"metadata onnxtrain.learning_rate: training_info[{index}].algorithm"
+        proto = self._model.proto
+        if not 0 <= index < len(proto.training_info):
+            raise TrainingModelError(f"{where}: no such algorithm")
+        graph = proto.training_info[index].algorithm
+        nodes = prune(list(graph.node), [value])
+        if not any(value in n.output for n in nodes):
+            raise TrainingModelError(f"{where}: no node computes {value!r}")
+        made = {o for n in nodes for o in n.output}
+        constants = {t.name: t for t in list(proto.graph.initializer) + list(graph.initializer)}
+        needed = sorted({i for n in nodes for i in node_inputs(n)} - made)
+        inputs = [i for i in needed if i in self._model.state]
+        other = [i for i in needed if i not in self._model.state and i not in constants]
+        if other:
+            raise TrainingModelError(f"{where}: {value!r} depends on {other}, not on state alone")
+        g = onnx.helper.make_graph(
+            nodes, "current_learning_rate",
+            [onnx.helper.make_tensor_value_info(
+                i, self._model.state[i].elem_type,
+                list(self._model.state[i].shape)) for i in inputs],
+            [onnx.ValueInfoProto(name=value)],
+            [constants[i] for i in needed if i not in self._model.state],
+        )
+        model = onnx.helper.make_model(g, opset_imports=list(proto.opset_import))
+        model.ir_version = proto.ir_version
+        return Executor(model, label="current_learning_rate"), inputs
 
     @property
     def clip_grad_norm(self) -> float:

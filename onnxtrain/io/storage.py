@@ -52,7 +52,7 @@ import onnx
 from google.protobuf.message import EncodeError
 from onnx import numpy_helper
 
-from ..core.files import fsync_dir, replace_with, unlink_quietly, write_temp
+from ..core.files import fsync_dir, refuse_special, replace_with, unlink_quietly, write_temp
 from ..core.protos import all_tensors, labelled_tensors
 from ..errors import TrainingModelError
 from . import mapped
@@ -290,6 +290,7 @@ def write_model(
     a protobuf message; in a self-contained file they are written inline.
     ``model`` is not modified.  Returns the model's path."""
     target = Path(path)
+    refuse_special(target)
     deferred = deferred or {}
     # The path as given, not resolved: a symlink at ``path`` is replaced by the
     # new file (as ``mv`` would), and the temporary files live next to it.

@@ -34,6 +34,8 @@ import csv
 import math
 import os
 import re
+import stat
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,8 @@ __all__ = [
     "TerminateOnNaN",
     "check_callbacks",
     "check_writable",
+    "same_file",
+    "special_kind",
     "write_checkpoint",
 ]
 
@@ -113,20 +117,66 @@ def check_callbacks(callbacks: Any) -> list[Any]:
 
 
 def check_writable(path: str | os.PathLike, what: str) -> Path:
-    """ValueError unless ``path`` can be written as a file: not a folder, and
-    its folder exists and is writable.  Checked before training, so that a bad
-    path fails at once, not after the last epoch."""
+    """ValueError unless ``path`` can be written as a file, checked before
+    training so that a bad path fails at once, not after the last epoch.
+
+    Refused: an existing path that is not a regular file (a folder, a device,
+    a FIFO, a socket: replacing it would destroy it; it is left as it is), a
+    missing folder, and a folder where no file can be made (``/proc``, a
+    read-only mount: a file is made there and removed again, since
+    permissions alone do not say it for root).  Each error is one line
+    ``{what} {path}: ...`` naming the path as given."""
     p = Path(path)
+    shown = f"{what} {os.fspath(path)}"
     if p.is_dir():
-        raise ValueError(f"{what}: {str(p)!r} is a folder; give a file path such as {str(p / 'model.onnx')!r}")
+        raise ValueError(f"{shown}: is a folder; give a file path such as {str(p / 'model.onnx')!r}")
+    kind = special_kind(p)
+    if kind:
+        raise ValueError(f"{shown}: exists and is not a regular file (a {kind}); it was left as it "
+                         "is: give the path of a file")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
-        raise ValueError(f"{what}: the folder {str(parent)!r} of {str(p)!r} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{what}: the folder {str(parent)!r} is not writable")
+        raise ValueError(f"{shown}: the folder {str(parent)!r} does not exist")
     if p.exists() and not os.access(p, os.W_OK):
-        raise ValueError(f"{what}: {str(p)!r} exists and is not writable")
+        raise ValueError(f"{shown}: exists and is not writable")
+    try:  # can a file be made there?  (the temporary file's name is not shown)
+        fd, probe = tempfile.mkstemp(prefix=f".{p.name}.{os.getpid()}.", suffix=".tmp", dir=parent)
+    except OSError as exc:
+        raise ValueError(f"{shown}: cannot write in the folder {str(parent)!r} "
+                         f"({exc.strerror or type(exc).__name__})") from None
+    os.close(fd)
+    try:
+        os.unlink(probe)
+    except OSError:
+        pass
     return p
+
+
+def special_kind(path: str | os.PathLike) -> str | None:
+    """What ``path`` is when it exists and is not a regular file (following
+    links): "folder", "character device", "FIFO", ...; None otherwise."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    for test, name in ((stat.S_ISDIR, "folder"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two paths name one file (links and hard links included)."""
+    try:
+        if os.path.exists(a) and os.path.exists(b):
+            return os.path.samefile(a, b)
+    except OSError:
+        pass
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 class EarlyStopping(Callback):
@@ -134,17 +184,27 @@ class EarlyStopping(Callback):
     ``patience`` epochs (Keras and Lightning semantics).
 
     ``mode``: "min", "max" or "auto" (max for names with accuracy/auc, else
-    min).  ``restore_best_weights``: at the end of training, load the state
-    of the best epoch back (it needs the session, which the loop gives).
-    The state is reset at ``on_train_begin``, so one object serves several fits.
+    min).  ``restore_best_weights``: at the end of training, go back to the
+    end of the best epoch.  The whole state is restored (weights, optimizer
+    moments, the step counter and so on, not the weights alone) and the
+    session's ``fit_position`` is set back to that epoch's, so the session,
+    its position and a checkpoint written by ``export(training=True)`` all
+    describe the same moment; resuming that checkpoint trains on from the best
+    epoch.  It needs the session, which the loop gives.
+    ``verbose``: print one line when it stops (the epoch, 1-based) and one
+    when it restores (Keras's words).  The state is reset at
+    ``on_train_begin``, so one object serves several fits.
+    ``stopped_epoch`` and ``restored_epoch`` (0-based, None when it did not)
+    say what happened.
 
-    >>> es = EarlyStopping("val_loss", patience=1)
+    >>> es = EarlyStopping("val_loss", patience=1, verbose=False)
     >>> [es.on_epoch_end(e, {"val_loss": v}) for e, v in enumerate([1.0, 0.5, 0.6])]
     [False, False, True]
     """
 
     def __init__(self, monitor: str = "val_loss", patience: int = 0, mode: str = "auto",
-                 min_delta: float = 0.0, restore_best_weights: bool = False) -> None:
+                 min_delta: float = 0.0, restore_best_weights: bool = False,
+                 verbose: bool = True) -> None:
         if mode == "auto":
             mode = "max" if any(k in monitor for k in ("acc", "auc")) else "min"
         if mode not in ("min", "max"):
@@ -154,14 +214,18 @@ class EarlyStopping(Callback):
         self.monitor, self.patience, self.mode = monitor, int(patience), mode
         self.min_delta = abs(float(min_delta))
         self.restore_best_weights = bool(restore_best_weights)
+        self.verbose = bool(verbose)
         self._reset()
 
     def _reset(self) -> None:
         self.best = math.inf if self.mode == "min" else -math.inf
         self.best_epoch: int | None = None
         self.best_state: dict[str, np.ndarray] | None = None
+        self.best_position: dict[str, Any] | None = None
         self.wait = 0
         self.stopped_epoch: int | None = None
+        self.restored_epoch: int | None = None
+        self._last_epoch: int | None = None
 
     def on_train_begin(self, logs: dict[str, Any]) -> None:
         self._reset()
@@ -169,6 +233,7 @@ class EarlyStopping(Callback):
     def on_epoch_end(self, epoch: int, logs: dict[str, Any]) -> bool:
         if self.monitor not in logs:
             raise ValueError(f"EarlyStopping: no {self.monitor!r} in the epoch logs {sorted(logs)}")
+        self._last_epoch = epoch
         value = float(logs[self.monitor])
         better = (value < self.best - self.min_delta if self.mode == "min"
                   else value > self.best + self.min_delta)
@@ -178,17 +243,36 @@ class EarlyStopping(Callback):
                 if self.session is None:
                     raise ValueError("EarlyStopping(restore_best_weights=True) needs the session; "
                                      "pass it in fit(callbacks=[...])")
+                # The whole state and the position (the loop has set it to the
+                # end of this epoch): one moment, restored together.
                 self.best_state = dict(self.session.state.items())
+                position = getattr(self.session, "fit_position", None)
+                self.best_position = dict(position) if position is not None else None
             return False
         self.wait += 1
         if self.wait >= self.patience:
             self.stopped_epoch = epoch
+            if self.verbose:
+                print(f"EarlyStopping: stopped at epoch {epoch + 1}: {self.monitor} has not "
+                      f"improved for {self.wait} epoch(s) (best {self.best:.4g} at epoch "
+                      f"{(self.best_epoch or 0) + 1})", flush=True)
             return True
         return False
 
     def on_train_end(self, logs: dict[str, Any]) -> None:
-        if self.restore_best_weights and self.best_state is not None and self.session is not None:
-            self.session.load_state(self.best_state)
+        if not (self.restore_best_weights and self.best_state is not None
+                and self.session is not None):
+            return
+        if self.best_epoch == self._last_epoch:
+            return  # the state is the best epoch's already
+        self.session.load_state(self.best_state)
+        if hasattr(self.session, "fit_position"):
+            self.session.fit_position = (dict(self.best_position)
+                                         if self.best_position is not None else None)
+        self.restored_epoch = self.best_epoch
+        if self.verbose:
+            print(f"Restoring model weights from the end of the best epoch: {self.best_epoch + 1}.",
+                  flush=True)
 
 
 class TerminateOnNaN(Callback):
@@ -362,7 +446,10 @@ class History:
     def plot(self, keys: Sequence[str] | None = None, ax: Any = None) -> Any:
         """Plot the curves (default: every key; ``val_x`` dashed next to ``x``) with matplotlib.
 
-        Returns the matplotlib Axes.  matplotlib is an optional extra:
+        Losses go on the left y axis, metrics (accuracy, ...) on a second y
+        axis on the right (``ax.twinx()``), so that a loss falling near 0 and an
+        accuracy near 1 both stay readable; each axis names what it shows.
+        Returns the matplotlib Axes of the losses (the first one).  matplotlib is an optional extra:
         ``pip install 'onnxtrain[plot]'``."""
         try:
             import matplotlib.pyplot as plt
@@ -381,12 +468,25 @@ class History:
         if missing:
             raise KeyError(f"History.plot: no values for {missing}; available: {self.keys()}")
         x = [e + 1 for e in self.epochs]
-        for name in names:
-            style = "--" if name.startswith("val_") else "-"
-            ax.plot(x, self.history[name], style, marker="o", markersize=3, label=name)
+        # Losses and metrics have their own scales: losses on ``ax`` (left),
+        # the metrics on a second y axis sharing the epochs (right), each labelled.
+        losses = [k for k in names if "loss" in k]
+        metrics = [k for k in names if "loss" not in k]
+        groups = [(ax, losses or metrics)]
+        if losses and metrics:
+            groups.append((ax.twinx(), metrics))
+        handles = []
+        for axes, group in groups:
+            for name in group:
+                style = "--" if name.startswith("val_") else "-"
+                color = f"C{names.index(name)}"
+                handles += axes.plot(x, self.history[name], style, marker="o", markersize=3,
+                                     label=name, color=color)
+            bases = sorted({k.removeprefix("val_") for k in group})
+            axes.set_ylabel(bases[0] if len(bases) == 1 else ", ".join(bases))
         ax.set_xlabel("epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
-        ax.legend()
+        ax.legend(handles=handles, labels=[h.get_label() for h in handles])
         ax.grid(alpha=0.3)
         return ax
 

@@ -113,7 +113,7 @@ def as_data(sess: Any, spec: FitSpec, data: Any, caller: str, need_target: bool,
         )
     if next(iter(lengths.values())) == 0:
         raise ValueError(f"{caller}: the data is empty")
-    arrays = {k: cast_feed(sess, k, v, caller) for k, v in arrays.items()}
+    arrays = {k: cast_feed(sess, k, v, caller, k == spec.target) for k, v in arrays.items()}
     if need_target and spec.target is not None and spec.target in arrays:
         check_targets(sess, spec, arrays[spec.target], caller)
     return Data(arrays, None)
@@ -184,7 +184,7 @@ def input_arrays(spec: FitSpec, X: Any, caller: str) -> dict[str, np.ndarray]:
     )
 
 
-def cast_feed(sess: Any, name: str, arr: np.ndarray, caller: str) -> np.ndarray:
+def cast_feed(sess: Any, name: str, arr: np.ndarray, caller: str, target: bool = False) -> np.ndarray:
     """Convert whole data arrays once to the dtype the model declares (same kind only)."""
     vi = find_value_info(sess, name)
     expected = np_dtype(vi) if vi is not None else None
@@ -192,7 +192,13 @@ def cast_feed(sess: Any, name: str, arr: np.ndarray, caller: str) -> np.ndarray:
         return arr
     if np.can_cast(arr.dtype, expected, casting="same_kind"):
         return arr.astype(expected)
-    raise ValueError(f"{caller}: {name!r} has dtype {arr.dtype}, the model expects {expected}")
+    hint = ""
+    if target and arr.dtype.kind == "f" and expected.kind in "iu":
+        # Float targets on a class-index loss: a regression (or yes/no) task.
+        hint = ("; its loss takes class indices: for float targets build the training model "
+                "with loss='mse' (onnxtrain make-training --loss mse), or bce_with_logits for "
+                "0/1 targets")
+    raise ValueError(f"{caller}: {name!r} has dtype {arr.dtype}, the model expects {expected}{hint}")
 
 
 # ------------------------------------------------------------ data parallel

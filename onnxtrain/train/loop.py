@@ -35,6 +35,7 @@ checkpoints live in ``train.callbacks``, the metadata contract in
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 import warnings
@@ -53,6 +54,7 @@ from .callbacks import (
     TerminateOnNaN,
     check_callbacks,
     check_writable,
+    same_file,
 )
 from .data import Data, as_data, check_same_rows, check_targets, comm_sum, in_step
 from .metrics import Mean, metric_functions
@@ -110,7 +112,9 @@ def fit(
     log_every: int = 1,
     cycle: Sequence[int | None] | None = None,
 ) -> History:
-    """Train ``sess``; returns a History of per-epoch loss, metrics and lr.
+    """Train ``sess``; returns a History of per-epoch loss, metrics and lr
+    (the rate the epoch's last step used, schedule included:
+    ``sess.current_learning_rate`` before that step).
 
     - ``x, y``: arrays (Keras style; x feeds ``onnxtrain.inputs``, y
       ``onnxtrain.target``; x may be a dict or tuple for several inputs), or
@@ -212,9 +216,16 @@ def fit(
             # Rank 0 alone shows progress and writes files (checkpoints, logs).
             progress = False
             callbacks = [cb for cb in callbacks if not getattr(cb, "output_paths", None)]
+    seen: list[tuple[str, Any]] = []
     for cb in callbacks:
         for path in getattr(cb, "output_paths", lambda: [])():
-            check_writable(path, f"fit: {type(cb).__name__}")
+            what = f"fit: {type(cb).__name__}"
+            check_writable(path, what)
+            for other_what, other in seen:  # two callbacks writing one file
+                if same_file(path, other):
+                    raise ValueError(f"{what} {os.fspath(path)}: is the file of {other_what} "
+                                     "too; give each output its own path")
+            seen.append((what, path))
     for cb in callbacks:
         if callable(getattr(cb, "set_session", None)):
             cb.set_session(sess)
@@ -246,7 +257,7 @@ def fit(
                 history.stopped_early = True
                 break
             first = skip if epoch == initial_epoch else 0
-            lr = sess.learning_rate if lr_known else None
+            lr = _current_rate(sess) if lr_known else None
             bar = _progress_bar(progress, per_epoch, f"epoch {epoch + 1}/{epochs}", first)
             batches = train.batches(batch_size, order, drop_last, (rank, ranks))
             if ranks > 1 and train.arrays is None:
@@ -267,8 +278,8 @@ def fit(
                         break
                     algorithm = cycle[cycle_pos % len(cycle)]
                     fetch = bool(log_every) and i % log_every == 0
-                    if lr_known:
-                        lr = sess.learning_rate
+                    if lr_known:  # the rate this step uses, schedule included
+                        lr = _current_rate(sess)
                     out = sess.train_step(batch, algorithm=algorithm, fetch=fetch)
                     cycle_pos += 1
                     step += 1
@@ -301,7 +312,7 @@ def fit(
                                 metric_means[name].add(value, weight)
                     if bar is not None:
                         if "loss" in logs:
-                            post = {"loss": f"{loss_mean.result():.4f}"}
+                            post = {"loss": fmt_loss(loss_mean.result())}
                             if lr is not None:
                                 post["lr"] = f"{lr:.3g}"
                             bar.set_postfix(post, refresh=False)
@@ -348,10 +359,29 @@ def fit(
     return history
 
 
+def fmt_loss(value: float) -> str:
+    """A loss or metric for a line of text: 4 decimals, scientific notation
+    beyond 1e6 (a diverging loss stays readable) and below 1e-4.
+
+    >>> fmt_loss(0.41234), fmt_loss(4.459e35), fmt_loss(2e-7), fmt_loss(0.0)
+    ('0.4123', '4.459e+35', '2e-07', '0.0000')"""
+    value = float(value)
+    if value != 0 and math.isfinite(value) and not 1e-4 <= abs(value) < 1e6:
+        return f"{value:.4g}"
+    return f"{value:.4f}"
+
+
 def epoch_line(epoch: int, epochs: int, logs: Mapping[str, float], seconds: float) -> str:
     """``epoch 3/10: loss 0.4123, accuracy 0.9, lr 0.001 (1.2 s)``: one line per epoch."""
     values = ", ".join(f"{k} {v:.4g}" for k, v in logs.items())
     return f"epoch {epoch + 1}/{epochs}: {values or 'done'} ({seconds:.1f} s)"
+
+
+def _current_rate(sess: Any) -> float:
+    """The rate the next step uses (``current_learning_rate``, the schedule
+    applied), or the base rate for a session that does not offer it."""
+    rate = getattr(sess, "current_learning_rate", None)
+    return float(sess.learning_rate if rate is None else rate)
 
 
 def _has_learning_rate(sess: Any) -> bool:

@@ -165,6 +165,8 @@ def _private_uses(path: Path) -> list[str]:
             owner = node.value
             if (isinstance(owner, ast.Name) and owner.id in ("self", "cls")) or node.attr in own:
                 continue  # its own object, or an object of a class of this module
+            if isinstance(owner, ast.Name) and owner.id in ("os", "sys"):
+                continue  # the standard library's documented os._exit, sys._getframe
             found.append(f"{label}:{node.lineno}: {ast.unparse(node)}")
         elif isinstance(node, ast.ImportFrom):
             for alias in node.names:
