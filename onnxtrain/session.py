@@ -19,6 +19,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Container, Iterator, Mapping, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -635,7 +636,9 @@ class TrainingSession:
         pending: dict[str, Any] = {}
         outputs: dict[str, np.ndarray] = {}
         local_rows = self._local_rows
-        with self._lock:
+        # memory="lean": once an update writes in place, readers wait for the
+        # commit (held), so they never see part of the step.
+        with self._lock, ExitStack() as held:
             for i in indices:
                 split, buffers = self._splits[i], self._grad_buffers[i]
                 where = f"train_step (training_info[{i}])"
@@ -663,13 +666,14 @@ class TrainingSession:
                         if inplace and self._check_finite:
                             _check_finite_arrays(b.label, buffers.views, "gradients")
                         scratch = self._scratch.get(id(b), {})
-                        with self._store.exclusive(bool(inplace)):
-                            wrote = bool(inplace)
-                            outputs.update(self._run_and_stage(
-                                b, {}, pending, fetch, "update_binding",
-                                extra_in={n: buffers.ortvalues[n] for n in b.feeds},
-                                extra_out={v: buffers.ortvalues[n] for v, n in scratch.items()},
-                                inplace=inplace))
+                        if inplace:
+                            held.enter_context(self._store.exclusive())
+                        wrote = bool(inplace)
+                        outputs.update(self._run_and_stage(
+                            b, {}, pending, fetch, "update_binding",
+                            extra_in={n: buffers.ortvalues[n] for n in b.feeds},
+                            extra_out={v: buffers.ortvalues[n] for v, n in scratch.items()},
+                            inplace=inplace))
                     if split.bn:
                         targets = self._store.targets([k for k, _ in split.bn])
                         staged = {}
@@ -778,7 +782,8 @@ class TrainingSession:
                 UserWarning, stacklevel=2,
             )
         self.fit_position = None
-        with self._lock:
+        # memory="lean": readers wait until the commit (not only the in-place writes).
+        with self._lock, self._store.exclusive(self._lean):
             pending: dict[str, Any] = {}
             error: BaseException | None = None
             wrote = False
@@ -789,10 +794,9 @@ class TrainingSession:
                     # memory="lean": an initialization graph reads no state
                     # (R6), so its values may go straight into the current buffers.
                     inplace = set(program.bound_keys) if self._lean else set()
-                    with self._store.exclusive(bool(inplace)):
-                        wrote = wrote or bool(inplace)
-                        self._run_and_stage(program, {}, pending, False, "initialization_binding",
-                                            inplace=inplace)
+                    wrote = wrote or bool(inplace)
+                    self._run_and_stage(program, {}, pending, False, "initialization_binding",
+                                        inplace=inplace)
             except BaseException as exc:
                 error = exc
                 if wrote:
