@@ -31,10 +31,11 @@ from onnxtrain import cache
 from onnxtrain.fuse import fuse_adam_updates
 from onnxtrain.inplace import inplace_keys
 
-from models import linear_regression
+from models import linear_regression, model, tensor, training_info, vi
 from reliability_models import COUNTER_FEED, counter_model
 
 F32 = TensorProto.FLOAT
+F64 = TensorProto.DOUBLE
 
 
 # ------------------------------------------------------------ in-place reader order
@@ -59,10 +60,35 @@ def test_a_variable_read_before_and_after_its_update_is_not_written_in_place():
     ``bool(set(others) & self.ancestors(index))``)."""
     assert inplace_keys(update_graph(late_reader=False), [("W", "W_new")]) == {"W"}
     assert inplace_keys(update_graph(late_reader=True), [("W", "W_new")]) == set()
-    # The late reader itself depending on the new value changes nothing: it runs after.
+    # A late reader that needs the new value too surely runs after the write.
     g = update_graph(late_reader=False)
     g.node.append(helper.make_node("Sub", ["W_new", "W"], ["delta"]))
     assert inplace_keys(g, [("W", "W_new")]) == set()
+
+
+def test_lean_steps_of_a_late_reader_equal_safe_steps():
+    """The same graph trained: W_new = W - 0.01 * sum(W), D_new = W_new - W.
+    memory="lean" must give the double-buffered result bit for bit (D is the
+    step, not 0 as when W is overwritten before D_new reads it).  Bug caught:
+    the one of the test above, end to end."""
+    info = training_info(
+        [helper.make_node("ReduceSum", ["W"], ["s"], keepdims=0),
+         helper.make_node("Mul", ["s", "rate"], ["d"]),
+         helper.make_node("Sub", ["W", "d"], ["W_new"]),
+         helper.make_node("Sub", ["W_new", "W"], ["D_new"]),
+         helper.make_node("Identity", ["s"], ["total"])],
+        [tensor("rate", np.float64(0.01))], [],
+        [vi("W_new", F64, [8]), vi("D_new", F64, [8]), vi("total", F64, [])],
+        [("W", "W_new"), ("D", "D_new")])
+    m = model([helper.make_node("Mul", ["W", "D"], ["Y"])], [], [vi("Y", F64, [8])],
+              [tensor("W", np.arange(8.0)), tensor("D", np.zeros(8))], [info])
+    safe, lean = TrainingSession(m), TrainingSession(m, memory="lean")
+    for _ in range(3):
+        safe.train_step({})
+        lean.train_step({})
+    assert float(safe.state["D"][0]) < 0
+    for name in ("W", "D"):
+        assert lean.state[name].tobytes() == safe.state[name].tobytes(), name
 
 
 # ------------------------------------------------------------ the state lock
