@@ -495,7 +495,8 @@ class TrainingSession(SettingsMixin, ExecutionMixin, DataParallelMixin, ExportMi
                 UserWarning, stacklevel=2,
             )
         self.fit_position = None
-        with self._lock:
+        # memory="lean": readers wait until the commit (not only the in-place writes).
+        with self._lock, self._store.exclusive(self._lean):
             pending: dict[str, Any] = {}
             error: BaseException | None = None
             wrote = False
@@ -506,10 +507,9 @@ class TrainingSession(SettingsMixin, ExecutionMixin, DataParallelMixin, ExportMi
                     # memory="lean": an initialization graph reads no state
                     # (R6), so its values may go straight into the current buffers.
                     inplace = set(program.bound_keys) if self._lean else set()
-                    with self._store.exclusive(bool(inplace)):
-                        wrote = wrote or bool(inplace)
-                        self._run_and_stage(program, {}, pending, False, "initialization_binding",
-                                            inplace=inplace)
+                    wrote = wrote or bool(inplace)
+                    self._run_and_stage(program, {}, pending, False, "initialization_binding",
+                                        inplace=inplace)
             except BaseException as exc:
                 error = exc
                 if wrote:

@@ -6,6 +6,7 @@ reduced, program B (the update), the ranks agree; then every rank commits
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -66,7 +67,9 @@ class DataParallelMixin:
         pending: dict[str, Any] = {}
         outputs: dict[str, np.ndarray] = {}
         local_rows = self._local_rows
-        with self._lock:
+        # memory="lean": once an update writes in place, readers wait for the
+        # commit (held), so they never see part of the step.
+        with self._lock, ExitStack() as held:
             for i in indices:
                 split, buffers = self._splits[i], self._grad_buffers[i]
                 where = f"train_step (training_info[{i}])"
@@ -94,13 +97,14 @@ class DataParallelMixin:
                         if inplace and self._check_finite:
                             check_finite_arrays(b.label, buffers.views, "gradients")
                         scratch = self._scratch.get(id(b), {})
-                        with self._store.exclusive(bool(inplace)):
-                            wrote = bool(inplace)
-                            outputs.update(self._run_and_stage(
-                                b, {}, pending, fetch, "update_binding",
-                                extra_in={n: buffers.ortvalues[n] for n in b.feeds},
-                                extra_out={v: buffers.ortvalues[n] for v, n in scratch.items()},
-                                inplace=inplace))
+                        if inplace:
+                            held.enter_context(self._store.exclusive())
+                        wrote = bool(inplace)
+                        outputs.update(self._run_and_stage(
+                            b, {}, pending, fetch, "update_binding",
+                            extra_in={n: buffers.ortvalues[n] for n in b.feeds},
+                            extra_out={v: buffers.ortvalues[n] for v, n in scratch.items()},
+                            inplace=inplace))
                     if split.bn:
                         targets = self._store.targets([k for k, _ in split.bn])
                         staged = {}
