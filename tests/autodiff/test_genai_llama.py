@@ -1,0 +1,99 @@
+"""An onnxruntime-genai Llama (the model builder's own graph: GroupQueryAttention,
+SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization and, in int4,
+MatMulNBits) trains like PyTorch's Llama with the same weights.
+
+Fixtures: tests/data/genai/, made by scripts/make_genai_fixtures.py (a tiny
+random Llama, builder fp32 and int4, PyTorch loss, gradients and one SGD
+step).  The builder's model takes the KV cache as inputs: a training step
+feeds the past keys/values empty, ``[batch, kv_heads, 0, head_size]``, which
+is GroupQueryAttention's prompt call; the present outputs are not used.
+The batch has a right-padded row: ``attention_mask`` gives GroupQueryAttention
+its ``seqlens_k``, and the labels ignore the padding (-100).
+
+The SGD step (lr 0.5) gives the gradient back as (before - after) / lr.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from onnxtrain import TrainingSession, build
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "genai"
+LR = 0.5
+
+
+def _load(precision: str, accuracy_level: int | None = None):
+    ref = np.load(DATA / f"llama_{precision}.npz")
+    proto = onnx.load(str(DATA / f"llama_{precision}" / "model.onnx"))
+    if accuracy_level is not None:
+        for node in proto.graph.node:
+            for a in node.attribute:
+                if a.name == "accuracy_level":
+                    a.i = accuracy_level
+    return ref, proto
+
+
+def _step(proto, ref, names):
+    tm = build.training_model(proto, loss="cross_entropy", output="logits", optimizer=build.SGD(lr=LR),
+                              trainable=names)
+    sess = TrainingSession(tm)
+    sess.initialize()
+    empty = np.zeros((2, 2, 0, 16), np.float32)  # the prompt call: no past keys/values
+    batch = {"input_ids": ref["input_ids"], "attention_mask": ref["attention_mask"],
+             "past_key_values.0.key": empty, "past_key_values.0.value": empty, "target": ref["labels"]}
+    before = {n: np.array(sess.state[n]) for n in names}
+    loss = float(sess.train_step(batch)["loss"])
+    after = {n: np.array(sess.state[n]) for n in names}
+    return loss, before, after
+
+
+def _compare(ref, names, loss, before, after, rtol, atol):
+    np.testing.assert_allclose(loss, ref["loss"], rtol=rtol)
+    for n in names:
+        grad = (before[n] - after[n]) / LR
+        scale = np.abs(ref[f"grad/{n}"]).max()
+        rounding = 4 * np.finfo(np.float32).eps * np.abs(before[n]).max() / LR  # of the step's difference
+        np.testing.assert_allclose(grad, ref[f"grad/{n}"], rtol=0, atol=atol * scale + rounding,
+                                   err_msg=f"gradient of {n}")
+        np.testing.assert_allclose(after[n], ref[f"sgd/{n}"], rtol=0, atol=atol * scale * LR + 1e-6,
+                                   err_msg=f"SGD step of {n}")
+
+
+def _params(ref) -> list[str]:
+    return [k[len("grad/"):] for k in ref.files if k.startswith("grad/")]
+
+
+def test_genai_llama_fp32_matches_pytorch():
+    """Every weight (embedding, norms, packed qkv, o, MLP, LM head) but the rotary caches."""
+    ref, proto = _load("fp32")
+    names = _params(ref)
+    assert "model.layers.0.attn.qkv_proj.MatMul.weight" in names and "cos_cache" not in names
+    _compare(ref, names, *_step(proto, ref, names), rtol=1e-5, atol=2e-5)
+
+
+def test_genai_llama_int4_matches_pytorch():
+    """MatMulNBits scales, norms and embedding against PyTorch on the dequantized
+    weights, with the product in float32 (accuracy_level 1)."""
+    ref, proto = _load("int4", accuracy_level=1)
+    names = _params(ref)
+    assert any(n.endswith("_scales") for n in names)
+    _compare(ref, names, *_step(proto, ref, names), rtol=1e-5, atol=2e-5)
+
+
+def test_genai_llama_int4_as_built_is_straight_through():
+    """The builder's int4 default, accuracy_level 4 (activations rounded to int8
+    inside MatMulNBits): the loss is onnxruntime's, and the gradients are the
+    exact product's up to that rounding.  The scales stay frozen constants here:
+    onnxruntime 1.32 computes accuracy_level 4 wrongly when the scales are
+    not constant initializers (see the lead's report)."""
+    ref, proto = _load("int4")
+    assert any(a.name == "accuracy_level" and a.i == 4 for n in proto.graph.node for a in n.attribute)
+    names = [n for n in _params(ref) if not n.endswith("_scales")]
+    loss, before, after = _step(proto, ref, names)
+    assert loss != pytest.approx(float(ref["loss"]), rel=1e-6, abs=0)  # the int8 rounding is there
+    _compare(ref, names, loss, before, after, rtol=1e-3, atol=1e-2)
