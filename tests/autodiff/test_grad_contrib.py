@@ -329,3 +329,70 @@ def test_group_query_attention_refuses_present_gradient():
     with pytest.raises(GradientError, match="present"):
         check_grad("GroupQueryAttention", inputs, {"num_heads": n, "kv_num_heads": nkv}, f, ["query"],
                    n_out=3, diff_outputs=(0, 1))
+
+
+@pytest.mark.parametrize("bits,zp,neg", [(4, False, False), (4, True, True), (8, False, False)])
+def test_gather_block_quantized(bits, zp, neg):
+    """uint8 codes packed along the last axis, gathered along axis 0 (a tied int4
+    embedding): gradient to the scales, summed over repeated indices."""
+    v, k, block = 10, 48, 16
+    blocks = k // block
+    codes = RNG.integers(0, 2**bits, size=(v, k))
+    data = pack(codes, bits)
+    scales = RNG.uniform(0.05, 0.2, size=(v, blocks))
+    zcodes = RNG.integers(0, 2**bits, size=(v, blocks)) if zp else np.full((v, blocks), 2 ** (bits - 1))
+    idx = np.array([[1, 3, 3], [9, 0, 1]], dtype=np.int64)
+    if neg:
+        idx[1, 0] = -1  # row v - 1
+    inputs = {"data": data, "indices": idx, "scales": scales,
+              "zero_points": pack(zcodes, bits) if zp else None}
+    attrs = {"bits": bits, "block_size": block, "gather_axis": 0, "quantize_axis": 1}
+
+    def f(data, indices, scales, zero_points):
+        w = ((codes.reshape(v, blocks, block) - zcodes[:, :, None]) * scales[:, :, None]).reshape(v, k)
+        return w[indices]
+
+    check_forward("GatherBlockQuantized", inputs, attrs, f)
+    check_grad("GatherBlockQuantized", inputs, attrs, f, ["scales"])
+
+
+A_GELU = np.sqrt(2 / np.pi)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fast_gelu(with_bias):
+    inputs = {"X": rand(2, 3, 8) * 2, "bias": rand(8) if with_bias else None}
+
+    def f(X, bias):
+        x = X + bias if bias is not None else X
+        return 0.5 * x * (1 + np.tanh(A_GELU * (x + 0.044715 * x**3)))
+
+    check_forward("FastGelu", inputs, {}, f)
+    check_grad("FastGelu", inputs, {}, f, [k for k, a in inputs.items() if a is not None])
+
+
+@pytest.mark.parametrize("alpha", [None, 1.3])
+def test_quick_gelu(alpha):
+    attrs = {} if alpha is None else {"alpha": alpha}
+    a = 1.702 if alpha is None else alpha
+
+    def f(X):
+        return X / (1 + np.exp(-a * X))
+
+    inputs = {"X": rand(3, 7) * 2}
+    check_forward("QuickGelu", inputs, attrs, f)
+    check_grad("QuickGelu", inputs, attrs, f, ["X"])
+
+
+@pytest.mark.parametrize("op", ["Gelu", "BiasGelu"])
+def test_ms_gelu(op):
+    from math import erf
+
+    phi = np.vectorize(lambda t: 0.5 * (1 + erf(t / np.sqrt(2))))
+    if op == "Gelu":
+        inputs, f = {"X": rand(3, 5) * 2}, (lambda X: X * phi(X))
+    else:
+        inputs, f = {"A": rand(3, 5) * 2, "B": rand(5)}, (lambda A, B: (A + B) * phi(A + B))
+    check_forward(op, inputs, {}, f)
+    # onnxruntime has no float64 Erf: the backward runs in float32
+    check_grad(op, inputs, {}, f, list(inputs), f32=True, rtol=2e-5)
