@@ -275,13 +275,14 @@ GQA_CASES = {
     "window_padding": dict(packed=True, window=2, lengths=(6, 4)),
     "smooth_padding": dict(packed=False, smooth=True, lengths=(3, 6), rotary=True),
     "partial_rotary": dict(packed=True, rotary=True, h=32, rot_half=8),
+    "bidirectional_padding": dict(packed=False, causal=0, lengths=(6, 3)),
 }
 
 
 @pytest.mark.parametrize("case", list(GQA_CASES))
 def test_group_query_attention(case):
     cfg = dict(n=4, nkv=2, h=16, packed=True, rotary=False, interleaved=False, softcap=0.0, scale=0.0,
-               window=-1, smooth=False, lengths=(6, 6), rot_half=None)
+               window=-1, smooth=False, lengths=(6, 6), rot_half=None, causal=1)
     cfg.update(GQA_CASES[case])
     b, s, n, nkv, h = 2, 6, cfg["n"], cfg["nkv"], cfg["h"]
     seqlens = np.array([t - 1 for t in cfg["lengths"]], dtype=np.int32)
@@ -296,11 +297,11 @@ def test_group_query_attention(case):
               "cos_cache": cos if cfg["rotary"] else None, "sin_cache": sin if cfg["rotary"] else None}
     attrs = {"num_heads": n, "kv_num_heads": nkv, "do_rotary": int(cfg["rotary"]),
              "rotary_interleaved": int(cfg["interleaved"]), "softcap": cfg["softcap"], "scale": cfg["scale"],
-             "local_window_size": cfg["window"], "smooth_softmax": int(cfg["smooth"])}
+             "local_window_size": cfg["window"], "smooth_softmax": int(cfg["smooth"]), "causal": cfg["causal"]}
 
     def f(query, key, value, past_key, past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache):
         return gqa_np(query, key, value, seqlens_k, cos_cache, sin_cache, n, nkv, cfg["scale"], cfg["softcap"],
-                      cfg["window"], cfg["rotary"], cfg["interleaved"], cfg["smooth"])
+                      cfg["window"], cfg["rotary"], cfg["interleaved"], cfg["smooth"], bool(cfg["causal"]))
 
     valid = np.arange(s)[None, :] < np.array(cfg["lengths"])[:, None]  # [B, S]: rows onnxruntime specifies
 
@@ -334,7 +335,8 @@ def test_group_query_attention_refuses_present_gradient():
 @pytest.mark.parametrize("bits,zp,neg", [(4, False, False), (4, True, True), (8, False, False)])
 def test_gather_block_quantized(bits, zp, neg):
     """uint8 codes packed along the last axis, gathered along axis 0 (a tied int4
-    embedding): gradient to the scales, summed over repeated indices."""
+    embedding): gradient to the scales, summed over repeated indices; negative
+    indices count from the end, an out-of-range one reads a zero row."""
     v, k, block = 10, 48, 16
     blocks = k // block
     codes = RNG.integers(0, 2**bits, size=(v, k))
@@ -344,13 +346,16 @@ def test_gather_block_quantized(bits, zp, neg):
     idx = np.array([[1, 3, 3], [9, 0, 1]], dtype=np.int64)
     if neg:
         idx[1, 0] = -1  # row v - 1
+        idx[0, 0] = v + 2  # out of range: a zero row
     inputs = {"data": data, "indices": idx, "scales": scales,
               "zero_points": pack(zcodes, bits) if zp else None}
     attrs = {"bits": bits, "block_size": block, "gather_axis": 0, "quantize_axis": 1}
 
     def f(data, indices, scales, zero_points):
         w = ((codes.reshape(v, blocks, block) - zcodes[:, :, None]) * scales[:, :, None]).reshape(v, k)
-        return w[indices]
+        w = np.concatenate([w, np.zeros((1, k))])  # row v: what an out-of-range index reads
+        wrapped = np.where(indices < 0, indices + v, indices)
+        return w[np.where((wrapped >= 0) & (wrapped < v), wrapped, v)]
 
     check_forward("GatherBlockQuantized", inputs, attrs, f)
     check_grad("GatherBlockQuantized", inputs, attrs, f, ["scales"])

@@ -10,8 +10,13 @@ forward pass (``gqa_forward``), recomputed inside the backward pass through
 ``ctx.vjp_of_graph``: the forward node itself stays onnxruntime's fused
 kernel.  Supported is the prompt (prefill) call a training step makes:
 
-* past key/value empty (fed with a zero-length sequence axis); the present
-  outputs are not differentiated (they are the new keys and values, a cache);
+* past key/value empty (fed with a zero-length sequence axis; with
+  ``sliding_window_cache=1``, as Gemma-2 models have it, onnxruntime wants a
+  capacity of at least ``local_window_size`` rows: feed zeros, the prompt does
+  not read them); the present outputs are not differentiated (they are the
+  new keys and values, a cache).  A non-empty past that is not static cannot
+  be told apart at build time: the rule assumes the prompt call, where every
+  batch entry has seqlens_k[b] < S;
 * packed QKV (``key``/``value`` absent) or separate q, k, v;
 * ``do_rotary`` (interleaved or not, full or partial rotary dimension) with
   positions 0..S-1, cos/sin caches as inputs;
@@ -239,6 +244,8 @@ def group_query_attention_vjp(ctx, dy, d_present_k=None, d_present_v=None, *d_re
             raise GradientError(f"gradient of GroupQueryAttention node {name!r}: input {what} is not supported")
     for i in (3, 4):
         shape = ctx.shape(ctx.inputs[i]) if ctx.input(i) else None
+        if ctx.attr("sliding_window_cache", 0):
+            break  # a windowed cache has a capacity even before the prompt; P = 0 all the same
         if shape is not None and len(shape) == 4 and isinstance(shape[2], int) and shape[2] > 0:
             raise GradientError(
                 f"gradient of GroupQueryAttention node {name!r}: only the prompt call (empty past "
