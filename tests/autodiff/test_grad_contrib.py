@@ -401,3 +401,46 @@ def test_ms_gelu(op):
     check_forward(op, inputs, {}, f)
     # onnxruntime has no float64 Erf: the backward runs in float32
     check_grad(op, inputs, {}, f, list(inputs), f32=True, rtol=2e-5)
+
+
+def mha_np(query, key, value, bias, mask, attn_bias, n, scale=0.0, filt=-10000.0, uni=False):
+    d, dv = query.shape[2], value.shape[2]
+    if bias is not None:
+        query, key, value = query + bias[:d], key + bias[d:2 * d], value + bias[2 * d:]
+    b, s, _ = query.shape
+    length = key.shape[1]
+    q4, k4, v4 = (t.reshape(b, t.shape[1], n, -1).transpose(0, 2, 1, 3) for t in (query, key, value))
+    sc = (scale or 1 / np.sqrt(q4.shape[-1])) * q4 @ k4.transpose(0, 1, 3, 2)
+    if attn_bias is not None:
+        sc = sc + attn_bias
+    if mask is not None:
+        sc = sc + np.where(mask[:, None, None, :] > 0, 0.0, filt)
+    if uni:
+        sc = sc + np.where(np.arange(length)[None, :] > np.arange(s)[:, None], filt, 0.0)
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return (p @ v4).transpose(0, 2, 1, 3).reshape(b, s, -1)
+
+
+@pytest.mark.parametrize("case", ["plain", "bias_mask", "cross_attn_bias", "unidirectional_mask"])
+def test_multi_head_attention(case):
+    b, s, n, h = 2, 4, 2, 8
+    length = 5 if case == "cross_attn_bias" else s
+    inputs = {"query": rand(b, s, n * h), "key": rand(b, length, n * h), "value": rand(b, length, n * h),
+              "bias": rand(3 * n * h) if case == "bias_mask" else None,
+              "key_padding_mask": np.array([[1] * length, [1] * (length - 2) + [0, 0]], dtype=np.int32)
+              if case in ("bias_mask", "unidirectional_mask") else None,
+              "attention_bias": rand(1, n, s, length) if case == "cross_attn_bias" else None}
+    attrs = {"num_heads": n}
+    if case == "cross_attn_bias":
+        attrs.update(scale=0.4)
+    if case == "unidirectional_mask":
+        attrs.update(unidirectional=1)
+
+    def f(query, key, value, bias, key_padding_mask, attention_bias):
+        return mha_np(query, key, value, bias, key_padding_mask, attention_bias, n, attrs.get("scale", 0.0),
+                      uni=bool(attrs.get("unidirectional")))
+
+    check_forward("MultiHeadAttention", inputs, attrs, f)
+    wrt = [x for x in ("query", "key", "value", "bias", "attention_bias") if inputs[x] is not None]
+    check_grad("MultiHeadAttention", inputs, attrs, f, wrt)

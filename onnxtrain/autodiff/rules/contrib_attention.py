@@ -1,11 +1,12 @@
 """Gradient rules: onnxruntime's attention ops as onnxruntime-genai writes them:
 com.microsoft GroupQueryAttention (prompt mode), com.microsoft RotaryEmbedding
-and the ONNX RotaryEmbedding (opset 23).
+and the ONNX RotaryEmbedding (opset 23); and com.microsoft MultiHeadAttention
+(separate 3-D query/key/value, see ``mha_forward``).
 
 RotaryEmbedding is a rotation of pairs of channels, linear in its input: its
 gradient is the inverse rotation (sine negated), written with standard ops.
 
-GroupQueryAttention's gradient differentiates a standard-op rewrite of its
+GroupQueryAttention's (and MultiHeadAttention's) gradient differentiates a standard-op rewrite of its
 forward pass (``gqa_forward``), recomputed inside the backward pass through
 ``ctx.vjp_of_graph``: the forward node itself stays onnxruntime's fused
 kernel.  Supported is the prompt (prefill) call a training step makes:
@@ -271,6 +272,89 @@ def group_query_attention_vjp(ctx, dy, d_present_k=None, d_present_v=None, *d_re
     nodes, grads = ctx.vjp_of_graph(sub.nodes, [out], [dy], names, types)
     e.nodes.extend(nodes)
     result: list[str | None] = [None] * len(ctx.inputs)
+    for i, x, g in zip(wrt, names, grads):
+        e.dtypes[g] = ctx.dtype(x)
+        result[i] = g
+    return tuple(result)
+
+
+# -------------------------------------------------------- MultiHeadAttention
+_MHA_REFUSED = {6: "past_key", 7: "past_value", 8: "past_sequence_length", 9: "cache_indirection"}
+
+
+def mha_forward(e: Emitter, attrs: dict, q: str, k: str, v: str, bias: str | None, mask: str | None,
+                attn_bias: str | None, et: int) -> str:
+    """MultiHeadAttention (3-D query/key/value) in standard ops:
+
+    Q, K, V = query + bq, key + bk, value + bv (bias split [D, D, Dv]), N heads
+    scores = scale Q_h K_h^T + attention_bias
+             + filter where key_padding_mask[b, j] == 0 (mask [B, L])
+             + filter where j > i if unidirectional      (filter = mask_filter_value;
+               unidirectional is self-attention: key length = query length)
+    out = softmax(scores) V_h, heads concatenated.  The masks are additive, as
+    onnxruntime applies them: a row whose keys are all masked gets the softmax
+    of its unmasked scores."""
+    n = int(attrs["num_heads"])
+    if bias is not None:
+        dq, dv = e.shape_of(q, 2, 3), e.shape_of(v, 2, 3)
+        bq, bk, bv = e.op("Split", [bias, e.Concat(dq, dq, dv, axis=0)], outputs=3, axis=0)
+        q, k, v = e.Add(q, bq), e.Add(k, bk), e.Add(v, bv)
+    q4, k4, v4 = (e.Transpose(e.Reshape(t, e.ints([0, 0, n, -1])), perm=[0, 2, 1, 3]) for t in (q, k, v))
+    scale = float(attrs.get("scale", 0.0) or 0.0)
+    alpha = e.const(scale, dtype=et) if scale else e.Reciprocal(e.Sqrt(e.Cast(e.shape_of(q4, 3, 4), to=et)))
+    scores = e.Mul(e.MatMul(q4, e.Transpose(k4, perm=[0, 1, 3, 2])), alpha)
+    if attn_bias is not None:
+        scores = e.Add(scores, attn_bias)
+    fill = e.const(float(attrs.get("mask_filter_value", -10000.0)), dtype=et)
+    zero = e.const(0.0, dtype=et)
+    if mask is not None:  # [B, L], 0 = padding
+        keep = e.Greater(e.unsqueeze(mask, [1, 2]), e.const(0, dtype=e.dtype(mask)))
+        scores = e.Add(scores, e.Where(keep, zero, fill))
+    if int(attrs.get("unidirectional", 0)):
+        rows, cols = e.arange(e.shape_of(q4, 2, 3)), e.arange(e.shape_of(k4, 2, 3))
+        later = e.Greater(e.unsqueeze(cols, [0]), e.unsqueeze(rows, [1]))
+        scores = e.Add(scores, e.Where(later, fill, zero))
+    p = e.Softmax(scores, axis=-1)
+    out = e.Transpose(e.MatMul(p, v4), perm=[0, 2, 1, 3])
+    return e.Reshape(out, e.ints([0, 0, -1]))
+
+
+@vjp("MultiHeadAttention", domain=MS)
+def multi_head_attention_vjp(ctx, dy, *d_rest):
+    """out = MHA(query, key, value) with 3-D separate inputs (see ``mha_forward``)
+    ->  the vector-Jacobian product of ``mha_forward``'s standard-op graph,
+        recomputed in the backward pass; gradients to query, key, value, bias
+        and attention_bias.  Refused: packed QKV/KV, past state, 1-D or 3-D
+        key_padding_mask, gradients into present/qk outputs."""
+    name = ctx.node.name
+    if any(d is not None for d in d_rest):
+        raise GradientError(f"MultiHeadAttention node {name!r}: only the attention output is differentiated")
+    for i, what in _MHA_REFUSED.items():
+        if ctx.input(i) is not None:
+            raise GradientError(f"gradient of MultiHeadAttention node {name!r}: input {what} is not supported")
+    q, k, v = ctx.inputs[0], ctx.input(1), ctx.input(2)
+    if k is None or v is None or ctx.rank(q) != 3 or ctx.rank(k) != 3 or ctx.rank(v) != 3:
+        raise GradientError(
+            f"gradient of MultiHeadAttention node {name!r}: only separate 3-D query, key and value are supported"
+        )
+    mask = ctx.input(4)
+    if mask is not None and ctx.rank(mask) != 2:
+        raise GradientError(f"gradient of MultiHeadAttention node {name!r}: key_padding_mask must be [B, L]")
+    e = ctx.emit
+    attrs = {a: ctx.attr(a) for a in ("num_heads", "scale", "mask_filter_value", "unidirectional")}
+    attrs = {a: v for a, v in attrs.items() if v is not None}
+    sub = Emitter(e.opset, e.names, dtypes=dict(e.dtypes), hint=f"{name or 'mha'}/fwd")
+    bias, attn_bias = ctx.input(3), ctx.input(5)
+    out = mha_forward(sub, attrs, q, k, v, bias, mask, attn_bias, ctx.dtype(q))
+    wrt = [i for i in (0, 1, 2, 3, 5) if ctx.input(i) is not None and ctx.needs(i)]
+    result: list[str | None] = [None] * len(ctx.inputs)
+    if not wrt:
+        return tuple(result)
+    names = [ctx.inputs[i] for i in wrt]
+    types = {x: (ctx.dtype(x), ctx.shape(x)) for x in (q, k, v, bias, mask, attn_bias) if x}
+    types[dy] = (ctx.dtype(dy), ctx.shape(ctx.outputs[0]))
+    nodes, grads = ctx.vjp_of_graph(sub.nodes, [out], [dy], names, types)
+    e.nodes.extend(nodes)
     for i, x, g in zip(wrt, names, grads):
         e.dtypes[g] = ctx.dtype(x)
         result[i] = g
