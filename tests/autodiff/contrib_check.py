@@ -70,7 +70,8 @@ def check_forward(op_type, inputs, attrs, decomposition: Callable, *, n_out=1, d
     f32 = {k: (v.astype(np.float32) if v is not None and v.dtype == np.float64 else v) for k, v in inputs.items()}
     ref = decomposition(**{k: v for k, v in inputs.items()})
     ref = ref if isinstance(ref, tuple) else (ref,)
-    got = run_op(op_type, f32, attrs, n_out=n_out, domain=domain, out_like=[r.astype(np.float32) for r in ref], opset=opset)
+    got = run_op(op_type, f32, attrs, n_out=n_out, domain=domain, out_like=[r.astype(np.float32) for r in ref],
+                 opset=opset)
     for k, (g, r) in enumerate(zip(got, ref)):
         if rows is not None:
             g, r = rows(k, g), rows(k, r)
@@ -135,5 +136,6 @@ def check_grad(op_type, inputs: Mapping[str, np.ndarray | None], attrs, decompos
         minus = {**feeds, **{x: feeds[x] - eps * d[x] for x in wrt}}
         numeric = (loss(plus) - loss(minus)) / (2 * eps)
         predicted = sum(float(np.sum(analytic[x] * d[x])) for x in wrt)
-        np.testing.assert_allclose(predicted, numeric, rtol=rtol, atol=1e-7, err_msg=f"{op_type} directional derivative")
+        np.testing.assert_allclose(predicted, numeric, rtol=rtol, atol=1e-7,
+                                   err_msg=f"{op_type} directional derivative")
     return analytic

@@ -217,7 +217,8 @@ def gqa_forward(e: Emitter, attrs: dict, q: str, k: str | None, v: str | None, s
     lowest = e.const(np.finfo(np_dtype(et)).min, dtype=et)
     scores = e.Where(visible, scores, lowest)
     if int(attrs.get("smooth_softmax", 0)):
-        zero = e.Expand(e.const(np.zeros((1, 1, 1, 1)), dtype=et), e.Concat(e.shape_of(scores, 0, 3), e.ints([1]), axis=0))
+        column = e.Concat(e.shape_of(scores, 0, 3), e.ints([1]), axis=0)
+        zero = e.Expand(e.const(np.zeros((1, 1, 1, 1)), dtype=et), column)
         p = e.Softmax(e.Concat(scores, zero, axis=-1), axis=-1)
         p = e.Slice(p, e.ints([0]), seq, e.ints([-1]))
     else:

@@ -136,7 +136,8 @@ def gather_block_quantized_vjp(ctx, dy):
         return tuple(grads)
     name = ctx.node.name
     rank = ctx.require_rank(data)
-    if ctx.dtype(data) != TensorProto.UINT8 or int(ctx.attr("gather_axis", 0)) != 0 or int(ctx.attr("quantize_axis", 1)) % rank != rank - 1:
+    axes = int(ctx.attr("gather_axis", 0)) % rank, int(ctx.attr("quantize_axis", 1)) % rank
+    if ctx.dtype(data) != TensorProto.UINT8 or axes != (0, rank - 1):
         raise GradientError(
             f"gradient of GatherBlockQuantized node {name!r}: only uint8 data gathered along axis 0 and "
             "quantized along its last axis is supported"
