@@ -193,7 +193,7 @@ def test_ms_rotary_embedding(interleaved, layout):
 
     inputs = {"input": x, "position_ids": pos, "cos_cache": cos, "sin_cache": sin}
     check_forward("RotaryEmbedding", inputs, attrs, f)
-    check_grad("RotaryEmbedding", inputs, attrs, f, ["input"])
+    check_grad("RotaryEmbedding", inputs, attrs, f, ["input", "cos_cache", "sin_cache"])
 
 
 def test_ms_rotary_embedding_offset():
@@ -208,7 +208,7 @@ def test_ms_rotary_embedding_offset():
         return rotate_np(input[:, :, None], cos_cache[p][:, None], sin_cache[p][:, None], 0).reshape(input.shape)
 
     check_forward("RotaryEmbedding", inputs, {}, f)
-    check_grad("RotaryEmbedding", inputs, {}, f, ["input"])
+    check_grad("RotaryEmbedding", inputs, {}, f, ["input", "cos_cache", "sin_cache"])
 
 
 @pytest.mark.parametrize("interleaved,rot_dim", [(0, 0), (1, 0), (0, 4)])
@@ -226,7 +226,22 @@ def test_onnx_rotary_embedding(interleaved, rot_dim):
 
     inputs = {"X": rand(b, s, heads * h), "cos_cache": cos, "sin_cache": sin, "position_ids": pos}
     check_forward("RotaryEmbedding", inputs, attrs, f, domain="", opset=23)
-    check_grad("RotaryEmbedding", inputs, attrs, f, ["X"], domain="", opset=23)
+    check_grad("RotaryEmbedding", inputs, attrs, f, ["X", "cos_cache", "sin_cache"], domain="", opset=23)
+
+
+@pytest.mark.parametrize("interleaved", [0, 1])
+def test_onnx_rotary_embedding_gathered_4d(interleaved):
+    """No position_ids: the caches come gathered, [B, S, half]; 4-D input [B, N, S, H]."""
+    b, s, heads, h = 2, 3, 2, 8
+    cos, sin = (RNG.uniform(-1, 1, size=(b, s, h // 2)) for _ in range(2))
+    inputs = {"X": rand(b, heads, s, h), "cos_cache": cos, "sin_cache": sin}
+
+    def f(X, cos_cache, sin_cache):
+        return rotate_np(X, cos_cache[:, None], sin_cache[:, None], interleaved)
+
+    attrs = {"interleaved": interleaved}
+    check_forward("RotaryEmbedding", inputs, attrs, f, domain="", opset=23)
+    check_grad("RotaryEmbedding", inputs, attrs, f, ["X", "cos_cache", "sin_cache"], domain="", opset=23)
 
 
 # ---------------------------------------------------- GroupQueryAttention
@@ -312,6 +327,7 @@ def test_group_query_attention(case):
 
     check_forward("GroupQueryAttention", inputs, attrs, f, n_out=3, rtol=2e-4, atol=2e-5, rows=rows)
     wrt = ["query"] + (["key", "value"] if not cfg["packed"] else [])
+    wrt += ["cos_cache", "sin_cache"] if cfg["rotary"] else []
     check_grad("GroupQueryAttention", inputs, attrs, f, wrt, n_out=3, diff_outputs=(0,), rtol=1e-5)
 
 
