@@ -1,14 +1,20 @@
-"""An onnxruntime-genai Llama (the model builder's own graph: GroupQueryAttention,
+"""onnxruntime-genai models (the model builder's own graphs: GroupQueryAttention,
 SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization and, in int4,
-MatMulNBits) trains like PyTorch's Llama with the same weights.
+MatMulNBits and GatherBlockQuantized) train like PyTorch's models with the
+same weights: a Llama and a Gemma-2 (softcapped sliding-window attention,
+tanh Gelu, tied embeddings, softcapped LM head).
 
-Fixtures: tests/data/genai/, made by scripts/make_genai_fixtures.py (a tiny
-random Llama, builder fp32 and int4, PyTorch loss, gradients and one SGD
-step).  The builder's model takes the KV cache as inputs: a training step
-feeds the past keys/values empty, ``[batch, kv_heads, 0, head_size]``, which
-is GroupQueryAttention's prompt call; the present outputs are not used.
-The batch has a right-padded row: ``attention_mask`` gives GroupQueryAttention
-its ``seqlens_k``, and the labels ignore the padding (-100).
+Fixtures: tests/data/genai/, made by scripts/make_genai_fixtures.py (tiny
+random models, builder fp32 and int4, PyTorch loss, gradients and one SGD
+step).  The builder's model takes the KV cache as inputs: a training step is
+GroupQueryAttention's prompt call, with the past keys/values fed empty,
+``[batch, kv_heads, 0, head_size]``; a model with a windowed cache
+(``sliding_window_cache=1``, Gemma-2) wants a capacity of at least the window
+even then: zeros ``[batch, kv_heads, window, head_size]``, which the prompt
+does not read.  The present outputs are not used.  The Llama batch has a
+right-padded row: ``attention_mask`` gives GroupQueryAttention its
+``seqlens_k``, and the labels ignore the padding (-100); a windowed cache
+takes no right padding.
 
 The SGD step (lr 0.5) gives the gradient back as (before - after) / lr.
 """
@@ -27,9 +33,13 @@ DATA = Path(__file__).resolve().parent.parent / "data" / "genai"
 LR = 0.5
 
 
-def _load(precision: str, accuracy_level: int | None = None):
-    ref = np.load(DATA / f"llama_{precision}.npz")
-    proto = onnx.load(str(DATA / f"llama_{precision}" / "model.onnx"))
+#: (kv heads, past length fed, head size) of each fixture family
+PAST = {"llama": (1, 0, 16), "gemma2": (1, 4, 16)}
+
+
+def _load(family: str, precision: str, accuracy_level: int | None = None):
+    ref = np.load(DATA / f"{family}_{precision}.npz")
+    proto = onnx.load(str(DATA / f"{family}_{precision}" / "model.onnx"))
     if accuracy_level is not None:
         for node in proto.graph.node:
             for a in node.attribute:
@@ -38,12 +48,13 @@ def _load(precision: str, accuracy_level: int | None = None):
     return ref, proto
 
 
-def _step(proto, ref, names):
+def _step(family, proto, ref, names):
     tm = build.training_model(proto, loss="cross_entropy", output="logits", optimizer=build.SGD(lr=LR),
                               trainable=names)
     sess = TrainingSession(tm)
     sess.initialize()
-    empty = np.zeros((2, 2, 0, 16), np.float32)  # the prompt call: no past keys/values
+    kv, past, head = PAST[family]
+    empty = np.zeros((2, kv, past, head), np.float32)  # the prompt call: no past keys/values
     batch = {"input_ids": ref["input_ids"], "attention_mask": ref["attention_mask"],
              "past_key_values.0.key": empty, "past_key_values.0.value": empty, "target": ref["labels"]}
     before = {n: np.array(sess.state[n]) for n in names}
@@ -68,21 +79,26 @@ def _params(ref) -> list[str]:
     return [k[len("grad/"):] for k in ref.files if k.startswith("grad/")]
 
 
-def test_genai_llama_fp32_matches_pytorch():
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_genai_fp32_matches_pytorch(family):
     """Every weight (embedding, norms, packed qkv, o, MLP, LM head) but the rotary caches."""
-    ref, proto = _load("fp32")
+    ref, proto = _load(family, "fp32")
     names = _params(ref)
     assert "model.layers.0.attn.qkv_proj.MatMul.weight" in names and "cos_cache" not in names
-    _compare(ref, names, *_step(proto, ref, names), rtol=1e-5, atol=2e-5)
+    _compare(ref, names, *_step(family, proto, ref, names), rtol=1e-5, atol=2e-5)
 
 
-def test_genai_llama_int4_matches_pytorch():
-    """MatMulNBits scales, norms and embedding against PyTorch on the dequantized
-    weights, with the product in float32 (accuracy_level 1)."""
-    ref, proto = _load("int4", accuracy_level=1)
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_genai_int4_matches_pytorch(family):
+    """MatMulNBits scales (Gemma-2: the LM head's shared with the embedding's
+    GatherBlockQuantized), norms (and Llama's float embedding) against PyTorch
+    on the dequantized weights, with the product in float32 (accuracy_level 1)."""
+    ref, proto = _load(family, "int4", accuracy_level=1)
     names = _params(ref)
-    assert any(n.endswith("_scales") for n in names)
-    _compare(ref, names, *_step(proto, ref, names), rtol=1e-5, atol=2e-5)
+    assert "lm_head.MatMul.weight_scales" in names
+    if family == "gemma2":
+        assert any(n.op_type == "GatherBlockQuantized" for n in proto.graph.node)
+    _compare(ref, names, *_step(family, proto, ref, names), rtol=1e-5, atol=2e-5)
 
 
 def test_genai_llama_int4_as_built_is_straight_through():
@@ -91,9 +107,9 @@ def test_genai_llama_int4_as_built_is_straight_through():
     exact product's up to that rounding.  The scales stay frozen constants here:
     onnxruntime 1.32 computes accuracy_level 4 wrongly when the scales are
     not constant initializers (see the lead's report)."""
-    ref, proto = _load("int4")
+    ref, proto = _load("llama", "int4")
     assert any(a.name == "accuracy_level" and a.i == 4 for n in proto.graph.node for a in n.attribute)
     names = [n for n in _params(ref) if not n.endswith("_scales")]
-    loss, before, after = _step(proto, ref, names)
+    loss, before, after = _step("llama", proto, ref, names)
     assert loss != pytest.approx(float(ref["loss"]), rel=1e-6, abs=0)  # the int8 rounding is there
     _compare(ref, names, loss, before, after, rtol=1e-3, atol=1e-2)
