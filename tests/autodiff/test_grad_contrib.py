@@ -124,6 +124,7 @@ def nbits_case(k, n, block, bits, zp_kind, bias=False, batch=(2, 3)):
 
 @pytest.mark.parametrize("bits,block,k,zp_kind", [
     (4, 32, 64, "none"), (4, 16, 40, "packed"), (4, 16, 48, "float"), (8, 16, 40, "none"), (8, 32, 64, "packed"),
+    (2, 16, 48, "packed"),
 ])
 def test_matmul_nbits(bits, block, k, zp_kind):
     n = 24
