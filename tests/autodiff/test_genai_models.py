@@ -113,3 +113,31 @@ def test_genai_llama_int4_as_built_is_straight_through():
     loss, before, after = _step("llama", proto, ref, names)
     assert loss != pytest.approx(float(ref["loss"]), rel=1e-6, abs=0)  # the int8 rounding is there
     _compare(ref, names, loss, before, after, rtol=1e-3, atol=1e-2)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_genai_packed_qkv_lora_matches_pytorch(family):
+    """LoRA on the builder's packed qkv_proj, one adapter pair for the packed
+    matrix (W [in, 3 projections] + s A B).  From B = 0 the first step sees
+    the base model, so dL/dB = s A^T dL/dW and dL/dA = 0, with dL/dW
+    PyTorch's gradient of the packed weight."""
+    ref, proto = _load(family, "fp32")
+    target = "model.layers.0.attn.qkv_proj.MatMul.weight"
+    rank, alpha = 2, 4.0
+    tm = build.training_model(proto, loss="cross_entropy", output="logits", optimizer=build.SGD(lr=LR),
+                              lora=build.LoRA(rank=rank, alpha=alpha, targets=[target]))
+    sess = TrainingSession(tm)
+    sess.initialize()
+    a0 = np.array(sess.state[f"{target}.lora_A"])
+    assert not np.any(np.array(sess.state[f"{target}.lora_B"]))
+    kv, past, head = PAST[family]
+    empty = np.zeros((2, kv, past, head), np.float32)
+    loss = float(sess.train_step({"input_ids": ref["input_ids"], "attention_mask": ref["attention_mask"],
+                                  "past_key_values.0.key": empty, "past_key_values.0.value": empty,
+                                  "target": ref["labels"]})["loss"])
+    np.testing.assert_allclose(loss, ref["loss"], rtol=1e-5)
+    g = ref[f"grad/{target}"]
+    expected_b = -LR * (alpha / rank) * a0.T @ g
+    np.testing.assert_allclose(sess.state[f"{target}.lora_B"], expected_b, rtol=0,
+                               atol=2e-5 * np.abs(expected_b).max())
+    np.testing.assert_array_equal(sess.state[f"{target}.lora_A"], a0)
