@@ -145,7 +145,18 @@ def test_matmul_nbits_accuracy_level(accuracy_level):
     attrs = {"K": k, "N": n, "bits": 4, "block_size": 32, "accuracy_level": accuracy_level}
     tol = 1e-4 if accuracy_level < 4 else 5e-2
     check_forward("MatMulNBits", inputs, attrs, f, rtol=tol, atol=tol)
-    check_grad("MatMulNBits", inputs, attrs, f, ["A", "scales"])
+    check_grad("MatMulNBits", inputs, attrs, f, ["A", "scales"] if accuracy_level < 4 else ["A"])
+
+
+def test_matmul_nbits_refuses_trained_scales_at_accuracy_level_4():
+    """onnxruntime 1.32 computes accuracy_level 4 wrongly when the scales are a
+    run-time input (trained state): training them there is refused."""
+    from onnxtrain.errors import GradientError
+
+    inputs, f = nbits_case(32, 8, 16, 4, "none", batch=(3,))
+    attrs = {"K": 32, "N": 8, "bits": 4, "block_size": 16, "accuracy_level": 4}
+    with pytest.raises(GradientError, match="accuracy_level"):
+        check_grad("MatMulNBits", inputs, attrs, f, ["A", "scales"])
 
 
 def test_matmul_nbits_refuses_code_gradients():
@@ -461,3 +472,38 @@ def test_multi_head_attention(case):
     check_forward("MultiHeadAttention", inputs, attrs, f)
     wrt = [x for x in ("query", "key", "value", "bias", "attention_bias") if inputs[x] is not None]
     check_grad("MultiHeadAttention", inputs, attrs, f, wrt)
+
+
+def test_onnxruntime_accuracy_level_4_with_runtime_scales_is_still_wrong():
+    """The reason for the refusal above, checked on the installed onnxruntime:
+    accuracy_level 4 with B a constant and the scales fed at run time is far
+    off (the same node with constant scales is within int8 rounding).  When
+    this fails, onnxruntime is fixed and MatMulNBits' rule can train scales at
+    accuracy_level 4."""
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    k, n = 64, 16
+    inputs, f = nbits_case(k, n, 32, 4, "none", batch=(4,))
+    exact = f(**inputs)
+    a, b, scales = (inputs[x].astype(np.float32) if inputs[x].dtype == np.float64 else inputs[x]
+                    for x in ("A", "B", "scales"))
+
+    def run(scales_constant: bool) -> np.ndarray:
+        node = helper.make_node("MatMulNBits", ["A", "B", "scales"], ["Y"], domain=MS, K=k, N=n, bits=4,
+                                block_size=32, accuracy_level=4)
+        inits = [numpy_helper.from_array(b, "B")]
+        ins = [helper.make_tensor_value_info("A", 1, list(a.shape))]
+        feeds = {"A": a}
+        if scales_constant:
+            inits.append(numpy_helper.from_array(scales, "scales"))
+        else:
+            ins.append(helper.make_tensor_value_info("scales", 1, list(scales.shape)))
+            feeds["scales"] = scales
+        graph = helper.make_graph([node], "g", ins, [helper.make_tensor_value_info("Y", 1, None)], inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
+        return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+    size = np.abs(exact).max()
+    assert np.abs(run(True) - exact).max() < 0.05 * size
+    assert np.abs(run(False) - exact).max() > 0.3 * size

@@ -86,21 +86,29 @@ def matmul_nbits_vjp(ctx, dy):
 
     accuracy_level 4 rounds A to int8 blocks inside onnxruntime's forward
     pass; the rule treats that rounding as the identity (straight-through):
-    the gradient is that of the exact product.  g_idx (deprecated
-    act-order) is refused."""
+    the gradient is that of the exact product.  Training the scales of an
+    accuracy_level 4 node is refused: onnxruntime 1.32 gets that node's
+    forward pass wrong when its scales are fed at run time (with B a
+    constant, it returns values off by the size of the output).  g_idx
+    (deprecated act-order) is refused."""
     e = ctx.emit
     a = ctx.inputs[0]
     if ctx.input(4) is not None:
         raise GradientError(
             f"gradient of MatMulNBits node {ctx.node.name!r}: g_idx (act-order) is not supported"
         )
+    if ctx.needs(2) and int(ctx.attr("accuracy_level", 0) or 0) == 4:
+        raise GradientError(
+            f"MatMulNBits node {ctx.node.name!r}: its scales are trained with accuracy_level=4, and "
+            "onnxruntime (1.32) computes accuracy_level 4 wrongly when the scales are not a constant "
+            "initializer, as trained state is: set the node's accuracy_level to 0 or 1 (the exact float "
+            "product) to train the scales, or keep them frozen (QLoRA does)"
+        )
     k, n = int(ctx.attr("K")), int(ctx.attr("N"))
     block = int(ctx.attr("block_size"))
     blocks = -(-k // block)
     grads: list[str | None] = [None] * len(ctx.inputs)
-    if not (ctx.needs(0) or ctx.needs(2)):
-        pass
-    else:
+    if ctx.needs(0) or ctx.needs(2):
         w, u = dequantized_weight(ctx)
         if ctx.needs(0):
             grads[0] = e.MatMul(dy, w)
