@@ -106,7 +106,8 @@ def test_genai_llama_int4_as_built_is_straight_through():
     inside MatMulNBits): the loss is onnxruntime's, and the gradients are the
     exact product's up to that rounding.  The scales stay frozen constants here:
     onnxruntime 1.32 computes accuracy_level 4 wrongly when the scales are
-    not constant initializers (see the lead's report)."""
+    not constant initializers, so MatMulNBits' rule refuses to train them
+    (test_grad_contrib.py)."""
     ref, proto = _load("llama", "int4")
     assert any(a.name == "accuracy_level" and a.i == 4 for n in proto.graph.node for a in n.attribute)
     names = [n for n in _params(ref) if not n.endswith("_scales")]
