@@ -258,7 +258,7 @@ def test_onnx_rotary_embedding_gathered_4d(interleaved):
 
 # ---------------------------------------------------- GroupQueryAttention
 def gqa_np(q, k, v, seqlens, cos, sin, n, nkv, scale=0.0, softcap=0.0, window=-1, rotary=False,
-           interleaved=False, smooth=False, causal=True):
+           interleaved=False, smooth=False, causal=True, bias=None, sink=None):
     """Prompt-mode GroupQueryAttention (see contrib_attention's docstring)."""
     b, s, _ = q.shape
     if k is None:
@@ -278,6 +278,8 @@ def gqa_np(q, k, v, seqlens, cos, sin, n, nkv, scale=0.0, softcap=0.0, window=-1
             sc = alpha * q4[bi, :, hi] @ k4[bi, :, kv].T
             if softcap > 0:
                 sc = softcap * np.tanh(sc / softcap)
+            if bias is not None:
+                sc = sc + bias[bi % bias.shape[0], hi % bias.shape[1]]
             for i in range(s):
                 j = np.arange(s)
                 vis = j < total
@@ -288,9 +290,10 @@ def gqa_np(q, k, v, seqlens, cos, sin, n, nkv, scale=0.0, softcap=0.0, window=-1
                 if not vis.any():  # a padding row whose window holds no valid key
                     continue
                 z = sc[i][vis]
-                m = max(z.max(), 0.0) if smooth else z.max()
+                extra = sink[hi] if sink is not None else (0.0 if smooth else None)
+                m = z.max() if extra is None else max(z.max(), extra)
                 ez = np.exp(z - m)
-                p = ez / (ez.sum() + (np.exp(-m) if smooth else 0.0))
+                p = ez / (ez.sum() + (0.0 if extra is None else np.exp(extra - m)))
                 out[bi, i, hi] = p @ v4[bi, vis, kv]
     return out.reshape(b, s, n * h), k4.transpose(0, 2, 1, 3), v4.transpose(0, 2, 1, 3)
 
@@ -303,13 +306,15 @@ GQA_CASES = {
     "smooth_padding": dict(packed=False, smooth=True, lengths=(3, 6), rotary=True),
     "partial_rotary": dict(packed=True, rotary=True, h=32, rot_half=8),
     "bidirectional_padding": dict(packed=False, causal=0, lengths=(6, 3)),
+    "bias_sink_softcap": dict(packed=True, softcap=5.0, bias=(2, 4), sink=True, lengths=(6, 5)),
+    "bias_broadcast_rotary": dict(packed=False, rotary=True, bias=(1, 1)),
 }
 
 
 @pytest.mark.parametrize("case", list(GQA_CASES))
 def test_group_query_attention(case):
     cfg = dict(n=4, nkv=2, h=16, packed=True, rotary=False, interleaved=False, softcap=0.0, scale=0.0,
-               window=-1, smooth=False, lengths=(6, 6), rot_half=None, causal=1)
+               window=-1, smooth=False, lengths=(6, 6), rot_half=None, causal=1, bias=None, sink=False)
     cfg.update(GQA_CASES[case])
     b, s, n, nkv, h = 2, 6, cfg["n"], cfg["nkv"], cfg["h"]
     seqlens = np.array([t - 1 for t in cfg["lengths"]], dtype=np.int32)
@@ -321,14 +326,18 @@ def test_group_query_attention(case):
     empty = np.zeros((b, nkv, 0, h))
     inputs = {"query": q, "key": k, "value": v, "past_key": empty, "past_value": empty,
               "seqlens_k": seqlens, "total_sequence_length": np.array(s, dtype=np.int32),
-              "cos_cache": cos if cfg["rotary"] else None, "sin_cache": sin if cfg["rotary"] else None}
+              "cos_cache": cos if cfg["rotary"] else None, "sin_cache": sin if cfg["rotary"] else None,
+              "position_ids": None, "attention_bias": rand(*cfg["bias"], s, s) if cfg["bias"] else None,
+              "head_sink": rand(n) if cfg["sink"] else None}
     attrs = {"num_heads": n, "kv_num_heads": nkv, "do_rotary": int(cfg["rotary"]),
              "rotary_interleaved": int(cfg["interleaved"]), "softcap": cfg["softcap"], "scale": cfg["scale"],
              "local_window_size": cfg["window"], "smooth_softmax": int(cfg["smooth"]), "causal": cfg["causal"]}
 
-    def f(query, key, value, past_key, past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache):
+    def f(query, key, value, past_key, past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache,
+          position_ids, attention_bias, head_sink):
         return gqa_np(query, key, value, seqlens_k, cos_cache, sin_cache, n, nkv, cfg["scale"], cfg["softcap"],
-                      cfg["window"], cfg["rotary"], cfg["interleaved"], cfg["smooth"], bool(cfg["causal"]))
+                      cfg["window"], cfg["rotary"], cfg["interleaved"], cfg["smooth"], bool(cfg["causal"]),
+                      attention_bias, head_sink)
 
     valid = np.arange(s)[None, :] < np.array(cfg["lengths"])[:, None]  # [B, S]: rows onnxruntime specifies
 
@@ -340,6 +349,7 @@ def test_group_query_attention(case):
     check_forward("GroupQueryAttention", inputs, attrs, f, n_out=3, rtol=2e-4, atol=2e-5, rows=rows)
     wrt = ["query"] + (["key", "value"] if not cfg["packed"] else [])
     wrt += ["cos_cache", "sin_cache"] if cfg["rotary"] else []
+    wrt += [x for x in ("attention_bias", "head_sink") if inputs[x] is not None]
     check_grad("GroupQueryAttention", inputs, attrs, f, wrt, n_out=3, diff_outputs=(0,), rtol=1e-5)
 
 

@@ -30,8 +30,11 @@ kernel.  Supported is the prompt (prefill) call a training step makes:
   lets them attend to the valid keys before them, as a padded PyTorch batch
   does, so their gradient is finite and is that of PyTorch.
 
-Refused with a clear error: position_ids, attention_bias, head_sink,
-q/k norm weights, query_seqlens, a quantized KV cache, the qk output.
+* ``attention_bias`` (added after the softcap) and ``head_sink`` (a per-head
+  logit in the softmax's sum), both differentiated.
+
+Refused with a clear error: position_ids, q/k norm weights, query_seqlens,
+a quantized KV cache, the qk output.
 """
 
 from __future__ import annotations
@@ -174,20 +177,23 @@ def rotary_embedding_vjp(ctx, dy):
 
 
 # ------------------------------------------------------- GroupQueryAttention
-_GQA_REFUSED = {10: "attention_bias", 11: "head_sink", 14: "q_norm_weight", 15: "k_norm_weight",
-                16: "query_seqlens", 12: "k_scale", 13: "v_scale", 9: "position_ids"}
+_GQA_REFUSED = {14: "q_norm_weight", 15: "k_norm_weight", 16: "query_seqlens", 12: "k_scale", 13: "v_scale",
+                9: "position_ids"}
 
 
 def gqa_forward(e: Emitter, attrs: dict, q: str, k: str | None, v: str | None, seqlens_k: str,
-                cos: str | None, sin: str | None, et: int) -> tuple[str, str, str]:
+                cos: str | None, sin: str | None, et: int, attn_bias: str | None = None,
+                head_sink: str | None = None) -> tuple[str, str, str]:
     """GroupQueryAttention's prompt call in standard ops: (output [B, S, N H],
     keys [B, Nkv, S, H] after rotary, values [B, Nkv, S, H]).
 
     scores = scale * q_h k_{h/g}^T  (g = N / Nkv, heads grouped)
     softcap c > 0: scores = c tanh(scores / c)
+    scores += attention_bias (after the softcap, as onnxruntime adds it)
     visible(b, i, j) = j < seqlens_k[b] + 1, and j <= i if causal, and
                        j > i - local_window_size if that is > 0 (W keys, itself included)
-    p = softmax over the visible j (smooth: with an extra logit 0 in the sum),
+    p = softmax over the visible j (head_sink: with an extra logit sink[h] in the
+        sum; smooth_softmax: the same with sink 0),
         0 for a (padding) row without any visible key
     out = p v_{h/g}, heads concatenated."""
     n, nkv = int(attrs["num_heads"]), int(attrs["kv_num_heads"])
@@ -223,6 +229,8 @@ def gqa_forward(e: Emitter, attrs: dict, q: str, k: str | None, v: str | None, s
     if cap > 0:
         c = e.const(cap, dtype=et)
         scores = e.Mul(e.Tanh(e.Div(scores, c)), c)
+    if attn_bias is not None:
+        scores = e.Add(scores, attn_bias)
     pos = e.arange(seq)
     row, col = e.unsqueeze(pos, [1]), e.unsqueeze(pos, [0])  # [S, 1], [1, S]
     total = e.unsqueeze(e.Add(e.cast_to(seqlens_k, 7), e.ints([1])), [1, 2, 3])  # [B, 1, 1, 1]
@@ -234,10 +242,13 @@ def gqa_forward(e: Emitter, attrs: dict, q: str, k: str | None, v: str | None, s
         visible = e.And(visible, e.Greater(col, e.Sub(row, e.ints([window]))))
     lowest = e.const(np.finfo(np_dtype(et)).min, dtype=et)
     scores = e.Where(visible, scores, lowest)
-    if int(attrs.get("smooth_softmax", 0)):
+    if head_sink is not None or int(attrs.get("smooth_softmax", 0)):
         column = e.Concat(e.shape_of(scores, 0, 3), e.ints([1]), axis=0)
-        zero = e.Expand(e.const(np.zeros((1, 1, 1, 1)), dtype=et), column)
-        p = e.Softmax(e.Concat(scores, zero, axis=-1), axis=-1)
+        if head_sink is None:
+            sink = e.const(np.zeros((1, 1, 1, 1)), dtype=et)
+        else:
+            sink = e.reshape(head_sink, [1, -1, 1, 1])
+        p = e.Softmax(e.Concat(scores, e.Expand(sink, column), axis=-1), axis=-1)
         p = e.Slice(p, e.ints([0]), seq, e.ints([-1]))
     else:
         p = e.Softmax(scores, axis=-1)
@@ -279,14 +290,15 @@ def group_query_attention_vjp(ctx, dy, d_present_k=None, d_present_v=None, *d_re
     e = ctx.emit
     q, k, v = ctx.inputs[0], ctx.input(1), ctx.input(2)
     seqlens, cos, sin = ctx.inputs[5], ctx.input(7), ctx.input(8)
+    attn_bias, head_sink = ctx.input(10), ctx.input(11)
     et = ctx.dtype(q)
     sub = Emitter(e.opset, e.names, dtypes=dict(e.dtypes), hint=f"{name or 'gqa'}/fwd")
-    out, _, _ = gqa_forward(sub, attrs, q, k, v, seqlens, cos, sin, et)
-    wrt = [i for i in (0, 1, 2, 7, 8) if ctx.input(i) is not None and ctx.needs(i)]
+    out, _, _ = gqa_forward(sub, attrs, q, k, v, seqlens, cos, sin, et, attn_bias, head_sink)
+    wrt = [i for i in (0, 1, 2, 7, 8, 10, 11) if ctx.input(i) is not None and ctx.needs(i)]
     if not wrt:
         return (None,) * len(ctx.inputs)
     names = [ctx.inputs[i] for i in wrt]
-    types = {x: (ctx.dtype(x), ctx.shape(x)) for x in [q, k, v, seqlens, cos, sin] if x}
+    types = {x: (ctx.dtype(x), ctx.shape(x)) for x in [q, k, v, seqlens, cos, sin, attn_bias, head_sink] if x}
     types[dy] = (ctx.dtype(dy), ctx.shape(ctx.outputs[0]))
     nodes, grads = ctx.vjp_of_graph(sub.nodes, [out], [dy], names, types)
     e.nodes.extend(nodes)
