@@ -209,7 +209,8 @@ def gemma2_hf_params(leaves: dict[str, torch.Tensor], weight) -> dict[str, torch
     out = {"model.embed_tokens.weight": weight("lm_head"),  # tied: the LM head reads it too
            "model.norm.weight": leaves["model.layers.1.final_norm_layernorm.weight"] - 1,
            f"{pre}.self_attn.q_proj.weight": qkv[:h], f"{pre}.self_attn.k_proj.weight": qkv[h:h + kv],
-           f"{pre}.self_attn.v_proj.weight": qkv[h + kv:], f"{pre}.self_attn.o_proj.weight": weight(f"{pre}.attn.o_proj")}
+           f"{pre}.self_attn.v_proj.weight": qkv[h + kv:],
+           f"{pre}.self_attn.o_proj.weight": weight(f"{pre}.attn.o_proj")}
     for m in ("gate", "up", "down"):
         out[f"{pre}.mlp.{m}_proj.weight"] = weight(f"{pre}.mlp.{m}_proj")
     for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
