@@ -308,13 +308,16 @@ GQA_CASES = {
     "bidirectional_padding": dict(packed=False, causal=0, lengths=(6, 3)),
     "bias_sink_softcap": dict(packed=True, softcap=5.0, bias=(2, 4), sink=True, lengths=(6, 5)),
     "bias_broadcast_rotary": dict(packed=False, rotary=True, bias=(1, 1)),
+    # Gemma-2's windowed cache: a capacity of at least the window even for the prompt (zeros, unread)
+    "sliding_window_cache": dict(packed=True, rotary=True, softcap=50.0, window=4, past=4, swc=1),
 }
 
 
 @pytest.mark.parametrize("case", list(GQA_CASES))
 def test_group_query_attention(case):
     cfg = dict(n=4, nkv=2, h=16, packed=True, rotary=False, interleaved=False, softcap=0.0, scale=0.0,
-               window=-1, smooth=False, lengths=(6, 6), rot_half=None, causal=1, bias=None, sink=False)
+               window=-1, smooth=False, lengths=(6, 6), rot_half=None, causal=1, bias=None, sink=False,
+               past=0, swc=0)
     cfg.update(GQA_CASES[case])
     b, s, n, nkv, h = 2, 6, cfg["n"], cfg["nkv"], cfg["h"]
     seqlens = np.array([t - 1 for t in cfg["lengths"]], dtype=np.int32)
@@ -323,7 +326,7 @@ def test_group_query_attention(case):
         q, k, v = rand(b, s, (n + 2 * nkv) * h), None, None
     else:
         q, k, v = rand(b, s, n * h), rand(b, s, nkv * h), rand(b, s, nkv * h)
-    empty = np.zeros((b, nkv, 0, h))
+    empty = np.zeros((b, nkv, cfg["past"], h))
     inputs = {"query": q, "key": k, "value": v, "past_key": empty, "past_value": empty,
               "seqlens_k": seqlens, "total_sequence_length": np.array(s, dtype=np.int32),
               "cos_cache": cos if cfg["rotary"] else None, "sin_cache": sin if cfg["rotary"] else None,
@@ -332,6 +335,8 @@ def test_group_query_attention(case):
     attrs = {"num_heads": n, "kv_num_heads": nkv, "do_rotary": int(cfg["rotary"]),
              "rotary_interleaved": int(cfg["interleaved"]), "softcap": cfg["softcap"], "scale": cfg["scale"],
              "local_window_size": cfg["window"], "smooth_softmax": int(cfg["smooth"]), "causal": cfg["causal"]}
+    if cfg["swc"]:
+        attrs["sliding_window_cache"] = 1
 
     def f(query, key, value, past_key, past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache,
           position_ids, attention_bias, head_sink):
@@ -344,9 +349,11 @@ def test_group_query_attention(case):
     def rows(k, a):
         if k == 0:
             return a[valid]
+        if cfg["swc"]:
+            return a.ravel()[:0]  # a windowed cache keeps the last positions only: not compared
         return a.transpose(0, 2, 1, 3)[valid]  # present key/value: valid positions
 
-    check_forward("GroupQueryAttention", inputs, attrs, f, n_out=3, rtol=2e-4, atol=2e-5, rows=rows)
+    check_forward("GroupQueryAttention", inputs, attrs, f, n_out=3, rtol=1e-5, atol=3e-6, rows=rows)
     wrt = ["query"] + (["key", "value"] if not cfg["packed"] else [])
     wrt += ["cos_cache", "sin_cache"] if cfg["rotary"] else []
     wrt += [x for x in ("attention_bias", "head_sink") if inputs[x] is not None]
