@@ -2,6 +2,10 @@
 
 from . import (
     activation,
+    contrib_activation,
+    contrib_attention,
+    contrib_norm,
+    contrib_quant,
     control,
     conv,
     elementwise,
