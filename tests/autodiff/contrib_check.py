@@ -21,11 +21,11 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import TensorProto, helper
+from onnx import helper
 
 from onnxtrain.autodiff import expand_gradients
-from onnxtrain.graph import PREVIEW_DOMAIN
-from onnxtrain.names import NameGen
+from onnxtrain.core.graph import PREVIEW_DOMAIN
+from onnxtrain.core.names import NameGen
 
 MS = "com.microsoft"
 

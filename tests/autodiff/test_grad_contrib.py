@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from contrib_check import MS, check_forward, check_grad
 
 RNG = np.random.default_rng(7)
@@ -449,7 +448,7 @@ def test_ms_gelu(op):
 
 
 def mha_np(query, key, value, bias, mask, attn_bias, n, scale=0.0, filt=-10000.0, uni=False):
-    d, dv = query.shape[2], value.shape[2]
+    d = query.shape[2]
     if bias is not None:
         query, key, value = query + bias[:d], key + bias[d:2 * d], value + bias[2 * d:]
     b, s, _ = query.shape

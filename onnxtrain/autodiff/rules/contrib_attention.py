@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...emitter import Emitter, np_dtype
+from ...core.emitter import Emitter, np_dtype
 from ...errors import GradientError
 from ..registry import VJPContext, vjp
 from ._common import scatter_add_axis
