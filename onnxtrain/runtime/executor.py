@@ -379,7 +379,12 @@ class Executor:
         writes into.  The other outputs in ``fetch`` come back as numpy arrays
         (or OrtValues with ``to_numpy=False``).  Bindings are cached per
         thread and per set of state buffers, so with double buffering a step
-        rebinds only its feeds and fetched outputs."""
+        rebinds only its feeds and fetched outputs.  A run that asks for no
+        output at all is not made: a graph has no effect but its outputs, and
+        onnxruntime refuses such a run (a forward pass that feeds no state and
+        whose results nobody fetches)."""
+        if not fetch and not state_out:
+            return {}
         cache: dict = getattr(self._local, "bindings", None)
         if cache is None:
             cache = self._local.bindings = {}

@@ -264,3 +264,23 @@ def test_lean_on_two_ranks_equals_safe_on_two_ranks():
         out[memory] = [dict(s.state) for s in ranks]
     for r in range(2):
         assert_bitwise(out["lean"][r], out["safe"][r], f"rank {r}: ")
+
+
+def test_an_unfetched_lean_step_whose_forward_pass_outputs_nothing_it_needs():
+    """memory="lean" cuts each algorithm into forward+backward and update; on
+    a model without gradients the first program feeds no state, and with
+    fetch=False nothing is asked of it: the step still runs (onnxruntime
+    refuses a run with no output requested, so none is made) and equals the
+    safe session's."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reliability"))
+    from reliability_models import counter_model
+
+    safe, lean = TrainingSession(counter_model()), TrainingSession(counter_model(), memory="lean")
+    for _ in range(3):
+        for sess in (safe, lean):
+            assert sess.train_step({"X": np.zeros(1)}, fetch=False) in (None, {}, [])
+    for name, value in safe.state.items():
+        np.testing.assert_array_equal(lean.state[name], value)
+    assert int(lean.state["c"]) == 3
