@@ -24,6 +24,7 @@ from onnx import numpy_helper
 from ..emitter import FLOAT_TYPES
 from ..graph import DEFAULT_DOMAINS, identity_source, node_inputs
 from ..model import ModelLike, load
+from .constants import constant_reasons
 
 
 # ------------------------------------------------------------------ shared initializers
@@ -148,8 +149,9 @@ class ParameterChoice:
     """What ``trainable=None`` does with one floating-point initializer.
 
     ``reason`` is one word: "weight" (trained); for a constant "scalar",
-    "mask", "statistic", "setting", "exponent", "bound", "fill", "shape", "index",
-    "comparison", "nondifferentiable" or "cast"."""
+    "mask", "positional", "broadcast", "statistic", "setting", "exponent",
+    "bound", "fill", "shape", "index", "comparison", "nondifferentiable" or
+    "cast"."""
 
     name: str
     trainable: bool
@@ -186,6 +188,11 @@ def parameter_choices(model: ModelLike | onnx.GraphProto) -> list[ParameterChoic
     - it is an additive mask: every value is 0 or a huge negative fill
       (<= -1e9 or -inf), at least one of them the fill (causal masks that
       exporters bake into initializers), or
+    - it is an exporter constant (see ``constants``): a positional table
+      (RoPE cos/sin, sinusoidal tables, cos/sin caches: "positional"), a
+      mask added to attention scores before Softmax or fed to
+      ``Attention``, whatever its values ("mask"), a copy of a value
+      expanded over the batch ("broadcast"), or
     - every use of it (through Identity nodes) is a setting slot: a
       BatchNormalization statistic, a Dropout ratio, a ``Pow`` exponent,
       ``Clip`` bounds, the fill branch of ``Where`` when it has one element,
@@ -249,10 +256,14 @@ def parameter_choices(model: ModelLike | onnx.GraphProto) -> list[ParameterChoic
             return other is not None and other.op_type in _PRODUCT_OPS
         return False
 
+    exporter_constants = constant_reasons(graph, [n for n, t in floats.items() if t.dims])
     out = []
     for name, t in floats.items():
         if len(t.dims) == 0:
             out.append(ParameterChoice(name, False, "scalar"))
+            continue
+        if name in exporter_constants:
+            out.append(ParameterChoice(name, False, exporter_constants[name]))
             continue
         uses = weight_uses.get(name)
         if uses is None and name in settings:
