@@ -18,8 +18,9 @@ trained apart).  ``constant_reasons`` finds them, by their uses and values:
   - a cos/sin cache input of ``GroupQueryAttention`` or ``RotaryEmbedding``
     (com.microsoft or ONNX), whatever its values.
 - **"mask"**: an operand of an ``Add``/``Sub`` whose result goes (through
-  Cast/Reshape) into ``Softmax``, the other operand being computed (scores
-  plus a mask, any values, all-zero included), or ``Attention``'s
+  Cast/Reshape/Where) into ``Softmax`` and whose other operand is attention
+  scores (computed from a MatMul of two activations, q @ k^T, through
+  scaling): a mask of any values, all-zero included; or ``Attention``'s
   ``attn_mask`` input.
 - **"broadcast"**: a tensor of rank >= 2 whose slices along axis 0 are all
   equal and not constant: a value expanded over the batch (ViT's class
@@ -124,11 +125,23 @@ def constant_reasons(graph: onnx.GraphProto, names: list[str]) -> dict[str, str]
                     return True
         return False
 
+    def is_scores(value: str, depth: int = 0) -> bool:
+        """Computed from a product of two activations (attention scores, q @ k^T),
+        not from a product with a weight (x @ W, whose bias is a parameter)."""
+        n = producer.get(value)
+        if n is None:
+            return False
+        if n.op_type == "MatMul":
+            return all(source(x) not in inits for x in n.input)
+        if depth < 4 and n.op_type in ("Mul", "Div", "Cast", "Add", "Sub", "Reshape", "Tanh"):
+            return any(is_scores(x, depth + 1) for x in n.input if x and source(x) not in inits)
+        return False
+
     def reaches_score_add(value: str, depth: int = 0) -> bool:
         for n, i in readers.get(value, ()):
             if n.op_type in ("Add", "Sub") and len(n.input) == 2:
                 other = source(n.input[1 - i])
-                if other not in inits and other in producer and feeds_softmax(n.output[0]):
+                if is_scores(other) and feeds_softmax(n.output[0]):
                     return True
             elif depth < 3 and n.op_type in _PASS and i == 0 and n.output:
                 if reaches_score_add(n.output[0], depth + 1):

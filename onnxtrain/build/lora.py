@@ -40,7 +40,12 @@ for it; Gemm's ``beta·C`` stays in the base node.)  The merged weight, in
 **Targets.**  ``targets=None`` takes every 2-D floating-point initializer
 that is read (directly or through Identity nodes) only as a MatMul or Gemm
 weight operand whose other operand is an activation (not an initializer),
-with one orientation across its uses.  Anything else (a Gather of a tied
+with one orientation across its uses, except a language model's output
+head (peft's convention for decoder LMs: the attention and MLP projections,
+not ``lm_head``; see ``default_targets``).  Names in ``targets=[...]`` may be
+the names the exporter recorded for a weight (``"q_proj"`` or
+``"model.layers.0.self_attn.q_proj"`` for dynamo's ``val_41``: see
+``known_names``).  Anything else (a Gather of a tied
 embedding, a bias slot, a graph output) would see the base weight during
 training but the merged one after export, so such initializers are skipped
 by ``None`` and refused by name.  ``targets`` may also be a list of
@@ -77,6 +82,7 @@ from ..graph import DEFAULT_DOMAINS, graph_names, identity_source, node_inputs
 from ..metadata import PREFIX, drop_metadata, set_metadata
 from ..model import ModelLike, load
 from ..names import NameGen
+from .known_names import is_lm_head, known_names, matches
 
 #: Metadata key of the LoRA description (a JSON object).
 META_KEY = "onnxtrain.lora"
@@ -216,29 +222,76 @@ def eligible_targets(graph: onnx.GraphProto) -> tuple[dict[str, list[_Use]], dic
     return out, why
 
 
+def default_targets(graph: onnx.GraphProto, eligible: Mapping[str, Any],
+                    known: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """(the targets ``targets=None`` takes, in initializer order; eligible
+    weights it leaves out -> why): every eligible weight but a language
+    model's output head, as peft's ``all-linear`` (see ``known_names.is_lm_head``)."""
+    known = dict(known_names(graph) if known is None else known)
+    source = identity_source(graph)
+    inits = {t.name: t for t in graph.initializer}
+    vocab = {int(inits[source(n.input[0])].dims[0]) for n in graph.node
+             if n.op_type == "Gather" and n.domain in DEFAULT_DOMAINS and n.input
+             and source(n.input[0]) in inits and len(inits[source(n.input[0])].dims) == 2}
+    outputs = {o.name for o in graph.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+
+    def reaches_output(value: str, depth: int = 0) -> bool:
+        if value in outputs:
+            return True
+        return depth < 3 and any(
+            n.op_type in ("Add", "Reshape", "Cast", "Identity", "Transpose", "Squeeze")
+            and reaches_output(n.output[0], depth + 1) for n in readers.get(value, ()) if n.output)
+
+    chosen, skipped = [], {}
+    candidates = [t.name for t in graph.initializer if t.name in eligible]
+    for w in candidates:
+        use = eligible[w][0]
+        node = graph.node[use.position]
+        dims = list(inits[w].dims)
+        out_dim = dims[0] if use.transposed else dims[1]
+        head = is_lm_head(w, known, vocab, out_dim, any(reaches_output(o) for o in node.output))
+        if head and len(candidates) > 1:
+            skipped[w] = "the output head of a language model (peft's default leaves it out)"
+        else:
+            chosen.append(w)
+    return chosen, skipped
+
+
 def select_targets(graph: onnx.GraphProto, lora: LoRA) -> dict[str, list[_Use]]:
     """The targets ``lora.targets`` names, in initializer order (ValueError for
-    an unknown or ineligible name, or when nothing is selected)."""
+    an unknown or ineligible name, or when nothing is selected).  Entries
+    are initializer names or the names the exporter recorded (module paths,
+    matched as peft matches ``target_modules``: see ``known_names.matches``)."""
     eligible, why = eligible_targets(graph)
     order = [t.name for t in graph.initializer]
+    known = known_names(graph)
     t = lora.targets
     if t is None:
-        chosen = [n for n in order if n in eligible]
+        chosen = default_targets(graph, eligible, known)[0]
     elif callable(t):
-        chosen = [n for n in order if n in eligible and t(n)]
+        chosen = [n for n in order if n in eligible and (t(n) or (n in known and t(known[n])))]
     else:
-        known = set(order)
-        for name in t:
-            if name not in known:
+        picked: set[str] = set()
+        for entry in t:
+            hits = [n for n in order if matches(entry, n, known)]
+            if not hits:
                 raise ValueError(
-                    f"LoRA.targets: unknown name {name!r}: not an initializer of the main graph; "
-                    f"eligible weights are {sorted(eligible)}"
+                    f"LoRA.targets: unknown name {entry!r}: not an initializer of the main graph nor "
+                    f"a module the exporter recorded; eligible weights are "
+                    f"{sorted(known.get(n, n) for n in eligible)}"
                 )
-            if name not in eligible:
+            usable = [n for n in hits if n in eligible]
+            if not usable:
+                name = hits[0]
                 reason = why.get(name, "it is not a 2-D floating-point initializer")
-                raise ValueError(f"LoRA.targets: {name!r} cannot take an adapter: {reason}")
-        wanted = set(t)
-        chosen = [n for n in order if n in wanted]
+                shown = repr(entry) if entry == name else f"{entry!r} ({name!r})"
+                raise ValueError(f"LoRA.targets: {shown} cannot take an adapter: {reason}")
+            picked.update(usable)
+        chosen = [n for n in order if n in picked]
     if not chosen:
         raise ValueError(
             "LoRA: no target selected; eligible weights (2-D floating initializers read only as "
