@@ -120,3 +120,34 @@ def test_reference_cases_cover_the_masks_asked_for():
     assert graphs == {"torchscript", "attention"}
     assert {s[1] for s in seen} == {"bool", "neginf", "min"} and {s[3] for s in seen} == {"left", "right"}
     assert ("attention", "bool", "attr", "left") in seen  # is_causal with a padding mask
+
+
+def test_log_softmax_nan_row_gets_zero_gradient_through_a_cast():
+    """LogSoftmax alike, with a Cast between the op and the Where: the all -inf
+    row is NaN forward, replaced by 0, and gets exactly zero gradient; the
+    other rows get dx = dy - softmax(x) * sum(dy)."""
+    x = np.random.default_rng(3).standard_normal((3, 4)).astype(np.float32)
+    x[1] = -np.inf
+    dy = np.random.default_rng(4).standard_normal((3, 4)).astype(np.float32)
+    nodes = [
+        helper.make_node("LogSoftmax", ["x"], ["y"], axis=-1),
+        helper.make_node("Cast", ["y"], ["yc"], to=TensorProto.FLOAT),
+        helper.make_node("IsNaN", ["yc"], ["nan"]),
+        helper.make_node("Constant", [], ["zero"], value=numpy_helper.from_array(np.array(0, np.float32))),
+        helper.make_node("Where", ["nan", "zero", "yc"], ["ys"]),
+        helper.make_node("Mul", ["ys", "R"], ["w"]),
+        helper.make_node("ReduceSum", ["w"], ["loss"], keepdims=0),
+        helper.make_node("Gradient", ["x"], ["dx"], domain=PREVIEW_DOMAIN, xs=["x"], y="loss"),
+    ]
+    vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3, 4]) for n in ("x", "R")]
+    model = helper.make_model(helper.make_graph(nodes, "ls", vi, [helper.make_tensor_value_info(
+        "dx", TensorProto.FLOAT, None)]), opset_imports=[helper.make_opsetid("", 17),
+                                                        helper.make_opsetid(PREVIEW_DOMAIN, 1)])
+    model.ir_version = 10
+    expand_gradients(model.graph, model.opset_import, NameGen.from_graph(model.graph), ["x", "R"])
+    (dx,) = Executor(model).run({"x": x, "R": dy}, ["dx"])
+    assert not dx[1].any()
+    rows = [0, 2]
+    p = np.exp(x[rows] - x[rows].max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    np.testing.assert_allclose(dx[rows], dy[rows] - p * dy[rows].sum(1, keepdims=True), rtol=1e-5, atol=1e-6)

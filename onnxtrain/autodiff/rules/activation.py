@@ -23,10 +23,9 @@ def _softmax_family(ctx: VJPContext, dy: str, log: bool) -> str:
     if ctx.selected_by_where(y):
         # A masked softmax: rows that are NaN (every logit -inf) are replaced
         # downstream, so their incoming gradient is exactly zero; read them as
-        # zero (log-probabilities as -inf) so that 0 * NaN does not turn that
-        # zero into NaN.
-        fill = ctx.const(float("-inf") if log else 0.0, like=dy)
-        yy = e.Where(e.IsNaN(yy), fill, yy)
+        # zero so that 0 * NaN does not turn that zero into NaN (for LogSoftmax,
+        # exp(0) * sum(0) = 0 as well).
+        yy = e.Where(e.IsNaN(yy), ctx.const(0.0, like=dy), yy)
     if log:
         # dx = dy - softmax * sum(dy), softmax = exp(y)
         dx = e.Sub(g, e.Mul(e.Exp(yy), e.reduce_sum(g, [axis], keepdims=True)))
@@ -53,7 +52,7 @@ def softmax_vjp(ctx, dy):
     (directly or through Cast/Identity), the rule reads y as
     ``y' = Where(IsNaN(y), 0, y)``: equal to y on every finite row, and on a NaN
     row (softmax is NaN on whole rows) dx = 0 * (0 - 0) = 0, as PyTorch gives.
-    LogSoftmax alike, its NaN read as -inf (exp gives 0)."""
+    LogSoftmax alike: dx = 0 - exp(0) * 0 = 0 on such a row."""
     return (_softmax_family(ctx, dy, log=False),)
 
 
