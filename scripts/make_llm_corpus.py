@@ -8,7 +8,8 @@ Families (random weights from small configs, never the hub): Llama
 encoder and T5's encoder.  Exporters: ``dynamo`` (torch.onnx dynamo, its
 default opset 20), ``dynamo23`` (opset 23: ``Attention``,
 ``RMSNormalization``) and ``torchscript``; T5 by TorchScript only, since the
-dynamo exporter fails on it.  Language models are exported with
+dynamo exporter fails on it; Llama also ``dynamo_dynamic`` (symbolic batch and
+sequence length: RoPE's tables are computed in the graph from ``inv_freq``).  Language models are exported with
 ``use_cache=False`` and an ``attention_mask`` input, and fed a left-padded
 batch (row 0 starts with two padding tokens, their labels -100), so causal
 attention has query rows that see no key.
@@ -163,7 +164,7 @@ CE = {"loss": "cross_entropy", "class_axis": 1}
 MSE = {"loss": "mse"}
 DYN = ["dynamo", "dynamo23", "torchscript"]
 MODELS = {
-    "llama": (llama, lm_batch, CE_LAST, DYN),
+    "llama": (llama, lm_batch, CE_LAST, DYN + ["dynamo_dynamic"]),
     "qwen2": (qwen2, lm_batch, CE_LAST, DYN),
     "vit": (vit, image_batch, CE, DYN),
     "distilbert": (distilbert, seq_batch, CE, DYN),
@@ -177,8 +178,13 @@ def export(model, feeds, exporter):
     args = tuple(torch.from_numpy(v) for v in feeds.values())
     names = list(feeds)
     if exporter.startswith("dynamo"):
+        dynamic = None
+        if exporter == "dynamo_dynamic":  # batch and sequence length symbolic
+            batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+            dynamic = {n: {0: batch, 1: seq} for n in names}
         prog = torch.onnx.export(model, args, input_names=names, output_names=["out"], dynamo=True,
-                                 opset_version=23 if exporter == "dynamo23" else None, verbose=False)
+                                 opset_version=23 if exporter == "dynamo23" else None, verbose=False,
+                                 dynamic_shapes=dynamic)
         return prog.model_proto
     buf = io.BytesIO()
     torch.onnx.export(model, args, buf, input_names=names, output_names=["out"], dynamo=False,

@@ -16,7 +16,10 @@ trained apart).  ``constant_reasons`` finds them, by their uses and values:
   - one tensor ``[..., T, D]`` whose halves or even/odd columns form such a
     pair (a sinusoidal table: ``[sin(t w), cos(t w)]``);
   - a cos/sin cache input of ``GroupQueryAttention`` or ``RotaryEmbedding``
-    (com.microsoft or ONNX), whatever its values.
+    (com.microsoft or ONNX), whatever its values;
+  - RoPE's inverse frequencies, which a dynamic-shape export keeps to build
+    the tables in the graph: ``base**(-2i/d)`` (a geometric sequence from 1
+    down) or a tensor named ``...inv_freq``.
 - **"mask"**: an operand of an ``Add``/``Sub`` whose result goes (through
   Cast/Reshape/Where) into ``Softmax`` and whose other operand is attention
   scores (computed from a MatMul of two activations, q @ k^T, through
@@ -82,6 +85,21 @@ def _sinusoidal(x: np.ndarray) -> bool:
         return False
     h = x.shape[-1] // 2
     return _unit_circle(x[..., :h], x[..., h:]) or _unit_circle(x[..., 0::2], x[..., 1::2])
+
+
+def _frequencies(x: np.ndarray, name: str) -> bool:
+    """RoPE's inverse frequencies, kept as a buffer when the exporter computes the
+    tables in the graph (dynamic sequence length): ``base**(-2i/d)``, a geometric
+    sequence from 1 down, or a tensor named ``inv_freq`` (scaled variants)."""
+    if any(d != 1 for d in x.shape[:-1]) or x.size < 2:
+        return False
+    if name.rsplit(".", 1)[-1] == "inv_freq":
+        return True
+    v = x.reshape(-1)
+    if abs(v[0] - 1.0) > 1e-6 or not np.all(v > 0):
+        return False
+    ratio = v[1:] / v[:-1]
+    return bool(np.all(ratio < 1.0) and np.all(np.abs(ratio - ratio[0]) <= 1e-4 * ratio[0]))
 
 
 def _broadcast_copy(x: np.ndarray) -> bool:
@@ -157,7 +175,7 @@ def constant_reasons(graph: onnx.GraphProto, names: list[str]) -> dict[str, str]
     values = {n: v for n in names if n not in out and n not in product_weight
               and (v := _values(inits[n])) is not None}
     for name, x in values.items():
-        if _sinusoidal(x):
+        if _sinusoidal(x) or _frequencies(x, name):
             out[name] = "positional"
         elif _broadcast_copy(x):
             out[name] = "broadcast"

@@ -102,6 +102,7 @@ def test_default_trainable_set_is_pytorchs(stem):
 
 EXPECTED_CONSTANTS = {  # stem -> reasons of its non-scalar constants (what the exporter folded)
     "llama__dynamo": ["positional", "positional"], "llama__dynamo23": ["positional", "positional"],
+    "llama__dynamo_dynamic": ["positional"],  # inv_freq: the tables are computed in the graph
     "qwen2__dynamo": ["positional", "positional"], "qwen2__dynamo23": ["positional", "positional"],
     "vit__dynamo": ["broadcast", "mask"], "vit__dynamo23": ["broadcast"],
     "whisper_encoder__dynamo": ["positional"], "whisper_encoder__dynamo23": ["positional"],
