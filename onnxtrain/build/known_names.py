@@ -30,7 +30,7 @@ import re
 
 import onnx
 
-from ..graph import DEFAULT_DOMAINS, identity_source
+from ..graph import DEFAULT_DOMAINS
 
 _PRODUCT_WEIGHT = {("MatMul", 1), ("MatMul", 0), ("Gemm", 0), ("Gemm", 1), ("Conv", 1),
                    ("ConvTranspose", 1)}
@@ -60,15 +60,28 @@ def _fx_params(node: onnx.NodeProto) -> list[str]:
     return []
 
 
+def _from_initializer(value: str, inits: set[str], producer: dict[str, onnx.NodeProto]) -> bool:
+    """An initializer, possibly through Transpose/Identity/Cast/Reshape nodes."""
+    for _ in range(4):
+        if value in inits:
+            return True
+        n = producer.get(value)
+        if n is None or n.op_type not in _THROUGH or not n.input:
+            return False
+        value = n.input[0]
+    return value in inits
+
+
 def known_names(graph: onnx.GraphProto) -> dict[str, str]:
     """initializer -> the PyTorch parameter name it holds, where the exporter's
     records tell (initializers with dotted names map to themselves)."""
-    source = identity_source(graph)
     readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
     for n in graph.node:
         for i, x in enumerate(n.input):
             if x:
                 readers.setdefault(x, []).append((n, i))
+    inits = {t.name for t in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output if o}
     out: dict[str, str] = {}
     for t in graph.initializer:
         name = t.name
@@ -97,7 +110,9 @@ def known_names(graph: onnx.GraphProto) -> dict[str, str]:
                 elif n.op_type == "Add" and len(n.input) == 2:
                     other = n.input[1 - i]
                     prod = next((m for m in graph.node if other in m.output), None)
-                    if prod is not None and prod.op_type in ("MatMul", "Gemm", "Conv"):
+                    # a bias follows a product with a weight (x @ W), not q @ k^T
+                    if prod is not None and prod.op_type in ("MatMul", "Gemm", "Conv") and any(
+                            _from_initializer(x, inits, producer) for x in prod.input[:2]):
                         attr = "bias"
                 module = module_of(n)
                 if attr and module:
@@ -109,7 +124,6 @@ def known_names(graph: onnx.GraphProto) -> dict[str, str]:
                     break
         if found is not None:
             out[name] = found
-    del source
     return out
 
 
