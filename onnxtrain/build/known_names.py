@@ -109,7 +109,7 @@ def known_names(graph: onnx.GraphProto) -> dict[str, str]:
                     attr = "bias"
                 elif n.op_type == "Add" and len(n.input) == 2:
                     other = n.input[1 - i]
-                    prod = next((m for m in graph.node if other in m.output), None)
+                    prod = producer.get(other)
                     # a bias follows a product with a weight (x @ W), not q @ k^T
                     if prod is not None and prod.op_type in ("MatMul", "Gemm", "Conv") and any(
                             _from_initializer(x, inits, producer) for x in prod.input[:2]):

@@ -196,3 +196,17 @@ def test_lora_first_gradients_match_pytorch(stem):
         got = step1[grads[e["B"]]]
         assert np.isfinite(got).all() and not step1[grads[e["A"]]].any()
         assert rel(got, want) <= 1e-4, f"{e['weight']}: dB relative error {rel(got, want):.2e}"
+
+
+def test_names_in_errors_and_predicates():
+    """An unknown entry lists the known names; a predicate sees them too."""
+    _, model, _ = load("llama__dynamo")
+    with pytest.raises(ValueError, match=r"unknown name 'qq_proj'.*self_attn\.q_proj\.weight"):
+        build.training_model(model, loss="cross_entropy", lora=build.LoRA(targets=["qq_proj"]))
+    with pytest.raises(ValueError, match=r"unknown trainable name 'qq_proj'.*q_proj\.weight"):
+        build.training_model(model, loss="cross_entropy", trainable=["qq_proj"])
+    tm = build.training_model(model, loss="cross_entropy",
+                              lora=build.LoRA(targets=lambda n: n.endswith("o_proj.weight")))
+    lora = json.loads(next(p.value for p in tm.metadata_props if p.key == "onnxtrain.lora"))
+    known = {c.name: c.known_as for c in build.parameter_choices(model)}
+    assert [known[e["weight"]] for e in lora["targets"]] == ["model.model.layers.0.self_attn.o_proj.weight"]
