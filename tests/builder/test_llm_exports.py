@@ -15,7 +15,10 @@ exporters' Where): every gradient must still be finite and equal PyTorch's.
 - every weight is known by its PyTorch name (``known_as``), LoRA targets and
   ``trainable=`` entries select by it, ``targets=None`` leaves the LM head out;
 - gradients at the start, the loss after one SGD step, and LoRA's first
-  gradients (``dB = s Aᵀ dW``, dA = 0 with B = 0) match PyTorch's.
+  gradients (``dB = s Aᵀ dW``, dA = 0 with B = 0) match PyTorch's;
+- the export after one step, run by plain onnxruntime, gives PyTorch's loss
+  after that step; after one LoRA step the merged weights are
+  ``W - lr s² A Aᵀ dW`` with PyTorch's dW.
 """
 
 from __future__ import annotations
@@ -210,3 +213,61 @@ def test_names_in_errors_and_predicates():
     lora = json.loads(next(p.value for p in tm.metadata_props if p.key == "onnxtrain.lora"))
     known = {c.name: c.known_as for c in build.parameter_choices(model)}
     assert [known[e["weight"]] for e in lora["targets"]] == ["model.model.layers.0.self_attn.o_proj.weight"]
+
+
+def numpy_loss(out: np.ndarray, target: np.ndarray, case: dict) -> float:
+    """The case's loss in float64 numpy (cross-entropy with ignore_index -100, or mse)."""
+    out = out.astype(np.float64)
+    if case["loss"] == "mse":
+        return float(np.mean((out - target) ** 2))
+    logits = out.reshape(-1, out.shape[-1]) if case["class_axis"] == -1 else out
+    labels = target.reshape(-1)
+    keep = labels != -100
+    z = logits[keep] - logits[keep].max(1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(1, keepdims=True))
+    return float(-logp[np.arange(keep.sum()), labels[keep]].mean())
+
+
+def one_step_export(stem: str, tmp_path: Path, lora: bool):
+    """(session after one SGD step, its export loaded in plain onnxruntime, feeds, training model)."""
+    import onnxruntime as ort
+
+    case, model, arrays = load(stem)
+    tm = build.training_model(model, loss=case["loss"], optimizer=build.SGD(lr=LR),
+                              lora=build.LoRA(rank=2, alpha=4.0) if lora else None)
+    sess = onnxtrain.TrainingSession(tm)
+    sess.initialize()
+    feeds, _ = feeds_of(arrays, tm)
+    sess.train_step(feeds)
+    path = tmp_path / f"{stem}.onnx"
+    sess.export(str(path))
+    inputs = {k[6:]: v for k, v in arrays.items() if k.startswith("input/")}
+    plain = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return case, arrays, plain.run(None, inputs)[0], tm, path
+
+
+@pytest.mark.parametrize("stem", sorted(CASES))
+def test_exported_model_after_one_step_gives_pytorchs_loss(stem, tmp_path):
+    """The exported model after one SGD step, run by plain onnxruntime, gives the
+    loss PyTorch's model has after the same step."""
+    case, arrays, out, _, _ = one_step_export(stem, tmp_path, lora=False)
+    np.testing.assert_allclose(numpy_loss(out, arrays["target"], case), arrays["loss_sgd1"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("stem", sorted(s for s in CASES if CASES[s]["model"] in ("llama", "qwen2")))
+def test_lora_step_merged_into_the_export_matches_pytorch(stem, tmp_path):
+    """One LoRA SGD step from B = 0 moves B by -lr s Aᵀ dW and leaves A; the
+    merged export holds W + s A B = W - lr s² A Aᵀ dW (in [in, out] layout),
+    dW being PyTorch's gradient."""
+    case, arrays, out, tm, path = one_step_export(stem, tmp_path, lora=True)
+    assert np.isfinite(out).all()
+    start = {t.name: onnx.numpy_helper.to_array(t) for t in tm.graph.initializer}
+    merged = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
+    info = json.loads(next(p.value for p in tm.metadata_props if p.key == "onnxtrain.lora"))
+    for e in info["targets"]:
+        a = start[e["A"]].astype(np.float64)
+        dw = arrays[f"grad/{e['weight']}"].astype(np.float64)
+        delta = -LR * e["scale"] ** 2 * a @ a.T @ (dw.T if e["transposed"] else dw)
+        want = start[e["weight"]] + (delta.T if e["transposed"] else delta)
+        got = merged[e["weight"]]
+        assert rel(got - start[e["weight"]], want - start[e["weight"]]) <= 1e-4, e["weight"]
