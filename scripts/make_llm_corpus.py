@@ -127,8 +127,61 @@ def t5_encoder():
     return Encoder(T5EncoderModel(cfg), ["input_ids", "attention_mask"])
 
 
+# ------------------------------------------------------------------ held-out variants
+# Other configurations of the same families, generated once after the code was
+# written against the set above: MQA, biases, two layers, sinusoidal positions,
+# gated feed-forward.
+def llama_b():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=20, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                      rope_theta=500000.0, attention_bias=True, tie_word_embeddings=False)
+    return LM(LlamaForCausalLM(cfg))
+
+
+def qwen2_b():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=48, hidden_size=16, intermediate_size=20, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+                      tie_word_embeddings=False)
+    return LM(Qwen2ForCausalLM(cfg))
+
+
+def vit_b():
+    from transformers import ViTConfig, ViTForImageClassification
+    cfg = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
+                    num_attention_heads=4, intermediate_size=24, num_labels=3, qkv_bias=False,
+                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return Classifier(ViTForImageClassification(cfg), ["pixel_values"])
+
+
+def distilbert_b():
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+    cfg = DistilBertConfig(vocab_size=48, dim=16, n_layers=2, n_heads=4, hidden_dim=24,
+                           max_position_embeddings=16, num_labels=3, dropout=0.0, attention_dropout=0.0,
+                           seq_classif_dropout=0.0, sinusoidal_pos_embds=True)
+    return Classifier(DistilBertForSequenceClassification(cfg), ["input_ids", "attention_mask"])
+
+
+def whisper_encoder_b():
+    from transformers import WhisperConfig
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+    cfg = WhisperConfig(vocab_size=48, d_model=16, encoder_layers=2, encoder_attention_heads=4,
+                        encoder_ffn_dim=24, num_mel_bins=8, max_source_positions=8, dropout=0.0,
+                        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2, decoder_start_token_id=1)
+    return Encoder(WhisperEncoder(cfg), ["input_features"])
+
+
+def t5_encoder_b():
+    from transformers import T5Config, T5EncoderModel
+    cfg = T5Config(vocab_size=48, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_heads=4,
+                   dropout_rate=0.0, relative_attention_num_buckets=8, feed_forward_proj="gated-gelu")
+    return Encoder(T5EncoderModel(cfg), ["input_ids", "attention_mask"])
+
+
 def lm_batch(rng):
-    ids = rng.integers(1, 64, (2, 6)).astype(np.int64)
+    ids = rng.integers(1, 48, (2, 6)).astype(np.int64)
     mask = np.ones((2, 6), np.int64)
     mask[0, :2] = 0  # left padding
     ids[0, :2] = 0
@@ -138,7 +191,7 @@ def lm_batch(rng):
 
 
 def seq_batch(rng):
-    ids = rng.integers(1, 64, (2, 6)).astype(np.int64)
+    ids = rng.integers(1, 48, (2, 6)).astype(np.int64)
     mask = np.ones((2, 6), np.int64)
     mask[0, -2:] = 0  # right padding, as encoders are batched
     return {"input_ids": ids, "attention_mask": mask}, rng.integers(0, 3, 2).astype(np.int64)
@@ -170,6 +223,13 @@ MODELS = {
     "distilbert": (distilbert, seq_batch, CE, DYN),
     "whisper_encoder": (whisper_encoder, audio_batch, MSE, DYN),
     "t5_encoder": (t5_encoder, encoder_batch, MSE, ["torchscript"]),
+    # held out
+    "llama_b": (llama_b, lm_batch, CE_LAST, DYN),
+    "qwen2_b": (qwen2_b, lm_batch, CE_LAST, ["dynamo", "torchscript"]),
+    "vit_b": (vit_b, image_batch, CE, ["dynamo", "torchscript"]),
+    "distilbert_b": (distilbert_b, seq_batch, CE, ["dynamo", "torchscript"]),
+    "whisper_encoder_b": (whisper_encoder_b, audio_batch, MSE, ["dynamo", "torchscript"]),
+    "t5_encoder_b": (t5_encoder_b, encoder_batch, MSE, ["torchscript"]),
 }
 
 
@@ -278,7 +338,8 @@ def main(only):
             (OUT / f"{stem}.onnx").write_bytes(proto.SerializeToString())
             np.savez_compressed(OUT / f"{stem}.npz", **arrays)
             unmatched = sorted(set(trainable) - {n for n, _ in pmap.values()})
-            cases.append({"model": mid, "exporter": exporter, "file": f"{stem}.onnx", **spec,
+            cases.append({"model": mid, "family": mid.removesuffix("_b"), "held_out": mid.endswith("_b"),
+                          "exporter": exporter, "file": f"{stem}.onnx", **spec,
                           "parameters": {i: n if r == "same" else f"{n} ({r})" for i, (n, r) in pmap.items()},
                           "requires_grad": sorted(trainable), "frozen": frozen,
                           "unmatched": unmatched})
