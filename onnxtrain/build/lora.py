@@ -232,7 +232,8 @@ def default_targets(graph: onnx.GraphProto, eligible: Mapping[str, Any],
     inits = {t.name: t for t in graph.initializer}
     vocab = {int(inits[source(n.input[0])].dims[0]) for n in graph.node
              if n.op_type == "Gather" and n.domain in DEFAULT_DOMAINS and n.input
-             and source(n.input[0]) in inits and len(inits[source(n.input[0])].dims) == 2}
+             and source(n.input[0]) in inits and len(inits[source(n.input[0])].dims) == 2
+             and inits[source(n.input[0])].data_type in FLOAT_TYPES}
     outputs = {o.name for o in graph.output}
     readers: dict[str, list[onnx.NodeProto]] = {}
     for n in graph.node:
