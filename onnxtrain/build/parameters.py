@@ -220,6 +220,11 @@ def parameter_choices(model: ModelLike | onnx.GraphProto) -> list[ParameterChoic
     initializers) count as initializers of their own, as the builder
     unties them (see ``untie_shared_initializers``).
 
+    Each choice also carries ``known_as``, the PyTorch parameter name the
+    exporter's records give the initializer (``known_names``), and ``lora``,
+    what ``LoRA(targets=None)`` does with it: "target", or "head" for a
+    language model's output head, which it leaves out as peft does.
+
     ``doubt`` flags a choice that may be wrong: a trained initializer with
     one element that is not the bias of a product (Gemm/Conv input 2, or an
     Add to a MatMul/Gemm/Conv output), or one used both as a setting and as
