@@ -288,3 +288,13 @@ def test_lora_step_merged_into_the_export_matches_pytorch(stem, tmp_path):
         assert np.abs(delta).max() > 100 * ulp, e["weight"]  # the step is well above rounding
         np.testing.assert_allclose(merged[e["weight"]], want, rtol=0,
                                    atol=1e-4 * np.abs(delta).max() + 2 * ulp, err_msg=e["weight"])
+
+
+def test_cli_inspect_shows_the_known_names(capsys):
+    from onnxtrain.cli import main
+
+    assert main(["inspect", str(DATA / "llama__dynamo.onnx")]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.strip().startswith("val_41 "))
+    assert "known as" in out and row.split()[-1] == "model.model.layers.0.self_attn.q_proj.weight"
+    assert any(line.split()[:1] == ["unsqueeze_14"] and "positional" in line for line in out.splitlines())
