@@ -179,10 +179,17 @@ def constant_reasons(graph: onnx.GraphProto, names: list[str]) -> dict[str, str]
             out[name] = "positional"
         elif _broadcast_copy(x):
             out[name] = "broadcast"
-    rest = [n for n in values if n not in out]
-    for k, a in enumerate(rest):
-        for b in rest[k + 1:]:
-            if _unit_circle(values[a], values[b]):
-                out.setdefault(a, "positional")
-                out.setdefault(b, "positional")
+    # cos/sin pairs: only tensors within [-1, 1] that vary, grouped by shape, a
+    # first-element test before the full one (models hold hundreds of norm vectors)
+    by_shape: dict[tuple, list[str]] = {}
+    for n, x in values.items():
+        if n not in out and x.size > 1 and np.abs(x).max() <= 1.0 + _TOL and np.ptp(x) > 0:
+            by_shape.setdefault(x.shape, []).append(n)
+    for group in by_shape.values():
+        for k, a in enumerate(group):
+            for b in group[k + 1:]:
+                first = values[a].flat[0] ** 2 + values[b].flat[0] ** 2
+                if abs(first - 1.0) <= _TOL and _unit_circle(values[a], values[b]):
+                    out.setdefault(a, "positional")
+                    out.setdefault(b, "positional")
     return out
