@@ -5,7 +5,8 @@
    norm, LM head; random seeded weights) as ``.onnx`` + ``.onnx.data``, the
    weights streamed to disk tensor by tensor, page-aligned.
 2. Make a LoRA training model of it: ``build.training_model(path,
-   loss="cross_entropy", lora=build.LoRA(rank=8, alpha=16))``.  The base
+   loss="cross_entropy", lora=build.LoRA(rank=8, alpha=16, targets=lambda name: True))``
+   (every eligible weight; ``targets=None`` would leave the LM head out).  The base
    weights stay frozen; only the adapters of every projection (attention
    q, k, v, o, the MLP and the LM head) train, with AdamW.
 3. ``sess.fit`` on a synthetic next-token task: every sequence is a window of
@@ -139,7 +140,10 @@ def run(cfg, args, out: Path, steps: int, batch: int, seq: int, lr: float) -> in
     t0 = time.perf_counter()
     tm = build.training_model(info["path"], loss="cross_entropy", target="labels",
                               optimizer=build.AdamW(lr=lr, weight_decay=0.0),
-                              lora=build.LoRA(rank=args.rank, alpha=args.alpha))
+                              # every projection, the LM head included (targets=None
+                              # leaves a language model's head out, as peft does)
+                              lora=build.LoRA(rank=args.rank, alpha=args.alpha,
+                                              targets=lambda name: True))
     sess = TrainingSession(tm)
     del tm
     adapters = {k: v.size for k, v in sess.state.items() if k.endswith((".lora_A", ".lora_B"))}

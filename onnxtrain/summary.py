@@ -357,12 +357,14 @@ def parameter_text(model: Any, indent: str = "  ") -> str:
     lines = [f"builder's default (trainable=None): {len(trained)} trained ({size:,} parameters), "
              f"{_plural(len(choices) - len(trained), 'constant')}"]
     rows = []
+    named = any(c.known_as for c in choices)  # exporter records name some weights
     for c in choices:
         t = inits[c.name]
         dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).name
         rows.append((c.name, dtype, str(list(t.dims)), "train" if c.trainable else "constant",
-                     c.reason + (" (doubtful)" if c.doubt else "")))
-    lines += _table(("name", "dtype", "shape", "choice", "reason"), rows, indent)
+                     c.reason + (" (doubtful)" if c.doubt else "")) + ((c.known_as,) if named else ()))
+    header = ("name", "dtype", "shape", "choice", "reason") + (("known as",) if named else ())
+    lines += _table(header, rows, indent)
     for c in choices:
         if c.doubt:
             lines.append(f"{indent}note: {c.name}: {c.doubt}")

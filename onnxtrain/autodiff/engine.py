@@ -212,6 +212,11 @@ def _expand_one(
     def fresh(hint: str) -> str:
         return names.fresh(hint)
 
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in nodes:
+        for i in node_inputs(n):
+            readers.setdefault(i, []).append(n)
+
     def subgraph_vjp(outer_emit, body_nodes, outputs, cotangents, wrt, types):
         return vjp_of_graph(
             body_nodes, outputs, cotangents, wrt, types, opset_imports, names, functions
@@ -234,7 +239,7 @@ def _expand_one(
         if rule.kind == "refused":
             raise GradientError(f"{where} is not differentiable: {rule.reason}")
         needs = [bool(i) and i in active for i in n.input]
-        ctx = VJPContext(n, emit, shapes, needs, fresh, active, subgraph_vjp)
+        ctx = VJPContext(n, emit, shapes, needs, fresh, active, subgraph_vjp, readers)
         for o, d in zip(n.output, dys):
             if d is not None:
                 grads[o] = [d]

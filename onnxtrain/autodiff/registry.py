@@ -142,8 +142,10 @@ class VJPContext:
         names_in_use: Callable[[str], str],
         active: frozenset[str] | set[str] = frozenset(),
         subgraph_vjp: Callable[..., tuple[list[onnx.NodeProto], list[str]]] | None = None,
+        readers: dict[str, list[onnx.NodeProto]] | None = None,
     ) -> None:
         self.node = node
+        self._readers = readers or {}
         self.emit = emit
         self.shapes = shapes
         self._needs = list(needs)
@@ -227,6 +229,30 @@ class VJPContext:
     def has_attr(self, name: str) -> bool:
         """Whether the node sets attribute ``name`` itself."""
         return name in self._attrs
+
+    def readers(self, name: str) -> list[onnx.NodeProto]:
+        """The forward nodes that read ``name`` (empty where the engine did not say)."""
+        return list(self._readers.get(name, ()))
+
+    def selected_by_where(self, name: str) -> bool:
+        """Whether a ``Where`` reads ``name`` as a value, directly or through
+        Cast/Identity nodes: the pattern of a masked softmax, which replaces
+        the rows it masks (NaN rows included) by a constant."""
+        seen: set[str] = set()
+        stack = [name]
+        while stack:
+            t = stack.pop()
+            if t in seen:
+                continue
+            seen.add(t)
+            for n in self._readers.get(t, ()):
+                if n.domain not in ("", "ai.onnx"):
+                    continue
+                if n.op_type == "Where" and t in n.input[1:]:
+                    return True
+                if n.op_type in ("Cast", "Identity", "CastLike") and n.input[0] == t:
+                    stack.extend(o for o in n.output if o)
+        return False
 
     def needs(self, i: int) -> bool:
         """Whether the gradient of input i is wanted."""

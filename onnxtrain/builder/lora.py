@@ -40,7 +40,12 @@ for it; Gemm's ``beta·C`` stays in the base node.)  The merged weight, in
 **Targets.**  ``targets=None`` takes every 2-D floating-point initializer
 that is read (directly or through Identity nodes) only as a MatMul or Gemm
 weight operand whose other operand is an activation (not an initializer),
-with one orientation across its uses.  Anything else (a Gather of a tied
+with one orientation across its uses, except a language model's output
+head (peft's convention for decoder LMs: the attention and MLP projections,
+not ``lm_head``; see ``default_targets``).  Names in ``targets=[...]`` may be
+the names the exporter recorded for a weight (``"q_proj"`` or
+``"model.layers.0.self_attn.q_proj"`` for dynamo's ``val_41``: see
+``known_names``).  Anything else (a Gather of a tied
 embedding, a bias slot, a graph output) would see the base weight during
 training but the merged one after export, so such initializers are skipped
 by ``None`` and refused by name.  ``targets`` may also be a list of
@@ -71,12 +76,13 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..core.emitter import FLOAT_TYPES
-from ..core.graph import DEFAULT_DOMAINS, graph_names, identity_source, node_inputs
+from ..core.graph import graph_names
 from ..core.names import NameGen
 from ..io import mapped
 from ..io.metadata import PREFIX, drop_metadata, set_metadata
 from ..io.model import ModelLike, load
+from .known_names import known_names, matches
+from .targets import Use, attribute, default_targets, eligible_targets
 
 #: Metadata key of the LoRA description (a JSON object).
 META_KEY = "onnxtrain.lora"
@@ -145,100 +151,37 @@ class LoRA:
         return float(self.alpha) / int(self.rank)
 
 
-# ------------------------------------------------------------------ target selection
-@dataclass
-class _Use:
-    """One MatMul/Gemm read of a weight: node position, operand index, orientation."""
-
-    position: int
-    operand: int  # 0 (W on the left) or 1 (W on the right)
-    transposed: bool  # W stored [out, in]
-
-
-def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
-
-
-def eligible_targets(graph: onnx.GraphProto) -> tuple[dict[str, list[_Use]], dict[str, str]]:
-    """(eligible weight -> its uses, other 2-D floating initializer -> why not).
-
-    A weight is eligible when it is a 2-D floating-point initializer, not a
-    graph input or output, and every read of it (through Identity chains)
-    is a MatMul/Gemm operand 0 or 1 whose other operand is not an
-    initializer, with the same orientation (``transposed``) in every use."""
-    source = identity_source(graph)
-    inits = {t.name: t for t in graph.initializer}
-    floats2d = {n for n, t in inits.items() if t.data_type in FLOAT_TYPES and len(t.dims) == 2}
-    uses: dict[str, list[_Use]] = {n: [] for n in floats2d}
-    why: dict[str, str] = {}
-    for o in list(graph.output) + list(graph.input):
-        name = source(o.name)
-        if name in floats2d:
-            why.setdefault(name, "it is a graph input or output")
-    for position, n in enumerate(graph.node):
-        kind = n.op_type if n.domain in DEFAULT_DOMAINS else f"{n.domain}.{n.op_type}"
-        if kind == "Identity":
-            continue
-        explicit = list(n.input)
-        for idx, name in enumerate(node_inputs(n)):
-            w = source(name)
-            if w not in floats2d:
-                continue
-            if idx >= len(explicit) or kind not in ("MatMul", "Gemm") or idx > 1:
-                why.setdefault(w, f"it is read by {kind} node {n.name or kind!r} (input {idx}), "
-                                  "not as a MatMul/Gemm weight")
-                continue
-            other = source(explicit[1 - idx])
-            if other in inits:
-                why.setdefault(w, f"{kind} node {n.name or kind!r} multiplies it with initializer "
-                                  f"{other!r}, not with an activation")
-                continue
-            if kind == "MatMul":
-                transposed = idx == 0
-            else:
-                flag = bool(_attr(n, "transA" if idx == 0 else "transB", 0))
-                transposed = (idx == 0) != flag
-            uses[w].append(_Use(position, idx, transposed))
-    out = {}
-    for w in floats2d:
-        if w in why:
-            continue
-        if not uses[w]:
-            why[w] = "no MatMul or Gemm reads it"
-            continue
-        if len({u.transposed for u in uses[w]}) > 1:
-            why[w] = "its MatMul/Gemm uses read it in both orientations"
-            continue
-        out[w] = uses[w]
-    return out, why
-
-
-def select_targets(graph: onnx.GraphProto, lora: LoRA) -> dict[str, list[_Use]]:
+def select_targets(graph: onnx.GraphProto, lora: LoRA) -> dict[str, list[Use]]:
     """The targets ``lora.targets`` names, in initializer order (ValueError for
-    an unknown or ineligible name, or when nothing is selected)."""
+    an unknown or ineligible name, or when nothing is selected).  Entries
+    are initializer names or the names the exporter recorded (module paths,
+    matched as peft matches ``target_modules``: see ``known_names.matches``)."""
     eligible, why = eligible_targets(graph)
     order = [t.name for t in graph.initializer]
+    known = known_names(graph)
     t = lora.targets
     if t is None:
-        chosen = [n for n in order if n in eligible]
+        chosen = default_targets(graph, eligible, known)[0]
     elif callable(t):
-        chosen = [n for n in order if n in eligible and t(n)]
+        chosen = [n for n in order if n in eligible and (t(n) or (n in known and t(known[n])))]
     else:
-        known = set(order)
-        for name in t:
-            if name not in known:
+        picked: set[str] = set()
+        for entry in t:
+            hits = [n for n in order if matches(entry, n, known)]
+            if not hits:
                 raise ValueError(
-                    f"LoRA.targets: unknown name {name!r}: not an initializer of the main graph; "
-                    f"eligible weights are {sorted(eligible)}"
+                    f"LoRA.targets: unknown name {entry!r}: not an initializer of the main graph nor "
+                    f"a module the exporter recorded; eligible weights are "
+                    f"{sorted(known.get(n, n) for n in eligible)}"
                 )
-            if name not in eligible:
+            usable = [n for n in hits if n in eligible]
+            if not usable:
+                name = hits[0]
                 reason = why.get(name, "it is not a 2-D floating-point initializer")
-                raise ValueError(f"LoRA.targets: {name!r} cannot take an adapter: {reason}")
-        wanted = set(t)
-        chosen = [n for n in order if n in wanted]
+                shown = repr(entry) if entry == name else f"{entry!r} ({name!r})"
+                raise ValueError(f"LoRA.targets: {shown} cannot take an adapter: {reason}")
+            picked.update(usable)
+        chosen = [n for n in order if n in picked]
     if not chosen:
         raise ValueError(
             "LoRA: no target selected; eligible weights (2-D floating initializers read only as "
@@ -304,7 +247,7 @@ def apply(proto: onnx.ModelProto, lora: LoRA) -> tuple[onnx.ModelProto, dict[str
     return proto, info
 
 
-def _branch(node: onnx.NodeProto, use: _Use, a: str, b: str, elem_type: int, scale: float,
+def _branch(node: onnx.NodeProto, use: Use, a: str, b: str, elem_type: int, scale: float,
             dropout: float, names: NameGen, entry: dict) -> list[onnx.NodeProto]:
     """The adapter branch of one MatMul/Gemm use (see the module table); the
     node's output becomes a fresh ``base`` value and the last Add writes the
@@ -331,8 +274,8 @@ def _branch(node: onnx.NodeProto, use: _Use, a: str, b: str, elem_type: int, sca
     x = node.input[1 - use.operand]
     factor = scale
     if node.op_type == "Gemm":
-        factor *= float(_attr(node, "alpha", 1.0))
-        if bool(_attr(node, "transA" if use.operand == 1 else "transB", 0)):
+        factor *= float(attribute(node, "alpha", 1.0))
+        if bool(attribute(node, "transA" if use.operand == 1 else "transB", 0)):
             x = emit("Transpose", [x], "x_t")
     if dropout > 0:
         ratio = emit("Constant", [], "ratio",

@@ -24,6 +24,8 @@ from onnx import numpy_helper
 from ..core.emitter import FLOAT_TYPES
 from ..core.graph import DEFAULT_DOMAINS, identity_source, node_inputs
 from ..io.model import ModelLike, load
+from .constants import constant_reasons
+from .known_names import known_names, matches
 
 
 # ------------------------------------------------------------------ shared initializers
@@ -148,14 +150,22 @@ class ParameterChoice:
     """What ``trainable=None`` does with one floating-point initializer.
 
     ``reason`` is one word: "weight" (trained); for a constant "scalar",
-    "mask", "statistic", "setting", "exponent", "bound", "fill", "shape", "index",
-    "comparison", "nondifferentiable" or "cast"."""
+    "mask", "positional", "broadcast", "statistic", "setting", "exponent",
+    "bound", "fill", "shape", "index", "comparison", "nondifferentiable" or
+    "cast"."""
 
     name: str
     trainable: bool
     reason: str
     #: Why the choice may be wrong, or "" when it looks sound.
     doubt: str = ""
+    #: The PyTorch parameter name the exporter's records give it (``val_41`` ->
+    #: ``model.layers.0.self_attn.q_proj.weight``; see ``known_names``), or "".
+    known_as: str = ""
+    #: What ``LoRA(targets=None)`` does with it: "target" (it gets an adapter),
+    #: "head" (a language model's output head, left out as peft does), or ""
+    #: (not a MatMul/Gemm weight an adapter can go on).
+    lora: str = ""
 
 
 def _setting_reason(node: onnx.NodeProto, index: int, size: int) -> str | None:
@@ -186,6 +196,11 @@ def parameter_choices(model: ModelLike | onnx.GraphProto) -> list[ParameterChoic
     - it is an additive mask: every value is 0 or a huge negative fill
       (<= -1e9 or -inf), at least one of them the fill (causal masks that
       exporters bake into initializers), or
+    - it is an exporter constant (see ``constants``): a positional table
+      (RoPE cos/sin, sinusoidal tables, cos/sin caches: "positional"), a
+      mask added to attention scores before Softmax or fed to
+      ``Attention``, whatever its values ("mask"), a copy of a value
+      expanded over the batch ("broadcast"), or
     - every use of it (through Identity nodes) is a setting slot: a
       BatchNormalization statistic, a Dropout ratio, a ``Pow`` exponent,
       ``Clip`` bounds, the fill branch of ``Where`` when it has one element,
@@ -204,6 +219,11 @@ def parameter_choices(model: ModelLike | onnx.GraphProto) -> list[ParameterChoic
     copies of a shared initializer (TorchScript's deduplication of equal
     initializers) count as initializers of their own, as the builder
     unties them (see ``untie_shared_initializers``).
+
+    Each choice also carries ``known_as``, the PyTorch parameter name the
+    exporter's records give the initializer (``known_names``), and ``lora``,
+    what ``LoRA(targets=None)`` does with it: "target", or "head" for a
+    language model's output head, which it leaves out as peft does.
 
     ``doubt`` flags a choice that may be wrong: a trained initializer with
     one element that is not the bias of a product (Gemm/Conv input 2, or an
@@ -249,10 +269,14 @@ def parameter_choices(model: ModelLike | onnx.GraphProto) -> list[ParameterChoic
             return other is not None and other.op_type in _PRODUCT_OPS
         return False
 
+    exporter_constants = constant_reasons(graph, [n for n, t in floats.items() if t.dims])
     out = []
     for name, t in floats.items():
         if len(t.dims) == 0:
             out.append(ParameterChoice(name, False, "scalar"))
+            continue
+        if name in exporter_constants:
+            out.append(ParameterChoice(name, False, exporter_constants[name]))
             continue
         uses = weight_uses.get(name)
         if uses is None and name in settings:
@@ -275,7 +299,21 @@ def parameter_choices(model: ModelLike | onnx.GraphProto) -> list[ParameterChoic
             doubt = (f"it has one element (read by {n.op_type} node "
                      f"{n.name or n.op_type!r}) and may be a constant")
         out.append(ParameterChoice(name, True, "weight", doubt))
-    return out
+    return _with_names(graph, out)
+
+
+def _with_names(graph: onnx.GraphProto, choices: list[ParameterChoice]) -> list[ParameterChoice]:
+    """Each choice with its known name and its part in LoRA's default targets."""
+    from dataclasses import replace
+
+    from .targets import default_targets, eligible_targets
+
+    known = known_names(graph)
+    eligible = eligible_targets(graph)[0]
+    targets, skipped = default_targets(graph, eligible, known) if eligible else ([], {})
+    lora = {**{n: "target" for n in targets}, **{n: "head" for n in skipped}}
+    return [replace(c, known_as=known.get(c.name, "") if known.get(c.name) != c.name else "",
+                    lora=lora.get(c.name, "")) for c in choices]
 
 
 #: Magnitude from which a value counts as "minus infinity" in an additive mask
@@ -336,22 +374,28 @@ def choose_trainable(main: onnx.GraphProto, trainable: Any) -> list[str]:
     if trainable is None:
         chosen = candidates
     elif callable(trainable):
-        chosen = [n for n in candidates if trainable(n)]
+        known = known_names(main)
+        chosen = [n for n in candidates if trainable(n) or (n in known and trainable(known[n]))]
     elif isinstance(trainable, str):
         raise TypeError(f"trainable must be a list of names, not the string {trainable!r}")
     elif isinstance(trainable, Iterable):
-        wanted = list(dict.fromkeys(trainable))
-        for name in wanted:
-            if name not in floats:
+        known = known_names(main)
+        wanted: set[str] = set()
+        for entry in dict.fromkeys(trainable):
+            hits = [n for n in floats if matches(entry, n, known)]
+            if not hits:
                 raise ValueError(
-                    f"unknown trainable name {name!r}: not a floating-point initializer of the "
-                    f"main graph; those are {floats}"
+                    f"unknown trainable name {entry!r}: not a floating-point initializer of the "
+                    f"main graph nor a name the exporter recorded; those are "
+                    f"{[n if known.get(n, n) == n else f'{n} ({known[n]})' for n in floats]}"
                 )
-            if name in excluded:
-                raise ValueError(
-                    f"{name!r} is a BatchNormalization statistic or a Dropout setting and "
-                    "cannot be trainable"
-                )
+            for name in hits:
+                if name in excluded:
+                    raise ValueError(
+                        f"{name!r} is a BatchNormalization statistic or a Dropout setting and "
+                        "cannot be trainable"
+                    )
+            wanted.update(hits)
         chosen = [n for n in floats if n in wanted]
     else:
         raise TypeError(

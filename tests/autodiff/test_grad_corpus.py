@@ -293,16 +293,6 @@ XFAIL: dict[str, str] = {
     **_each("rule limitation: Loop at opset 11: a Sum's broadcast ranks are unknown and ReduceSum has "
             "no runtime axes before opset 13", "test_loop11"),
     **_each("rule limitation: Scan-8 (batch axis and sequence_lens) is refused", "test_scan_sum"),
-    **_each("rule limitation: fully masked rows make the body's Softmax NaN and a Where replaces them; "
-            "the backward pass multiplies the Where's zero cotangent by that NaN (0 * NaN = NaN)",
-            *_with_expanded("test_attention_causal_boolmask_nan_robustness",
-                            "test_attention_23_boolmask_fullymasked_row_nan_robustness",
-                            "test_attention_23_fullymasked_qk_matmul_output_mode3_zero",
-                            "test_attention_24_fullymasked_qk_matmul_output_mode3_zero",
-                            "test_attention_24_qk_matmul_output_mode3_softmax_precision"),
-            "test_attention_4d_causal_padded_kv_bf16_expanded",
-            "test_attention_4d_causal_nonpad_negative_offset_structural_empty_expanded",
-            *_with_expanded("test_attention_local_window_gqa_rank4_mask")),
     **_each("rule limitation: a gradient with respect to Resize's scales is refused (sizes, not data); "
             "the case feeds them as a graph input",
             "test_resize_downsample_scales_cubic", "test_resize_downsample_scales_cubic_A_n0p5_exclude_outside",
@@ -323,10 +313,6 @@ XFAIL: dict[str, str] = {
     **_each("rule limitation: a gradient with respect to RoiAlign's rois is refused (box coordinates, "
             "not data); the case feeds them as a graph input",
             "test_roialign_aligned_false", "test_roialign_aligned_true", "test_roialign_mode_max"),
-    # ---------------------------------------------------------- function bodies
-    **_each("rule limitation: fully masked rows make the body's Softmax NaN and a Where replaces "
-            "them; the backward pass multiplies the Where's zero cotangent by that NaN (0 * NaN = NaN)",
-            "test_attention_4d_causal_nonpad_negative_offset_structural_empty"),
 }
 
 TRAINING_DOMAINS = frozenset({PREVIEW_DOMAIN, "ai.onnx.training"})

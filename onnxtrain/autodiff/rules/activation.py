@@ -19,6 +19,12 @@ def _softmax_family(ctx: VJPContext, dy: str, log: bool) -> str:
         # Coerced to 2-D [prod(d0..d_{axis-1}), prod(d_axis..)]: the op runs along dim 1.
         coerce = int(ctx.attr("axis", 1))
         g, yy, axis = e.Flatten(dy, axis=coerce), e.Flatten(y, axis=coerce), 1
+    if ctx.selected_by_where(y):
+        # A masked softmax: rows that are NaN (every logit -inf) are replaced
+        # downstream, so their incoming gradient is exactly zero; read them as
+        # zero so that 0 * NaN does not turn that zero into NaN (for LogSoftmax,
+        # exp(0) * sum(0) = 0 as well).
+        yy = e.Where(e.IsNaN(yy), ctx.const(0.0, like=dy), yy)
     if log:
         # dx = dy - softmax * sum(dy), softmax = exp(y)
         dx = e.Sub(g, e.Mul(e.Exp(yy), e.reduce_sum(g, [axis], keepdims=True)))
@@ -34,7 +40,18 @@ def _softmax_family(ctx: VJPContext, dy: str, log: bool) -> str:
 def softmax_vjp(ctx, dy):
     """y = softmax(x)  ->  dx = y * (dy - sum_axis(dy * y))
 
-    Opset < 13: the sum runs over every axis from ``axis`` on (2-D coercion)."""
+    Opset < 13: the sum runs over every axis from ``axis`` on (2-D coercion).
+
+    Masked rows.  A row of x that is all -inf (a query that sees no key) gives
+    a row of NaN in y; exporters replace it by zeros with ``Where`` (TorchScript:
+    ``Where(IsNaN(y), 0, y)``; the opset-23 Attention body: ``Where(row all
+    masked, 0, y)``).  Where's rule sends exactly 0 to such a row, and the
+    function ``Where(..., 0, softmax(x))`` is constant there, so its gradient
+    is 0; the formula, though, would give 0 * NaN = NaN.  When a Where reads y
+    (directly or through Cast/Identity), the rule reads y as
+    ``y' = Where(IsNaN(y), 0, y)``: equal to y on every finite row, and on a NaN
+    row (softmax is NaN on whole rows) dx = 0 * (0 - 0) = 0, as PyTorch gives.
+    LogSoftmax alike: dx = 0 - exp(0) * 0 = 0 on such a row."""
     return (_softmax_family(ctx, dy, log=False),)
 
 
