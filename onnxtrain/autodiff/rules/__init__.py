@@ -2,6 +2,9 @@
 
 from . import (  # noqa: F401
     activation,
+    contrib_attention,
+    contrib_norm,
+    contrib_quant,
     control,
     conv,
     elementwise,

@@ -1,0 +1,331 @@
+"""Gradient rules of the onnxruntime contrib ops that onnxruntime-genai models use
+(SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization,
+SkipLayerNormalization, MatMulNBits, RotaryEmbedding, GroupQueryAttention):
+each checked in float64 against a numpy transcription of the op, and that
+transcription checked against onnxruntime's own kernel (contrib_check)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from contrib_check import MS, check_forward, check_grad
+
+RNG = np.random.default_rng(7)
+
+
+def rand(*shape):
+    return RNG.standard_normal(shape)
+
+
+# ------------------------------------------------------------------ norms
+def rms(x, g, eps, axis=-1):
+    axes = tuple(range(axis % x.ndim, x.ndim))
+    return x / np.sqrt(np.mean(x * x, axis=axes, keepdims=True) + eps) * g
+
+
+def layer_norm(x, g, b, eps):
+    c = x - x.mean(-1, keepdims=True)
+    y = c / np.sqrt((c * c).mean(-1, keepdims=True) + eps) * g
+    return y if b is None else y + b
+
+
+@pytest.mark.parametrize("domain", ["", MS])
+@pytest.mark.parametrize("axis,shape", [(-1, (2, 3, 8)), (1, (2, 3, 4))])
+def test_simplified_layer_norm(domain, axis, shape):
+    x, g = rand(*shape), rand(*shape[axis % len(shape):])
+    attrs = {"epsilon": 1e-5, "axis": axis}
+
+    def f(X, scale):
+        return rms(X, scale, 1e-5, axis)
+
+    if domain == "":  # onnxruntime registers it in the default domain only
+        check_forward("SimplifiedLayerNormalization", {"X": x, "scale": g}, attrs, f, domain="")
+    check_grad("SimplifiedLayerNormalization", {"X": x, "scale": g}, attrs, f, ["X", "scale"], domain=domain)
+
+
+def _skip_outputs(s, y):
+    stat = np.zeros(s.shape[:-1] + (1,))
+    return y, stat, stat, s
+
+
+@pytest.mark.parametrize("skip_shape", [(2, 3, 8), (3, 8), (1, 3, 8)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skip_simplified_layer_norm(skip_shape, with_bias):
+    inputs = {"input": rand(2, 3, 8), "skip": rand(*skip_shape), "gamma": rand(8),
+              "bias": rand(8) if with_bias else None}
+
+    def f(input, skip, gamma, bias):
+        s = input + skip + (bias if bias is not None else 0)
+        return _skip_outputs(s, rms(s, gamma, 1e-6))
+
+    attrs = {"epsilon": 1e-6}
+    rows = lambda k, a: a if k in (0, 3) else a[:0]  # noqa: E731 (statistics not compared)
+    if skip_shape != (1, 3, 8):  # onnxruntime's SkipSimplified takes (B, S, H) or (S, H) skips
+        check_forward("SkipSimplifiedLayerNormalization", inputs, attrs, f, n_out=4, rows=rows)
+    wrt = ["input", "skip", "gamma"] + (["bias"] if with_bias else [])
+    check_grad("SkipSimplifiedLayerNormalization", inputs, attrs, f, wrt, n_out=4, diff_outputs=(0, 3))
+    # only the residual sum differentiated (the last layer's sum feeds nothing else)
+    check_grad("SkipSimplifiedLayerNormalization", inputs, attrs, f, wrt, n_out=4, diff_outputs=(3,), seed=1)
+
+
+@pytest.mark.parametrize("with_beta,with_bias", [(False, False), (True, True), (True, False)])
+def test_skip_layer_norm(with_beta, with_bias):
+    inputs = {"input": rand(2, 3, 8), "skip": rand(2, 3, 8), "gamma": rand(8),
+              "beta": rand(8) if with_beta else None, "bias": rand(8) if with_bias else None}
+
+    def f(input, skip, gamma, beta, bias):
+        s = input + skip + (bias if bias is not None else 0)
+        return _skip_outputs(s, layer_norm(s, gamma, beta, 1e-5))
+
+    attrs = {"epsilon": 1e-5}
+    rows = lambda k, a: a if k in (0, 3) else a[:0]  # noqa: E731
+    check_forward("SkipLayerNormalization", inputs, attrs, f, n_out=4, rows=rows)
+    wrt = [k for k, v in inputs.items() if v is not None]
+    check_grad("SkipLayerNormalization", inputs, attrs, f, wrt, n_out=4, diff_outputs=(0, 3))
+
+
+# ------------------------------------------------------------ MatMulNBits
+def pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """[rows, count] codes < 2^bits -> uint8 [rows, ceil(count bits / 8)], low bits first."""
+    per = 8 // bits
+    rows, count = codes.shape
+    padded = np.zeros((rows, -(-count // per) * per), dtype=np.int64)
+    padded[:, :count] = codes
+    grouped = padded.reshape(rows, -1, per)
+    return sum(grouped[:, :, i] << (i * bits) for i in range(per)).astype(np.uint8)
+
+
+def nbits_case(k, n, block, bits, zp_kind, bias=False, batch=(2, 3)):
+    blocks = -(-k // block)
+    codes = RNG.integers(0, 2**bits, size=(n, blocks * block))
+    b = pack(codes, bits).reshape(n, blocks, block * bits // 8)
+    scales = RNG.uniform(0.05, 0.2, size=(n, blocks))
+    zp = None
+    if zp_kind == "packed":
+        zcodes = RNG.integers(0, 2**bits, size=(n, blocks))
+        zp, zval = pack(zcodes, bits), zcodes.astype(np.float64)
+    elif zp_kind == "float":
+        zval = RNG.uniform(0, 2**bits - 1, size=(n, blocks))
+        zp = zval
+    else:
+        zval = np.full((n, blocks), 2.0 ** (bits - 1))
+    inputs = {"A": rand(*batch, k), "B": b, "scales": scales, "zero_points": zp, "g_idx": None,
+              "bias": rand(n) if bias else None}
+
+    def f(A, B, scales, zero_points, g_idx, bias):
+        z = zero_points if zp_kind == "float" else zval
+        w = ((codes.reshape(n, blocks, block) - z[:, :, None]) * scales[:, :, None]).reshape(n, -1)[:, :k]
+        y = A @ w.T
+        return y + bias if bias is not None else y
+
+    return inputs, f
+
+
+@pytest.mark.parametrize("bits,block,k,zp_kind", [
+    (4, 32, 64, "none"), (4, 16, 40, "packed"), (4, 16, 48, "float"), (8, 16, 40, "none"), (8, 32, 64, "packed"),
+])
+def test_matmul_nbits(bits, block, k, zp_kind):
+    n = 24
+    inputs, f = nbits_case(k, n, block, bits, zp_kind, bias=zp_kind == "packed")
+    attrs = {"K": k, "N": n, "bits": bits, "block_size": block}
+    check_forward("MatMulNBits", inputs, attrs, f, rtol=1e-4, atol=1e-4)
+    wrt = ["A", "scales"] + (["bias"] if inputs["bias"] is not None else [])
+    grads = check_grad("MatMulNBits", inputs, attrs, f, wrt)
+    assert set(grads) == set(wrt)
+
+
+@pytest.mark.parametrize("accuracy_level", [1, 4])
+def test_matmul_nbits_accuracy_level(accuracy_level):
+    """accuracy_level 4 rounds A to int8 in onnxruntime's forward: close to the exact
+    product, and the gradient is the exact product's (straight-through)."""
+    k, n = 64, 16
+    inputs, f = nbits_case(k, n, 32, 4, "none", batch=(5,))
+    attrs = {"K": k, "N": n, "bits": 4, "block_size": 32, "accuracy_level": accuracy_level}
+    tol = 1e-4 if accuracy_level < 4 else 5e-2
+    check_forward("MatMulNBits", inputs, attrs, f, rtol=tol, atol=tol)
+    check_grad("MatMulNBits", inputs, attrs, f, ["A", "scales"])
+
+
+def test_matmul_nbits_refuses_code_gradients():
+    from onnxtrain.errors import GradientError
+
+    inputs, f = nbits_case(32, 8, 16, 4, "float", batch=(3,))
+    attrs = {"K": 32, "N": 8, "bits": 4, "block_size": 16}
+    with pytest.raises(GradientError, match="zero_points"):
+        check_grad("MatMulNBits", inputs, attrs, f, ["A", "zero_points"])
+
+
+# ----------------------------------------------------------------- rotary
+def rotate_np(x, cos, sin, interleaved):
+    """x [..., H]; cos/sin broadcast against [..., half]."""
+    half = cos.shape[-1]
+    xr, rest = x[..., : 2 * half], x[..., 2 * half:]
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+    y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    yr = np.stack([y1, y2], -1).reshape(xr.shape) if interleaved else np.concatenate([y1, y2], -1)
+    return np.concatenate([yr, rest], -1)
+
+
+def caches(max_pos, half):
+    ang = RNG.uniform(0, 3, size=(max_pos, half))
+    return np.cos(ang), np.sin(ang)
+
+
+@pytest.mark.parametrize("interleaved", [0, 1])
+@pytest.mark.parametrize("layout", ["3d", "4d"])
+def test_ms_rotary_embedding(interleaved, layout):
+    b, s, heads, h = 2, 5, 2, 8
+    cos, sin = caches(16, h // 2)
+    pos = RNG.integers(0, 16, size=(b, s))
+    x = rand(b, s, heads * h) if layout == "3d" else rand(b, heads, s, h)
+    attrs = {"interleaved": interleaved, "num_heads": heads if layout == "3d" else 0}
+
+    def f(input, position_ids, cos_cache, sin_cache):
+        c, sn = cos_cache[position_ids], sin_cache[position_ids]  # [B, S, half]
+        if layout == "3d":
+            x4 = input.reshape(b, s, heads, h)
+            return rotate_np(x4, c[:, :, None], sn[:, :, None], interleaved).reshape(input.shape)
+        return rotate_np(input, c[:, None], sn[:, None], interleaved)
+
+    inputs = {"input": x, "position_ids": pos, "cos_cache": cos, "sin_cache": sin}
+    check_forward("RotaryEmbedding", inputs, attrs, f)
+    check_grad("RotaryEmbedding", inputs, attrs, f, ["input"])
+
+
+def test_ms_rotary_embedding_offset():
+    """position_ids of shape [1]: positions offset + 0..S-1."""
+    b, s, h = 1, 4, 16
+    cos, sin = caches(12, h // 2)
+    inputs = {"input": rand(b, s, h), "position_ids": np.array([3], dtype=np.int64),
+              "cos_cache": cos, "sin_cache": sin}
+
+    def f(input, position_ids, cos_cache, sin_cache):
+        p = position_ids[0] + np.arange(s)
+        return rotate_np(input[:, :, None], cos_cache[p][:, None], sin_cache[p][:, None], 0).reshape(input.shape)
+
+    check_forward("RotaryEmbedding", inputs, {}, f)
+    check_grad("RotaryEmbedding", inputs, {}, f, ["input"])
+
+
+@pytest.mark.parametrize("interleaved,rot_dim", [(0, 0), (1, 0), (0, 4)])
+def test_onnx_rotary_embedding(interleaved, rot_dim):
+    b, s, heads, h = 2, 3, 2, 8
+    half = (rot_dim or h) // 2
+    cos, sin = caches(10, half)
+    pos = RNG.integers(0, 10, size=(b, s))
+    attrs = {"interleaved": interleaved, "num_heads": heads, "rotary_embedding_dim": rot_dim}
+
+    def f(X, cos_cache, sin_cache, position_ids):
+        x4 = X.reshape(b, s, heads, h)
+        c, sn = cos_cache[position_ids][:, :, None], sin_cache[position_ids][:, :, None]
+        return rotate_np(x4, c, sn, interleaved).reshape(X.shape)
+
+    inputs = {"X": rand(b, s, heads * h), "cos_cache": cos, "sin_cache": sin, "position_ids": pos}
+    check_forward("RotaryEmbedding", inputs, attrs, f, domain="", opset=23)
+    check_grad("RotaryEmbedding", inputs, attrs, f, ["X"], domain="", opset=23)
+
+
+# ---------------------------------------------------- GroupQueryAttention
+def gqa_np(q, k, v, seqlens, cos, sin, n, nkv, scale=0.0, softcap=0.0, window=-1, rotary=False,
+           interleaved=False, smooth=False, causal=True):
+    """Prompt-mode GroupQueryAttention (see contrib_attention's docstring)."""
+    b, s, _ = q.shape
+    if k is None:
+        h = q.shape[2] // (n + 2 * nkv)
+        q, k, v = q[..., : n * h], q[..., n * h: (n + nkv) * h], q[..., (n + nkv) * h:]
+    h = q.shape[2] // n
+    q4, k4, v4 = (t.reshape(b, s, -1, h) for t in (q, k, v))
+    if rotary:
+        c, sn = cos[:s, None], sin[:s, None]
+        q4, k4 = rotate_np(q4, c, sn, interleaved), rotate_np(k4, c, sn, interleaved)
+    out = np.zeros((b, s, n, h))
+    alpha = scale or 1 / np.sqrt(h)
+    for bi in range(b):
+        total = seqlens[bi] + 1
+        for hi in range(n):
+            kv = hi // (n // nkv)
+            sc = alpha * q4[bi, :, hi] @ k4[bi, :, kv].T
+            if softcap > 0:
+                sc = softcap * np.tanh(sc / softcap)
+            for i in range(s):
+                j = np.arange(s)
+                vis = j < total
+                if causal:
+                    vis &= j <= i
+                if window > 0:
+                    vis &= j > i - window
+                if not vis.any():  # a padding row whose window holds no valid key
+                    continue
+                z = sc[i][vis]
+                m = max(z.max(), 0.0) if smooth else z.max()
+                ez = np.exp(z - m)
+                p = ez / (ez.sum() + (np.exp(-m) if smooth else 0.0))
+                out[bi, i, hi] = p @ v4[bi, vis, kv]
+    return out.reshape(b, s, n * h), k4.transpose(0, 2, 1, 3), v4.transpose(0, 2, 1, 3)
+
+
+GQA_CASES = {
+    "packed_rotary": dict(packed=True, rotary=True),
+    "separate_interleaved": dict(packed=False, rotary=True, interleaved=True),
+    "mha_softcap_scale": dict(packed=False, nkv=4, softcap=2.0, scale=0.3),
+    "window_padding": dict(packed=True, window=2, lengths=(6, 4)),
+    "smooth_padding": dict(packed=False, smooth=True, lengths=(3, 6), rotary=True),
+    "partial_rotary": dict(packed=True, rotary=True, h=32, rot_half=8),
+}
+
+
+@pytest.mark.parametrize("case", list(GQA_CASES))
+def test_group_query_attention(case):
+    cfg = dict(n=4, nkv=2, h=16, packed=True, rotary=False, interleaved=False, softcap=0.0, scale=0.0,
+               window=-1, smooth=False, lengths=(6, 6), rot_half=None)
+    cfg.update(GQA_CASES[case])
+    b, s, n, nkv, h = 2, 6, cfg["n"], cfg["nkv"], cfg["h"]
+    seqlens = np.array([t - 1 for t in cfg["lengths"]], dtype=np.int32)
+    cos, sin = caches(16, cfg["rot_half"] or h // 2)
+    if cfg["packed"]:
+        q, k, v = rand(b, s, (n + 2 * nkv) * h), None, None
+    else:
+        q, k, v = rand(b, s, n * h), rand(b, s, nkv * h), rand(b, s, nkv * h)
+    empty = np.zeros((b, nkv, 0, h))
+    inputs = {"query": q, "key": k, "value": v, "past_key": empty, "past_value": empty,
+              "seqlens_k": seqlens, "total_sequence_length": np.array(s, dtype=np.int32),
+              "cos_cache": cos if cfg["rotary"] else None, "sin_cache": sin if cfg["rotary"] else None}
+    attrs = {"num_heads": n, "kv_num_heads": nkv, "do_rotary": int(cfg["rotary"]),
+             "rotary_interleaved": int(cfg["interleaved"]), "softcap": cfg["softcap"], "scale": cfg["scale"],
+             "local_window_size": cfg["window"], "smooth_softmax": int(cfg["smooth"])}
+
+    def f(query, key, value, past_key, past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache):
+        return gqa_np(query, key, value, seqlens_k, cos_cache, sin_cache, n, nkv, cfg["scale"], cfg["softcap"],
+                      cfg["window"], cfg["rotary"], cfg["interleaved"], cfg["smooth"])
+
+    valid = np.arange(s)[None, :] < np.array(cfg["lengths"])[:, None]  # [B, S]: rows onnxruntime specifies
+
+    def rows(k, a):
+        if k == 0:
+            return a[valid]
+        return a.transpose(0, 2, 1, 3)[valid]  # present key/value: valid positions
+
+    check_forward("GroupQueryAttention", inputs, attrs, f, n_out=3, rtol=2e-4, atol=2e-5, rows=rows)
+    wrt = ["query"] + (["key", "value"] if not cfg["packed"] else [])
+    check_grad("GroupQueryAttention", inputs, attrs, f, wrt, n_out=3, diff_outputs=(0,), rtol=1e-5)
+
+
+def test_group_query_attention_refuses_present_gradient():
+    from onnxtrain.errors import GradientError
+
+    b, s, n, nkv, h = 1, 3, 2, 1, 16
+    empty = np.zeros((b, nkv, 0, h))
+    inputs = {"query": rand(b, s, (n + 2 * nkv) * h), "key": None, "value": None, "past_key": empty,
+              "past_value": empty, "seqlens_k": np.array([s - 1], dtype=np.int32),
+              "total_sequence_length": np.array(s, dtype=np.int32)}
+
+    def f(query, key, value, past_key, past_value, seqlens_k, total_sequence_length):
+        return gqa_np(query, None, None, seqlens_k, None, None, n, nkv)
+
+    with pytest.raises(GradientError, match="present"):
+        check_grad("GroupQueryAttention", inputs, {"num_heads": n, "kv_num_heads": nkv}, f, ["query"],
+                   n_out=3, diff_outputs=(0, 1))
