@@ -382,6 +382,11 @@ def set_info(proto: onnx.ModelProto, info: Mapping[str, Any]) -> None:
     set_metadata(proto, META_KEY.removeprefix(PREFIX), dict(info))
 
 
+def drop_info(proto: onnx.ModelProto) -> None:
+    """Remove metadata ``onnxtrain.lora`` (the model is a plain one again)."""
+    drop_metadata(proto, META_KEY.removeprefix(PREFIX))
+
+
 def info_of(proto: onnx.ModelProto) -> dict[str, Any] | None:
     """The ``onnxtrain.lora`` description of a model, or None."""
     for p in proto.metadata_props:
