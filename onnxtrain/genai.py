@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+from onnx.external_data_helper import load_external_data_for_model
 
 from .build import lora as _lora
 from .storage import write_model
@@ -99,14 +100,18 @@ def export(sess: Any, folder: str | os.PathLike, base: str | os.PathLike,
     filename = decoder_file(base)
     if folder.exists() and folder.resolve() == base.resolve():
         raise ValueError("genai.export: folder must differ from base (base's files are read)")
-    model = onnx.load(str(base / filename), load_external_data=True)
-    skip = {filename} | _external_files(onnx.load(str(base / filename), load_external_data=False))
+    model = onnx.load(str(base / filename), load_external_data=False)
+    skip = {filename} | _external_files(model)
+    load_external_data_for_model(model, str(base))
     desc = {"rank": info["rank"], "alpha": info["alpha"],
             "targets": [{k: e[k] for k in ("weight", "A", "B", "in", "out", "transposed", "scale",
                                            "quantized") if k in e} for e in info["targets"]]}
     arrays = {e[k]: np.asarray(state[e[k]]) for e in info["targets"] for k in ("A", "B")}
     _write_other_parameters(model, state, arrays)
-    lora_model = _lora.attach(model, desc, arrays)
+    try:
+        lora_model = _lora.attach(model, desc, arrays)
+    except ValueError as exc:
+        raise ValueError(f"genai.export: the session's adapters do not fit {base / filename}: {exc}") from exc
     params: dict[str, np.ndarray] = {}
     if adapters == "merged":
         out = _lora.merge(lora_model)

@@ -92,7 +92,7 @@ def test_exported_folder_keeps_the_builders_graph(trained, tmp_path):
     else:  # codes and scales bit for bit, the exact side branch added
         for t in src.graph.initializer:
             assert np.array_equal(inits[t.name], numpy_helper.to_array(t)), t.name
-        assert ops.count("MatMulNBits") == 11 and ops.count("MatMul") == 22
+        assert ops.count("MatMulNBits") == 11 and ops.count("MatMul") == 2 * len(info["targets"])
 
 
 def test_separate_adapters_follow_olives_names(trained, tmp_path):
@@ -131,6 +131,9 @@ def test_export_errors(trained, tmp_path):
         genai.export(sess, tmp_path / "m", base=tmp_path)
     with pytest.raises(ValueError, match="folder must differ from base"):
         genai.export(sess, base, base=base)
+    other = FOLDERS["int4" if precision == "fp32" else "fp32"]
+    with pytest.raises(ValueError, match="adapters do not fit .*model.onnx.*unknown name"):
+        genai.export(sess, tmp_path / "m", base=other)
     with pytest.raises(TypeError, match="TrainingSession"):
         genai.export(object(), tmp_path / "m", base=base)
     assert json.loads((base / "genai_config.json").read_text())["model"]["type"] == "llama"
