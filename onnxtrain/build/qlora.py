@@ -269,10 +269,13 @@ def quantize_dq(node: onnx.NodeProto, w: np.ndarray, x: np.ndarray, scale: np.nd
                 zp: np.ndarray | None) -> dict[int, np.ndarray]:
     """New codes (and scale) for a DequantizeLinear node's weight ``w``,
     same granularity and types: the scale spans the block's range."""
-    info = np.iinfo(x.dtype) if x.dtype.kind in "iu" else None
-    if info is None:
+    ranges = {"int4": (-8, 7), "uint4": (0, 15)}  # ml_dtypes' 4-bit types (onnx's arrays)
+    if x.dtype.kind in "iu":
+        lo_q, hi_q = int(np.iinfo(x.dtype).min), int(np.iinfo(x.dtype).max)
+    elif x.dtype.name in ranges:
+        lo_q, hi_q = ranges[x.dtype.name]
+    else:
         raise ValueError(f"requantize: codes of type {x.dtype} are not supported")
-    lo_q, hi_q = int(info.min), int(info.max)
     w = np.asarray(w, np.float64)
 
     def reduce(fn, arr):

@@ -8,6 +8,7 @@ report against numpy."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -28,8 +29,9 @@ def _nbits_node(bits, block, level, zp):
                             K=K1, N=N1, bits=bits, block_size=block, accuracy_level=level)
 
 
-def quantized_model(bits=4, block=16, level=0, zp=False, dq_zp=True, seed=0):
-    """X[N, K1] -> MatMulNBits(W1) -> Relu -> MatMul(DequantizeLinear(W2 int8, per axis)) -> Y.
+def quantized_model(bits=4, block=16, level=0, zp=False, dq_zp=True, seed=0, dq_block=0):
+    """X[N, K1] -> MatMulNBits(W1) -> Relu -> MatMul(DequantizeLinear(W2 int8, per axis)) -> Y
+    (``dq_block``: W2 int4 codes with a scale per ``dq_block`` rows of each column).
 
     Returns (model, float64 W1 [K1, N1], float64 W2 [N1, N2])."""
     rng = np.random.default_rng(seed)
@@ -44,15 +46,21 @@ def quantized_model(bits=4, block=16, level=0, zp=False, dq_zp=True, seed=0):
     if zp:
         inits["W1_zp"] = q[3].reshape(-1)
     w1 = qlora.nbits_weight(node, inits)
-    codes2 = rng.integers(-100, 100, (N1, N2)).astype(np.int8)
-    scale2 = (rng.uniform(0.5, 1.5, N2) / 200).astype(np.float32)
+    dq_attrs = {"axis": 1}
+    if dq_block:
+        codes2 = rng.integers(-7, 8, (N1, N2)).astype(ml_dtypes.int4)
+        scale2 = (rng.uniform(0.5, 1.5, (N1 // dq_block, N2)) / 20).astype(np.float32)
+        dq_attrs = {"axis": 0, "block_size": dq_block}
+    else:
+        codes2 = rng.integers(-100, 100, (N1, N2)).astype(np.int8)
+        scale2 = (rng.uniform(0.5, 1.5, N2) / 200).astype(np.float32)
     inits.update({"W2_q": codes2, "W2_scale": scale2})
     dq_in = ["W2_q", "W2_scale"]
     if dq_zp:
-        inits["W2_zp"] = rng.integers(-3, 3, N2).astype(np.int8)
+        inits["W2_zp"] = rng.integers(-3, 3, scale2.shape).astype(codes2.dtype)
         dq_in.append("W2_zp")
     nodes = [node, helper.make_node("Relu", ["h"], ["r"], name="relu"),
-             helper.make_node("DequantizeLinear", dq_in, ["W2"], axis=1, name="dq2"),
+             helper.make_node("DequantizeLinear", dq_in, ["W2"], name="dq2", **dq_attrs),
              helper.make_node("MatMul", ["r", "W2"], ["Y"], name="mm2")]
     graph = helper.make_graph(nodes, "q", [helper.make_tensor_value_info("X", F32, ["N", K1])],
                               [helper.make_tensor_value_info("Y", F32, ["N", N2])],
@@ -123,9 +131,10 @@ def test_quantized_targets_are_named_by_their_codes_and_frozen():
         build.training_model(m, loss="mse", lora=build.LoRA(targets=["W1_scales"]))
 
 
-@pytest.mark.parametrize("bits, block, zp", [(4, 16, False), (4, 32, True), (8, 16, True)])
-def test_qlora_steps_match_float64_on_dequantized_weights(bits, block, zp):
-    m, w1, w2 = quantized_model(bits=bits, block=block, zp=zp, level=0)
+@pytest.mark.parametrize("bits, block, zp, dq_block", [(4, 16, False, 0), (4, 32, True, 0),
+                                                      (8, 16, True, 0), (4, 16, True, 8)])
+def test_qlora_steps_match_float64_on_dequantized_weights(bits, block, zp, dq_block):
+    m, w1, w2 = quantized_model(bits=bits, block=block, zp=zp, level=0, dq_block=dq_block)
     x, t = data()
     # The decoding of the codes is onnxruntime's (accuracy_level 0: float products).
     probe = np.eye(K1, dtype=np.float32)
@@ -181,8 +190,9 @@ def test_export_keeps_codes_and_writes_the_exact_side_branch(tmp_path):
     np.testing.assert_array_equal(ort_run(out, {"X": x}), sess.run({"X": x})["Y"])
 
 
-def test_requantizing_is_explicit_and_reports_its_error(tmp_path):
-    m, w1, w2 = quantized_model(zp=True, level=0)
+@pytest.mark.parametrize("dq_block", [0, 8])
+def test_requantizing_is_explicit_and_reports_its_error(tmp_path, dq_block):
+    m, w1, w2 = quantized_model(zp=True, level=0, dq_block=dq_block)
     x, t = data()
     sess = session(m)
     for _ in range(3):
@@ -207,7 +217,8 @@ def test_requantizing_is_explicit_and_reports_its_error(tmp_path):
     merged1 = w1 + 2.0 * st["W1_q.lora_A"] @ st["W1_q.lora_B"]
     assert np.all(np.abs(qlora.nbits_weight(node1, inits) - merged1) <= st1 * (1 + 1e-6))
     merged2 = w2 + 2.0 * st["W2_q.lora_A"] @ st["W2_q.lora_B"]
-    step2 = inits["W2_scale"].astype(np.float64)[None, :]
+    step2 = inits["W2_scale"].astype(np.float64)
+    step2 = np.repeat(step2, dq_block, axis=0) if dq_block else step2[None, :]
     assert np.all(np.abs(qlora.dq_weight(out.graph.node[2], inits) - merged2) <= step2 * (1 + 1e-6))
     assert not np.array_equal(inits["W1_scales"], numpy_helper.to_array(m.graph.initializer[1]))
     assert report["W1_q"]["update_error"] > 0
