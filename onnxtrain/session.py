@@ -431,6 +431,9 @@ class TrainingSession:
             model, library = self._program_model(program)
             # A large model's initialization folded would hold a copy of what it fills.
             fold = not (self._large and any(program is p for p in self._init_programs or ()))
+            # MatMulNBits' backward unpacks frozen codes (initializers only): folded,
+            # every quantized weight would be held dequantized, in float (QLoRA).
+            fold = fold and not _unpacks_codes(model)
             # A step that fetches nothing may skip the outputs only fetching reads
             # (not where lean memory's in-place writes follow the full program's order).
             prune_unfetched = any(program is p for p in self._algorithms) and not (self._lean or self._large)
@@ -923,6 +926,11 @@ class TrainingSession:
             state = {n: v.numpy() for n, v in snap.items()}  # views of the pinned buffers
             model = self._snapshot(training, state, deferred)
             return write_model(model, path, external_data=external_data, deferred=deferred)
+
+
+def _unpacks_codes(model: onnx.ModelProto) -> bool:
+    """Whether a program holds a com.microsoft MatMulNBits node (4/8-bit codes)."""
+    return any(n.op_type == "MatMulNBits" and n.domain == "com.microsoft" for n in model.graph.node)
 
 
 def _write_state(graph: onnx.GraphProto, state: Mapping[str, np.ndarray],

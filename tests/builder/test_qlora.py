@@ -246,3 +246,29 @@ def test_adapter_file_applies_the_side_branch_to_the_base(tmp_path):
     np.testing.assert_array_equal(ort_run(applied, {"X": x}), sess.run({"X": x})["Y"])
     written = lora_mod.apply_adapters(m, tmp_path / "a.npz", tmp_path / "applied.onnx")
     np.testing.assert_array_equal(ort_run(onnx.load(written), {"X": x}), sess.run({"X": x})["Y"])
+
+
+def test_no_dequantized_weight_is_held_by_the_training_program(tmp_path):
+    """The backward of MatMulNBits unpacks codes that are initializers: onnxruntime's
+    constant folding would turn each into a float weight held for the session's life."""
+    from genai_cases import FOLDERS, phrase_batch
+
+    model = onnx.load(str(FOLDERS["int4"] / "model.onnx"))
+    shapes = set()
+    for n in model.graph.node:
+        if n.op_type == "MatMulNBits":
+            attrs = {a.name: a.i for a in n.attribute}
+            shapes |= {(attrs["K"], attrs["N"]), (attrs["N"], attrs["K"])}
+    tm = build.training_model(model, loss="cross_entropy", optimizer=build.SGD(lr=0.1),
+                              lora=build.LoRA(rank=2))
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    sess = TrainingSession(tm, session_options=so)
+    sess.initialize()
+    sess.train_step(phrase_batch())  # the training program's session is the last one made
+    optimized = onnx.load(str(tmp_path / "optimized.onnx"), load_external_data=False)
+    assert any(n.op_type == "MatMulNBits" for n in optimized.graph.node)
+    own = {t.name for t in model.graph.initializer}  # the embedding is [vocab, hidden] too
+    held = [(t.name, tuple(t.dims)) for t in optimized.graph.initializer
+            if t.data_type == F32 and tuple(t.dims) in shapes and t.name not in own]
+    assert held == []
