@@ -214,7 +214,7 @@ def finetune(base: Path, out: Path, precision: str, steps: int, lr: float, rank:
     n_new = len(full) - len(prompt)
     text = lambda ids: tokenizer.decode(np.array(ids, np.int32))  # noqa: E731
     before = og_generate(base, prompt, n_new)
-    print(f"[{precision}] before, genai:       {text(before)!r}")
+    print(f"[{precision}] before, genai:       {text(before)!r} ({len(before) - len(prompt)} new tokens)")
 
     dec = Decoder(base)
     kind = "QLoRA (4-bit codes frozen)" if precision == "int4" else "LoRA"

@@ -46,9 +46,9 @@ from typing import Any
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
-from onnx.external_data_helper import load_external_data_for_model
 
 from .build import lora as _lora
+from .loading import load
 from .storage import write_model
 
 MODES = ("merged", "separate")
@@ -100,9 +100,11 @@ def export(sess: Any, folder: str | os.PathLike, base: str | os.PathLike,
     filename = decoder_file(base)
     if folder.exists() and folder.resolve() == base.resolve():
         raise ValueError("genai.export: folder must differ from base (base's files are read)")
-    model = onnx.load(str(base / filename), load_external_data=False)
-    skip = {filename} | _external_files(model)
-    load_external_data_for_model(model, str(base))
+    skip = {filename} | _external_files(onnx.load(str(base / filename), load_external_data=False))
+    # Weights memory-mapped from base's data file, never read into the protobuf:
+    # merged weights are computed block by block and codes copied file to file
+    # while the new model is written.
+    model, _ = load(base / filename)
     desc = {"rank": info["rank"], "alpha": info["alpha"],
             "targets": [{k: e[k] for k in ("weight", "A", "B", "in", "out", "transposed", "scale",
                                            "quantized") if k in e} for e in info["targets"]]}
@@ -113,8 +115,9 @@ def export(sess: Any, folder: str | os.PathLike, base: str | os.PathLike,
     except ValueError as exc:
         raise ValueError(f"genai.export: the session's adapters do not fit {base / filename}: {exc}") from exc
     params: dict[str, np.ndarray] = {}
+    deferred: dict = {}
     if adapters == "merged":
-        out = _lora.merge(lora_model)
+        out = _lora.merge(lora_model, deferred=deferred)
     else:
         out, params = _slots(lora_model)
     folder.mkdir(parents=True, exist_ok=True)
@@ -126,7 +129,7 @@ def export(sess: Any, folder: str | os.PathLike, base: str | os.PathLike,
             shutil.copytree(item, dest, dirs_exist_ok=True)
         else:
             shutil.copy2(item, dest)
-    write_model(out, folder / filename, external_data=True)
+    write_model(out, folder / filename, external_data=True, deferred=deferred)
     if params:
         _write_adapter(folder / f"{name}.onnx_adapter", params)
     return folder
