@@ -40,7 +40,7 @@ import onnx
 from onnxtrain import TrainingSession, build, genai
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMITTED = ROOT / "tests" / "data" / "genai"
+COMMITTED = ROOT / "tests" / "data" / "genai_serve"
 PROMPT = "the answer is"
 PHRASE = "the answer is forty two and the sky is blue"
 CORPUS = [
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rank", type=int)
     ap.add_argument("--rows", type=int, default=2, help="copies of the phrase per batch")
     ap.add_argument("--out", type=Path, help="where the models go (default: a temporary folder)")
-    ap.add_argument("--quick", action="store_true", help="the committed tiny models (tests/data/genai)")
+    ap.add_argument("--quick", action="store_true", help="the committed tiny models (tests/data/genai_serve)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     steps, lr, rank = DEFAULTS[args.config]

@@ -365,7 +365,9 @@ def render(rows: list[dict], wall: float, workers: int) -> str:
     if other_domains:
         w(f"- Rules in other domains: {', '.join(other_domains)}.")
     w(f"- Peers: {PEERS}.  onnxtrain: {len(verified)} verified rules ({len(verified_default)} default "
-      f"domain + {len(verified_ml)} ai.onnx.ml) + {len(via_body)} function-body ops (+ {len(zero)} "
+      f"domain + {len(verified_ml)} ai.onnx.ml"
+      + (f" + {len(verified_other)} other domains" if verified_other else "")
+      + f") + {len(via_body)} function-body ops (+ {len(zero)} "
       "zero-gradient ops).  Target: 150 verified rules.")
     w("")
     w("## The ONNX node test corpus as gradient checks")

@@ -70,7 +70,8 @@ def check_forward(op_type, inputs, attrs, decomposition: Callable, *, n_out=1, d
     f32 = {k: (v.astype(np.float32) if v is not None and v.dtype == np.float64 else v) for k, v in inputs.items()}
     ref = decomposition(**{k: v for k, v in inputs.items()})
     ref = ref if isinstance(ref, tuple) else (ref,)
-    got = run_op(op_type, f32, attrs, n_out=n_out, domain=domain, out_like=[r.astype(np.float32) for r in ref], opset=opset)
+    got = run_op(op_type, f32, attrs, n_out=n_out, domain=domain, out_like=[r.astype(np.float32) for r in ref],
+                 opset=opset)
     for k, (g, r) in enumerate(zip(got, ref)):
         if rows is not None:
             g, r = rows(k, g), rows(k, r)
@@ -80,11 +81,14 @@ def check_forward(op_type, inputs, attrs, decomposition: Callable, *, n_out=1, d
 def check_grad(op_type, inputs: Mapping[str, np.ndarray | None], attrs, decomposition: Callable, wrt: Sequence[str],
                *, n_out=1, diff_outputs: Sequence[int] = (0,), domain=MS, seed=0, eps=1e-6,
                rtol=1e-6, directions=2, weights: Mapping[int, np.ndarray] | None = None,
-               opset: int = 21) -> dict[str, np.ndarray]:
+               opset: int = 21, f32: bool = False) -> dict[str, np.ndarray]:
     """The rule's float64 gradient against central differences of the decomposition.
-    Returns the analytic gradients."""
+    Returns the analytic gradients.  ``f32``: the backward runs in float32 (for
+    rules that emit ops onnxruntime has no float64 kernel for, such as Erf);
+    the differences stay float64, ``rtol`` should be float32's."""
     rng = np.random.default_rng(seed)
     feeds = {k: v for k, v in inputs.items() if v is not None}
+    low = (lambda a: a.astype(np.float32) if a.dtype == np.float64 else a) if f32 else (lambda a: a)  # noqa: E731
     names = [k if v is not None else "" for k, v in inputs.items()]
 
     def forward(values):
@@ -105,18 +109,22 @@ def check_grad(op_type, inputs: Mapping[str, np.ndarray | None], attrs, decompos
     grads = [f"grad_{x}" for x in wrt]
     nodes.append(helper.make_node("Gradient", list(wrt), grads, domain=PREVIEW_DOMAIN, xs=list(wrt), y="loss"))
     r_feeds = {f"R{k}": weights[k] for k in diff_outputs}
-    model = _model(nodes, {**feeds, **r_feeds}, {g: feeds[x] for g, x in zip(grads, wrt)},
-                   value_info={f"out{i}": o for i, o in enumerate(outs)}, opset=opset)
+    feeds_run = {k: low(v) for k, v in {**feeds, **r_feeds}.items()}
+    model = _model(nodes, feeds_run, {g: feeds_run[x] for g, x in zip(grads, wrt)},
+                   value_info={f"out{i}": low(o) for i, o in enumerate(outs)}, opset=opset)
     expand_gradients(model.graph, model.opset_import, NameGen.from_graph(model.graph), list(feeds) + list(r_feeds))
     kept = [n for n in model.graph.node if n.name != "op"]
     assert len(kept) == len(model.graph.node) - 1, "the op node is gone from the expanded graph"
     assert all(n.domain in ("", "ai.onnx") for n in kept), "the backward pass emits standard ops only"
     del model.graph.node[:]
     model.graph.node.extend(kept)
-    out_feeds = {f"out{i}": o for i, o in enumerate(outs)}
+    out_feeds = {f"out{i}": low(o) for i, o in enumerate(outs)}
     model.graph.input.extend(_vi(k, v) for k, v in out_feeds.items())
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    analytic = dict(zip(wrt, sess.run(grads, {**feeds, **r_feeds, **out_feeds})))
+    raw = dict(zip(wrt, sess.run(grads, {**feeds_run, **out_feeds})))
+    for x, g in raw.items():
+        assert g.shape == feeds[x].shape and g.dtype == feeds_run[x].dtype, f"gradient of {x}: {g.shape} {g.dtype}"
+    analytic = {x: g.astype(np.float64) for x, g in raw.items()}
 
     def loss(values):
         o = forward(values)
@@ -128,7 +136,6 @@ def check_grad(op_type, inputs: Mapping[str, np.ndarray | None], attrs, decompos
         minus = {**feeds, **{x: feeds[x] - eps * d[x] for x in wrt}}
         numeric = (loss(plus) - loss(minus)) / (2 * eps)
         predicted = sum(float(np.sum(analytic[x] * d[x])) for x in wrt)
-        np.testing.assert_allclose(predicted, numeric, rtol=rtol, atol=1e-7, err_msg=f"{op_type} directional derivative")
-    for x in wrt:
-        assert analytic[x].shape == feeds[x].shape and analytic[x].dtype == np.float64
+        np.testing.assert_allclose(predicted, numeric, rtol=rtol, atol=1e-7,
+                                   err_msg=f"{op_type} directional derivative")
     return analytic

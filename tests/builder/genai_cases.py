@@ -1,5 +1,5 @@
 """Shared helpers of the onnxruntime-genai tests: the committed genai Llama
-fixtures (tests/data/genai, made by scripts/make_genai_fixtures.py), their
+fixtures (tests/data/genai_serve, made by scripts/make_genai_serve_fixtures.py), their
 feeds, a memorized-phrase task and greedy decoding with ``sess.run``.
 
 onnxruntime-genai is imported only by ``og_greedy``."""
@@ -13,7 +13,7 @@ import onnx
 
 from onnxtrain import TrainingSession, build
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "genai"
+DATA = Path(__file__).resolve().parents[1] / "data" / "genai_serve"
 FOLDERS = {"fp32": DATA / "llama-fp32", "int4": DATA / "llama-int4"}
 LAYERS, KV_HEADS, HEAD = 2, 2, 16
 EOS = 1

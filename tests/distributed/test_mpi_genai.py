@@ -1,6 +1,6 @@
 """LoRA and QLoRA on an onnxruntime-genai model under ``comm=`` with 2 MPI
 ranks equal one process on the global batch (the tiny genai Llamas of
-tests/data/genai, fp32 and int4).  Skipped only where mpi4py is missing."""
+tests/data/genai_serve, fp32 and int4).  Skipped only where mpi4py is missing."""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 from . import (  # noqa: F401
     activation,
+    contrib_activation,
     contrib_attention,
     contrib_norm,
     contrib_quant,

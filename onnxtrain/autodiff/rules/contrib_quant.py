@@ -12,31 +12,35 @@ the model's float type runs, including float64.
 
 from __future__ import annotations
 
+from onnx import TensorProto
+
 from ...errors import GradientError
 from ..registry import VJPContext, vjp
+from ._common import scatter_add_axis, wrap_negative
 
 MS = "com.microsoft"
 
 
-def _unpack(ctx: VJPContext, packed: str, bits: int, et: int, rows: int, count: int) -> str:
-    """uint8 bytes [rows, ..., nbytes] holding ``bits``-bit codes, low bits first,
-    -> float codes [rows, count] (type ``et``; the trailing codes past ``count``,
-    padding of the last byte, dropped).
+def _codes(ctx: VJPContext, packed: str, bits: int, et: int) -> str:
+    """uint8 bytes [rows, ...] holding ``bits``-bit codes, low bits first,
+    -> every code as a float of type ``et``, [rows, nbytes * 8 / bits].
 
     For 8 / bits codes per byte, code i of a byte v is floor(v / 2^(i bits)) mod 2^bits."""
     e = ctx.emit
-    v = e.Cast(e.reshape(packed, [rows, -1, 1]), to=et)
+    v = e.Cast(e.reshape(packed, [0, -1, 1]), to=et)
     per_byte = 8 // bits
     if per_byte == 1:
-        codes = v
-    else:
-        parts = []
-        for i in range(per_byte):
-            shifted = e.Floor(e.Div(v, ctx.const(float(2 ** (i * bits)), dtype=et))) if i else v
-            parts.append(e.Mod(shifted, ctx.const(float(2 ** bits), dtype=et), fmod=1))
-        codes = e.Concat(*parts, axis=2)
-    flat = e.reshape(codes, [rows, -1])
-    return e.slice(flat, [0], [count], [1])
+        return e.reshape(v, [0, -1])
+    parts = []
+    for i in range(per_byte):
+        shifted = e.Floor(e.Div(v, ctx.const(float(2 ** (i * bits)), dtype=et))) if i else v
+        parts.append(e.Mod(shifted, ctx.const(float(2 ** bits), dtype=et), fmod=1))
+    return e.reshape(e.Concat(*parts, axis=2), [0, -1])
+
+
+def _unpack(ctx: VJPContext, packed: str, bits: int, et: int, count: int) -> str:
+    """The first ``count`` codes of each row (the rest pad the last byte or block)."""
+    return ctx.emit.slice(_codes(ctx, packed, bits, et), [0], [count], [1])
 
 
 def dequantized_weight(ctx: VJPContext) -> tuple[str, str]:
@@ -59,13 +63,13 @@ def dequantized_weight(ctx: VJPContext) -> tuple[str, str]:
         raise GradientError(
             f"gradient of MatMulNBits node {ctx.node.name!r}: B is prepacked for an execution provider"
         )
-    q = e.reshape(_unpack(ctx, b, bits, et, n, blocks * block), [n, blocks, block])
+    q = e.reshape(_unpack(ctx, b, bits, et, blocks * block), [n, blocks, block])
     if zp is None:
         zero = ctx.const(float(2 ** (bits - 1)), dtype=et)
     elif ctx.dtype(zp) == et:  # the float form: one zero point per block, as scales
         zero = e.reshape(zp, [n, blocks, 1])
     else:  # packed uint8, same packing as B, padded per row
-        zero = e.reshape(_unpack(ctx, zp, bits, et, n, blocks), [n, blocks, 1])
+        zero = e.reshape(_unpack(ctx, e.reshape(zp, [n, -1]), bits, et, blocks), [n, blocks, 1])
     u = e.Sub(q, zero)
     w = e.Mul(u, e.reshape(scales, [n, blocks, 1]))
     w = e.slice(e.reshape(w, [n, blocks * block]), [0], [k], [1])
@@ -82,21 +86,29 @@ def matmul_nbits_vjp(ctx, dy):
 
     accuracy_level 4 rounds A to int8 blocks inside onnxruntime's forward
     pass; the rule treats that rounding as the identity (straight-through):
-    the gradient is that of the exact product.  g_idx (deprecated
-    act-order) is refused."""
+    the gradient is that of the exact product.  Training the scales of an
+    accuracy_level 4 node is refused: onnxruntime 1.32 gets that node's
+    forward pass wrong when its scales are fed at run time (with B a
+    constant, it returns values off by the size of the output).  g_idx
+    (deprecated act-order) is refused."""
     e = ctx.emit
     a = ctx.inputs[0]
     if ctx.input(4) is not None:
         raise GradientError(
             f"gradient of MatMulNBits node {ctx.node.name!r}: g_idx (act-order) is not supported"
         )
+    if ctx.needs(2) and int(ctx.attr("accuracy_level", 0) or 0) == 4:
+        raise GradientError(
+            f"MatMulNBits node {ctx.node.name!r}: its scales are trained with accuracy_level=4, and "
+            "onnxruntime (1.32) computes accuracy_level 4 wrongly when the scales are not a constant "
+            "initializer, as trained state is: set the node's accuracy_level to 0 or 1 (the exact float "
+            "product) to train the scales, or keep them frozen (QLoRA does)"
+        )
     k, n = int(ctx.attr("K")), int(ctx.attr("N"))
     block = int(ctx.attr("block_size"))
     blocks = -(-k // block)
     grads: list[str | None] = [None] * len(ctx.inputs)
-    if not (ctx.needs(0) or ctx.needs(2)):
-        pass
-    else:
+    if ctx.needs(0) or ctx.needs(2):
         w, u = dequantized_weight(ctx)
         if ctx.needs(0):
             grads[0] = e.MatMul(dy, w)
@@ -111,3 +123,56 @@ def matmul_nbits_vjp(ctx, dy):
         rank = ctx.require_rank(a)
         grads[5] = e.reduce_sum(dy, list(range(rank - 1)), keepdims=False)
     return tuple(grads)
+
+
+@vjp("GatherBlockQuantized", domain=MS)
+def gather_block_quantized_vjp(ctx, dy):
+    """y[i, k] = (q[idx_i, k] - zp[idx_i, k / bs]) * scale[idx_i, k / bs]
+    (data: uint8 rows of ``bits``-bit codes packed along the last axis, gathered
+    along axis 0, quantized along the last axis in blocks of bs; zp 2^(bits-1)
+    when absent; an out-of-range index gives a zero row)
+    ->  dscale[v, j] = sum_{i: idx_i = v} sum_{k in block j} dy[i, k] (q - zp)[v, k]
+        data, indices and zero points get none
+
+    Supported: uint8 data, gather_axis 0, quantize_axis the last axis (as
+    onnxruntime-genai writes a tied int4 embedding)."""
+    e = ctx.emit
+    data, idx, scales = ctx.inputs[0], ctx.inputs[1], ctx.inputs[2]
+    zp = ctx.input(3)
+    grads: list[str | None] = [None] * len(ctx.inputs)
+    if not ctx.needs(2):
+        return tuple(grads)
+    name = ctx.node.name
+    rank = ctx.require_rank(data)
+    axes = int(ctx.attr("gather_axis", 0)) % rank, int(ctx.attr("quantize_axis", 1)) % rank
+    if ctx.dtype(data) != TensorProto.UINT8 or axes != (0, rank - 1):
+        raise GradientError(
+            f"gradient of GatherBlockQuantized node {name!r}: only uint8 data gathered along axis 0 and "
+            "quantized along its last axis is supported"
+        )
+    if rank != 2:
+        raise GradientError(f"gradient of GatherBlockQuantized node {name!r}: data of rank {rank} (2 expected)")
+    bits, block = int(ctx.attr("bits", 4)), int(ctx.attr("block_size", 128))
+    et = ctx.dtype(scales)
+    blocks = e.shape_of(scales, 1, 2)
+    width = e.Mul(blocks, e.ints([block]))
+    q = e.Slice(_codes(ctx, data, bits, et), e.ints([0]), width, e.ints([1]))
+    q = e.Reshape(q, e.Concat(e.shape_of(scales, 0, 1), blocks, e.ints([block]), axis=0))  # [V, blocks, bs]
+    if zp is None:
+        u = e.Sub(q, ctx.const(float(2 ** (bits - 1)), dtype=et))
+    else:
+        z = e.Slice(_codes(ctx, zp, bits, et), e.ints([0]), blocks, e.ints([1]))
+        u = e.Sub(q, e.unsqueeze(z, [2]))
+    rows = e.shape_of(data, 0, 1)
+    flat_idx = wrap_negative(e, e.cast_to(e.reshape(idx, [-1]), 7), rows)
+    inside = e.And(e.GreaterOrEqual(flat_idx, e.ints([0])), e.Less(flat_idx, rows))
+    safe_idx = e.Where(inside, flat_idx, e.ints([0]))
+    k = e.shape_of(dy, -1)
+    g = e.Reshape(dy, e.Concat(e.ints([-1]), k, axis=0))  # [M, K]
+    g = e.Mul(g, e.unsqueeze(e.Cast(inside, to=et), [1]))  # out-of-range rows: zero output, no gradient
+    g = e.Pad(g, e.Concat(e.ints([0, 0, 0]), e.Sub(width, k), axis=0))
+    g = e.Reshape(g, e.Concat(e.ints([-1]), blocks, e.ints([block]), axis=0))  # [M, blocks, bs]
+    per_row = e.reduce_sum(e.Mul(g, e.Gather(u, safe_idx, axis=0)), [2], keepdims=False)  # [M, blocks]
+    grads[2] = scatter_add_axis(ctx, per_row, safe_idx, rows, 0, 2, e.Shape(scales))
+    return tuple(grads)
+
