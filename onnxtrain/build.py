@@ -30,6 +30,7 @@ from .builder import (
     ParameterChoice,
     Schedule,
     cosine,
+    export_requantized,
     linear_warmup,
     lora,
     losses,
@@ -42,7 +43,7 @@ from .builder import (
 )
 
 __all__ = [
-    "training_model", "parameter_choices", "ParameterChoice", "LoRA",
+    "training_model", "parameter_choices", "ParameterChoice", "LoRA", "export_requantized",
     "Loss", "MSE", "L1", "Huber", "CrossEntropy", "BCEWithLogits", "NLL", "CustomLoss",
     "Optimizer", "SGD", "Adagrad", "Adam", "AdamW",
     "Schedule", "cosine", "step_decay", "linear_warmup",

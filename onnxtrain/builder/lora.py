@@ -81,6 +81,7 @@ from ..core.names import NameGen
 from ..io import mapped
 from ..io.metadata import PREFIX, drop_metadata, set_metadata
 from ..io.model import ModelLike, load
+from . import qlora
 from .known_names import known_names, matches
 from .targets import Use, attribute, default_targets, eligible_targets
 
@@ -151,17 +152,30 @@ class LoRA:
         return float(self.alpha) / int(self.rank)
 
 
+def all_targets(graph: onnx.GraphProto) -> tuple[dict[str, list[Use]], dict[str, str],
+                                                  dict[str, qlora.Quantized]]:
+    """(eligible name -> uses, ineligible name -> why, quantized name -> its
+    description): float weights (``targets.eligible_targets``) and quantized
+    codes (``qlora.quantized_targets``: MatMulNBits' B, DequantizeLinear's x)."""
+    eligible, why = eligible_targets(graph)
+    quantized, qwhy = qlora.quantized_targets(graph, Use)
+    for name, q in quantized.items():
+        eligible[name] = q.uses
+    why.update(qwhy)
+    return eligible, why, quantized
+
+
 def select_targets(graph: onnx.GraphProto, lora: LoRA) -> dict[str, list[Use]]:
     """The targets ``lora.targets`` names, in initializer order (ValueError for
     an unknown or ineligible name, or when nothing is selected).  Entries
     are initializer names or the names the exporter recorded (module paths,
     matched as peft matches ``target_modules``: see ``known_names.matches``)."""
-    eligible, why = eligible_targets(graph)
+    eligible, why, quantized = all_targets(graph)
     order = [t.name for t in graph.initializer]
     known = known_names(graph)
     t = lora.targets
     if t is None:
-        chosen = default_targets(graph, eligible, known)[0]
+        chosen = default_targets(graph, eligible, known, {n: q.n_out for n, q in quantized.items()})[0]
     elif callable(t):
         chosen = [n for n in order if n in eligible and (t(n) or (n in known and t(known[n])))]
     else:
@@ -185,7 +199,7 @@ def select_targets(graph: onnx.GraphProto, lora: LoRA) -> dict[str, list[Use]]:
     if not chosen:
         raise ValueError(
             "LoRA: no target selected; eligible weights (2-D floating initializers read only as "
-            f"MatMul/Gemm weights) are {sorted(eligible)}"
+            f"MatMul/Gemm weights, MatMulNBits or DequantizeLinear codes) are {sorted(eligible)}"
             + (f"; skipped: {dict(sorted(why.items())[:8])}" if why else "")
         )
     return {n: eligible[n] for n in chosen}
@@ -204,6 +218,7 @@ def apply(proto: onnx.ModelProto, lora: LoRA) -> tuple[onnx.ModelProto, dict[str
         raise TypeError(f"lora must be None or build.LoRA(...), not {type(lora).__name__}")
     graph = proto.graph
     targets = select_targets(graph, lora)
+    quantized = qlora.quantized_targets(graph, Use)[0]
     taken = graph_names(graph)
     for w in targets:
         for suffix in ("lora_A", "lora_B"):
@@ -218,11 +233,16 @@ def apply(proto: onnx.ModelProto, lora: LoRA) -> tuple[onnx.ModelProto, dict[str
     entries = []
     inserted_after: dict[int, list[onnx.NodeProto]] = {}
     for w, uses in targets.items():
-        t = inits[w]
-        d0, d1 = int(t.dims[0]), int(t.dims[1])
+        q = quantized.get(w)
         transposed = uses[0].transposed
-        n_in, n_out = (d1, d0) if transposed else (d0, d1)
-        dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+        if q is None:
+            t = inits[w]
+            d0, d1 = int(t.dims[0]), int(t.dims[1])
+            n_in, n_out = (d1, d0) if transposed else (d0, d1)
+            elem_type = t.data_type
+        else:  # QLoRA: float adapters in the activation dtype
+            n_in, n_out, elem_type = q.n_in, q.n_out, q.elem_type
+        dtype = helper.tensor_dtype_to_np_dtype(elem_type)
         bound = 1.0 / np.sqrt(n_in)
         a_name, b_name = f"{w}.lora_A", f"{w}.lora_B"
         graph.initializer.append(
@@ -230,9 +250,11 @@ def apply(proto: onnx.ModelProto, lora: LoRA) -> tuple[onnx.ModelProto, dict[str
         graph.initializer.append(numpy_helper.from_array(np.zeros((r, n_out), dtype), b_name))
         entry = {"weight": w, "A": a_name, "B": b_name, "in": n_in, "out": n_out,
                  "transposed": transposed, "scale": scale, "nodes": [], "values": [], "renamed": {}}
+        if q is not None:
+            entry["quantized"] = q.kind
         for use in uses:
             node = graph.node[use.position]
-            new_nodes = _branch(node, use, a_name, b_name, t.data_type, scale, lora.dropout,
+            new_nodes = _branch(node, use, a_name, b_name, elem_type, scale, lora.dropout,
                                 names, entry)
             inserted_after.setdefault(use.position, []).extend(new_nodes)
         entries.append(entry)
@@ -301,6 +323,11 @@ def _branch(node: onnx.NodeProto, use: Use, a: str, b: str, elem_type: int, scal
 def set_info(proto: onnx.ModelProto, info: Mapping[str, Any]) -> None:
     """Store ``info`` as metadata ``onnxtrain.lora`` (replacing any)."""
     set_metadata(proto, META_KEY.removeprefix(PREFIX), dict(info))
+
+
+def drop_info(proto: onnx.ModelProto) -> None:
+    """Remove metadata ``onnxtrain.lora`` (the model is a plain one again)."""
+    drop_metadata(proto, META_KEY.removeprefix(PREFIX))
 
 
 def info_of(proto: onnx.ModelProto) -> dict[str, Any] | None:
@@ -372,7 +399,8 @@ def merged_weight(w: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float,
 
 
 def merge(model: onnx.ModelProto, state: Mapping[str, np.ndarray] | None = None,
-          deferred: dict[str, mapped.Deferred] | None = None) -> onnx.ModelProto:
+          deferred: dict[str, mapped.Deferred] | None = None, requantize: bool = False,
+          report: dict[str, dict[str, float]] | None = None) -> onnx.ModelProto:
     """The merged inference model of a LoRA-rewritten ``model`` (not modified).
 
     Removes every node and value ``apply`` inserted, gives the rewritten
@@ -382,7 +410,14 @@ def merge(model: onnx.ModelProto, state: Mapping[str, np.ndarray] | None = None,
     table of ``onnxtrain.mapped`` placeholders, which the initializers may
     use), each merged weight becomes a deferred placeholder computed block by
     block while the file is written.  training_info is dropped; metadata
-    ``onnxtrain.lora`` too (the result is a plain model)."""
+    ``onnxtrain.lora`` too (the result is a plain model).
+
+    A quantized target (QLoRA, ``qlora``) keeps its adapter branch, exact:
+    ``X·W_q + s·(X·A)·B`` with A and B initializers and codes, scales and
+    zero points untouched (a Dropout on the branch is dropped).  With
+    ``requantize=True`` its merged weight is quantized again instead and
+    ``report`` (a dict, if given) receives per target the error this added
+    (``qlora.requantize_entry``)."""
     info = info_of(model)
     if info is None:
         raise ValueError(f"LoRA merge: the model has no {META_KEY} metadata")
@@ -401,7 +436,27 @@ def merge(model: onnx.ModelProto, state: Mapping[str, np.ndarray] | None = None,
         return later.value() if later is not None else mapped.to_array(inits[name])
 
     removed_nodes, removed_values, renamed, merged = set(), set(), {}, {}
+    kept_branch: dict[str, np.ndarray] = {}
+    bypass: dict[str, str] = {}
     for e in info["targets"]:
+        if e.get("quantized") and not requantize:
+            for n in graph.node:
+                if n.name in e["nodes"] and n.op_type == "Dropout":
+                    removed_nodes.add(n.name)
+                    bypass[n.output[0]] = n.input[0]
+            if state is not None:
+                kept_branch.update({e[k]: np.asarray(state[e[k]]) for k in ("A", "B") if e[k] in state})
+            continue
+        if e.get("quantized"):
+            values, rep = qlora.requantize_entry(graph, e, array(e["A"]), array(e["B"]))
+            merged.update(values)
+            if report is not None:
+                report[e["weight"]] = rep
+            removed_nodes.update(e["nodes"])
+            removed_values.update(e["values"])
+            renamed.update(e["renamed"])
+            removed_values.update((e["A"], e["B"]))
+            continue
         removed_nodes.update(e["nodes"])
         removed_values.update(e["values"])
         renamed.update(e["renamed"])
@@ -417,16 +472,22 @@ def merge(model: onnx.ModelProto, state: Mapping[str, np.ndarray] | None = None,
         for i, o in enumerate(n.output):
             if o in renamed:
                 n.output[i] = renamed[o]
+        for i, x in enumerate(n.input):
+            if x in bypass:
+                n.input[i] = bypass[x]
     del graph.node[:]
     graph.node.extend(kept)
     new_inits = []
     for t in graph.initializer:
         if t.name in removed_values:
             continue
-        if t.name in merged and deferred is not None:
+        if t.name in merged and deferred is not None and isinstance(merged[t.name], mapped.Deferred):
             mapped.defer(t, f"lora/{t.name}", merged[t.name], deferred)
         elif t.name in merged:
             t = numpy_helper.from_array(merged[t.name], t.name)
+        elif t.name in kept_branch:
+            t = numpy_helper.from_array(kept_branch[t.name].astype(
+                helper.tensor_dtype_to_np_dtype(t.data_type)), t.name)
         new_inits.append(t)
     del graph.initializer[:]
     graph.initializer.extend(new_inits)
@@ -469,7 +530,8 @@ def save_adapters(source: Any, path: str | os.PathLike) -> Path:
             name = e[key]
             arrays[name] = (np.asarray(state[name]) if state is not None and name in state
                             else mapped.to_array(inits[name]))
-        targets.append({k: e[k] for k in ("weight", "A", "B", "in", "out", "transposed", "scale")})
+        targets.append({k: e[k] for k in ("weight", "A", "B", "in", "out", "transposed", "scale",
+                                          "quantized") if k in e})
     desc = {k: info[k] for k in ("format", "rank", "alpha", "dropout", "seed")}
     desc["targets"] = targets
     from ..core.files import write_atomically
@@ -507,6 +569,14 @@ def apply_adapters(base_model: ModelLike, path: str | os.PathLike,
     out.CopyFrom(source)
     if out.training_info:
         raise ValueError("apply_adapters: base_model must be an inference model (it has training_info)")
+    if any(e.get("quantized") for e in desc["targets"]):
+        # QLoRA: the exact side branches (in memory), the float targets merged.
+        out = merge(attach(out, desc, arrays))
+        if output is None:
+            return out
+        from ..io.storage import write_model
+
+        return write_model(out, output)
     inits = {t.name: i for i, t in enumerate(out.graph.initializer)}
     deferred: dict[str, mapped.Deferred] = {}
     for e in desc["targets"]:
@@ -532,3 +602,58 @@ def apply_adapters(base_model: ModelLike, path: str | os.PathLike,
     from ..io.storage import came_external, write_model
 
     return write_model(out, output, deferred=deferred, external_data=True if came_external(source) else None)
+
+
+def attach(proto: onnx.ModelProto, desc: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
+           ) -> onnx.ModelProto:
+    """``proto`` (modified) rewritten by ``apply`` for the targets of an
+    adapter description (``load_adapters``), with ``arrays``' values in its
+    adapters: a LoRA model ready for ``merge``.  Each target must exist with
+    the recorded features, quantized or not as recorded."""
+    weights = [e["weight"] for e in desc["targets"]]
+    _, info = apply(proto, LoRA(rank=int(desc["rank"]), alpha=float(desc["alpha"]), targets=weights))
+    made = {e["weight"]: e for e in info["targets"]}
+    inits = {t.name: t for t in proto.graph.initializer}
+    for e in desc["targets"]:
+        m = made[e["weight"]]
+        if (m["in"], m["out"], bool(m.get("quantized"))) != (e["in"], e["out"], bool(e.get("quantized"))):
+            raise ValueError(f"adapters for {e['weight']!r} were trained for [{e['in']}, {e['out']}]"
+                             f"{' (quantized)' if e.get('quantized') else ''}; the model has "
+                             f"[{m['in']}, {m['out']}]{' (quantized)' if m.get('quantized') else ''}")
+        for key in ("A", "B"):
+            t = inits[m[key]]
+            value = np.asarray(arrays[e[key]])
+            if list(value.shape) != list(t.dims):
+                raise ValueError(f"adapter {e[key]!r} has shape {list(value.shape)}, expected {list(t.dims)}")
+            t.CopyFrom(numpy_helper.from_array(
+                value.astype(helper.tensor_dtype_to_np_dtype(t.data_type)), m[key]))
+    return proto
+
+
+def export_requantized(source: Any, path: str | os.PathLike) -> dict[str, dict[str, float]]:
+    """Write the inference model of a QLoRA session (or LoRA model) to
+    ``path`` with each quantized target's merged weight ``W + s·A·B``
+    quantized again in its own format (float targets merged as usual), and
+    return per quantized target the error that adds (``update_error``: the
+    part of ||s·A·B|| lost, relative; ``max_abs_error``), also warned.
+    ``TrainingSession.export`` never does this: it keeps the exact branch."""
+    import warnings
+
+    from ..io.storage import write_model
+    from ..lower.pipeline import inference_export
+
+    to_model = getattr(source, "to_model", None)
+    model = to_model(training=True) if callable(to_model) else load(source)[0]
+    info = info_of(model)
+    if info is None:
+        raise ValueError(f"export_requantized: the model has no {META_KEY} metadata (not built with lora=)")
+    report: dict[str, dict[str, float]] = {}
+    out = inference_export(merge(model, requantize=True, report=report))
+    written = write_model(out, path)
+    if report:
+        worst = max(report.items(), key=lambda kv: kv[1]["update_error"])
+        warnings.warn(f"export_requantized: requantizing {len(report)} quantized target(s) changed the "
+                      f"merged weights; worst {worst[0]!r}: {worst[1]['update_error']:.1%} of the "
+                      f"LoRA update lost (max abs error {worst[1]['max_abs_error']:.3g})", stacklevel=2)
+    del written
+    return report

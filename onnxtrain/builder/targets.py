@@ -89,10 +89,13 @@ def eligible_targets(graph: onnx.GraphProto) -> tuple[dict[str, list[Use]], dict
 
 
 def default_targets(graph: onnx.GraphProto, eligible: Mapping[str, Any],
-                    known: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+                    known: Mapping[str, str] | None = None,
+                    out_features: Mapping[str, int] | None = None) -> tuple[list[str], dict[str, str]]:
     """(the targets ``targets=None`` takes, in initializer order; eligible
     weights it leaves out -> why): every eligible weight but a language
-    model's output head, as peft's ``all-linear`` (see ``known_names.is_lm_head``)."""
+    model's output head, as peft's ``all-linear`` (see ``known_names.is_lm_head``).
+    ``out_features``: the output width of targets whose initializer is not
+    the weight matrix itself (QLoRA's codes)."""
     known = dict(known_names(graph) if known is None else known)
     source = identity_source(graph)
     inits = {t.name: t for t in graph.initializer}
@@ -118,8 +121,11 @@ def default_targets(graph: onnx.GraphProto, eligible: Mapping[str, Any],
     for w in candidates:
         use = eligible[w][0]
         node = graph.node[use.position]
-        dims = list(inits[w].dims)
-        out_dim = dims[0] if use.transposed else dims[1]
+        if out_features and w in out_features:  # quantized codes: their own layout
+            out_dim = out_features[w]
+        else:
+            dims = list(inits[w].dims)
+            out_dim = dims[0] if use.transposed else dims[1]
         head = is_lm_head(w, known, vocab, out_dim, any(reaches_output(o) for o in node.output))
         if head and len(candidates) > 1:
             skipped[w] = "the output head of a language model (peft's default leaves it out)"

@@ -250,6 +250,15 @@ def infer_types(
         g.value_info.extend(seeded)
         ig = _infer_in_place(model)
         dtypes, shapes = _collect(ig)
+    for _ in range(len(g.node)):
+        # Nor for onnxruntime's contrib ops (genai models): declare the outputs
+        # whose input became known, infer again, until nothing changes.
+        seeded = _seed_contrib_outputs(g.node, dtypes, shapes)
+        if not seeded:
+            break
+        g.value_info.extend(seeded)
+        ig = _infer_in_place(model)
+        dtypes, shapes = _collect(ig)
     for t in graph.initializer:
         dtypes[t.name] = t.data_type
         shapes[t.name] = tuple(int(d) for d in t.dims)
@@ -340,6 +349,42 @@ _BROADCAST = frozenset(
     """Add Sub Mul Div Pow Mod Where Max Min Sum Mean Equal Less Greater LessOrEqual
     GreaterOrEqual And Or Xor PRelu BitShift BitwiseAnd BitwiseOr BitwiseXor""".split()
 )
+
+
+def _seed_contrib_outputs(
+    nodes: Sequence[onnx.NodeProto], dtypes: dict[str, int], shapes: dict[str, tuple | None]
+) -> list[onnx.ValueInfoProto]:
+    """Value infos for the outputs of com.microsoft ops in ``_CONTRIB_RANKS``
+    that inference left untyped and whose input 0 it typed: input 0's
+    element type, the rank the table gives."""
+    out = []
+    for node in nodes:
+        if node.domain != "com.microsoft" or node.op_type not in _CONTRIB_RANKS or not node.input:
+            continue
+        x = node.input[0]
+        if not x or not dtypes.get(x) or shapes.get(x) is None:
+            continue
+        for i, name in enumerate(node.output):
+            if not name or dtypes.get(name):
+                continue
+            rank = _CONTRIB_RANKS[node.op_type](i, len(shapes[x]))
+            if rank is not None:
+                out.append(helper.make_tensor_value_info(name, dtypes[x], [None] * rank))
+    return out
+
+
+#: com.microsoft ops: output index, rank of input 0 -> rank of that output (None: unknown).
+_CONTRIB_RANKS = {
+    "MatMulNBits": lambda i, r: r,
+    "SkipSimplifiedLayerNormalization": lambda i, r: r if i in (0, 3) else None,
+    "SkipLayerNormalization": lambda i, r: r if i in (0, 3) else None,
+    "SimplifiedLayerNormalization": lambda i, r: r if i == 0 else None,
+    "GroupQueryAttention": lambda i, r: r if i == 0 else 4,
+    "MultiHeadAttention": lambda i, r: r if i == 0 else 4,
+    "RotaryEmbedding": lambda i, r: r,
+    "FastGelu": lambda i, r: r, "QuickGelu": lambda i, r: r, "BiasGelu": lambda i, r: r,
+    "Gelu": lambda i, r: r,
+}
 
 
 def _propagate_ranks(

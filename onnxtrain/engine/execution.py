@@ -50,6 +50,9 @@ class ExecutionMixin:
             model, library = self._program_model(program)
             # A large model's initialization folded would hold a copy of what it fills.
             fold = not (self._large and any(program is p for p in self._init_programs or ()))
+            # MatMulNBits' backward unpacks frozen codes (initializers only): folded,
+            # every quantized weight would be held dequantized, in float (QLoRA).
+            fold = fold and not _unpacks_codes(model)
             # A step that fetches nothing may skip the outputs only fetching reads
             # (not where lean memory's in-place writes follow the full program's order).
             prune_unfetched = any(program is p for p in self._algorithms) and not (self._lean or self._large)
@@ -117,3 +120,8 @@ class ExecutionMixin:
         if not store.install(plan):  # pragma: no cover
             return None  # (cannot happen: the store only changes under our lock)
         return outputs
+
+
+def _unpacks_codes(model: onnx.ModelProto) -> bool:
+    """Whether a program holds a com.microsoft MatMulNBits node (4/8-bit codes)."""
+    return any(n.op_type == "MatMulNBits" and n.domain == "com.microsoft" for n in model.graph.node)

@@ -17,7 +17,7 @@ PUBLIC = {
                   "History", "ModelCheckpoint", "StopTraining", "TerminateOnNaN", "ExecutionError",
                   "GradientError", "TrainingModelError", "NonFiniteLossError", "checkpoint_epoch",
                   "train_test_split", "__version__"],
-    "onnxtrain.build": ["training_model", "parameter_choices", "ParameterChoice", "LoRA", "Loss", "MSE",
+    "onnxtrain.build": ["training_model", "parameter_choices", "ParameterChoice", "LoRA", "export_requantized", "Loss", "MSE",
                         "L1", "Huber", "CrossEntropy", "BCEWithLogits", "NLL", "CustomLoss", "Optimizer",
                         "SGD", "Adagrad", "Adam", "AdamW", "Schedule", "cosine", "step_decay",
                         "linear_warmup", "lora", "losses", "optimizers", "schedules"],

@@ -89,6 +89,22 @@ def fit(folder: Path) -> None:
     save(folder, dict(sess.state), loss=history["loss"], steps=history.steps)
 
 
+def feed_steps(folder: Path) -> None:
+    """Like ``steps`` with named feeds: feeds.npz holds, per step k, every
+    input as ``k/NAME`` (the global batch, rows first) and 'bounds' as in
+    ``shards``; each rank trains on its rows of every input."""
+    sess = onnxtrain.TrainingSession(str(folder / "model.onnx"), comm=COMM)
+    data = np.load(folder / "feeds.npz")
+    losses = []
+    for k, (a, b, c) in enumerate(data["bounds"]):
+        lo, hi = (a, b) if RANK == 0 else (b, c)
+        prefix = f"{k}/"
+        batch = {name[len(prefix):]: data[name][lo:hi] for name in data.files if name.startswith(prefix)}
+        losses.append(float(sess.train_step(batch)["loss"]))
+    save(folder, dict(sess.state), losses=losses)
+
+
 if __name__ == "__main__":
     scenario, where = sys.argv[1], Path(sys.argv[2])
-    {"steps": steps, "rollback": rollback, "broadcast": broadcast, "fit": fit}[scenario](where)
+    {"steps": steps, "rollback": rollback, "broadcast": broadcast, "fit": fit,
+     "feed_steps": feed_steps}[scenario](where)

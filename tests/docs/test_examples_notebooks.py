@@ -31,6 +31,10 @@ EXPECTED = {
                               "matches one process with the global batch: True"],
     "finetune_large_lora.py": ["loss dropped: True",
                                "merged model in plain onnxruntime matches sess.run: True"],
+    # --quick: the committed tiny genai models (tests/data/genai), fp32 LoRA and int4 QLoRA.
+    "finetune_genai_lora.py": ["[fp32] after, genai separate: 'the answer is forty two and the sky is blue'",
+                               "[int4] after, genai merged:   'the answer is forty two and the sky is blue'",
+                               "phrase learned and served by onnxruntime-genai: True"],
 }
 #: Examples launched on 2 MPI ranks (mpiexec from the mpi extra, beside this Python).
 MPI_EXAMPLES = {"distributed_digits.py"}
