@@ -1,6 +1,6 @@
 """Zero-filled state the builder creates (optimizer moments, momentum buffers,
 Adagrad sums, gradient sums) is stored as an empty sparse initializer from
-``builder.SPARSE_ZERO_BYTES`` on: the model does not carry its dense zeros.
+``plan.SPARSE_ZERO_BYTES`` on: the model does not carry its dense zeros.
 
 The oracle is the dense form of the same model (the threshold patched out of
 reach): losses and every state variable agree bit for bit."""
@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from test_build import mlp
 
-import onnxtrain.builder.builder as builder
+import onnxtrain.builder.plan as builder
 from onnxtrain import TrainingSession, build
 from onnxtrain.io.model import validate
 from onnxtrain.io.storage import write_model
