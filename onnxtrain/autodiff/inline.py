@@ -65,7 +65,41 @@ def function_body(
     f = onnx.FunctionProto()
     f.ParseFromString(data)
     _add_schema_defaults(f, schema)
+    if node.op_type == "Attention" and not domain:
+        _guard_masked_rows(f)
     return f if f.node else None
+
+
+def _guard_masked_rows(f: onnx.FunctionProto) -> None:
+    """Give Attention bodies that lack it the guard later onnx releases write
+    (onnx >= 1.23): a query row that sees no key has softmax NaN, and the op
+    (onnxruntime's kernel, the newer body) outputs zeros there.  Each Softmax
+    whose result no Where reads (directly or through Cast/Identity) gets
+    ``Where(IsNaN(y), 0, y)`` after it: the same values on every other row,
+    and the Softmax rule then sends no NaN back through such a row."""
+    guarded = set()
+    for n in f.node:
+        if n.op_type == "Where":
+            guarded.update(n.input)
+    for n in f.node:  # a Cast/Identity whose output a Where reads guards its input too
+        if n.op_type in ("Cast", "Identity") and n.output[0] in guarded:
+            guarded.update(n.input)
+    nodes = []
+    for n in f.node:
+        nodes.append(n)
+        if n.op_type != "Softmax" or n.output[0] in guarded:
+            continue
+        y = n.output[0]
+        raw, nan, zero, zero_like = (f"{y}__unguarded", f"{y}__isnan", f"{y}__zero", f"{y}__zero_like")
+        n.output[0] = raw
+        nodes += [
+            onnx.helper.make_node("IsNaN", [raw], [nan]),
+            onnx.helper.make_node("Constant", [], [zero], value_float=0.0),
+            onnx.helper.make_node("CastLike", [zero, raw], [zero_like]),
+            onnx.helper.make_node("Where", [nan, zero_like, raw], [y]),
+        ]
+    del f.node[:]
+    f.node.extend(nodes)
 
 
 def _add_schema_defaults(f: onnx.FunctionProto, schema: onnx.defs.OpSchema) -> None:

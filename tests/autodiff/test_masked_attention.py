@@ -151,3 +151,28 @@ def test_log_softmax_nan_row_gets_zero_gradient_through_a_cast():
     p = np.exp(x[rows] - x[rows].max(1, keepdims=True))
     p /= p.sum(1, keepdims=True)
     np.testing.assert_allclose(dx[rows], dy[rows] - p * dy[rows].sum(1, keepdims=True), rtol=1e-5, atol=1e-6)
+
+
+def test_attention_bodies_without_the_masked_row_guard_get_it():
+    """onnx < 1.23 writes Attention's body without ``Where(row masked, 0, y)``
+    after its Softmax (onnxruntime's kernel outputs zeros there all the same):
+    the inliner adds the guard, so the Softmax rule sends no NaN back; a body
+    that has it is left as it is."""
+    from onnx import helper
+
+    from onnxtrain.autodiff.inline import _guard_masked_rows
+
+    bare = helper.make_function("", "Attention", ["s"], ["o"], [
+        helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+        helper.make_node("Identity", ["p"], ["o"])], [helper.make_opsetid("", 23)])
+    _guard_masked_rows(bare)
+    ops = [n.op_type for n in bare.node]
+    assert ops == ["Softmax", "IsNaN", "Constant", "CastLike", "Where", "Identity"]
+    assert bare.node[4].output[0] == "p" and bare.node[0].output[0] != "p"
+    guarded = helper.make_function("", "Attention", ["s", "m"], ["o"], [
+        helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+        helper.make_node("Cast", ["p"], ["pc"], to=1),
+        helper.make_node("Where", ["m", "z", "pc"], ["o"])], [helper.make_opsetid("", 23)])
+    before = guarded.SerializeToString()
+    _guard_masked_rows(guarded)
+    assert guarded.SerializeToString() == before
