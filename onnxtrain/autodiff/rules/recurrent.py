@@ -1,13 +1,21 @@
 """Gradient rules: recurrent layers (RNN, GRU, LSTM).
 
-Each layer is lowered to an equivalent graph of standard ops: the input
-projections X W^T + Wb for every time step at once (one MatMul), then one Scan
-per direction whose body is the cell (the recurrence H_{t-1} R^T and the gate
-nonlinearities).  The rule recomputes the layer with that graph and
-differentiates it with ``ctx.vjp_of_graph``, which hands the Scan to the Scan
-rule (control.py): the backward Scan walks the time steps in reverse order and
-accumulates the gradients of R and of the recurrent biases.  Nothing depends
-on the sequence length or batch size being known before run time.
+One rule for the three ops, hand-derived per cell (``_rnn``, ``_gru``,
+``_lstm``; the math in their docstrings): the hidden states H_t come from the
+op's own output Y, every pre-activation of every step is rebuilt from them
+with batched MatMuls (one product of [X_t, H_{t-1}] with [W, R] where the
+opset allows), LSTM's cell states C_t from a short forward Scan, and one
+backward Scan per direction carries dH (and dC) through the steps in reverse
+processing order.  Everything in that recurrence that does not depend on the
+incoming gradient (activation derivatives, clip masks, peephole terms) is
+computed for all steps at once before it, so the Scan's body is a handful of
+elementwise ops and one MatMul a step; the weight gradients are then one
+Gemm over all steps.  Nothing depends on the sequence length or batch size
+being known before run time.
+
+``lower_recurrent`` writes the same layer as standard ops and a Scan over the
+cell: the float64 forward the gradient tests check the rule against
+(onnxruntime runs these ops in float32 only).
 
 Supported: every direction (forward, reverse, bidirectional), optional B,
 initial_h, initial_c and P (LSTM peepholes), layout 0 and 1, clip, GRU's
@@ -437,6 +445,26 @@ class _Layer:
         e = self.e
         return e.gemm(e.Flatten(da, axis=2), e.Flatten(seq, axis=2), transA=1)
 
+    def joined(self, h_prev: str) -> str | None:
+        """[X_t, H_{t-1}] for every step ([T, N, I + H]), where one product with
+        [W, R] may stand for two (Slice with run-time bounds needs opset 10)."""
+        return self.e.Concat(self.x, h_prev, axis=-1) if self.e.opset >= 10 else None
+
+    def input_and_recurrent(self, da: str, xh: str | None, h_prev: str, grads) -> None:
+        """dW = sum_t da_t^T X_t and dR = sum_t da_t^T H_{t-1} (those wanted),
+        both from one Gemm over [X, H'] where both are."""
+        e = self.e
+        if xh is not None and self.wants(W) and self.wants(R):
+            g = self.step_gemm(da, xh)
+            width = self.e.dim(self.x, 2)
+            grads[W].append(e.Slice(g, e.ints([0]), width, e.ints([1])))
+            grads[R].append(e.Slice(g, width, e.ints([2**62]), e.ints([1])))
+            return
+        if self.wants(W):
+            grads[W].append(self.step_gemm(da, self.x))
+        if self.wants(R):
+            grads[R].append(self.step_gemm(da, h_prev))
+
     def sum_steps(self, t: str) -> str:
         return self.e.reduce_sum(t, [0, 1], keepdims=False)
 
@@ -494,10 +522,7 @@ def _rnn(lay: _Layer, dys) -> list[str | None]:
         (dh0,), (da,) = lay.scan([start], ([dy_d] if dy_d is not None else []) + [k], body, 1, reverse)
         if lay.wants(X):
             dx.append(e.MatMul(da, w))
-        if lay.wants(W):
-            grads[W].append(lay.step_gemm(da, lay.x))
-        if lay.wants(R):
-            grads[R].append(lay.step_gemm(da, h_prev))
+        lay.input_and_recurrent(da, lay.joined(h_prev), h_prev, grads)
         if lay.wants(B):
             sb = lay.sum_steps(da)
             grads[B].append(e.Concat(sb, sb, axis=0))
@@ -631,7 +656,11 @@ def _lstm(lay: _Layer, dys) -> list[str | None]:
         h0 = lay.initial(INITIAL_H, d, lay.first(y))
         c0 = lay.initial(INITIAL_C, d, h0)
         h_prev = lay.shift(y, h0, reverse)
-        a = e.Add(lay.by(lay.x, w), lay.by(h_prev, r))
+        xh = lay.joined(h_prev)
+        if xh is not None:
+            a = lay.by(xh, e.Concat(w, r, axis=1))
+        else:
+            a = e.Add(lay.by(lay.x, w), lay.by(h_prev, r))
         if _input(node, B):
             wb, rb = e.split_equal(lay.part(node.input[B], d), 2)
             a = e.Add(a, e.Add(wb, rb))
@@ -688,10 +717,7 @@ def _lstm(lay: _Layer, dys) -> list[str | None]:
         (dh0, dc0), (da,) = lay.scan(starts, lead + [k_c, k_all, carry], body, 1, reverse)
         if lay.wants(X):
             dx.append(e.MatMul(da, w))
-        if lay.wants(W):
-            grads[W].append(lay.step_gemm(da, lay.x))
-        if lay.wants(R):
-            grads[R].append(lay.step_gemm(da, h_prev))
+        lay.input_and_recurrent(da, xh, h_prev, grads)
         if lay.wants(B):
             sb = lay.sum_steps(da)
             grads[B].append(e.Concat(sb, sb, axis=0))
