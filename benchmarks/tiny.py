@@ -15,10 +15,15 @@ Variants (``--variants``, comma-separated):
   default options (no ``session_options``, ``ONNXTRAIN_THREADS`` unset);
 - ``onnxtrain-nofetch``: the same, ``train_step(feeds, fetch=False)``;
 - ``onnxtrain-spin``: default options with onnxruntime's spinning forced on;
+- ``onnxtrain-1thread``: default options with one intra-op thread;
 - ``ort-training``: ``onnxruntime.training.api`` with default options:
   ``loss = module(x, y); optimizer.step(); module.lazy_reset_grad()``, on
   artifacts from ``generate_artifacts`` (MSE, AdamW with eps 1e-6, no decay);
   it runs in ``benchmarks/.venv-ort-training`` (``setup_ort_training.sh``).
+
+``--baseline DIR`` adds ``baseline``: the ``onnxtrain`` variant run on the
+onnxtrain package under DIR (e.g. ``git archive OLD onnxtrain | tar -x -C DIR``),
+for A/B runs of a change.
 
 Equal work: the first losses of every variant must agree (the spec's Adam and
 ORT training's AdamW place epsilon alike at step 1, and both start from the
@@ -85,6 +90,12 @@ def ort_artifacts(root: Path) -> None:
 
 
 def child(variant: str, root: Path, steps: int) -> dict:
+    baseline = os.environ.get("TINY_BASELINE_SRC")
+    if variant == "baseline" and baseline:
+        # that tree's package, not the installed (editable) one
+        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+        sys.path.insert(0, baseline)
+        variant = "onnxtrain"
     import numpy as np
 
     batch = dict(np.load(root / "batch.npz"))
@@ -95,6 +106,10 @@ def child(variant: str, root: Path, steps: int) -> dict:
         import onnxtrain
 
         options = None
+        if variant == "onnxtrain-1thread":
+            from onnxtrain.runtime.executor import default_session_options
+
+            options = default_session_options(1)
         if variant == "onnxtrain-spin":
             from onnxtrain.runtime.executor import default_session_options
 
@@ -112,7 +127,7 @@ def child(variant: str, root: Path, steps: int) -> dict:
         else:
             def step():
                 return sess.train_step(feeds)["loss"]
-        info = {"onnxruntime": ort.__version__}
+        info = {"onnxruntime": ort.__version__, "onnxtrain": onnxtrain.__file__}
     elif variant == "ort-training":
         import onnxruntime as ort
         from onnxruntime.training.api import CheckpointState, Module, Optimizer
@@ -154,8 +169,10 @@ def child(variant: str, root: Path, steps: int) -> dict:
             "threads": os.cpu_count()}
 
 
-def run_child(python: str, variant: str, root: Path, steps: int) -> dict:
+def run_child(python: str, variant: str, root: Path, steps: int, baseline: str | None = None) -> dict:
     env = dict(os.environ)
+    if baseline:
+        env["TINY_BASELINE_SRC"] = baseline
     for var in ("ONNXTRAIN_THREADS", "OMP_NUM_THREADS"):
         env.pop(var, None)
     env["PYTHONPATH"] = str(HERE.parent)
@@ -186,6 +203,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=4000)
     ap.add_argument("--variants", default="onnxtrain,ort-training")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--baseline", help="another onnxtrain source tree: adds the variant 'baseline'")
     args = ap.parse_args(argv)
     if args.cmd == "child":
         print(json.dumps(child(args.variant, args.root, args.steps)))
@@ -194,6 +212,8 @@ def main(argv=None) -> int:
         ort_artifacts(args.root)
         return 0
     variants = args.variants.split(",")
+    if args.baseline and "baseline" not in variants:
+        variants.insert(0, "baseline")
     with tempfile.TemporaryDirectory(prefix="onnxtrain-tiny-") as tmp:
         root = prepare(Path(tmp))
         if "ort-training" in variants:
@@ -209,7 +229,7 @@ def main(argv=None) -> int:
             order = variants[r % len(variants):] + variants[:r % len(variants)]
             for v in order:
                 python = str(ORT_PYTHON) if v == "ort-training" else sys.executable
-                res = run_child(python, v, root, args.steps)
+                res = run_child(python, v, root, args.steps, args.baseline)
                 results[v].append(res)
                 print(f"round {r} {v:20s} median {res['median_us']:7.2f} us  p90 {res['p90_us']:7.2f}"
                       f"  load {loadavg()}", file=sys.stderr, flush=True)
