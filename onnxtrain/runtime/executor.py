@@ -398,7 +398,10 @@ class Executor:
 
     def run_binding(self, entry: _Binding, feeds, fetch: Sequence[str], n_state_out: int) -> dict[str, Any]:
         """Run a kept binding (see ``binding``); errors as ``run_bound`` raises them."""
-        return self._run_entry(entry, feeds, fetch, n_state_out, True)
+        try:
+            return entry.run(feeds, fetch, n_state_out, True)
+        except Exception as exc:
+            raise ExecutionError(f"{self.label}: onnxruntime failed: {exc}") from exc
 
     def _run_entry(self, entry: _Binding, feeds, fetch, n_state_out: int, to_numpy: bool) -> dict[str, Any]:
         try:
@@ -461,6 +464,8 @@ class _Binding:
         #: (made on the first fetch; CPU sessions on the fast path only).
         self.static: dict[str, tuple[ort.OrtValue, np.ndarray]] | None = None
         self.static_bound: set[str] = set()
+        #: The last fetch sequence whose outputs are all bound to static buffers.
+        self.all_static: Sequence[str] | None = None
 
     def _static_outputs(self) -> dict[str, tuple[ort.OrtValue, np.ndarray]]:
         out: dict[str, tuple[ort.OrtValue, np.ndarray]] = {}
@@ -473,7 +478,7 @@ class _Binding:
                     or int(np.prod(shape)) > STATIC_FETCH_ELEMENTS):
                 continue
             arr = np.zeros(shape, dtype)
-            out[o.name] = (ort.OrtValue.ortvalue_from_numpy(arr)._ortvalue, arr)
+            out[o.name] = (ort.OrtValue.ortvalue_from_numpy(arr), arr)
         return out
 
     def run(self, feeds, fetch, n_state_out: int, to_numpy: bool) -> dict[str, Any]:
@@ -489,6 +494,7 @@ class _Binding:
         if self.fast:
             c = self.c_binding
             bound = self.feeds
+            rebound = len(feeds) != len(bound)
             for name, arr in feeds.items():
                 # The binding points at the array's memory: the same array object
                 # with the same shape needs no new binding (staging-buffer loops
@@ -497,28 +503,37 @@ class _Binding:
                 if old is not arr or old.shape != self.shapes.get(name):
                     c.bind_input(name, arr)
                     self.shapes[name] = arr.shape
+                    rebound = True
             static = self.static
             if static is None and fetch and to_numpy:
                 static = self.static = self._static_outputs()
             if not to_numpy or static is None:
                 static = {}
+            if fetch and fetch is self.all_static:  # (a program's output list: never changed once built)
+                if rebound:
+                    self.feeds = dict(feeds)
+                self.c_session.run_with_iobinding(c, None)
+                return {name: static[name][1].copy() for name in fetch}
             position = self.position
             dynamic = False
             for name in fetch:
                 if name in static:
-                    if name not in self.static_bound:
-                        c.bind_ortvalue_output(name, static[name][0])
+                    if name not in self.static_bound:  # (once: the public binding's checks)
+                        self.binding.bind_ortvalue_output(name, static[name][0])
                         self.static_bound.add(name)
                 else:
                     c.bind_output(name, self._CPU)
                     self.static_bound.discard(name)
                     dynamic = True
                 position.setdefault(name, len(position))
-            self.feeds = dict(feeds)  # the arrays must outlive the binding's use of them
+            if rebound:
+                self.feeds = dict(feeds)  # the arrays must outlive the binding's use of them
             self.c_session.run_with_iobinding(c, None)
             if not fetch:
                 return {}
             if not dynamic:
+                if isinstance(fetch, (list, tuple)):
+                    self.all_static = fetch  # this very sequence: nothing to bind next time
                 return {name: static[name][1].copy() for name in fetch}
             values = c.get_outputs()
             if not to_numpy:
