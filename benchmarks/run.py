@@ -715,7 +715,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few steps and rounds (development)")
-    ap.add_argument("--workloads", help="comma-separated: W1 (with W1-SGD), W1-SGD, W2, W3, W4, W5, W6")
+    ap.add_argument("--workloads", help="comma-separated: W1 (with W1-SGD), W1-SGD, W2, W3, W4, W5, W6, "
+                                        "W7 (W7-LSTM and W7-GRU)")
     ap.add_argument("--steps", type=int, help="timed steps per framework and workload")
     ap.add_argument("--rounds", type=int, help="interleaved rounds (default 10, quick 3)")
     ap.add_argument("--frameworks", default=",".join(FRAMEWORKS),

@@ -31,6 +31,9 @@ from workloads import (
     BERT_VOCAB,
     MLP_SIZES,
     RN_CLASSES,
+    RNN_CLASSES,
+    RNN_HIDDEN,
+    RNN_IN,
     TF_D,
     TF_FFN,
     TF_HEADS,
@@ -94,6 +97,37 @@ def _transformer_state(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         "norm2.weight": params["norm2.weight"],
         "norm2.bias": params["norm2.bias"],
     }
+
+
+class RecurrentClassifier(nn.Module):
+    """W7: nn.LSTM or nn.GRU (sequence first), its last hidden state through a Linear."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.rnn = (nn.LSTM if op == "LSTM" else nn.GRU)(RNN_IN, RNN_HIDDEN)
+        self.fc = nn.Linear(RNN_HIDDEN, RNN_CLASSES)
+
+    def forward(self, x):
+        _, h = self.rnn(x)
+        if isinstance(h, tuple):  # LSTM: (h_n, c_n)
+            h = h[0]
+        return self.fc(h[0])
+
+
+#: torch's gate blocks as ONNX's: LSTM i f g o from ONNX's i o f c, GRU r z n from z r h.
+_GATE_ORDER = {"LSTM": [0, 2, 3, 1], "GRU": [1, 0, 2]}
+
+
+def _recurrent_state(op: str, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    order = _GATE_ORDER[op]
+
+    def blocks(a):  # [gates * hidden, ...] in torch's gate order
+        return np.concatenate([np.split(a, len(order), axis=0)[k] for k in order], axis=0)
+
+    wb, rb = np.split(params["rnn.B"][0], 2)
+    return {"rnn.weight_ih_l0": blocks(params["rnn.W"][0]), "rnn.weight_hh_l0": blocks(params["rnn.R"][0]),
+            "rnn.bias_ih_l0": blocks(wb), "rnn.bias_hh_l0": blocks(rb),
+            "fc.weight": params["fc.weight"], "fc.bias": params["fc.bias"]}
 
 
 def resnet18() -> nn.Module:
@@ -167,6 +201,9 @@ def build(workload_key: str, params: dict[str, np.ndarray]) -> nn.Module:
         module, state = LinReg(), params
     elif base == "W4":
         module, state = encoder_block(), _transformer_state(params)
+    elif base == "W7":
+        op = workload_key.split("-")[1]
+        module, state = RecurrentClassifier(op), _recurrent_state(op, params)
     elif base in ("W5", "W6"):
         return _load_exported(create(base, 0), params)
     else:

@@ -297,6 +297,56 @@ def transformer_flops() -> float:
     return 3.0 * fwd
 
 
+# ------------------------------------------------------------------ W7: recurrent classifiers
+RNN_SEQ, RNN_BATCH, RNN_IN, RNN_HIDDEN, RNN_CLASSES = 50, 64, 32, 128, 10
+
+
+def _build_recurrent(op: str, seed: int):
+    """A sequence classifier: one ONNX ``op`` layer (LSTM or GRU, layout 0,
+    X [seq, batch, in]), its last hidden state through a Linear to 10 classes.
+
+    As torch.nn.LSTM / nn.GRU(32, 128) + nn.Linear(128, 10): weights drawn as
+    torch does (U(-1/sqrt(hidden), 1/sqrt(hidden)) for every recurrent tensor),
+    stored in ONNX's gate order (LSTM i o f c, GRU z r h; ``torch_models``
+    maps them to torch's i f g o and r z n).  The GRU has linear_before_reset=1,
+    torch's form of the candidate gate."""
+    rng = np.random.default_rng(seed)
+    T, N, I, H, C = RNN_SEQ, RNN_BATCH, RNN_IN, RNN_HIDDEN, RNN_CLASSES
+    g = 4 if op == "LSTM" else 3
+    bound = 1.0 / np.sqrt(H)
+    params = {"rnn.W": _uniform(rng, (1, g * H, I), bound), "rnn.R": _uniform(rng, (1, g * H, H), bound),
+              "rnn.B": _uniform(rng, (1, 2 * g * H), bound)}
+    params["fc.weight"], params["fc.bias"] = _linear_init(rng, C, H)
+    attrs = {"hidden_size": H}
+    if op == "GRU":
+        attrs["linear_before_reset"] = 1
+    outs = ["", "h_last"] + ([""] if op == "LSTM" else [])
+    nodes = [
+        helper.make_node(op, ["X", "rnn.W", "rnn.R", "rnn.B"], outs, name="rnn", **attrs),
+        _const("squeeze_axes", np.array([0], np.int64)),
+        helper.make_node("Squeeze", ["h_last", "squeeze_axes"], ["h"]),
+        helper.make_node("Gemm", ["h", "fc.weight", "fc.bias"], ["logits"], transB=1),
+    ]
+    model = _model(nodes, [_vi("X", (T, N, I))], [_vi("logits", (N, C))], params, op.lower() + "_classifier")
+    batch = {"X": rng.standard_normal((T, N, I)).astype(np.float32),
+             "label": rng.integers(0, C, size=N).astype(np.int64)}
+    return model, params, batch
+
+
+def build_lstm(seed: int):
+    return _build_recurrent("LSTM", seed)
+
+
+def build_gru(seed: int):
+    return _build_recurrent("GRU", seed)
+
+
+def recurrent_flops(gates: int) -> float:
+    """3 x 2 x the multiply-adds of the input and recurrent products and the head."""
+    T, N, I, H = RNN_SEQ, RNN_BATCH, RNN_IN, RNN_HIDDEN
+    return 3.0 * 2.0 * (T * N * gates * H * (I + H) + N * H * RNN_CLASSES)
+
+
 # ------------------------------------------------------------------ W5, W6: exported from PyTorch
 # Defined as torch modules (``torch_models.create``) and exported by
 # ``export_models.py`` in a torch environment; the exports are cached under
@@ -448,7 +498,15 @@ WORKLOADS: dict[str, Workload] = {
                    weight_decay=1e-2, flops_per_step=bert_flops(), default_steps=60,
                    extra={"inputs": ["input_ids"],
                           "example_inputs": lambda: [bert_batch(0)["input_ids"]]}),
+    "W7-LSTM": Workload("W7-LSTM", "LSTM classifier, seq 50, batch 64, input 32, hidden 128, "
+                        "10 classes, Adam lr 1e-3", build_lstm, "cross_entropy", "logits", "label",
+                        "adamw", lr=1e-3, weight_decay=0.0, flops_per_step=recurrent_flops(4),
+                        default_steps=60),
+    "W7-GRU": Workload("W7-GRU", "GRU classifier (linear_before_reset=1), seq 50, batch 64, "
+                       "input 32, hidden 128, 10 classes, Adam lr 1e-3", build_gru, "cross_entropy",
+                       "logits", "label", "adamw", lr=1e-3, weight_decay=0.0,
+                       flops_per_step=recurrent_flops(3), default_steps=60),
 }
 
-#: ``--workloads W1`` also runs W1's SGD variant.
-ALIASES = {"W1": ["W1", "W1-SGD"]}
+#: ``--workloads W1`` also runs W1's SGD variant; ``W7`` its LSTM and GRU.
+ALIASES = {"W1": ["W1", "W1-SGD"], "W7": ["W7-LSTM", "W7-GRU"]}

@@ -170,7 +170,7 @@ class TrainingSession(SettingsMixin, ExecutionMixin, DataParallelMixin, ExportMi
         self._inplace: dict[int, set[str]] = {}
         self._scratch: dict[int, dict[str, str]] = {}
         self._executed: dict[int, KernelChoice] = {}
-        self._plans: tuple[Program, tuple] | None = None
+        self._plans: tuple[Program, tuple, Executor] | None = None
         check_fused_kernels(fused_kernels, device_of(self._providers)[0])
         self._fused_kernels = fused_kernels
         #: Why fused kernels are not in use (empty while they are, or not yet asked).

@@ -99,7 +99,7 @@ class ExecutionMixin:
 
         cycle = self._store.plan_cycle(program.state_inputs, program.bound_keys, bind)
         if cycle is not None:
-            self._plans = (program, cycle)
+            self._plans = (program, cycle, executor)
 
     def _planned_step(self, program: Program, feeds: dict, fetch: bool) -> dict | None:
         """A step through a plan, or None when no plan applies (see ``_plan_steps``)."""
@@ -110,7 +110,7 @@ class ExecutionMixin:
         plan = store.plan_for_current(plans[1])
         if plan is None:
             return None
-        executor = self._executor(program)
+        executor = plans[2]
         names = program.returned if fetch else ()
         try:
             outputs = executor.run_binding(plan.binding, feeds, names, len(program.bound_values))

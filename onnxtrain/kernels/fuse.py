@@ -639,11 +639,118 @@ def fuse_spec_optimizers(
     return len(found)
 
 
+# ------------------------------------------------------ Adam's step size
+_STEP_OPS = {TensorProto.FLOAT: "AdamStepSizeF32", TensorProto.DOUBLE: "AdamStepSizeF64"}
+
+
+def fuse_adam_step_sizes(
+    graph: onnx.GraphProto, opset_imports: Sequence[onnx.OperatorSetIdProto], inferred=None
+) -> int:
+    """Replace the spec Adam's step size, as ``optim/lower.py`` writes it in ten
+    one-element kernels, by one ``AdamStepSize`` node (in place)::
+
+        Where(Greater(t, zero),
+              Div(Mul(r, Sqrt(Sub(one_h, Pow(beta, Cast(t))))),
+                  Sub(one_v, Pow(alpha, Cast(t)))),
+              r)
+
+    On a small model these kernels are most of a step (issue 28's W3: 10 of
+    19).  Matched exactly: every value float or double of one element (t and
+    zero int64), the intermediates read by nothing else; the kernel does the
+    same operations in the same order (optim_kernels.c), so the step size is
+    bit for bit the standard kernels'.  Returns how many were fused."""
+    nodes = list(graph.node)
+    if not any(n.op_type == "Where" for n in nodes):
+        return 0
+    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    consumers: dict[str, list[int]] = {}
+    for k, n in enumerate(nodes):
+        for i in node_inputs(n):
+            consumers.setdefault(i, []).append(k)
+    graph_outputs = {o.name for o in graph.output}
+
+    def made_by(name: str, op_type: str, n_inputs: int) -> int | None:
+        k = producer.get(name)
+        if k is None:
+            return None
+        n = nodes[k]
+        if n.op_type != op_type or n.domain not in ("", "ai.onnx") or len(n.input) != n_inputs or len(n.output) != 1:
+            return None
+        return k
+
+    def chain_at(kw: int):
+        """(chain node indices, kernel inputs, the Cast outputs) of a match at Where node kw."""
+        cond, div, r = nodes[kw].input
+        kg, kd = made_by(cond, "Greater", 2), made_by(div, "Div", 2)
+        if kg is None or kd is None:
+            return None
+        t, zero = nodes[kg].input
+        km, kv = made_by(nodes[kd].input[0], "Mul", 2), made_by(nodes[kd].input[1], "Sub", 2)
+        if km is None or kv is None:
+            return None
+        a, b = nodes[km].input
+        ks = made_by(b if a == r else a if b == r else "", "Sqrt", 1)
+        kh = made_by(nodes[ks].input[0], "Sub", 2) if ks is not None else None
+        if kh is None:
+            return None
+        (one_h, pow_h), (one_v, pow_v) = nodes[kh].input, nodes[kv].input
+        kph, kpv = made_by(pow_h, "Pow", 2), made_by(pow_v, "Pow", 2)
+        if kph is None or kpv is None:
+            return None
+        (beta, th), (alpha, tv) = nodes[kph].input, nodes[kpv].input
+        kch, kcv = made_by(th, "Cast", 1), made_by(tv, "Cast", 1)
+        if kch is None or kcv is None or nodes[kch].input[0] != t or nodes[kcv].input[0] != t:
+            return None
+        chain = {kw, kg, kd, km, kv, ks, kh, kph, kpv, kch, kcv}
+        out = nodes[kw].output[0]
+        for k in chain:
+            o = nodes[k].output[0]
+            if o != out and (o in graph_outputs or any(c not in chain for c in consumers.get(o, ()))):
+                return None  # an intermediate read elsewhere must stay computed
+        return chain, [r, t, one_h, beta, one_v, alpha, zero], (th, tv)
+
+    found = [(kw, m) for kw, n in enumerate(nodes)
+             if n.op_type == "Where" and n.domain in ("", "ai.onnx") and len(n.input) == 3
+             and (m := chain_at(kw)) is not None]
+    if not found:
+        return 0
+    types, shapes = inferred() if inferred else infer_types(graph, opset_imports)
+
+    def one_element(name: str) -> bool:
+        s = shapes.get(name)
+        return s is not None and all(isinstance(d, int) for d in s) and math.prod(s) == 1
+
+    rewritten: dict[int, onnx.NodeProto] = {}
+    dropped: set[int] = set()
+    for kw, (chain, inputs, casts) in found:
+        et = types.get(inputs[0])
+        if et not in _STEP_OPS or chain & dropped:
+            continue
+        floats = [inputs[0], *inputs[2:6], *casts]
+        if any(types.get(x) != et for x in floats) or any(types.get(x) != TensorProto.INT64 for x in
+                                                          (inputs[1], inputs[6])):
+            continue
+        if not all(one_element(x) for x in inputs):
+            continue
+        op = _STEP_OPS[et]
+        out = nodes[kw].output[0]
+        rewritten[kw] = helper.make_node(op, inputs, [out], name=f"{nodes[kw].name or out}/{op}",
+                                         domain=KERNEL_DOMAIN)
+        dropped |= chain
+    if not rewritten:
+        return 0
+    kept = [rewritten.get(k, n) for k, n in enumerate(nodes) if k not in dropped or k in rewritten]
+    del graph.node[:]
+    graph.node.extend(kept)
+    return len(rewritten)
+
+
 def with_fused_kernels(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     """A copy of ``model`` with its optimizer updates fused, and how many
     rewrites (0: ``model`` itself): the builder's Adam/AdamW updates
     (``fuse_adam_updates``), the lowered spec Adam, Momentum and Adagrad
-    (``fuse_spec_optimizers``), and layer ops (``fuse_layers``: MaxPool with
+    (``fuse_spec_optimizers``) and the spec Adam's step size
+    (``fuse_adam_step_sizes``), and layer ops (``fuse_layers``: MaxPool with
     Indices and its overlapping scatter, Relu's gradient; ``fuse_conv``: a
     weight gradient's column matrix, a strided input gradient's col2im;
     ``fuse_norm``: BatchNormalization's gradient).
@@ -666,6 +773,8 @@ def with_fused_kernels(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     scatters = layers.scatter_plan(fused.graph, opsets, inferred)
     count = fuse_adam_updates(fused.graph, opsets, inferred)
     count += fuse_spec_optimizers(fused.graph, opsets, None if count else inferred)
+    # (the step size's values are untouched by the rewrites above: the shared inference holds)
+    count += fuse_adam_step_sizes(fused.graph, opsets, inferred)
     count += layers.fuse_max_pools(fused.graph, pools, KERNEL_DOMAIN)
     count += layers.fuse_relu_grads(fused.graph, relus, KERNEL_DOMAIN)
     count += conv.fuse_im2cols(fused.graph, cols, KERNEL_DOMAIN)

@@ -71,8 +71,9 @@ def _compile(cc: str, flags: list[str], target: Path) -> str | None:
     """Compile into ``target`` atomically; the compiler's complaint on failure."""
     try:
         with replacing(target) as tmp:
-            proc = subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE)], capture_output=True, text=True,
-                                  timeout=120)
+            # (libm after the source: powf/pow of AdamStepSize)
+            proc = subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True,
+                                  text=True, timeout=120)
             if proc.returncode != 0:
                 raise _CompileError((proc.stderr or proc.stdout).strip()[-2000:] or f"{cc} exited {proc.returncode}")
         return None
@@ -92,7 +93,7 @@ def _build() -> tuple[str | None, str]:
     errors = []
     for flags in (_FLAGS, _FALLBACK_FLAGS):
         key = hashlib.sha256(
-            source + " ".join([cc, *flags, platform.machine()]).encode()
+            source + " ".join([cc, *flags, "-lm", platform.machine()]).encode()
         ).hexdigest()[:16]
         target = cache_dir() / f"optim_kernels-{key}{_suffix()}"
         if target.exists():

@@ -31,6 +31,18 @@
  *   AdagradF32/F64   eps, r, [nc];  (x, g, h)... -> (x', h')...
  *       h' = h + gr*gr;  x' = x - (r*gr) / (sqrt(h') + eps)
  *
+ * and the step size of the spec's Adam, which the lowering writes as ten
+ * one-element kernels (fuse.fuse_adam_step_sizes):
+ *
+ *   AdamStepSizeF32/F64  r, t (int64), one_h, beta, one_v, alpha, zero (int64)
+ *                        -> r' (every input one element; r' of their
+ *                        broadcast shape)
+ *       T = (float or double) t
+ *       r' = t > zero ? (r * sqrt(one_h - pow(beta, T))) / (one_v - pow(alpha, T)) : r
+ *       with libm's powf/sqrtf (pow/sqrt for F64): what onnxruntime's Cast,
+ *       Pow (std::pow of a scalar base), Sub, Sqrt, Mul, Div, Greater and
+ *       Where compute, one operation each.
+ *
  * and one forward op that onnxruntime runs slowly (fuse_layers.fuse_max_pools):
  *
  *   MaxPoolIndicesF32  X (float, N x C x H x W), G (int64: kh, kw, sh, sw,
@@ -182,7 +194,7 @@ typedef struct CustomOp {
 } CustomOp;
 
 enum { KIND_ADAM_UPDATE, KIND_SPEC_ADAM, KIND_MOMENTUM, KIND_NESTEROV, KIND_ADAGRAD, KIND_MAX_POOL, KIND_RELU_GRAD,
-       KIND_IM2COL, KIND_REORDER_FILTER, KIND_BN_GRAD, KIND_SCATTER_ADD, KIND_COL2IM };
+       KIND_IM2COL, KIND_REORDER_FILTER, KIND_BN_GRAD, KIND_SCATTER_ADD, KIND_COL2IM, KIND_STEP_SIZE };
 enum { INPUT_OUTPUT_REQUIRED = 0, INPUT_OUTPUT_OPTIONAL = 1, INPUT_OUTPUT_VARIADIC = 2 };
 
 typedef struct OpDef {
@@ -1221,8 +1233,51 @@ static OrtStatus *scatter_add_compute(const OpDef *def, OrtKernelContext *ctx) {
     return NULL;
 }
 
+/* ------------------------------------------------------------ Adam's step size */
+static OrtStatus *step_size_compute(const OpDef *def, OrtKernelContext *ctx) {
+    const OrtValue *in[7] = {NULL};
+    void *data[7] = {NULL};
+    int64_t dims[8], out_dims[8];
+    size_t rank = 0, out_rank = 0;
+    OrtStatus *st = NULL;
+    for (int k = 0; k < 7; ++k) {
+        st = API(API_KernelContext_GetInput, GetInputFn)(ctx, (size_t)k, &in[k]);
+        if (st) return st;
+        if (!in[k]) return op_fail(def, "missing input");
+        int elem = 0;
+        size_t count = 0;
+        st = describe(in[k], &elem, &count, dims, &rank);
+        if (st) return st;
+        const int want = (k == 1 || k == 6) ? ELEM_INT64 : def->elem_type;
+        if (elem != want || count != 1) return op_fail(def, "expects one-element inputs of its types");
+        if (rank > out_rank) out_rank = rank;
+        st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)in[k], &data[k]);
+        if (st) return st;
+    }
+    for (size_t d = 0; d < out_rank; ++d) out_dims[d] = 1;
+    void *od = NULL;
+    st = output_data(ctx, 0, out_dims, out_rank, &od);
+    if (st) return st;
+    const int64_t t = *(const int64_t *)data[1], zero = *(const int64_t *)data[6];
+    if (def->elem_type == ELEM_FLOAT) {
+        const float r = *(const float *)data[0], T = (float)t;
+        const float h = *(const float *)data[2] - powf(*(const float *)data[3], T);
+        const float v = *(const float *)data[4] - powf(*(const float *)data[5], T);
+        const float adjusted = (r * sqrtf(h)) / v;
+        *(float *)od = t > zero ? adjusted : r;
+    } else {
+        const double r = *(const double *)data[0], T = (double)t;
+        const double h = *(const double *)data[2] - pow(*(const double *)data[3], T);
+        const double v = *(const double *)data[4] - pow(*(const double *)data[5], T);
+        const double adjusted = (r * sqrt(h)) / v;
+        *(double *)od = t > zero ? adjusted : r;
+    }
+    return NULL;
+}
+
 static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     const OpDef *def = (const OpDef *)kernel;
+    if (def->kind == KIND_STEP_SIZE) return step_size_compute(def, ctx);
     if (def->kind == KIND_SCATTER_ADD) return scatter_add_compute(def, ctx);
     if (def->kind == KIND_BN_GRAD) return bn_grad_compute(def, ctx);
     if (def->kind == KIND_IM2COL) return im2col_compute(def, ctx);
@@ -1244,9 +1299,10 @@ static int is_im2col(const CustomOp *op) {
 }
 static int is_bn(const CustomOp *op) { return as_def(op)->kind == KIND_BN_GRAD; }
 static int is_scatter(const CustomOp *op) { return as_def(op)->kind == KIND_SCATTER_ADD; }
+static int is_step(const CustomOp *op) { return as_def(op)->kind == KIND_STEP_SIZE; }
 static int is_spec(const CustomOp *op) {
     return as_def(op)->kind != KIND_ADAM_UPDATE && !is_pool(op) && !is_relu(op) && !is_im2col(op) &&
-           !is_bn(op) && !is_scatter(op);
+           !is_bn(op) && !is_scatter(op) && !is_step(op);
 }
 static void *create_kernel(const CustomOp *op, const OrtApi *api, const OrtKernelInfo *info) {
     (void)api; (void)info;
@@ -1267,10 +1323,12 @@ static const char *get_name(const CustomOp *op) { return as_def(op)->name; }
 static const char *get_provider(const CustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const CustomOp *op, size_t i) {
     if (is_scatter(op)) return i < 2 ? ELEM_INT64 : ELEM_FLOAT;
+    if (is_step(op)) return (i == 1 || i == 6) ? ELEM_INT64 : as_def(op)->elem_type;
     return (is_pool(op) || is_im2col(op)) && i == 1 ? ELEM_INT64 : as_def(op)->elem_type;
 }
 /* Spec ops: the scalars, then one variadic input holding every tensor. */
 static size_t input_count(const CustomOp *op) {
+    if (is_step(op)) return 7;
     if (is_bn(op)) return 4;
     if (is_scatter(op)) return 3;
     if (is_pool(op) || is_relu(op) || is_im2col(op)) return 2;
@@ -1282,7 +1340,7 @@ static int output_type(const CustomOp *op, size_t i) {
 static size_t output_count(const CustomOp *op) {
     if (is_pool(op)) return 2;
     if (is_bn(op)) return 3;
-    return is_spec(op) || is_relu(op) || is_im2col(op) || is_scatter(op) ? 1 : N_OUTPUTS;
+    return is_spec(op) || is_relu(op) || is_im2col(op) || is_scatter(op) || is_step(op) ? 1 : N_OUTPUTS;
 }
 static int input_characteristic(const CustomOp *op, size_t i) {
     const OpDef *def = as_def(op);
@@ -1326,6 +1384,8 @@ static OpDef g_ops[] = {
     OP_DEF("BatchNormGradF32", ELEM_FLOAT, KIND_BN_GRAD, 0, -1, -1, 0, 0),
     OP_DEF("ScatterAddZerosF32", ELEM_FLOAT, KIND_SCATTER_ADD, 0, -1, -1, 0, 0),
     OP_DEF("Col2ImF32", ELEM_FLOAT, KIND_COL2IM, 0, -1, -1, 0, 0),
+    OP_DEF("AdamStepSizeF32", ELEM_FLOAT, KIND_STEP_SIZE, 0, -1, -1, 0, 0),
+    OP_DEF("AdamStepSizeF64", ELEM_DOUBLE, KIND_STEP_SIZE, 0, -1, -1, 0, 0),
 };
 
 /* The API table is addressed by index: check a few entries at both ends of

@@ -54,12 +54,13 @@ class FeedSpec:
     def check(self, value: Any, caller: str) -> np.ndarray:
         """The feed as a C-contiguous array of the right dtype and rank (or ValueError)."""
         arr = value if value.__class__ is np.ndarray else self._convert(value, caller)
-        if arr.dtype != self.dtype and self.dtype is not None:
+        dtype = arr.dtype
+        if dtype is not self.dtype and dtype != self.dtype and self.dtype is not None:
             raise ValueError(
                 f"{caller}: feed {self.name!r} has dtype {arr.dtype}, expected {self.text}"
             )
         dims = self.dims
-        if dims is not None:
+        if dims is not None and arr.shape != dims:  # (equal: a fully static shape that fits)
             shape = arr.shape
             if len(shape) != len(dims):
                 self._bad_shape(shape, caller)

@@ -403,7 +403,10 @@ class Executor:
 
     def run_binding(self, entry: _Binding, feeds, fetch: Sequence[str], n_state_out: int) -> dict[str, Any]:
         """Run a kept binding (see ``binding``); errors as ``run_bound`` raises them."""
-        return self._run_entry(entry, feeds, fetch, n_state_out, True)
+        try:
+            return entry.run(feeds, fetch, n_state_out, True)
+        except Exception as exc:
+            raise ExecutionError(f"{self.label}: onnxruntime failed: {exc}") from exc
 
     def _run_entry(self, entry: _Binding, feeds, fetch, n_state_out: int, to_numpy: bool) -> dict[str, Any]:
         try:
@@ -412,13 +415,26 @@ class Executor:
             raise ExecutionError(f"{self.label}: onnxruntime failed: {exc}") from exc
 
 
+#: A fetched output of at most this many elements whose shape the program
+#: declares in full is written into a buffer of its own, bound once, and
+#: returned as a copy (``_Binding``).
+STATIC_FETCH_ELEMENTS = 1 << 14
+
+
 class _Binding:
     """One IOBinding with its state buffers bound once.
 
     Per run only the feeds and fetched outputs are bound.  It talks to
     onnxruntime's C-level binding objects directly where they exist: their
     public Python wrappers add checks (graph capture, reference tracking)
-    that cost more than the whole run of a small model."""
+    that cost more than the whole run of a small model.
+
+    A small fetched output of a static declared shape (a loss, a metric)
+    gets a buffer of its own, bound once: each run then returns a copy of it,
+    without binding the output again and collecting every output's OrtValue
+    (onnxruntime checks a written shape against the declared one, so the
+    buffer always fits).  Other fetched outputs are bound to a fresh
+    allocation every run, since their shapes follow the feeds."""
 
     _CPU = None
 
@@ -447,6 +463,28 @@ class _Binding:
         self.shapes: dict[str, tuple] = {}
         if self.fast and _Binding._CPU is None:
             _Binding._CPU = ort.OrtDevice.make("cpu", 0)._get_c_device()
+        #: Output name -> its position among the bound outputs (binding order).
+        self.position = {name: i for i, name in enumerate(state_out)}
+        #: Output name -> (OrtValue, the numpy array over it), for static small outputs
+        #: (made on the first fetch; CPU sessions on the fast path only).
+        self.static: dict[str, tuple[ort.OrtValue, np.ndarray]] | None = None
+        self.static_bound: set[str] = set()
+        #: The last fetch sequence whose outputs are all bound to static buffers.
+        self.all_static: Sequence[str] | None = None
+
+    def _static_outputs(self) -> dict[str, tuple[ort.OrtValue, np.ndarray]]:
+        out: dict[str, tuple[ort.OrtValue, np.ndarray]] = {}
+        if device_of(self.sess.get_providers())[0] != "cpu":
+            return out
+        for o in self.sess.get_outputs():
+            shape, dtype = o.shape, _NUMPY_OF_ORT.get(o.type)
+            if (o.name in self.position or dtype is None or shape is None
+                    or not all(isinstance(d, int) and d >= 0 for d in shape)
+                    or int(np.prod(shape)) > STATIC_FETCH_ELEMENTS):
+                continue
+            arr = np.zeros(shape, dtype)
+            out[o.name] = (ort.OrtValue.ortvalue_from_numpy(arr), arr)
+        return out
 
     def run(self, feeds, fetch, n_state_out: int, to_numpy: bool) -> dict[str, Any]:
         if not fetch and self.unfetched is not False:
@@ -461,6 +499,7 @@ class _Binding:
         if self.fast:
             c = self.c_binding
             bound = self.feeds
+            rebound = len(feeds) != len(bound)
             for name, arr in feeds.items():
                 # The binding points at the array's memory: the same array object
                 # with the same shape needs no new binding (staging-buffer loops
@@ -469,13 +508,43 @@ class _Binding:
                 if old is not arr or old.shape != self.shapes.get(name):
                     c.bind_input(name, arr)
                     self.shapes[name] = arr.shape
+                    rebound = True
+            static = self.static
+            if static is None and fetch and to_numpy:
+                static = self.static = self._static_outputs()
+            if not to_numpy or static is None:
+                static = {}
+            if fetch and fetch is self.all_static:  # (a program's output list: never changed once built)
+                if rebound:
+                    self.feeds = dict(feeds)
+                self.c_session.run_with_iobinding(c, None)
+                return {name: static[name][1].copy() for name in fetch}
+            position = self.position
+            dynamic = False
             for name in fetch:
-                c.bind_output(name, self._CPU)
-            self.feeds = dict(feeds)  # the arrays must outlive the binding's use of them
+                if name in static:
+                    if name not in self.static_bound:  # (once: the public binding's checks)
+                        self.binding.bind_ortvalue_output(name, static[name][0])
+                        self.static_bound.add(name)
+                else:
+                    c.bind_output(name, self._CPU)
+                    self.static_bound.discard(name)
+                    dynamic = True
+                position.setdefault(name, len(position))
+            if rebound:
+                self.feeds = dict(feeds)  # the arrays must outlive the binding's use of them
             self.c_session.run_with_iobinding(c, None)
             if not fetch:
                 return {}
+            if not dynamic:
+                if isinstance(fetch, (list, tuple)):
+                    self.all_static = fetch  # this very sequence: nothing to bind next time
+                return {name: static[name][1].copy() for name in fetch}
             values = c.get_outputs()
+            if not to_numpy:
+                return {name: values[position[name]] for name in fetch}
+            return {name: static[name][1].copy() if name in static else values[position[name]].numpy()
+                    for name in fetch}
         else:
             b = self.binding
             for name, arr in feeds.items():

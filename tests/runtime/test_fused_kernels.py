@@ -35,6 +35,17 @@ def fused_ops(sess: TrainingSession) -> list[str]:
     return [n.op_type for n in prog.graph.node if n.domain == KERNEL_DOMAIN]
 
 
+#: The spec Adam's step size, fused beside its updates (fuse.fuse_adam_step_sizes).
+STEP_SIZE = ("AdamStepSizeF32", "AdamStepSizeF64")
+
+
+def optimizer_rewrites(model):
+    """``with_fused_kernels``, and how many optimizer updates it fused (a spec
+    Adam node's step size, one AdamStepSize node, is not one of them)."""
+    fused, count = with_fused_kernels(model)
+    return fused, count - sum(n.op_type in STEP_SIZE for n in fused.graph.node)
+
+
 def train(model, x, labels, steps, **kwargs):
     sess = TrainingSession(model, **kwargs)
     losses = [float(sess.train_step({"X": x, "target": labels})["loss"]) for _ in range(steps)]
@@ -122,7 +133,7 @@ def test_rewrite_matches_any_operand_order():
 
 def test_rewrite_without_decay_adds_a_constant_one():
     model = _adam_graph(decay=False)
-    fused, count = with_fused_kernels(model)
+    fused, count = optimizer_rewrites(model)
     assert count == 1
     node = next(n for n in fused.graph.node if n.domain == KERNEL_DOMAIN)
     assert node.input[0] == "pd"  # the Identity stays; its output is the parameter
@@ -291,7 +302,7 @@ def spec_ops(sess: TrainingSession) -> list[tuple[str, int]]:
     """The fused nodes of the executed program: (op, number of tensors updated)."""
     prog = sess.programs(executed=True)[ALGORITHM]
     return [(n.op_type, len(n.output) // PER_OUT[n.op_type[:-3]])
-            for n in prog.graph.node if n.domain == KERNEL_DOMAIN]
+            for n in prog.graph.node if n.domain == KERNEL_DOMAIN and n.op_type not in STEP_SIZE]
 
 
 def run_steps(tm, feeds, steps=12, **kwargs):
@@ -330,6 +341,8 @@ def test_spec_op_fused_equals_standard_bit_for_bit(case, net, dtype, monkeypatch
     else:
         assert len(found) == 1  # one multi-tensor node
     assert spec_ops(plain) == []
+    # the spec Adam's step size (T = 0 uncorrected, then corrected): one kernel
+    assert sum(o in STEP_SIZE for o in fused_ops(fused)) == (SPEC_CASES[case][0] == "adam")
     assert fused_losses == plain_losses
     for name, value in plain.state.items():
         np.testing.assert_array_equal(fused.state[name], value, err_msg=name)
@@ -371,9 +384,10 @@ def test_spec_op_lowering_fuses_every_tensor_shape(case, which, x_type):
     op = case.split("-")[0]
     shapes = [(), (1,), (0, 3), (2, 3), (300, 300)]
     model = lower(make_model(op, shapes, x_type, TensorProto.FLOAT, _attrs(case, which)))
-    fused, count = with_fused_kernels(model)
+    fused, count = optimizer_rewrites(model)
     assert count == len(shapes)
-    nodes = [n for n in fused.graph.node if n.domain == KERNEL_DOMAIN]
+    nodes = [n for n in fused.graph.node if n.domain == KERNEL_DOMAIN and n.op_type not in STEP_SIZE]
+    assert sum(n.op_type in STEP_SIZE for n in fused.graph.node) == (op == "Adam")
     name = SPEC_OPS[case] + ("F32" if x_type == TensorProto.FLOAT else "F64")
     per_out = PER_OUT[SPEC_OPS[case]]
     assert [(n.op_type, len(n.output) // per_out) for n in nodes] == [(name, 4), (name, 1)]
@@ -413,9 +427,9 @@ def test_spec_rewrite_leaves_updates_whose_intermediates_are_read(reader):
     model = _lowered_adam(shapes=[(3, 4), (5,)])
     name = _adam_chain(model)[reader]
     model.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, [3, 4]))
-    fused, count = with_fused_kernels(model)
+    fused, count = optimizer_rewrites(model)
     assert count == 1
-    node = next(n for n in fused.graph.node if n.domain == KERNEL_DOMAIN)
+    node = next(n for n in fused.graph.node if n.domain == KERNEL_DOMAIN and n.op_type not in STEP_SIZE)
     assert node.input[8] == "X2"
     assert name in {o for n in fused.graph.node if n.domain != KERNEL_DOMAIN for o in n.output}
     if kernels.library():
@@ -432,9 +446,9 @@ def test_spec_rewrite_keeps_a_read_pre_decay_value_and_fuses_the_rest():
     assert final.op_type == "Mul"
     pre = final.input[1]
     model.graph.output.append(helper.make_tensor_value_info(pre, TensorProto.FLOAT, [3, 4]))
-    fused, count = with_fused_kernels(model)
+    fused, count = optimizer_rewrites(model)
     assert count == 1
-    node = next(n for n in fused.graph.node if n.domain == KERNEL_DOMAIN)
+    node = next(n for n in fused.graph.node if n.domain == KERNEL_DOMAIN and n.op_type not in STEP_SIZE)
     assert node.output[0] == pre and node.input[7] == ""  # no post in the kernel
     assert any(n.op_type == "Mul" and "X1_new" in n.output for n in fused.graph.node)
     if kernels.library():
@@ -480,7 +494,7 @@ def test_spec_batch_that_would_feed_itself_falls_back_to_one_node_per_tensor():
     ordered = toposort(list(model.graph.node), [i.name for i in model.graph.input])
     del model.graph.node[:]
     model.graph.node.extend(ordered)
-    fused, count = with_fused_kernels(model)
+    fused, count = optimizer_rewrites(model)
     assert count == 2
     nodes = [n for n in fused.graph.node if n.domain == KERNEL_DOMAIN]
     assert [len(n.output) for n in nodes] == [2, 2]
@@ -520,7 +534,7 @@ def test_spec_op_without_compiler_runs_the_standard_kernels(monkeypatch, tmp_pat
     try:
         tm, feeds = spec_model("adam-nc-post", "linreg", np.float32)
         standard = TrainingSession(tm, fused_kernels=False).programs(executed=True)[ALGORITHM]
-        assert with_fused_kernels(standard)[1] == 2  # what a compiler would have fused
+        assert optimizer_rewrites(standard)[1] == 2  # what a compiler would have fused
         sess, losses = run_steps(tm, feeds, steps=3)
         assert spec_ops(sess) == []
         assert "no C compiler" in sess.fused_kernels_note
@@ -537,9 +551,9 @@ def test_spec_adam_is_not_taken_for_the_builders_adam():
     decay) and the builder's AdamW have different updates: each gets its own
     kernel, never the other's."""
     model = make_model("Adam", [(4,), (2, 3)], TensorProto.FLOAT, TensorProto.FLOAT, _attrs("Adam", "custom"))
-    fused, count = with_fused_kernels(lower(model))
+    fused, count = optimizer_rewrites(lower(model))
     assert count == 2
-    assert {n.op_type for n in fused.graph.node if n.domain == KERNEL_DOMAIN} == {"SpecAdamF32"}
+    assert {n.op_type for n in fused.graph.node if n.domain == KERNEL_DOMAIN} == {"SpecAdamF32", "AdamStepSizeF32"}
     builder = _adam_graph()
     assert fuse_spec_optimizers(builder.graph, list(builder.opset_import)) == 0
 
@@ -587,3 +601,47 @@ def test_adam_kernel_split_over_threads_equals_standard_bit_for_bit(dtype):
     tm = build.training_model(model, loss="cross_entropy", optimizer=build.AdamW(0.01, weight_decay=0.1))
     x, labels = _large_feeds(dtype)
     _assert_fused_trains_as_standard(tm, {"X": x, "target": labels}, fused_ops)
+
+
+# ----------------------------------------------------- the spec Adam's step size
+def _step_size_name(model) -> str:
+    """The Where that writes the lowered Adam's step size."""
+    return next(n.output[0] for n in model.graph.node if n.op_type == "Where")
+
+
+@needs_library
+@pytest.mark.parametrize("x_type", [TensorProto.FLOAT, TensorProto.DOUBLE])
+@pytest.mark.parametrize("alpha,beta", [(0.9, 0.999), (0.8, 0.95), (0.5, 0.9999)])
+def test_step_size_kernel_equals_the_standard_kernels_bit_for_bit(x_type, alpha, beta):
+    """The ten one-element kernels of Adam's bias-corrected step size become one
+    AdamStepSize node; its value equals theirs bit for bit at every step count
+    tried (T = 0 takes R itself), float and double."""
+    model = lower(make_model("Adam", [(3, 4)], x_type, TensorProto.FLOAT, {"alpha": alpha, "beta": beta}))
+    name = _step_size_name(model)
+    model.graph.output.append(helper.make_tensor_value_info(name, x_type, []))
+    fused, count = with_fused_kernels(model)
+    steps = [n for n in fused.graph.node if n.op_type in STEP_SIZE]
+    assert len(steps) == 1 and steps[0].output[0] == name and count == 2
+    assert not any(n.op_type in ("Pow", "Where", "Greater") for n in fused.graph.node)
+    standard, fast = _ort(model), _ort(fused, kernels.library())
+    dtype = np.float32 if x_type == TensorProto.FLOAT else np.float64
+    feeds = random_state("Adam", [(3, 4)], dtype, np.random.default_rng(2))
+    for r in (0.1, 3e-4, 1.0):
+        feeds["R"] = np.array(r, np.float32)
+        for t in (0, 1, 2, 3, 7, 10, 99, 1000, 12345, 10**6, 2**40 + 1):
+            feeds["T"] = np.array(t, np.int64)
+            for a, b in zip(standard.run(None, feeds), fast.run(None, feeds)):
+                np.testing.assert_array_equal(a, b, err_msg=f"T={t} r={r}")
+
+
+def test_step_size_read_elsewhere_stays_standard():
+    """An intermediate of the step size read by something else (a graph output)
+    keeps the chain as standard kernels; the updates are still fused."""
+    model = _lowered_adam()
+    producer = {o: n for n in model.graph.node for o in n.output}
+    div = producer[_step_size_name(model)].input[1]
+    model.graph.output.append(helper.make_tensor_value_info(div, TensorProto.FLOAT, []))
+    fused, count = with_fused_kernels(model)
+    assert count == 1
+    assert not any(n.op_type in STEP_SIZE for n in fused.graph.node)
+    assert any(n.op_type == "Where" for n in fused.graph.node)

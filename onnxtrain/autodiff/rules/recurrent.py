@@ -1,13 +1,21 @@
 """Gradient rules: recurrent layers (RNN, GRU, LSTM).
 
-Each layer is lowered to an equivalent graph of standard ops: the input
-projections X W^T + Wb for every time step at once (one MatMul), then one Scan
-per direction whose body is the cell (the recurrence H_{t-1} R^T and the gate
-nonlinearities).  The rule recomputes the layer with that graph and
-differentiates it with ``ctx.vjp_of_graph``, which hands the Scan to the Scan
-rule (control.py): the backward Scan walks the time steps in reverse order and
-accumulates the gradients of R and of the recurrent biases.  Nothing depends
-on the sequence length or batch size being known before run time.
+One rule for the three ops, hand-derived per cell (``_rnn``, ``_gru``,
+``_lstm``; the math in their docstrings): the hidden states H_t come from the
+op's own output Y, every pre-activation of every step is rebuilt from them
+with batched MatMuls (one product of [X_t, H_{t-1}] with [W, R] where the
+opset allows), LSTM's cell states C_t from a short forward Scan, and one
+backward Scan per direction carries dH (and dC) through the steps in reverse
+processing order.  Everything in that recurrence that does not depend on the
+incoming gradient (activation derivatives, clip masks, peephole terms) is
+computed for all steps at once before it, so the Scan's body is a handful of
+elementwise ops and one MatMul a step; the weight gradients are then one
+Gemm over all steps.  Nothing depends on the sequence length or batch size
+being known before run time.
+
+``lower_recurrent`` writes the same layer as standard ops and a Scan over the
+cell: the float64 forward the gradient tests check the rule against
+(onnxruntime runs these ops in float32 only).
 
 Supported: every direction (forward, reverse, bidirectional), optional B,
 initial_h, initial_c and P (LSTM peepholes), layout 0 and 1, clip, GRU's
@@ -46,7 +54,6 @@ from onnx import helper, numpy_helper
 from ...core.emitter import Emitter, np_dtype
 from ...errors import TrainingModelError
 from ..registry import VJPContext, vjp
-from .control import Slots
 
 GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
 DEFAULT_ACTIVATIONS = {"RNN": ["Tanh"], "GRU": ["Sigmoid", "Tanh"], "LSTM": ["Sigmoid", "Tanh", "Tanh"]}
@@ -309,45 +316,429 @@ _CELLS = {"RNN": _rnn_cell, "GRU": _gru_cell, "LSTM": _lstm_cell}
 
 
 # ---------------------------------------------------------------------- rule
+# The rule reads the hidden states H_t from the op's own output Y (added to
+# the node when absent) and rebuilds every pre-activation of every step from
+# them with batched MatMuls; only LSTM's cell states C_t, which the op does not
+# output, take a forward Scan (two elementwise ops a step without peepholes).
+# Every factor of the backward recurrence that does not depend on the
+# incoming gradient (activation derivatives, clip masks, peephole terms) is
+# computed for all steps at once beforehand, so the backward Scan's body is
+# the recurrence alone: a few elementwise ops and one MatMul a step.  The
+# weight gradients are then one Gemm each over all steps.
+
+
+def _act_grad(e: Emitter, act: str, y: str, pre: str | None) -> str:
+    """act'(pre) from the activation's output y = act(pre) (Softplus from pre):
+
+        Sigmoid y (1 - y)    Tanh 1 - y^2    Relu [y > 0]
+        Softsign (1 - |y|)^2 (= 1 / (1 + |pre|)^2)    Softplus sigmoid(pre)"""
+    one = e.const(1.0, like=y)
+    if act == "Sigmoid":
+        return e.Mul(y, e.Sub(one, y))
+    if act == "Tanh":
+        return e.Sub(one, e.Mul(y, y))
+    if act == "Relu":
+        return e.Cast(e.Greater(y, e.const(0.0, like=y)), to=e.dtype(y))
+    if act == "Softsign":
+        m = e.Sub(one, e.Abs(y))
+        return e.Mul(m, m)
+    return e.Sigmoid(pre)  # Softplus
+
+
+class _Layer:
+    """One RNN/GRU/LSTM node seen by its rule: the spec, the inputs of one
+    direction in time-major layout, and the helpers the three cells share."""
+
+    def __init__(self, ctx: VJPContext) -> None:
+        self.ctx, self.e = ctx, ctx.emit
+        self.s = _spec(ctx.node, ctx.opset)
+        self.nd = len(self.s.reverse)
+        self.et = ctx.dtype(ctx.node.input[X])
+        e = self.e
+        batch_first = self.s.layout == 1
+        x = ctx.node.input[X]
+        self.x = e.Transpose(x, perm=[1, 0, 2]) if batch_first else x  # [T, N, I]
+        y = ctx.forward_output(0)
+        e.dtypes[y] = self.et
+        self.y = e.Transpose(y, perm=[1, 2, 0, 3]) if batch_first else y  # [T, D, N, H]
+
+    def state_major(self, name: str | None) -> str | None:
+        """initial_h/c or dY_h/c as [D, N, H] (layout 1 has them [N, D, H])."""
+        if name is None or not self.s.layout:
+            return name
+        return self.e.Transpose(name, perm=[1, 0, 2])
+
+    def part(self, t: str | None, d: int, axis: int = 0) -> str | None:
+        """Direction d of t along ``axis``, that axis removed."""
+        if t is None:
+            return None
+        if self.nd == 1:
+            return self.e.squeeze(t, [axis])
+        return self.e.Gather(t, self.e.const(np.asarray(d, dtype=np.int64)), axis=axis)
+
+    def first(self, seq: str) -> str:
+        """seq[0]: one step's [N, H]."""
+        return self.e.Gather(seq, self.e.const(np.asarray(0, dtype=np.int64)), axis=0)
+
+    def initial(self, i: int, d: int, like: str) -> str:
+        """initial_h/initial_c of direction d; zeros of ``like`` step's shape when absent."""
+        name = self.state_major(_input(self.ctx.node, i))
+        if name is not None:
+            return self.part(name, d)
+        return self.e.zeros_like(like)
+
+    def shift(self, seq: str, first: str, reverse: bool) -> str:
+        """Each step's predecessor in processing order: [first, seq[:-1]] forward,
+        [seq[1:], first] in reverse."""
+        e = self.e
+        head = e.unsqueeze(first, [0])
+        if reverse:
+            return e.Concat(e.slice(seq, [1], [2**62], [0]), head, axis=0)
+        return e.Concat(head, e.slice(seq, [0], [-1], [0]), axis=0)
+
+    def by(self, seq: str, w: str) -> str:
+        """seq [T, N, K] times w^T (w [M, K]): [T, N, M]."""
+        return self.e.MatMul(seq, self.e.Transpose(w, perm=[1, 0]))
+
+    def gate(self, d: int, k: int, pre: str) -> tuple[str, str]:
+        """(activation k of direction d at pre, its derivative there), the clip
+        applied: act(clip(pre)), act'(clip(pre)) [|pre| <= clip]."""
+        e, act = self.e, self.s.activations[d][k]
+        if self.s.clip is not None:
+            inside = e.Cast(e.Not(e.Greater(e.Abs(pre), e.const(self.s.clip, like=pre))), to=self.et)
+            pre = e.clip(pre, -self.s.clip, self.s.clip)
+        y = e.op(act, [pre])
+        grad = _act_grad(e, act, y, pre)
+        if self.s.clip is not None:
+            grad = e.Mul(grad, inside)
+        return y, grad
+
+    def scan(self, states: list[str], xs: list[str], body, n_out: int, reverse: bool):
+        """A Scan over axis 0 of ``xs`` against the processing order of the
+        direction (last step first); ``body(sub, states, xs)`` returns
+        (new states, per-step outputs).  Outputs stay in time order."""
+        e = self.e
+        sub = Emitter(e.opset, e.names, dict(e.dtypes), hint=f"{e.hint}/step")
+        s_in = [e.names.fresh(f"{e.hint}/state") for _ in states]
+        x_in = [e.names.fresh(f"{e.hint}/x_t") for _ in xs]
+        for n in s_in + x_in:
+            sub.dtypes[n] = self.et
+        new_states, outs = body(sub, s_in, x_in)
+        body_outs, seen = [], set(s_in + x_in)
+        for t in list(new_states) + list(outs):  # a graph output names a fresh value once
+            body_outs.append(sub.Identity(t) if t in seen else t)
+            seen.add(t)
+        graph = helper.make_graph(
+            sub.nodes, e.names.fresh(f"{e.hint}/step_body"),
+            [helper.make_tensor_value_info(n, self.et, [None, None]) for n in s_in + x_in],
+            [helper.make_tensor_value_info(n, self.et, [None, None]) for n in body_outs],
+        )
+        flip = int(not reverse)
+        res = e.op("Scan", states + xs, outputs=len(states) + n_out, body=graph,
+                   num_scan_inputs=len(xs),
+                   scan_input_directions=[flip] * len(xs) if flip else None,
+                   scan_output_directions=[flip] * n_out if flip and n_out else None)
+        return res[: len(states)], res[len(states):]
+
+    def step_gemm(self, da: str, seq: str) -> str:
+        """sum_t da_t^T seq_t: [T, N, M], [T, N, K] -> [M, K] as one Gemm."""
+        e = self.e
+        return e.gemm(e.Flatten(da, axis=2), e.Flatten(seq, axis=2), transA=1)
+
+    def joined(self, h_prev: str) -> str | None:
+        """[X_t, H_{t-1}] for every step ([T, N, I + H]), where one product with
+        [W, R] may stand for two (Slice with run-time bounds needs opset 10)."""
+        return self.e.Concat(self.x, h_prev, axis=-1) if self.e.opset >= 10 else None
+
+    def input_and_recurrent(self, da: str, xh: str | None, h_prev: str, grads) -> None:
+        """dW = sum_t da_t^T X_t and dR = sum_t da_t^T H_{t-1} (those wanted),
+        both from one Gemm over [X, H'] where both are."""
+        e = self.e
+        if xh is not None and self.wants(W) and self.wants(R):
+            g = self.step_gemm(da, xh)
+            width = self.e.dim(self.x, 2)
+            grads[W].append(e.Slice(g, e.ints([0]), width, e.ints([1])))
+            grads[R].append(e.Slice(g, width, e.ints([2**62]), e.ints([1])))
+            return
+        if self.wants(W):
+            grads[W].append(self.step_gemm(da, self.x))
+        if self.wants(R):
+            grads[R].append(self.step_gemm(da, h_prev))
+
+    def sum_steps(self, t: str) -> str:
+        return self.e.reduce_sum(t, [0, 1], keepdims=False)
+
+    def results(self, dx: list[str], grads: dict[int, list[str]]) -> list[str | None]:
+        """Per-direction gradients stacked along the direction axis, one per input."""
+        ctx, e = self.ctx, self.e
+        node = ctx.node
+        out: list[str | None] = [None] * len(node.input)
+        if dx:
+            g = e.sum_all(dx)
+            out[X] = e.Transpose(g, perm=[1, 0, 2]) if self.s.layout else g
+        for i, per_dir in grads.items():
+            if not per_dir:
+                continue
+            g = e.concat([e.unsqueeze(t, [0]) for t in per_dir], axis=0)
+            if self.s.layout and i in (INITIAL_H, INITIAL_C):
+                g = e.Transpose(g, perm=[1, 0, 2])
+            out[i] = g
+        return out
+
+    def wants(self, i: int) -> bool:
+        return _input(self.ctx.node, i) is not None and self.ctx.needs(i)
+
+
+def _rnn(lay: _Layer, dys) -> list[str | None]:
+    """H_t = f(a_t), a_t = X_t W^T + H_{t-1} R^T + Wb + Rb.  With dH_t = dY_t +
+    dH_{t+1}: da_t = dH_t f'(a_t), dH_{t-1} = da_t R; dX_t = da_t W,
+    dW = sum_t da_t^T X_t, dR = sum_t da_t^T H_{t-1}, dWb = dRb = sum_t da_t."""
+    e, node = lay.e, lay.ctx.node
+    dy = dys[0] if dys[0] is None or not lay.s.layout else e.Transpose(dys[0], perm=[1, 2, 0, 3])
+    dy_h = lay.state_major(dys[1] if len(dys) > 1 else None)
+    dx, grads = [], {W: [], R: [], B: [], INITIAL_H: []}
+    for d, reverse in enumerate(lay.s.reverse):
+        w, r = lay.part(node.input[W], d), lay.part(node.input[R], d)
+        y = lay.part(lay.y, d, axis=1)
+        h0 = lay.initial(INITIAL_H, d, lay.first(y))
+        h_prev = lay.shift(y, h0, reverse)
+        pre = None
+        if lay.s.clip is not None or lay.s.activations[d][0] == "Softplus":
+            pre = e.Add(lay.by(lay.x, w), lay.by(h_prev, r))
+            if _input(node, B):
+                wb, rb = e.split_equal(lay.part(node.input[B], d), 2)
+                pre = e.Add(pre, e.Add(wb, rb))
+            _, k = lay.gate(d, 0, pre)
+        else:
+            k = _act_grad(e, lay.s.activations[d][0], y, None)
+        dy_d = lay.part(dy, d, axis=1)
+
+        def body(sub, states, xs, r=r, with_dy=dy_d is not None):
+            dh = sub.Add(xs[0], states[0]) if with_dy else states[0]
+            da = sub.Mul(dh, xs[-1])
+            return [sub.MatMul(da, r)], [da]
+
+        start = lay.part(dy_h, d) if dy_h is not None else e.zeros_like(h0)
+        (dh0,), (da,) = lay.scan([start], ([dy_d] if dy_d is not None else []) + [k], body, 1, reverse)
+        if lay.wants(X):
+            dx.append(e.MatMul(da, w))
+        lay.input_and_recurrent(da, lay.joined(h_prev), h_prev, grads)
+        if lay.wants(B):
+            sb = lay.sum_steps(da)
+            grads[B].append(e.Concat(sb, sb, axis=0))
+        if lay.wants(INITIAL_H):
+            grads[INITIAL_H].append(dh0)
+    return lay.results(dx, grads)
+
+
+def _gru(lay: _Layer, dys) -> list[str | None]:
+    """z = f(a_z), r = f(a_r), h~ = g(a_h), H = (1 - z) h~ + z H' with
+    a_zr = X W_zr^T + H' R_zr^T + Wb_zr + Rb_zr and
+    a_h = X W_h^T + (r H') R_h^T + Rb_h + Wb_h  (linear_before_reset 0) or
+    a_h = X W_h^T + r u + Wb_h, u = H' R_h^T + Rb_h  (linear_before_reset 1).
+    With dH = dY_t + dH_next, K_h = (1 - z) g'(a_h), K_z = (H' - h~) f'(a_z):
+        da_h = dH K_h, da_z = dH K_z,
+        lbr 1: du = da_h r, da_r = da_h u f'(a_r),
+               dH' = dH z + [da_z, da_r, du] R
+        lbr 0: q = da_h R_h, da_r = q H' f'(a_r),
+               dH' = dH z + q r + [da_z, da_r] R_zr;
+    dW = sum da^T X with da = [da_z, da_r, da_h]; dR_zr = sum [da_z, da_r]^T H',
+    dR_h = sum du^T H' (lbr 1) or sum da_h^T (r H') (lbr 0);
+    dWb = sum da; dRb = sum [da_z, da_r, du or da_h]."""
+    e, node = lay.e, lay.ctx.node
+    lbr = lay.s.linear_before_reset
+    dy = dys[0] if dys[0] is None or not lay.s.layout else e.Transpose(dys[0], perm=[1, 2, 0, 3])
+    dy_h = lay.state_major(dys[1] if len(dys) > 1 else None)
+    dx, grads = [], {W: [], R: [], B: [], INITIAL_H: []}
+    for d, reverse in enumerate(lay.s.reverse):
+        w, r = lay.part(node.input[W], d), lay.part(node.input[R], d)
+        r_z, r_r, r_h = e.split_equal(r, 3)
+        r_zr = e.Concat(r_z, r_r, axis=0)
+        y = lay.part(lay.y, d, axis=1)
+        h0 = lay.initial(INITIAL_H, d, lay.first(y))
+        h_prev = lay.shift(y, h0, reverse)
+        ax_z, ax_r, ax_h = e.split_equal(lay.by(lay.x, w), 3, axis=-1)
+        a_zr = lay.by(h_prev, r_zr)
+        if _input(node, B):
+            wb, rb = e.split_equal(lay.part(node.input[B], d), 2)
+            (wb_z, wb_r, wb_h), (rb_z, rb_r, rb_h) = e.split_equal(wb, 3), e.split_equal(rb, 3)
+            a_zr = e.Add(a_zr, e.Concat(e.Add(wb_z, rb_z), e.Add(wb_r, rb_r), axis=0))
+            ax_h = e.Add(ax_h, wb_h)
+        a_z, a_r = e.split_equal(a_zr, 2, axis=-1)
+        a_z, a_r = e.Add(a_z, ax_z), e.Add(a_r, ax_r)
+        z, fz = lay.gate(d, 0, a_z)
+        rg, fr = lay.gate(d, 0, a_r)
+        if lbr:
+            u = lay.by(h_prev, r_h)
+            if _input(node, B):
+                u = e.Add(u, rb_h)
+            a_h = e.Add(ax_h, e.Mul(rg, u))
+        else:
+            rh = e.Mul(rg, h_prev)
+            a_h = e.Add(ax_h, lay.by(rh, r_h))
+            if _input(node, B):
+                a_h = e.Add(a_h, rb_h)
+        hh, gh = lay.gate(d, 1, a_h)
+        one = e.const(1.0, like=z)
+        k_h = e.Mul(e.Sub(one, z), gh)
+        k_z = e.Mul(e.Sub(h_prev, hh), fz)
+        dy_d = lay.part(dy, d, axis=1)
+        lead = [dy_d] if dy_d is not None else []
+        start = lay.part(dy_h, d) if dy_h is not None else e.zeros_like(h0)
+        if lbr:
+            k_r = e.Mul(e.Mul(k_h, u), fr)
+            k_all = e.Concat(k_z, k_r, e.Mul(k_h, rg), axis=-1)
+
+            def body(sub, states, xs, r=r, n=len(lead)):
+                dh = sub.Add(xs[0], states[0]) if n else states[0]
+                zt, kt = xs[n:]
+                t = sub.Mul(sub.Concat(dh, dh, dh, axis=-1), kt)
+                return [sub.Add(sub.Mul(dh, zt), sub.MatMul(t, r))], [dh]
+
+            (dh0,), (dh_all,) = lay.scan([start], lead + [z, k_all], body, 1, reverse)
+            da_h = e.Mul(dh_all, k_h)
+            da_z, da_r = e.Mul(dh_all, k_z), e.Mul(dh_all, k_r)
+            dlast = e.Mul(da_h, rg)  # du
+            h_side = h_prev
+        else:
+            k_r = e.Mul(h_prev, fr)
+
+            def body(sub, states, xs, r_h=r_h, r_zr=r_zr, n=len(lead)):
+                dh = sub.Add(xs[0], states[0]) if n else states[0]
+                zt, rt, kht, kzt, krt = xs[n:]
+                q = sub.MatMul(sub.Mul(dh, kht), r_h)
+                dzr = sub.Concat(sub.Mul(dh, kzt), sub.Mul(q, krt), axis=-1)
+                prev = sub.Add(sub.Add(sub.Mul(dh, zt), sub.Mul(q, rt)), sub.MatMul(dzr, r_zr))
+                return [prev], [dh, dzr]
+
+            (dh0,), (dh_all, dzr_all) = lay.scan([start], lead + [z, rg, k_h, k_z, k_r], body, 2,
+                                                 reverse)
+            da_h = e.Mul(dh_all, k_h)
+            da_z, da_r = e.split_equal(dzr_all, 2, axis=-1)
+            dlast = da_h
+            h_side = rh
+        da = e.Concat(da_z, da_r, da_h, axis=-1)
+        if lay.wants(X):
+            dx.append(e.MatMul(da, w))
+        if lay.wants(W):
+            grads[W].append(lay.step_gemm(da, lay.x))
+        if lay.wants(R):
+            grads[R].append(e.Concat(lay.step_gemm(e.Concat(da_z, da_r, axis=-1), h_prev),
+                                     lay.step_gemm(dlast, h_side), axis=0))
+        if lay.wants(B):
+            s_z, s_r = lay.sum_steps(da_z), lay.sum_steps(da_r)
+            grads[B].append(e.Concat(s_z, s_r, lay.sum_steps(da_h), s_z, s_r, lay.sum_steps(dlast),
+                                     axis=0))
+        if lay.wants(INITIAL_H):
+            grads[INITIAL_H].append(dh0)
+    return lay.results(dx, grads)
+
+
+def _lstm(lay: _Layer, dys) -> list[str | None]:
+    """i = f(a_i + P_i C'), f_ = f(a_f + P_f C'), g = g(a_c), C = f_ C' + i g,
+    o = f(a_o + P_o C), H = o h(C), a = X W^T + H' R^T + Wb + Rb (gates i o f c).
+    C_t comes from a forward Scan; then, with dH = dY_t + dH_next and the
+    per-step factors K_o = h(C) f'(o), K_c = o h'(C) + K_o P_o,
+    K_i = g f'(i), K_f = C' f'(f_), K_g = i g'(g), F = f_ + K_i P_i + K_f P_f:
+        dC = dC_next + dH K_c,  [da_i, da_o, da_f, da_c] = [dC, dH, dC, dC] K,
+        dC' = dC F,  dH' = da R;
+    dW, dR, dB, dP sum over the steps (dP_i = sum da_i C', dP_o = sum da_o C,
+    dP_f = sum da_f C'); d initial_h/c are the final Scan states."""
+    e, node = lay.e, lay.ctx.node
+    dy = dys[0] if dys[0] is None or not lay.s.layout else e.Transpose(dys[0], perm=[1, 2, 0, 3])
+    dy_h = lay.state_major(dys[1] if len(dys) > 1 else None)
+    dy_c = lay.state_major(dys[2] if len(dys) > 2 else None)
+    peep = _input(node, P)
+    dx, grads = [], {W: [], R: [], B: [], INITIAL_H: [], INITIAL_C: [], P: []}
+    for d, reverse in enumerate(lay.s.reverse):
+        w, r = lay.part(node.input[W], d), lay.part(node.input[R], d)
+        y = lay.part(lay.y, d, axis=1)
+        h0 = lay.initial(INITIAL_H, d, lay.first(y))
+        c0 = lay.initial(INITIAL_C, d, h0)
+        h_prev = lay.shift(y, h0, reverse)
+        xh = lay.joined(h_prev)
+        if xh is not None:
+            a = lay.by(xh, e.Concat(w, r, axis=1))
+        else:
+            a = e.Add(lay.by(lay.x, w), lay.by(h_prev, r))
+        if _input(node, B):
+            wb, rb = e.split_equal(lay.part(node.input[B], d), 2)
+            a = e.Add(a, e.Add(wb, rb))
+        a_i, a_o, a_f, a_c = e.split_equal(a, 4, axis=-1)
+        g, k_gd = lay.gate(d, 1, a_c)
+        if peep:
+            p_i, p_o, p_f = e.split_equal(lay.part(peep, d), 3)
+
+            def cell(sub, states, xs, act=lay.s.activations[d][0], p_i=p_i, p_f=p_f):
+                (c_prev,) = states
+                ai, af, gt = xs
+                it = _gate(sub, lay.s, act, sub.Add(ai, sub.Mul(p_i, c_prev)))
+                ft = _gate(sub, lay.s, act, sub.Add(af, sub.Mul(p_f, c_prev)))
+                c = sub.Add(sub.Mul(ft, c_prev), sub.Mul(it, gt))
+                return [c], [sub.Identity(c)]
+
+            _, (c_all,) = lay.scan([c0], [a_i, a_f, g], cell, 1, not reverse)
+            c_prev = lay.shift(c_all, c0, reverse)
+            i, k_id = lay.gate(d, 0, e.Add(a_i, e.Mul(p_i, c_prev)))
+            f, k_fd = lay.gate(d, 0, e.Add(a_f, e.Mul(p_f, c_prev)))
+        else:
+            i, k_id = lay.gate(d, 0, a_i)
+            f, k_fd = lay.gate(d, 0, a_f)
+
+            def cell(sub, states, xs):  # C = f_ C' + i g
+                c = sub.Add(sub.Mul(xs[0], states[0]), xs[1])
+                return [c], [sub.Identity(c)]
+
+            _, (c_all,) = lay.scan([c0], [f, e.Mul(i, g)], cell, 1, not reverse)
+            c_prev = lay.shift(c_all, c0, reverse)
+        o, k_od = lay.gate(d, 0, e.Add(a_o, e.Mul(p_o, c_all)) if peep else a_o)
+        hc = e.op(lay.s.activations[d][2], [c_all])
+        k_o = e.Mul(hc, k_od)
+        k_c = e.Mul(o, _act_grad(e, lay.s.activations[d][2], hc, c_all))
+        k_i, k_f, k_g = e.Mul(g, k_id), e.Mul(c_prev, k_fd), e.Mul(i, k_gd)
+        carry = f
+        if peep:
+            k_c = e.Add(k_c, e.Mul(k_o, p_o))
+            carry = e.Add(f, e.Add(e.Mul(k_i, p_i), e.Mul(k_f, p_f)))
+        k_all = e.Concat(k_i, k_o, k_f, k_g, axis=-1)
+        dy_d = lay.part(dy, d, axis=1)
+        lead = [dy_d] if dy_d is not None else []
+
+        def body(sub, states, xs, r=r, n=len(lead)):
+            dh_next, dc_next = states
+            dh = sub.Add(xs[0], dh_next) if n else dh_next
+            kct, kt, ft = xs[n:]
+            dc = sub.Add(dc_next, sub.Mul(dh, kct))
+            da = sub.Mul(sub.Concat(dc, dh, dc, dc, axis=-1), kt)
+            return [sub.MatMul(da, r), sub.Mul(dc, ft)], [da]
+
+        starts = [lay.part(dy_h, d) if dy_h is not None else e.zeros_like(h0),
+                  lay.part(dy_c, d) if dy_c is not None else e.zeros_like(c0)]
+        (dh0, dc0), (da,) = lay.scan(starts, lead + [k_c, k_all, carry], body, 1, reverse)
+        if lay.wants(X):
+            dx.append(e.MatMul(da, w))
+        lay.input_and_recurrent(da, xh, h_prev, grads)
+        if lay.wants(B):
+            sb = lay.sum_steps(da)
+            grads[B].append(e.Concat(sb, sb, axis=0))
+        if lay.wants(INITIAL_H):
+            grads[INITIAL_H].append(dh0)
+        if lay.wants(INITIAL_C):
+            grads[INITIAL_C].append(dc0)
+        if peep and lay.wants(P):
+            d_i, d_o, d_f, _ = e.split_equal(da, 4, axis=-1)
+            grads[P].append(e.Concat(lay.sum_steps(e.Mul(d_i, c_prev)), lay.sum_steps(e.Mul(d_o, c_all)),
+                                     lay.sum_steps(e.Mul(d_f, c_prev)), axis=0))
+    return lay.results(dx, grads)
+
+
+_RULES = {"RNN": _rnn, "GRU": _gru, "LSTM": _lstm}
+
+
 @vjp("RNN", "GRU", "LSTM")
 def recurrent_vjp(ctx: VJPContext, *dys):
-    """Recompute the layer as standard ops + Scan (see the module docstring) and
-    differentiate that: d(X, W, R, B, initial_h, initial_c, P) = vjp(lowered)(dY, dY_h, dY_c).
-    sequence_lens gets no gradient (and is refused when given)."""
-    node = ctx.node
-    e = ctx.emit
-    _spec(node, ctx.opset)  # refuse unsupported configurations before emitting anything
-    result: list[str | None] = [None] * len(node.input)
-    differentiable = [X, W, R, B, INITIAL_H, INITIAL_C, P]
-    wanted: list[int] = []
-    seen: set[str] = set()
-    for i in differentiable:
-        if i < len(node.input) and node.input[i] and ctx.needs(i) and node.input[i] not in seen:
-            wanted.append(i)  # a tensor fed twice gets its whole gradient once
-            seen.add(node.input[i])
-    if not wanted:
-        return result
-    le = Emitter(e.opset, e.names, dict(e.dtypes), hint=f"{node.name or node.op_type}/recompute")
-    outs = [
-        e.names.fresh(f"{o}/recomputed") if o and k < len(dys) and dys[k] is not None else ""
-        for k, o in enumerate(node.output)
-    ]
-    lower_recurrent(node, le, outs)
-    slots = Slots(ctx)
-    for i in differentiable:
-        name = _input(node, i)
-        if name:
-            slots.add(name, slots.symbolic((e.dtypes.get(name), ctx.shape(name)), name))
-    cot_k = [k for k, o in enumerate(outs) if o]
-    for k in cot_k:
-        slots.add(dys[k], slots.symbolic((e.dtypes.get(node.input[X]), ctx.shape(node.output[k])),
-                                         node.output[k]))
-    nodes, grads = ctx.vjp_of_graph(
-        le.nodes, [outs[k] for k in cot_k], [dys[k] for k in cot_k],
-        [node.input[i] for i in wanted], slots.types,
-    )
-    e.nodes.extend(nodes)
-    for i, gname in zip(wanted, grads):
-        e.dtypes[gname] = e.dtypes.get(node.input[i], e.dtypes.get(node.input[X]))
-        result[i] = gname
-    return result
+    """d(X, W, R, B, initial_h, initial_c, P) from (dY, dY_h, dY_c): the hand-derived
+    backward recurrence of the cell (``_rnn``, ``_gru``, ``_lstm``, their math in
+    their docstrings).  sequence_lens gets no gradient (and is refused when given)."""
+    lay = _Layer(ctx)
+    return _RULES[ctx.node.op_type](lay, list(dys) + [None] * (3 - len(dys)))
