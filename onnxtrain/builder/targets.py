@@ -131,4 +131,7 @@ def default_targets(graph: onnx.GraphProto, eligible: Mapping[str, Any],
             skipped[w] = "the output head of a language model (peft's default leaves it out)"
         else:
             chosen.append(w)
+    # reaches_output calls itself through its closure cell: a cycle that would
+    # keep this graph alive until the cycle collector runs.  Done with it:
+    reaches_output = None  # noqa: F841
     return chosen, skipped
