@@ -175,7 +175,7 @@ def constant_reasons(graph: onnx.GraphProto, names: list[str]) -> dict[str, str]
     # The three walkers call themselves through their closure cells: a cycle
     # that would keep this graph (and the model around it) alive until the
     # cycle collector runs.  Done with them:
-    feeds_softmax = is_scores = reaches_score_add = None  # noqa: F841
+    feeds_softmax = is_scores = reaches_score_add = None  # noqa: F811, F841
     values = {n: v for n in names if n not in out and n not in product_weight
               and (v := _values(inits[n])) is not None}
     for name, x in values.items():
