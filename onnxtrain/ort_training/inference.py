@@ -13,6 +13,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from ..core.graph import prune
+
 
 def inference_model(forward: onnx.ModelProto, values: dict[str, np.ndarray],
                     outputs: Sequence[str]) -> onnx.ModelProto:
@@ -26,12 +28,8 @@ def inference_model(forward: onnx.ModelProto, values: dict[str, np.ndarray],
         if name not in produced:
             raise ValueError(f"export_model_for_inferencing: {name!r} is not a value of the model")
     needed = set(outputs)
-    nodes = []
-    for node in reversed(graph.node):
-        if any(o in needed for o in node.output):
-            nodes.append(node)
-            needed.update(i for i in node.input if i)
-    nodes.reverse()
+    nodes = prune(list(graph.node), needed)
+    needed = set(needed) | {i for n in nodes for i in n.input if i}
     declared = {v.name: v for v in (*graph.value_info, *graph.output, *graph.input)}
     out = onnx.ModelProto()
     out.CopyFrom(forward)

@@ -18,6 +18,7 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
+from ..core.graph import prune
 from .engine import OPTIMIZER_KEY, OptimizerConfig
 
 #: metadata key marking the models ``artifacts.generate_artifacts`` writes
@@ -59,12 +60,8 @@ def forward_model(model: onnx.ModelProto, parameters: set[str]) -> onnx.ModelPro
     graph = model.graph
     outputs = [o for o in graph.output if not o.name.endswith(ACCUMULATED)]
     needed = {o.name for o in outputs}
-    nodes = []
-    for node in reversed(graph.node):
-        if any(o in needed for o in node.output):
-            nodes.append(node)
-            needed.update(i for i in node.input if i)
-    nodes.reverse()
+    nodes = prune(list(graph.node), needed)
+    needed = set(needed) | {i for n in nodes for i in n.input if i}
     for node in nodes:
         if node.domain not in STANDARD:
             raise NotImplementedError(
