@@ -523,3 +523,13 @@ def test_onnxruntime_accuracy_level_4_with_runtime_scales_is_still_wrong():
     size = np.abs(exact).max()
     assert np.abs(run(True) - exact).max() < 0.05 * size
     assert np.abs(run(False) - exact).max() > 0.3 * size
+
+
+@pytest.mark.parametrize("bits,zp_kind", [(4, "packed"), (2, "none")])
+def test_matmul_nbits_before_opset_18_unpacks_in_float(bits, zp_kind):
+    """Below opset 18 (no BitwiseAnd) the codes are unpacked in float
+    arithmetic instead of on the bytes: the same gradients."""
+    k, n = 48, 16
+    inputs, f = nbits_case(k, n, 16, bits, zp_kind)
+    attrs = {"K": k, "N": n, "bits": bits, "block_size": 16}
+    check_grad("MatMulNBits", inputs, attrs, f, ["A", "scales"], opset=17)
