@@ -287,7 +287,8 @@ XFAIL: dict[str, str] = {
             "test_mod_float_edge_cases_fmod_0_float32", "test_mod_float_edge_cases_fmod_0_float64"),
     **_each("rule limitation: Einsum with a repeated subscript in one operand (a diagonal) is refused",
             "test_einsum_batch_diagonal"),
-    **_each("rule limitation: layout=1 (batch first) is refused by the recurrent rules",
+    **_each("onnxruntime limitation: its CPU RNN/GRU/LSTM kernels refuse layout=1 (batch first), so the "
+            "forward pass cannot run (the rules cover layout=1: tests/autodiff/test_grad_recurrent.py)",
             "test_gru_batchwise", "test_lstm_batchwise", "test_simple_rnn_batchwise"),
     **_each("rule limitation: LSTM with sequence_lens is refused", "test_lstm_with_peepholes"),
     **_each("rule limitation: Loop at opset 11: a Sum's broadcast ranks are unknown and ReduceSum has "
