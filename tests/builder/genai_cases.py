@@ -62,20 +62,27 @@ def greedy(sess: TrainingSession, prompt: list[int], n: int) -> list[int]:
     return seq
 
 
-def og_greedy(folder, prompt: list[int], n: int, adapter=None) -> list[int]:
-    """Greedy generation with onnxruntime-genai from a model folder, with the
-    adapter file ``adapter`` active when given."""
+def _og_generator(folder, prompt: list[int], max_length: int, adapter=None):
+    """An onnxruntime-genai greedy generator over ``prompt`` (the adapter file
+    ``adapter`` active when given)."""
     import onnxruntime_genai as og
 
     model = og.Model(str(folder))
     params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + n, do_sample=False)
+    params.set_search_options(max_length=max_length, do_sample=False)
     gen = og.Generator(model, params)
     if adapter is not None:
         adapters = og.Adapters(model)
         adapters.load(str(adapter), "trained")
         gen.set_active_adapter(adapters, "trained")
     gen.append_tokens(np.array(prompt, np.int32))
+    return gen
+
+
+def og_greedy(folder, prompt: list[int], n: int, adapter=None) -> list[int]:
+    """Greedy generation with onnxruntime-genai from a model folder, with the
+    adapter file ``adapter`` active when given."""
+    gen = _og_generator(folder, prompt, len(prompt) + n, adapter)
     while not gen.is_done():
         gen.generate_next_token()
     return [int(t) for t in gen.get_sequence(0)]
@@ -83,16 +90,6 @@ def og_greedy(folder, prompt: list[int], n: int, adapter=None) -> list[int]:
 
 def og_logits(folder, prompt: list[int], adapter=None) -> np.ndarray:
     """onnxruntime-genai's logits of the last prompt position [vocab]."""
-    import onnxruntime_genai as og
-
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + 1, do_sample=False)
-    gen = og.Generator(model, params)
-    if adapter is not None:
-        adapters = og.Adapters(model)
-        adapters.load(str(adapter), "trained")
-        gen.set_active_adapter(adapters, "trained")
-    gen.append_tokens(np.array(prompt, np.int32))
+    gen = _og_generator(folder, prompt, len(prompt) + 1, adapter)
     logits = np.asarray(gen.get_output("logits"))
     return logits.reshape(-1, logits.shape[-1])[-1]
