@@ -335,7 +335,7 @@ def main(argv=None) -> int:
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except ImportError:
-        if VENV_PYTHON.exists() and Path(sys.executable).resolve() != VENV_PYTHON.resolve():
+        if VENV_PYTHON.exists() and Path(sys.prefix).resolve() != VENV_PYTHON.parents[1].resolve():
             os.execv(str(VENV_PYTHON), [str(VENV_PYTHON), __file__, *sys.argv[1:]])
         raise SystemExit("needs torch, transformers and peft: run `bash benchmarks/setup_peft.sh` "
                          "and use benchmarks/.venv-peft/bin/python")

@@ -16,7 +16,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 root="$(dirname "$here")"
 venv="$here/.venv-peft"
 python="${1:-python3}"
-check='import torch, transformers, peft, onnxscript, onnxtrain; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__, "onnxscript", onnxscript.__version__)'
+check='import torch, transformers, peft, onnxscript, onnxruntime_genai, onnxtrain; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__, "onnxscript", onnxscript.__version__)'
 if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "$check" 2>/dev/null; then
     echo "$venv is ready"
     exit 0
@@ -24,6 +24,6 @@ fi
 "$python" -m venv "$venv"
 "$venv/bin/pip" install --quiet --upgrade pip
 "$venv/bin/pip" install --quiet "torch==2.13.0"
-"$venv/bin/pip" install --quiet "transformers==5.24.0" "peft==0.21.2" "onnxscript==0.7.2" -e "$root"
+"$venv/bin/pip" install --quiet "transformers==5.24.0" "peft==0.21.2" "onnxscript==0.7.2" "onnxruntime-genai==0.18.0" -e "$root"
 "$venv/bin/python" -c "$check"
 echo "$venv is ready"

@@ -1,12 +1,17 @@
-"""Thread sweep: onnxtrain's step time under each ONNXTRAIN_THREADS setting.
+"""Thread and spinning sweep: onnxtrain's step time under each ONNXTRAIN_THREADS
+and ONNXTRAIN_SPINNING setting.
 
-Issue 16, item 6. Each (workload, setting) runs in a fresh process. The
-session is made with onnxtrain's own defaults (no session options passed), so
-the setting under test is exactly what a user gets:
+Issue 16, item 6 and issue 28, item 2. Each (workload, setting) runs in a fresh
+process. The session is made with onnxtrain's own defaults (no session options
+passed), so the setting under test is exactly what a user gets:
 
-- ``ONNXTRAIN_THREADS=1``;
-- ``ONNXTRAIN_THREADS=<cores>``;
-- unset, which is onnxruntime's default (one thread per physical core).
+- ``ONNXTRAIN_THREADS=1`` and ``ONNXTRAIN_THREADS=<cores>``, each with idle
+  threads spinning (``ONNXTRAIN_SPINNING=1``, onnxruntime's default) and
+  blocking (``ONNXTRAIN_SPINNING=0``);
+- both unset: onnxtrain's default (one thread per physical core, spinning).
+
+W5 and W6 need their exports (``run.py`` makes them); L1 needs ``llm.py``'s
+(``benchmarks/.cache/llm``).
 
 Settings are interleaved within each repeat, so machine load hits them alike.
 The table gives each process's median ms per step (``train_step(fetch=False)``
@@ -38,11 +43,22 @@ def child(key: str, steps: int, warmup: int, use_builder: bool) -> dict:
 
     import onnxtrain
 
-    w = WORKLOADS[key]
-    inference, _params, batch = w.build()
-    model, _how = training_model(inference, w, use_builder=use_builder)
-    sess = onnxtrain.TrainingSession(model)
-    feeds = dict(batch)
+    if key.startswith("L"):  # llm.py's model, its own build arguments and token batch
+        import llm
+
+        spec = llm.spec_of(key, False)
+        path = llm.model_dir(spec["model"]) / f"model-{spec['batch']}x{spec['seq']}.onnx"
+        model = onnxtrain.build.training_model(str(path), **llm.build_args(spec))
+        ids = np.random.default_rng(0).integers(2, llm.MODELS[spec["model"]]["vocab"],
+                                                (spec["batch"], spec["seq"] + 1))
+        feeds = {"input_ids": ids[:, :-1].copy(), "labels": ids[:, 1:].copy()}
+        sess = onnxtrain.TrainingSession(model)
+    else:
+        w = WORKLOADS[key]
+        inference, _params, batch = w.build()
+        model, _how = training_model(inference, w, use_builder=use_builder)
+        sess = onnxtrain.TrainingSession(model)
+        feeds = dict(batch)
     for _ in range(warmup):
         sess.train_step(feeds, fetch=False)
     times = []
@@ -67,31 +83,38 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(key, int(steps), int(warmup), builder == "1")))
         return 0
     cores = os.cpu_count() or 1
-    settings = ["1", str(cores), None] if cores > 1 else ["1", None]
+    counts = ["1", str(cores)] if cores > 1 else ["1"]
+    settings = [f"{n},{spin}" for n in counts for spin in ("1", "0")] + [None]
     keys = [k.strip().upper() for k in args.workloads.split(",") if k.strip()]
     results: dict[str, dict[str, list[float]]] = {k: {str(s): [] for s in settings} for k in keys}
-    for _ in range(args.repeats):
+    default_steps = {"W3": 20000, "W5": 20, "W6": 40, "W7-LSTM": 60, "W7-GRU": 60, "L1": 4}
+    for r in range(args.repeats):
         for key in keys:
-            steps = args.steps or (20000 if key == "W3" else 200)
-            for s in settings:
+            steps = args.steps or default_steps.get(key, 200)
+            warmup = 1 if key.startswith("L") else steps // 10 + 5
+            for s in settings[r % len(settings):] + settings[: r % len(settings)]:
                 env = dict(os.environ)
                 env.pop("ONNXTRAIN_THREADS", None)
+                env.pop("ONNXTRAIN_SPINNING", None)
                 if s is not None:
-                    env["ONNXTRAIN_THREADS"] = s
-                cmd = [sys.executable, __file__, "--child", key, str(steps), str(steps // 10 + 5),
+                    env["ONNXTRAIN_THREADS"], env["ONNXTRAIN_SPINNING"] = s.split(",")
+                cmd = [sys.executable, __file__, "--child", key, str(steps), str(warmup),
                        "0" if args.hand_written else "1"]
                 out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
                 results[key][str(s)].append(json.loads(out.stdout.strip().splitlines()[-1])["median_ms"])
     head = "| workload | " + " | ".join(
-        "unset (onnxruntime's default)" if s is None else f"`ONNXTRAIN_THREADS={s}`" for s in settings) + " |"
-    print(f"{cores} logical CPUs; load average {os.getloadavg()[0]:.2f}; median ms per step, one process each")
+        "both unset (onnxtrain's default)" if s is None else
+        f"{s.split(',')[0]} thread{'s' if s.split(',')[0] != '1' else ''}, spinning "
+        f"{'on' if s.endswith(',1') else 'off'}" for s in settings) + " |"
+    print(f"{cores} logical CPUs; load average {os.getloadavg()[0]:.2f}; median ms per step, one process "
+          "each, in the order run")
     print(head)
     print("|---" * (len(settings) + 1) + "|")
     for key in keys:
         cells = []
         for s in settings:
             vals = results[key][str(s)]
-            digits = 3 if max(vals) < 0.1 else 2
+            digits = 3 if max(vals) < 0.1 else (0 if min(vals) > 100 else 2)
             cells.append(", ".join(f"{v:.{digits}f}" for v in vals))
         print(f"| {key} | " + " | ".join(cells) + " |")
     if args.json:

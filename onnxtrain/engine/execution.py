@@ -56,10 +56,16 @@ class ExecutionMixin:
             # A step that fetches nothing may skip the outputs only fetching reads
             # (not where lean memory's in-place writes follow the full program's order).
             prune_unfetched = any(program is p for p in self._algorithms) and not (self._lean or self._large)
+            # A training step keeps no onnxruntime memory pattern: planned at the first
+            # run and held besides the arena's blocks, it cost L1 (docs/performance.md)
+            # 0.47 GiB of peak for no measurable speed.
+            training = any(program is p for p in self._algorithms) or any(
+                program is s.a or program is s.b for s in self._splits)
+            mem_pattern = not (self._recompute or training)
             try:
                 ex = Executor(model, self._providers, self._session_options, program.label, library,
                               large=self._large, fold_constants=fold,
-                              mem_pattern=not self._recompute, prune_unfetched=prune_unfetched)
+                              mem_pattern=mem_pattern, prune_unfetched=prune_unfetched)
             except TrainingModelError as exc:
                 if library is None or self._fused_kernels:
                     raise
@@ -67,8 +73,7 @@ class ExecutionMixin:
                 self.fused_kernels_note = f"onnxruntime did not load the fused kernels: {exc}"
                 choice = self._executed[key] = self._lean_rewrite(program, KernelChoice(program.model))
                 ex = Executor(choice.model, self._providers, self._session_options, program.label,
-                              large=self._large, fold_constants=fold,
-                              mem_pattern=not self._recompute)
+                              large=self._large, fold_constants=fold, mem_pattern=mem_pattern)
             self._executors[key] = ex
         return ex
 

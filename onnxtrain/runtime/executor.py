@@ -101,6 +101,10 @@ def available_providers() -> list[str]:
     return list(ort.get_available_providers())
 
 
+#: "0": idle intra-op threads block instead of spinning (default: onnxruntime's, they spin).
+SPINNING_ENV = "ONNXTRAIN_SPINNING"
+
+
 def default_session_options(threads: int | None = None) -> ort.SessionOptions:
     """Session options used unless the caller passes its own.
 
@@ -111,7 +115,11 @@ def default_session_options(threads: int | None = None) -> ort.SessionOptions:
     - one inter-op thread and sequential execution: a training program is a
       long chain of dependent kernels, parallel branches rarely pay;
     - the CPU memory arena and memory pattern planning stay on (the shapes of a
-      training loop repeat, so buffers are reused from step to step).
+      training loop repeat, so buffers are reused from step to step);
+    - idle intra-op threads spin (onnxruntime's default) unless
+      ``ONNXTRAIN_SPINNING=0``: spinning was the faster setting measured on
+      every workload of docs/performance.md's sweep; a machine shared with
+      other busy processes may prefer blocking waits.
     """
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -121,6 +129,12 @@ def default_session_options(threads: int | None = None) -> ort.SessionOptions:
         so.intra_op_num_threads = n
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    spin = os.environ.get(SPINNING_ENV, "").strip().lower()
+    if spin:
+        if spin not in ("0", "1", "true", "false", "on", "off", "yes", "no"):
+            raise ValueError(f"{SPINNING_ENV}={spin!r}: use 1 (idle threads spin) or 0 (they block)")
+        on = spin in ("1", "true", "on", "yes")
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if on else "0")
     # Errors come back as ExecutionError with onnxruntime's message: its own
     # logger would print them to stderr a second time.
     so.log_severity_level = 4
