@@ -17,6 +17,10 @@ trained apart).  ``constant_reasons`` finds them, by their uses and values:
     pair (a sinusoidal table: ``[sin(t w), cos(t w)]``);
   - a cos/sin cache input of ``GroupQueryAttention`` or ``RotaryEmbedding``
     (com.microsoft or ONNX), whatever its values;
+  - the angles of such tables, whatever their values (stored externally in a
+    large export): a tensor read, through shape-only ops, by ``Cos`` and
+    ``Sin`` nodes and nothing else (torch's dynamo export of a Llama folds
+    ``positions x inverse frequencies`` into one);
   - RoPE's inverse frequencies, which a dynamic-shape export keeps to build
     the tables in the graph: ``base**(-2i/d)`` (a geometric sequence from 1
     down) or a tensor named ``...inv_freq``.
@@ -166,16 +170,28 @@ def constant_reasons(graph: onnx.GraphProto, names: list[str]) -> dict[str, str]
                     return True
         return False
 
+    def end_readers(value: str, depth: int = 0) -> set[str]:
+        """The op types that read ``value``, looking through shape-only ops."""
+        ops: set[str] = set()
+        for n, _ in readers.get(value, ()):
+            if n.op_type in _PASS and depth < 4 and n.output:
+                ops |= end_readers(n.output[0], depth + 1)
+            else:
+                ops.add(n.op_type)
+        return ops
+
     for name in names:
         if name not in out and name not in product_weight:
             copies = [name] + [n.output[0] for n in graph.node
                                if n.op_type == "Identity" and source(n.input[0]) == name]
             if any(reaches_score_add(c) for c in copies):
                 out[name] = "mask"
+            elif end_readers(name) == {"Cos", "Sin"}:
+                out[name] = "positional"
     # The three walkers call themselves through their closure cells: a cycle
     # that would keep this graph (and the model around it) alive until the
     # cycle collector runs.  Done with them:
-    feeds_softmax = is_scores = reaches_score_add = None  # noqa: F811, F841
+    feeds_softmax = is_scores = reaches_score_add = end_readers = None  # noqa: F811, F841
     values = {n: v for n in names if n not in out and n not in product_weight
               and (v := _values(inits[n])) is not None}
     for name, x in values.items():

@@ -73,3 +73,26 @@ def test_inspect_shows_the_name_a_weight_is_known_by():
     assert c.known_as == "model.layers.0.self_attn.q_proj.weight" and c.lora == "target"
     tm = build.training_model(m, loss="mse", trainable=["self_attn.q_proj"])
     assert any(p.key == "onnxtrain.trainable" and "val_7" in p.value for p in tm.metadata_props)
+
+
+def test_rope_angles_read_by_cos_and_sin_are_positional():
+    """torch's dynamo export of a Llama at a long traced length folds the angles
+    (positions x inverse frequencies) into one initializer that Cos and Sin read;
+    it is a positional table whatever its values (stored externally, unread),
+    and full fine-tuning leaves it alone.  A tensor that only Cos reads, or that
+    a product reads too, stays a weight."""
+    rng = np.random.default_rng(0)
+    x = helper.make_tensor_value_info("x", F32, [1, 4, 8])
+    y = helper.make_tensor_value_info("y", F32, None)
+    nodes = [
+        helper.make_node("Reshape", ["angles", "shape"], ["a"]),
+        helper.make_node("Cos", ["a"], ["cos"]), helper.make_node("Sin", ["angles"], ["sin"]),
+        helper.make_node("Mul", ["x", "cos"], ["xc"]), helper.make_node("Mul", ["x", "sin"], ["xs"]),
+        helper.make_node("Cos", ["phase"], ["pc"]),
+        helper.make_node("Add", ["xc", "xs"], ["h"]), helper.make_node("Add", ["h", "pc"], ["h2"]),
+        helper.make_node("MatMul", ["h2", "W"], ["y"]),
+    ]
+    m = model(nodes, {"angles": rng.standard_normal((1, 4, 8)), "phase": rng.standard_normal((1, 4, 8)),
+                      "W": rng.standard_normal((8, 8))}, [x], [y])
+    m.graph.initializer.append(numpy_helper.from_array(np.array([1, 4, 8], np.int64), "shape"))
+    assert reasons(m) == {"angles": (False, "positional"), "phase": (True, "weight"), "W": (True, "weight")}
