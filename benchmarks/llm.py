@@ -452,7 +452,8 @@ def run_worker(key: str, framework: str, spec_key: str, quick: bool, files: dict
     subprocess.run(cmd, check=True, env=env)
     r = json.loads(result.read_text())
     result.unlink()
-    r["first_s"] = r["setup_s"] + r["step_s"][0]
+    if "setup_s" in r:
+        r["first_s"] = r["setup_s"] + r["step_s"][0]
     return r
 
 
@@ -553,6 +554,31 @@ def _run_group(group: list[str], quick: bool, runs_override: int | None, work: P
             f"first losses {b[0]:.6f} vs {a[0]:.6f} (rel. {rel[0]:.1e}, equal work {w['equal_work']})")
 
 
+def profile_all(keys: list[str], quick: bool) -> list[str]:
+    """Markdown: each workload's onnxtrain step under onnxruntime's profiler (a
+    fresh process each), kernel time by part of the step and the top ops."""
+    lines = []
+    work = Path(tempfile.mkdtemp(prefix="onnxtrain-llm-profile-"))
+    try:
+        for key in keys:
+            spec = spec_of(key, quick)
+            files = prepare(key, spec, work)
+            r = run_worker(key, "profile", key, quick, files, work, dict(os.environ))
+            kernel = r["kernel_us_per_run"]
+            lines += [f"**{key}** ({spec['title']}): run {r['run_us_median'] / 1e3:.0f} ms, kernels "
+                      f"{kernel / 1e3:.0f} ms over {r['nodes']} nodes (median of {r['runs']} profiled steps "
+                      f"after one; load average {os.getloadavg()[0]:.2f})", "",
+                      "| part of the step | ms | share |", "|---|---|---|"]
+            lines += [f"| {part} | {us / 1e3:.1f} | {100 * us / kernel:.0f}% |" for part, us in r["parts"]]
+            lines += ["", "| op | nodes | ms | share |", "|---|---|---|---|"]
+            lines += [f"| {o['op']} | {o['count']} | {o['us'] / 1e3:.1f} | {100 * o['share']:.0f}% |"
+                      for o in r["ops"][:10]]
+            lines.append("")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return lines
+
+
 # ------------------------------------------------------------------ report
 def table(report: dict) -> list[str]:
     rows = ["| workload | framework | median s/step | tokens/s | × peer (paired) | first step s: warm (cold) "
@@ -611,6 +637,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="a tiny Llama, seconds (development)")
     ap.add_argument("--runs", type=int, help="fresh processes per framework (default: per workload)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead of timing: onnxruntime's profile of onnxtrain's step, by part and op")
     ap.add_argument("--threads", type=int, default=2,
                     help="intra-op threads of every framework (ONNXTRAIN_THREADS, OMP_NUM_THREADS)")
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
@@ -643,6 +671,9 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown workload(s) {bad}; choose from {', '.join(WORKLOADS)}")
     for var in ("ONNXTRAIN_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(args.threads)
+    if args.profile:
+        print("\n".join(profile_all(keys, args.quick)))
+        return 0
     report = run_all(keys, args.quick, args.runs, log=lambda m: print(m, file=sys.stderr, flush=True))
     report["threads"] = args.threads
     print("\n".join(section(report)))

@@ -962,7 +962,7 @@ def run_llm(keys: list[str], quick: bool, tmp: Path) -> dict:
            "--threads", str(THREADS)] + (["--quick"] if quick else [])
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr.splitlines():
-        if line.startswith(("L", "  run ")):
+        if line[:2] in ("L1", "L2", "L3", "L4") or line.startswith("  run "):
             log("  " + line.strip())
     if not out.exists():
         return {"error": (proc.stderr or proc.stdout)[-1500:]}
