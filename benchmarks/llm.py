@@ -381,56 +381,50 @@ def category(node: str, op: str) -> str:
 
 
 def worker_profile(key: str, spec: dict, files: dict, work: Path) -> dict:
-    """onnxtrain's algorithm program as train_step runs it (IOBinding), under
-    onnxruntime's profiler: kernel time per step by op type and by part."""
+    """onnxtrain's steps under onnxruntime's profiler (``enable_profiling`` in
+    the session options, the rest onnxtrain's defaults): kernel time per step
+    of the training program, by op type and by part of the step."""
+    import gc
+
     import numpy as np
-    import onnxruntime as ort
 
     from onnxtrain import TrainingSession, build
-    from onnxtrain.kernels import fuse, library
     from onnxtrain.runtime.executor import default_session_options
 
     sys.path.insert(0, str(HERE))
     from worker import _aggregate_profile
 
-    tm = build.training_model(files["onnx"], **build_args(spec))
-    sess = TrainingSession(tm, memory="lean" if spec["mode"] == "full" else "safe")
-    name = next(k for k in sess.programs() if k.endswith("algorithm"))
-    program = sess.programs(executed=True)[name]
     so = default_session_options()
-    if any(n.domain == fuse.KERNEL_DOMAIN for n in program.graph.node):
-        so.register_custom_ops_library(library.library())
     so.enable_profiling = True
     so.profile_file_prefix = str(work / f"{key}-profile")
-    psess = ort.InferenceSession(program.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    tm = build.training_model(files["onnx"], **build_args(spec))
+    sess = TrainingSession(tm, memory="lean" if spec["mode"] == "full" else "safe", session_options=so)
+    del tm
     tokens = np.load(work / f"{key}-tokens.npy")
-    ids = tokens[0, :, :-1].copy()
     genai = Path(files["onnx"]).parent if spec["mode"] == "qlora" else None
-    feeds = genai_feeds(genai, ids) if genai else {"input_ids": ids}
-    feeds["labels"] = tokens[0, :, 1:].copy()
-    state = dict(sess.state)
-    binding, keep = psess.io_binding(), []
-    for i in psess.get_inputs():
-        v = ort.OrtValue.ortvalue_from_numpy(np.array(feeds[i.name] if i.name in feeds else state[i.name], order="C"))
-        keep.append(v)
-        binding.bind_ortvalue_input(i.name, v)
-    for o in psess.get_outputs():
-        binding.bind_output(o.name, "cpu")
-    warm, steps = 1, 3
-    for _ in range(warm + steps):
-        psess.run_with_iobinding(binding)
-    path = psess.end_profiling()
+    warm, steps = 1, min(3, tokens.shape[0] - 1)
+    for step in range(warm + steps):
+        ids = tokens[step, :, :-1].copy()
+        feeds = genai_feeds(genai, ids) if genai else {"input_ids": ids}
+        feeds["labels"] = tokens[step, :, 1:].copy()
+        sess.train_step(feeds)
+    del sess
+    gc.collect()  # onnxruntime writes each session's profile when the session goes
+    files_ = sorted(work.glob(f"{key}-profile*.json"), key=lambda f: f.stat().st_size)
+    path = str(files_[-1])  # the training program's: by far the most events
     agg = _aggregate_profile(path, warm)
     events = json.loads(Path(path).read_text())
-    Path(path).unlink()
-    starts = sorted(e["ts"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")[warm:]
-    parts: dict[str, list[float]] = {}
+    for f in files_:
+        f.unlink()
+    runs = sorted(e["ts"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
+    starts = runs[warm:]
+    parts: dict[str, float] = {}
     for e in events:
         if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["ts"] >= starts[0]:
             node = e["name"][: -len("_kernel_time")]
-            parts.setdefault(category(node, e.get("args", {}).get("op_name", "?")), []).append(e["dur"])
-    agg["parts"] = sorted(((k, sum(v) / len(starts)) for k, v in parts.items()), key=lambda kv: -kv[1])
-    agg["program_nodes"] = len(program.graph.node)
+            part = category(node, e.get("args", {}).get("op_name", "?"))
+            parts[part] = parts.get(part, 0.0) + e["dur"] / len(starts)
+    agg["parts"] = sorted(parts.items(), key=lambda kv: -kv[1])
     return agg
 
 
@@ -574,6 +568,7 @@ def profile_all(keys: list[str], quick: bool) -> list[str]:
             lines += [f"| {o['op']} | {o['count']} | {o['us'] / 1e3:.1f} | {100 * o['share']:.0f}% |"
                       for o in r["ops"][:10]]
             lines.append("")
+            print("\n".join(lines[-(len(r["parts"]) + 18):]), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return lines
@@ -672,7 +667,7 @@ def main(argv=None) -> int:
     for var in ("ONNXTRAIN_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(args.threads)
     if args.profile:
-        print("\n".join(profile_all(keys, args.quick)))
+        profile_all(keys, args.quick)
         return 0
     report = run_all(keys, args.quick, args.runs, log=lambda m: print(m, file=sys.stderr, flush=True))
     report["threads"] = args.threads
