@@ -57,7 +57,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-VENV_PYTHON = HERE / ".venv-peft" / "bin" / "python"
+sys.path.insert(0, str(HERE))
+
+from lora_peft import in_peft_venv, reset_peak, vm  # noqa: E402
+
 CACHE = HERE / ".cache" / "llm"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GIB = 2 ** 30
@@ -86,25 +89,6 @@ RANK, ALPHA, LR, WD, SEED = 16, 32.0, 1e-4, 0.01, 0
 INT4_LOSS_TOLERANCE = 2e-2
 #: Others: float32 rounding of the same computation in two frameworks.
 LOSS_TOLERANCE = 1e-4
-
-
-# ------------------------------------------------------------------ process helpers
-def vm(field: str) -> int:
-    """A /proc/self/status field in bytes (VmHWM: peak resident size, VmRSS: now)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def reset_peak() -> None:
-    """Set VmHWM back to the current RSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
 
 
 def spec_of(key: str, quick: bool) -> dict:
@@ -652,14 +636,7 @@ def main(argv=None) -> int:
         Path(args.result).write_text(json.dumps(r))
         return 0
 
-    try:
-        import peft  # noqa: F401
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError:
-        if VENV_PYTHON.exists() and Path(sys.prefix).resolve() != VENV_PYTHON.parents[1].resolve():
-            os.execv(str(VENV_PYTHON), [str(VENV_PYTHON), __file__, *sys.argv[1:]])
-        raise SystemExit("needs torch, transformers and peft: run `bash benchmarks/setup_peft.sh`")
+    in_peft_venv(__file__)
     keys = [k.strip().upper() for k in args.workloads.split(",") if k.strip()]
     bad = [k for k in keys if k not in WORKLOADS]
     if bad:

@@ -63,6 +63,21 @@ CONFIGS = {
 
 
 # ------------------------------------------------------------------ process helpers
+def in_peft_venv(script: str) -> None:
+    """Return if torch, transformers and peft import here; else re-execute
+    ``script`` with this command line in benchmarks/.venv-peft, or exit saying
+    how to make it."""
+    try:
+        import peft  # noqa: F401
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        if VENV_PYTHON.exists() and Path(sys.prefix).resolve() != VENV_PYTHON.parents[1].resolve():
+            os.execv(str(VENV_PYTHON), [str(VENV_PYTHON), script, *sys.argv[1:]])
+        raise SystemExit("needs torch, transformers and peft: run `bash benchmarks/setup_peft.sh` "
+                         "and use benchmarks/.venv-peft/bin/python") from None
+
+
 def vm(field: str) -> int:
     """A /proc/self/status field in bytes (VmHWM: peak resident size, VmRSS: now)."""
     with open("/proc/self/status") as f:
@@ -330,15 +345,7 @@ def main(argv=None) -> int:
         Path(args.result).write_text(json.dumps(result))
         return 0
 
-    try:
-        import peft  # noqa: F401
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError:
-        if VENV_PYTHON.exists() and Path(sys.prefix).resolve() != VENV_PYTHON.parents[1].resolve():
-            os.execv(str(VENV_PYTHON), [str(VENV_PYTHON), __file__, *sys.argv[1:]])
-        raise SystemExit("needs torch, transformers and peft: run `bash benchmarks/setup_peft.sh` "
-                         "and use benchmarks/.venv-peft/bin/python")
+    in_peft_venv(__file__)
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="lora_peft_", dir=args.work) as tmp:

@@ -251,6 +251,12 @@ class Result:
     ttfs_samples: list = field(default_factory=list)
 
     @property
+    def ttfs_warm_samples(self) -> list:
+        """The samples with a warm startup cache: onnxtrain's after its first child."""
+        cold = self.framework == "onnxtrain" and len(self.ttfs_samples) > 1
+        return self.ttfs_samples[1:] if cold else self.ttfs_samples
+
+    @property
     def ttfs_cold_ms(self) -> float | None:
         """onnxtrain's first child of the workload: an empty startup cache."""
         return self.ttfs_samples[0] if self.framework == "onnxtrain" and self.ttfs_samples else None
@@ -259,9 +265,8 @@ class Result:
     def ttfs_ms(self) -> float:
         """Time to first step: the median over the fresh children (``--first-step-samples``);
         for onnxtrain over those that found its startup cache warm (all but the first)."""
-        samples = self.ttfs_samples[1:] if self.framework == "onnxtrain" else self.ttfs_samples
-        if samples or self.ttfs_samples:
-            return float(np.median(samples or self.ttfs_samples))
+        if self.ttfs_samples:
+            return float(np.median(self.ttfs_warm_samples))
         return self.artifacts_ms + self.ready.get("build_ms", 0.0) + self.ready.get("first_step_ms", 0.0)
 
     def stats(self) -> dict:
@@ -450,8 +455,7 @@ def startup_table(all_results: dict) -> list[str]:
             rd = r.ready
             art = f"{r.artifacts_ms:.0f}" if r.artifacts_ms else "-"
             rss = f"{r.maxrss_kb / 1024:.0f}" if r.maxrss_kb else "-"
-            samples = r.ttfs_samples or [r.ttfs_ms]
-            warm = samples[1:] if r.ttfs_cold_ms is not None and len(samples) > 1 else samples
+            warm = r.ttfs_warm_samples or [r.ttfs_ms]
             spread = f"{r.ttfs_ms:.1f} ({min(warm):.0f}–{max(warm):.0f}, {len(warm)})"
             cold = f"{r.ttfs_cold_ms:.1f}" if r.ttfs_cold_ms is not None else "-"
             rows.append(f"| {key} | {fw} | {rd['import_ms']:.0f} | {rd['build_ms']:.0f} | "
