@@ -236,7 +236,9 @@ export declare class TrainingSession<T extends TensorLike = TensorLike> {
   /** manifest.json of a bundle of the current state. */
   manifestText(): string;
   /** Every file of a complete bundle of the current state. */
-  bundleFiles(options?: { paths?: boolean }): Promise<Record<string, Uint8Array>>;
+  bundleFiles(options?: { paths?: false }): Promise<Record<string, Uint8Array>>;
+  /** Node, a folder source: files not held in memory come as { path } to copy. */
+  bundleFiles(options: { paths: true }): Promise<Record<string, Uint8Array | { path: string }>>;
   /** Node: write a complete bundle, atomically; refuses a non-empty folder unless overwrite. */
   save(folder: string, options?: SaveOptions): Promise<string>;
   /** Release the onnxruntime sessions. */
