@@ -691,6 +691,11 @@ def write_doc(path: Path, report: dict, command: str) -> None:
             "(construction and first step alone), then warmed up, then driven in interleaved rounds.",
             ""]
     path.parent.mkdir(parents=True, exist_ok=True)
+    # js_bundle.py's section (Node and the browser) comes from its own run: keep it.
+    old = path.read_text() if path.exists() else ""
+    begin, end = "<!-- js_bundle.py: begin -->", "<!-- js_bundle.py: end -->"
+    if begin in old and end in old:
+        out += ["", old[old.index(begin):old.index(end) + len(end)], ""]
     path.write_text("\n".join(out))
 
 
