@@ -37,6 +37,7 @@ from .._version import __version__
 from ..core.files import check_folder_target, write_folder
 from ..core.graph import PREVIEW_DOMAIN
 from ..core.protos import all_tensors
+from ..io import mapped
 from ..io.metadata import model_metadata, read_position, write_position
 from ..io.model import ModelLike, TrainingModel, load, validate
 from ..lower.programs import Program, algorithm_programs, inference_program, initialization_program
@@ -53,7 +54,6 @@ from .bundle_format import (
     VERSION,
     StateEntry,
     dtype_name,
-    point_external,
     program_file,
     state_layout,
 )
@@ -161,7 +161,7 @@ class BundlePlan:
             e = places.get(vi.name)
             if e is not None:
                 t = g.initializer.add(name=e.name, data_type=e.elem_type, dims=e.shape)
-                point_external(t, STATE_FILE, e.offset, e.length)
+                mapped.point(t, STATE_FILE, e.offset, e.length)
         del g.input[:]
         g.input.extend(kept)
         return model
@@ -187,7 +187,7 @@ class BundlePlan:
                     t.data_type = e.elem_type
                     del t.dims[:]
                     t.dims.extend(e.shape)
-                    point_external(t, STATE_FILE, e.offset, e.length)
+                    mapped.point(t, STATE_FILE, e.offset, e.length)
         for t in all_tensors(model):
             if not _in_bundle(t):
                 store.put(t)

@@ -26,7 +26,6 @@ from .bundle_format import (
     aligned,
     dtype_name,
     numpy_dtype,
-    point_external,
 )
 
 _NAMES = {v: k for k, v in DTYPES.items()}
@@ -97,7 +96,7 @@ class ConstantStore:
             self.f.write(data)
             self.size = offset + len(data)
             place = self._at[key] = (offset, len(data))
-        point_external(t, self.location, *place)
+        mapped.point(t, self.location, *place)
         return True
 
 

@@ -114,18 +114,6 @@ def state_layout(variables: Iterable[tuple[str, str, tuple[int, ...], bool]]
     return entries, end
 
 
-def point_external(t: onnx.TensorProto, location: str, offset: int, length: int) -> None:
-    """Make ``t`` (name, type and dims kept) refer to ``length`` bytes at
-    ``offset`` of the bundle file ``location`` as ONNX external data."""
-    for fld in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data",
-                "string_data"):
-        t.ClearField(fld)
-    del t.external_data[:]
-    t.data_location = TensorProto.EXTERNAL
-    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
-        t.external_data.add(key=key, value=value)
-
-
 def external_info(t: onnx.TensorProto) -> dict[str, str]:
     """A tensor's external_data entries as a dict (empty when it holds its data)."""
     if t.data_location != TensorProto.EXTERNAL:
