@@ -20,15 +20,12 @@ from ..errors import BundleError
 from ..io import mapped
 from .bundle_format import (
     CONSTANT_MIN_BYTES,
-    DTYPES,
+    DTYPE_NAMES,
     ITEMSIZE,
     StateEntry,
     aligned,
-    dtype_name,
     numpy_dtype,
 )
-
-_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def write_state(f: BinaryIO, entries: list[StateEntry], values: Mapping[str, np.ndarray]) -> int:
@@ -50,7 +47,7 @@ def write_state(f: BinaryIO, entries: list[StateEntry], values: Mapping[str, np.
 def tensor_bytes(t: onnx.TensorProto) -> bytes | None:
     """The raw little-endian bytes of a tensor of a bundle element type (None
     for other types: strings, 4-bit and 8-bit floats stay where they are)."""
-    dtype = _NAMES.get(t.data_type)
+    dtype = DTYPE_NAMES.get(t.data_type)
     if dtype is None:
         return None
     if mapped.is_mapped(t):
@@ -64,7 +61,7 @@ def tensor_bytes(t: onnx.TensorProto) -> bytes | None:
 
 def declared_bytes(t: onnx.TensorProto) -> int:
     """A tensor's data size from its type and dims (0 for types a bundle does not store)."""
-    dtype = _NAMES.get(t.data_type)
+    dtype = DTYPE_NAMES.get(t.data_type)
     if dtype is None:
         return 0
     return int(np.prod(list(t.dims), dtype=np.int64)) * ITEMSIZE[dtype]
@@ -98,8 +95,3 @@ class ConstantStore:
             place = self._at[key] = (offset, len(data))
         mapped.point(t, self.location, *place)
         return True
-
-
-def check_state_types(variables: Mapping[str, tuple[int, tuple[int, ...]]]) -> dict[str, str]:
-    """name -> the bundle dtype of each state variable ((elem_type, shape) pairs)."""
-    return {name: dtype_name(elem, f"state variable {name!r}") for name, (elem, _) in variables.items()}

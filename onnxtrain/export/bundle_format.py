@@ -47,7 +47,8 @@ DTYPES: dict[str, int] = {
     "uint32": TensorProto.UINT32, "int64": TensorProto.INT64, "uint64": TensorProto.UINT64,
     "bool": TensorProto.BOOL,
 }
-_NAMES = {v: k for k, v in DTYPES.items()}
+#: ONNX element type -> the bundle's name.
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1,
             "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8, "bool": 1}
 
@@ -59,7 +60,7 @@ def program_file(kind: str, index: int | None = None) -> str:
 
 def dtype_name(elem_type: int, where: str) -> str:
     """The bundle's name of an ONNX element type, or BundleError naming ``where``."""
-    name = _NAMES.get(elem_type)
+    name = DTYPE_NAMES.get(elem_type)
     if name is None:
         found = TensorProto.DataType.Name(elem_type) if elem_type in TensorProto.DataType.values() \
             else str(elem_type)
