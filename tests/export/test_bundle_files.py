@@ -111,7 +111,13 @@ def test_entries_that_overlap_or_pass_the_end_are_refused(copy):
     def overlap(m):
         m["state"][1]["offset"] = m["state"][0]["offset"]
     rewrite(copy, overlap)
-    with pytest.raises(bundle.BundleError, match="overlap"):
+    with pytest.raises(bundle.BundleError, match=r"state variables .* overlap in state\.bin"):
+        bundle.load(copy)
+
+    def past_the_end(m):
+        m["state"][-1]["offset"] = m["state_bytes"]
+    rewrite(copy, past_the_end)
+    with pytest.raises(bundle.BundleError, match=r"lie past the end of state\.bin"):
         bundle.load(copy)
 
 
@@ -122,6 +128,22 @@ def test_a_manifest_that_disagrees_with_the_training_model_is_refused(copy):
     rewrite(copy, swap)
     with pytest.raises(bundle.BundleError, match="state variable 'W1' is not stored as the manifest says"):
         bundle.load(copy)
+
+
+def test_the_fit_position_is_the_manifests(tmp_path):
+    """Another trainer that goes on updates the manifest's fit_position (the
+    training model's copy stays as Python wrote it): load takes the manifest's."""
+    sess = TrainingSession(mlp_classifier("sgd"))
+    sess.fit((X, LABEL), epochs=1, batch_size=4, progress=False)
+    bundle.save(sess, tmp_path / "b")
+    assert bundle.load(tmp_path / "b").fit_position == {"epoch": 1, "batch": 0, "step": 2, "source": "checkpoint"}
+    rewrite(tmp_path / "b", lambda m: m.update(fit_position={"epoch": 5, "batch": 1, "step": 11}))
+    assert bundle.load(tmp_path / "b").fit_position == {"epoch": 5, "batch": 1, "step": 11, "source": "checkpoint"}
+    rewrite(tmp_path / "b", lambda m: m.update(fit_position=None))
+    assert bundle.load(tmp_path / "b").fit_position is None
+    rewrite(tmp_path / "b", lambda m: m.update(fit_position={"epoch": -1}))
+    with pytest.raises(bundle.BundleError, match="fit_position is"):
+        bundle.load(tmp_path / "b")
 
 
 def test_a_scalar_counter_stays_a_scalar(saved):
