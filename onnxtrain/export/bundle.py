@@ -37,6 +37,7 @@ from .._version import __version__
 from ..core.files import check_folder_target, write_folder
 from ..core.graph import PREVIEW_DOMAIN
 from ..core.protos import all_tensors
+from ..errors import BundleError
 from ..io import mapped
 from ..io.metadata import model_metadata, read_position, write_position
 from ..io.model import ModelLike, TrainingModel, load, validate
@@ -99,6 +100,9 @@ class BundlePlan:
             raise TypeError(f"bundle: source must be a TrainingSession (or another SessionLike) or a "
                             f"training model (path, bytes, ModelProto), not {type(source).__name__}")
         tm = validate(proto, base, tensors_checked=True)
+        if not tm.training_info:
+            raise BundleError("the model has no training_info: a bundle holds a training model; make one "
+                              "with onnxtrain.build.training_model (onnxtrain make-training)")
         if not values:
             values = {name: tm.initial_value(name, readonly=True) for name in tm.state}
         trainable = trainable_names(tm)

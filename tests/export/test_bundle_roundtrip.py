@@ -256,6 +256,31 @@ def test_one_output_bound_to_two_variables_and_a_scalar_counter(tmp_path):
     assert loaded.state["n"].shape == () and int(loaded.state["n"]) == 3
 
 
+def test_sparse_zero_state_is_stored_dense(tmp_path):
+    """The builder keeps large zero-filled moments as empty sparse initializers;
+    the bundle stores them dense in state.bin, like any state variable."""
+    from test_sparse_zero_state import batches, two_layer
+
+    m = build.training_model(two_layer(), loss="mse", optimizer=build.Adam(lr=0.01))
+    assert m.training_info[0].algorithm.sparse_initializer
+    python = TrainingSession(m)
+    data = batches()
+    python.train_step(data[0])
+    bundle.save(python, tmp_path / "b")
+    js, loaded = ManifestRunner(tmp_path / "b"), bundle.load(tmp_path / "b")
+    assert_same_state(python, loaded)
+    for batch in data[1:]:
+        loss = python.train_step(batch)["loss"]
+        np.testing.assert_array_equal(js.train_step(batch)["loss"], loss)
+        np.testing.assert_array_equal(loaded.train_step(batch)["loss"], loss)
+
+
+def test_an_inference_model_is_refused(tmp_path):
+    with pytest.raises(bundle.BundleError, match="no training_info"):
+        bundle.save(inference_mlp(), tmp_path / "b")
+    assert not (tmp_path / "b").exists()
+
+
 def test_float64_linear_regression(tmp_path):
     m = linear_regression("adagrad", dtype=np.float64)
     python = TrainingSession(m)
