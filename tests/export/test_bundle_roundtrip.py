@@ -9,6 +9,8 @@ bound to two variables, a scalar counter."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -20,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain import TrainingSession, build, bundle
 
+BENCH = str(Path(__file__).resolve().parents[2] / "benchmarks")
 RNG = np.random.default_rng(7)
 X = RNG.standard_normal((8, 4)).astype(np.float32)
 LABEL = RNG.integers(0, 3, 8).astype(np.int64)
@@ -169,6 +172,55 @@ def test_a_state_bin_written_elsewhere_loads_and_trains_on_identically(case, tmp
     # the bundle's inference.onnx reads state.bin: the new weights
     out = ort.InferenceSession(str(tmp_path / "b" / "inference.onnx")).run(None, {"X": X})[0]
     np.testing.assert_allclose(out, js.run({"X": X})[python.inference_outputs[0]], rtol=1e-6, atol=1e-6)
+
+
+def conv_batchnorm() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """Conv -> BatchNormalization (running statistics are state) -> Relu -> MatMul."""
+    rng = np.random.default_rng(0)
+    params = {"c.w": rng.normal(0, 0.3, (8, 1, 3, 3)), "c.b": np.zeros(8), "bn.s": np.ones(8),
+              "bn.b": np.zeros(8), "bn.m": np.zeros(8), "bn.v": np.ones(8), "fc.w": rng.normal(0, 0.1, (288, 10))}
+    nodes = [helper.make_node("Conv", ["X", "c.w", "c.b"], ["c"], kernel_shape=[3, 3]),
+             helper.make_node("BatchNormalization", ["c", "bn.s", "bn.b", "bn.m", "bn.v"], ["n"]),
+             helper.make_node("Relu", ["n"], ["r"]), helper.make_node("Flatten", ["r"], ["f"]),
+             helper.make_node("MatMul", ["f", "fc.w"], ["logits"])]
+    graph = helper.make_graph(nodes, "conv_bn", [vi("X", F32, ["N", 1, 8, 8])], [vi("logits", F32, ["N", 10])],
+                              [numpy_helper.from_array(v.astype(np.float32), k) for k, v in params.items()])
+    batch = {"X": rng.normal(size=(16, 1, 8, 8)).astype(np.float32), "label": rng.integers(0, 10, 16)}
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), batch
+
+
+def workload(name: str) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """A benchmark workload (benchmarks/workloads.py): the model and one batch."""
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import workloads
+
+    m, _, batch = getattr(workloads, f"build_{name}")(0)
+    return m, batch
+
+
+LAYERS = {"conv + batchnorm": conv_batchnorm, "lstm": lambda: workload("lstm"),
+          "transformer block": lambda: workload("transformer")}
+
+
+@pytest.mark.parametrize("case", sorted(LAYERS))
+def test_layers_train_from_the_manifest_bit_for_bit(case, tmp_path):
+    """The issue's JS-against-Python models beyond the MLP: running statistics
+    bound as state, recurrences, attention; Python's standard programs (no
+    fused kernels, no NCHWc) and the bundle's agree bit for bit."""
+    m, batch = LAYERS[case]()
+    target = "target" if "target" in batch else "label"
+    loss = "mse" if target == "target" else "cross_entropy"
+    python = TrainingSession(build.training_model(m, loss=loss, target=target, optimizer=build.AdamW(lr=1e-3)),
+                             fused_kernels=False)
+    bundle.save(python, tmp_path / "b")
+    js = ManifestRunner(tmp_path / "b")
+    for _ in range(2):
+        np.testing.assert_array_equal(js.train_step(batch)["loss"], python.train_step(batch)["loss"])
+    for name, value in python.state.items():
+        np.testing.assert_array_equal(js.state[name], value, err_msg=name)
+    (tmp_path / "b" / "state.bin").write_bytes(js.state_bytes())
+    assert_same_state(python, bundle.load(tmp_path / "b"))
 
 
 def test_fit_position_survives_and_fit_resumes(tmp_path):
