@@ -39,8 +39,10 @@ from ..core.graph import PREVIEW_DOMAIN
 from ..core.protos import all_tensors
 from ..errors import BundleError
 from ..io import mapped
+from ..io.combine import copy_graph
 from ..io.metadata import model_metadata, read_position, write_position
 from ..io.model import ModelLike, TrainingModel, load, validate
+from ..io.tensors import copy_fields
 from ..lower.programs import Program, algorithm_programs, inference_program, initialization_program
 from ..train.metrics import metric_functions
 from ..train.spec import fit_spec, label_classes
@@ -172,26 +174,24 @@ class BundlePlan:
 
     def training_model(self, store: ConstantStore) -> onnx.ModelProto:
         """training_model.onnx: the model, its state initializers pointing
-        into state.bin, its constants of 1 KiB or more in constants.bin."""
+        into state.bin (sparse ones dense: training fills them in; their
+        initial values never copied), its constants of 1 KiB or more in
+        constants.bin."""
+        src, places = self.tm.proto, {e.name: e for e in self.entries}
         model = onnx.ModelProto()
-        model.CopyFrom(self.tm.proto)
-        places = {e.name: e for e in self.entries}
-        graphs = [model.graph] + [ti.algorithm for ti in model.training_info]
-        for g in graphs:
-            sparse = [st for st in g.sparse_initializer if st.values.name in places]
-            if sparse:  # a sparse state variable is stored dense (training fills it in)
-                kept = [st for st in g.sparse_initializer if st.values.name not in places]
-                del g.sparse_initializer[:]
-                g.sparse_initializer.extend(kept)
-                for st in sparse:
-                    g.initializer.add(name=st.values.name)
-            for t in g.initializer:
-                e = places.get(t.name)
-                if e is not None:
-                    t.data_type = e.elem_type
-                    del t.dims[:]
-                    t.dims.extend(e.shape)
-                    mapped.point(t, STATE_FILE, e.offset, e.length)
+        copy_fields(src, model, skip=("graph", "training_info"))
+        graphs = [(src.graph, model.graph, "graph")]
+        for i, ti in enumerate(src.training_info):
+            out = model.training_info.add()
+            copy_fields(ti, out, skip=("algorithm",))
+            graphs.append((ti.algorithm, out.algorithm, f"training_info[{i}].algorithm"))
+        for source, g, origin in graphs:
+            copy_graph(source, places, into=g)
+            for name, var in self.tm.state.items():
+                if var.origin == origin:
+                    e = places[name]
+                    mapped.point(g.initializer.add(name=name, data_type=e.elem_type, dims=e.shape),
+                                 STATE_FILE, e.offset, e.length)
         for t in all_tensors(model):
             if not _in_bundle(t):
                 store.put(t)
