@@ -92,7 +92,7 @@ class BundlePlan:
     def of(cls, source: SessionLike | ModelLike) -> BundlePlan:
         if isinstance(source, SessionLike):
             proto, base = load(source.model)
-            values: Mapping[str, np.ndarray] = dict(source.state)  # one consistent snapshot
+            values: Mapping[str, np.ndarray] = dict(source.state)  # one state version (StateView)
             position = source.fit_position
         elif isinstance(source, (str, os.PathLike, bytes, bytearray, onnx.ModelProto)):
             proto, base = load(source)
@@ -118,30 +118,11 @@ class BundlePlan:
 
     # ------------------------------------------------------------- writing
     def fill(self, folder: Path) -> None:
-        """Write every file of the bundle into ``folder`` (empty)."""
-        state = set(self.tm.state)
-        models: dict[str, onnx.ModelProto] = {}
+        """Write every file of the bundle into ``folder`` (empty); the manifest last."""
         with open(folder / CONSTANTS_FILE, "wb") as f:
             store = ConstantStore(f, CONSTANTS_FILE)
-            inference = portable(self.inference, state, store)
-            manifest_programs = {"inference": entry("inference", self.inference, inference,
-                                                    program_file("inference"), state)}
-            models[program_file("inference")] = inference
-            manifest_programs["algorithms"] = []
-            for i, p in enumerate(self.algorithms):
-                model = portable(p, state, store)
-                models[program_file("algorithm", i)] = model
-                manifest_programs["algorithms"].append(
-                    entry("algorithm", p, model, program_file("algorithm", i), state))
-            manifest_programs["initializations"] = []
-            for i, p in enumerate(self.initializations):
-                item = None
-                if p is not None:
-                    model = portable(p, state, store)
-                    models[program_file("initialization", i)] = model
-                    item = entry("initialization", p, model, program_file("initialization", i), state)
-                manifest_programs["initializations"].append(item)
-            models[INFERENCE_MODEL] = self.inference_model(inference)
+            entries, models = self.programs(store)
+            models[INFERENCE_MODEL] = self.inference_model(models[program_file("inference")])
             models[TRAINING_MODEL] = self.training_model(store)
             _sync(f)
         if store.size == 0:
@@ -152,8 +133,27 @@ class BundlePlan:
         for name, model in models.items():
             _write_file(folder / name, model.SerializeToString())
         programs = [m for name, m in models.items() if name.startswith("program_")]
-        manifest = self.manifest(manifest_programs, programs, store.size > 0)
+        manifest = self.manifest(entries, programs, store.size > 0)
         _write_file(folder / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+
+    def programs(self, store: ConstantStore) -> tuple[dict[str, Any], dict[str, onnx.ModelProto]]:
+        """The manifest's ``inference``, ``algorithms`` and ``initializations``,
+        and the portable model of each program by file name."""
+        state = set(self.tm.state)
+        models: dict[str, onnx.ModelProto] = {}
+
+        def add(kind: str, program: Program, index: int | None = None) -> dict[str, Any]:
+            file = program_file(kind, index)
+            models[file] = portable(program, state, store)
+            return entry(kind, program, models[file], file, state)
+
+        entries = {
+            "inference": add("inference", self.inference),
+            "algorithms": [add("algorithm", p, i) for i, p in enumerate(self.algorithms)],
+            "initializations": [None if p is None else add("initialization", p, i)
+                                for i, p in enumerate(self.initializations)],
+        }
+        return entries, models
 
     def inference_model(self, program: onnx.ModelProto) -> onnx.ModelProto:
         """inference.onnx: the portable inference program with the state it
