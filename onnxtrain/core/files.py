@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Callable
 
+from ..errors import OutputExists
+
 #: Temporary files and folders older than this are stale even if their pid seems alive.
 STALE_TEMP_SECONDS = 24 * 3600
 
@@ -154,7 +156,7 @@ def write_folder(target: str | os.PathLike, fill: Callable[[Path], object], over
     fsynced), which is then renamed to ``target``.  ``target`` is never seen
     half written: it holds the old content or the new one.
 
-    Refused (FileExistsError, before ``fill`` runs, nothing changed): a
+    Refused (OutputExists, a FileExistsError, before ``fill`` runs, nothing changed): a
     ``target`` that is not a folder (a file, a link, a device), and a
     non-empty folder unless ``overwrite``.  With ``overwrite``, the old folder
     and the new one exchange places in one atomic step where the system can
@@ -224,12 +226,12 @@ def pid_alive(pid: int) -> bool:
 
 
 def check_folder_target(target: str | os.PathLike, overwrite: bool, how: str = "overwrite=True") -> None:
-    """FileExistsError unless ``target`` may become a folder ``write_folder`` writes:
+    """OutputExists (a FileExistsError and a ValueError) unless ``target`` may become a folder ``write_folder`` writes:
     absent, an empty folder, or (``overwrite``) a folder; never a link or a file.
     ``how``: what the message says replaces a non-empty folder."""
     path = os.fspath(target)
     if os.path.islink(path):
-        raise FileExistsError(f"{path}: exists and is a symbolic link; refusing to write over it "
+        raise OutputExists(f"{path}: exists and is a symbolic link; refusing to write over it "
                               "(give the path of a folder)")
     try:
         mode = os.stat(path).st_mode
@@ -237,10 +239,10 @@ def check_folder_target(target: str | os.PathLike, overwrite: bool, how: str = "
         return
     if not stat.S_ISDIR(mode):
         kind = "a file" if stat.S_ISREG(mode) else "not a regular file or folder"
-        raise FileExistsError(f"{path}: exists and is {kind}; refusing to write over it "
+        raise OutputExists(f"{path}: exists and is {kind}; refusing to write over it "
                               "(give the path of a folder)")
     if not overwrite and any(os.scandir(path)):
-        raise FileExistsError(f"{path}: the folder exists and is not empty; refusing to write into it "
+        raise OutputExists(f"{path}: the folder exists and is not empty; refusing to write into it "
                               f"(give a new or empty folder, or {how} to replace it)")
 
 

@@ -22,8 +22,7 @@ from onnxtrain import TrainingSession, bundle
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="forks a writer")
 
 
-def _writer_loop(sess, values, path) -> None:
-    i = 0
+def _writer_loop(sess, values, path, i: int) -> None:
     while True:
         sess.load_state(values[i % 2])
         bundle.save(sess, path, overwrite=True)
@@ -32,12 +31,12 @@ def _writer_loop(sess, values, path) -> None:
 
 def _kill_loop(sess, values, path, kills: int, seed: int, one: float, known: dict, seen: list) -> None:
     rng = random.Random(seed)
-    for _ in range(kills):
+    for k in range(kills):
         pid = os.fork()
         if pid == 0:  # the writer: never returns into pytest
             try:
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
-                _writer_loop(sess, values, path)
+                _writer_loop(sess, values, path, i=k)  # (half of them start with B)
             finally:
                 os._exit(1)
         try:

@@ -189,8 +189,9 @@ def test_a_non_empty_folder_is_refused_and_left_as_it_was(saved, tmp_path):
     target = tmp_path / "taken"
     target.mkdir()
     (target / "notes.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="not empty"):
+    with pytest.raises(FileExistsError, match="not empty") as info:
         bundle.save(saved / "training_model.onnx", target)
+    assert isinstance(info.value, bundle.OutputExists) and isinstance(info.value, ValueError)
     assert snapshot(target) == {"notes.txt": b"mine"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # no temporary folder left
     bundle.save(bundle.load(saved), target, overwrite=True)
