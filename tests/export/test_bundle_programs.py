@@ -186,3 +186,27 @@ def test_an_overridable_input_is_an_optional_feed(tmp_path):
     np.testing.assert_array_equal(js.run({"X": X})["Y"], python.run({"X": X})["Y"])
     half = js.run({"X": X, "scale": np.array(0.5, np.float32)})["Y"]
     np.testing.assert_allclose(half, 0.25 * python.run({"X": X})["Y"], rtol=1e-6)
+
+
+def test_lora_adapters_are_state_and_the_frozen_weights_constants(tmp_path):
+    """LoRA: only the adapters (and their moments) are state; the frozen base
+    weights go to constants.bin; the loaded session exports a merged model."""
+    m = build.training_model(wide_mlp(), target="label", optimizer=build.AdamW(lr=0.01),
+                             lora=build.LoRA(rank=2, alpha=4))
+    python = TrainingSession(m, fused_kernels=False)
+    bundle.save(python, tmp_path / "b")
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert {e["name"] for e in manifest["state"] if e["trainable"]} == {
+        "W1.lora_A", "W1.lora_B", "W2.lora_A", "W2.lora_B"}
+    assert not {"W1", "W2"} & {e["name"] for e in manifest["state"]}
+    assert (tmp_path / "b" / "constants.bin").stat().st_size >= 8 * 64 * 4  # W1 at least
+    js = ManifestRunner(tmp_path / "b")
+    for _ in range(3):
+        np.testing.assert_array_equal(js.train_step({"X": X, "label": LABEL})["loss"],
+                                      python.train_step({"X": X, "label": LABEL})["loss"])
+    (tmp_path / "b" / "state.bin").write_bytes(js.state_bytes())
+    loaded = bundle.load(tmp_path / "b")
+    merged = loaded.export(tmp_path / "merged.onnx")
+    assert [n.op_type for n in onnx.load(merged).graph.node] == ["Gemm", "Relu", "MatMul"]
+    out = ort.InferenceSession(str(merged)).run(None, {"X": X})[0]
+    np.testing.assert_allclose(out, python.run({"X": X})["logits"], rtol=1e-5, atol=1e-6)
