@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .errors import BundleError, BundleFileMissing
+from .errors import BundleError, BundleFileMissing, OutputExists
 from .export import SessionLike
 from .export.bundle import write
 from .export.bundle_format import FORMAT, VERSION
@@ -29,7 +29,8 @@ from .export.bundle_read import Bundle, read
 from .io.model import ModelLike
 from .session import TrainingSession
 
-__all__ = ["save", "load", "read", "Bundle", "BundleError", "BundleFileMissing", "FORMAT", "VERSION"]
+__all__ = ["save", "load", "read", "Bundle", "BundleError", "BundleFileMissing", "OutputExists", "FORMAT",
+           "VERSION"]
 
 
 def save(source: SessionLike | ModelLike, folder: str | os.PathLike, *, overwrite: bool = False) -> Path:
@@ -41,7 +42,7 @@ def save(source: SessionLike | ModelLike, folder: str | os.PathLike, *, overwrit
     The folder is written whole or not at all: built beside ``folder``,
     then renamed into place.  An existing non-empty folder is refused unless
     ``overwrite=True`` (then replaced); a file or link there always is
-    (FileExistsError, nothing changed).  A model whose programs need an op
+    (OutputExists, both a FileExistsError and a ValueError; nothing changed).  A model whose programs need an op
     outside the standard ONNX domains is refused (BundleError naming it)."""
     return write(source, folder, overwrite=overwrite)
 

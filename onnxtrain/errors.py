@@ -35,6 +35,15 @@ class DistributedStepError(RuntimeError):
         self.ranks = list(ranks or [])
 
 
+class OutputExists(FileExistsError, ValueError):
+    """An output path is taken by something that may not be written over (a
+    non-empty folder without ``overwrite``, a file where a folder goes, a
+    link).  Nothing was changed; the message names the path."""
+
+    def __init__(self, message: str) -> None:
+        ValueError.__init__(self, message)
+
+
 class BundleError(ValueError):
     """A training bundle (docs/bundle.md) cannot be written or read: a model
     it cannot hold, a version this onnxtrain does not know, a manifest that

@@ -263,11 +263,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 def _cmd_bundle(args: argparse.Namespace) -> int:
     from ..core.files import check_folder_target
+    from ..errors import OutputExists
     from ..export.bundle import write
 
     try:  # before the model is read: a bad -o fails at once, nothing changed
         check_folder_target(args.output, args.overwrite, how="--overwrite")
-    except FileExistsError as exc:
+    except OutputExists as exc:
         raise ValueError(f"-o {exc}") from None
     path = write(args.model, args.output, overwrite=args.overwrite)
     print(f"wrote training bundle {path}")

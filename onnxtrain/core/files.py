@@ -10,14 +10,24 @@ same way as a whole (``write_folder``).
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import re
 import shutil
 import stat
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Callable
+
+from ..errors import OutputExists
+
+#: Temporary files and folders older than this are stale even if their pid seems alive.
+STALE_TEMP_SECONDS = 24 * 3600
 
 
 def write_atomically(path: str | os.PathLike, content: bytes | Callable[[BinaryIO], object]) -> Path:
@@ -146,16 +156,18 @@ def write_folder(target: str | os.PathLike, fill: Callable[[Path], object], over
     fsynced), which is then renamed to ``target``.  ``target`` is never seen
     half written: it holds the old content or the new one.
 
-    Refused (FileExistsError, before ``fill`` runs, nothing changed): a
+    Refused (OutputExists, a FileExistsError, before ``fill`` runs, nothing changed): a
     ``target`` that is not a folder (a file, a link, a device), and a
     non-empty folder unless ``overwrite``.  With ``overwrite``, the old folder
-    is moved aside, the new one renamed into place (the old one is moved back
-    if that fails), then the old one is removed.  Temporary folders are named
-    ``.<name>.<pid>.<random>.tmp``."""
+    and the new one exchange places in one atomic step where the system can
+    (Linux), else the old one is moved aside and the new one renamed into
+    place (the old one moved back if that fails); then the old one is
+    removed.  Temporary folders are named ``.<name>.<pid>.<random>.tmp``."""
     given = target
     target = Path(os.path.abspath(target))
-    check_folder_target(given, overwrite)
     parent = target.parent
+    remove_stale_temp_folders(parent, target.name)
+    check_folder_target(given, overwrite)
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=parent))
     try:
@@ -171,13 +183,55 @@ def write_folder(target: str | os.PathLike, fill: Callable[[Path], object], over
     return Path(given)
 
 
+def remove_stale_temp_folders(parent: Path, name: str) -> list[str]:
+    """Remove the temporary folders that interrupted ``write_folder`` writes of
+    ``parent/name`` left: those whose writer (its pid is in the name) is gone,
+    or older than a day.  An old folder moved aside (``.old``) by a writer
+    killed before the new one took its place is renamed back instead."""
+    pattern = re.compile(rf"^\.{re.escape(name)}\.(\d+)\.[A-Za-z0-9_]+\.(tmp|old)$")
+    removed = []
+    now = time.time()
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = pattern.match(entry.name)
+        if not m or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            old = now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_SECONDS
+        except OSError:
+            continue
+        if old or not pid_alive(int(m.group(1))):
+            if m.group(2) == "old" and not os.path.lexists(parent / name):
+                os.rename(entry.path, parent / name)
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (this one included)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0
+    return True
+
+
 def check_folder_target(target: str | os.PathLike, overwrite: bool, how: str = "overwrite=True") -> None:
-    """FileExistsError unless ``target`` may become a folder ``write_folder`` writes:
+    """OutputExists (a FileExistsError and a ValueError) unless ``target`` may become a folder ``write_folder`` writes:
     absent, an empty folder, or (``overwrite``) a folder; never a link or a file.
     ``how``: what the message says replaces a non-empty folder."""
     path = os.fspath(target)
     if os.path.islink(path):
-        raise FileExistsError(f"{path}: exists and is a symbolic link; refusing to write over it "
+        raise OutputExists(f"{path}: exists and is a symbolic link; refusing to write over it "
                               "(give the path of a folder)")
     try:
         mode = os.stat(path).st_mode
@@ -185,10 +239,10 @@ def check_folder_target(target: str | os.PathLike, overwrite: bool, how: str = "
         return
     if not stat.S_ISDIR(mode):
         kind = "a file" if stat.S_ISREG(mode) else "not a regular file or folder"
-        raise FileExistsError(f"{path}: exists and is {kind}; refusing to write over it "
+        raise OutputExists(f"{path}: exists and is {kind}; refusing to write over it "
                               "(give the path of a folder)")
     if not overwrite and any(os.scandir(path)):
-        raise FileExistsError(f"{path}: the folder exists and is not empty; refusing to write into it "
+        raise OutputExists(f"{path}: the folder exists and is not empty; refusing to write into it "
                               f"(give a new or empty folder, or {how} to replace it)")
 
 
@@ -198,8 +252,19 @@ def _rename_folder(tmp: Path, target: Path, overwrite: bool) -> None:
         os.rename(tmp, target)  # absent, or an empty folder (POSIX replaces it)
         return
     except OSError:
-        if not overwrite or not target.is_dir() or target.is_symlink():
+        if not target.is_dir() or target.is_symlink():
             raise
+        if not any(os.scandir(target)):  # (Windows does not replace an empty folder)
+            os.rmdir(target)
+            os.rename(tmp, target)
+            return
+        if not overwrite:
+            raise
+    if _exchange(tmp, target):  # one atomic step: ``tmp`` now holds the old folder
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    # Elsewhere two renames: for a moment ``target`` is absent (the old folder
+    # waits beside it as ``.<name>.<pid>.<random>.old``).
     old = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".old",
                                 dir=target.parent))
     os.rmdir(old)  # (only its unique name is wanted)
@@ -210,3 +275,22 @@ def _rename_folder(tmp: Path, target: Path, overwrite: bool) -> None:
         os.rename(old, target)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``);
+    False where the system or file system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(b))

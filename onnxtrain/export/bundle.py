@@ -37,8 +37,12 @@ from .._version import __version__
 from ..core.files import check_folder_target, write_folder
 from ..core.graph import PREVIEW_DOMAIN
 from ..core.protos import all_tensors
+from ..errors import BundleError
+from ..io import mapped
+from ..io.combine import copy_graph
 from ..io.metadata import model_metadata, read_position, write_position
 from ..io.model import ModelLike, TrainingModel, load, validate
+from ..io.tensors import copy_fields
 from ..lower.programs import Program, algorithm_programs, inference_program, initialization_program
 from ..train.metrics import metric_functions
 from ..train.spec import fit_spec, label_classes
@@ -53,7 +57,6 @@ from .bundle_format import (
     VERSION,
     StateEntry,
     dtype_name,
-    point_external,
     program_file,
     state_layout,
 )
@@ -89,7 +92,7 @@ class BundlePlan:
     def of(cls, source: SessionLike | ModelLike) -> BundlePlan:
         if isinstance(source, SessionLike):
             proto, base = load(source.model)
-            values: Mapping[str, np.ndarray] = dict(source.state)  # one consistent snapshot
+            values: Mapping[str, np.ndarray] = dict(source.state)  # one state version (StateView)
             position = source.fit_position
         elif isinstance(source, (str, os.PathLike, bytes, bytearray, onnx.ModelProto)):
             proto, base = load(source)
@@ -99,6 +102,9 @@ class BundlePlan:
             raise TypeError(f"bundle: source must be a TrainingSession (or another SessionLike) or a "
                             f"training model (path, bytes, ModelProto), not {type(source).__name__}")
         tm = validate(proto, base, tensors_checked=True)
+        if not tm.training_info:
+            raise BundleError("the model has no training_info: a bundle holds a training model; make one "
+                              "with onnxtrain.build.training_model (onnxtrain make-training)")
         if not values:
             values = {name: tm.initial_value(name, readonly=True) for name in tm.state}
         trainable = trainable_names(tm)
@@ -112,30 +118,11 @@ class BundlePlan:
 
     # ------------------------------------------------------------- writing
     def fill(self, folder: Path) -> None:
-        """Write every file of the bundle into ``folder`` (empty)."""
-        state = set(self.tm.state)
-        models: dict[str, onnx.ModelProto] = {}
+        """Write every file of the bundle into ``folder`` (empty); the manifest last."""
         with open(folder / CONSTANTS_FILE, "wb") as f:
             store = ConstantStore(f, CONSTANTS_FILE)
-            inference = portable(self.inference, state, store)
-            manifest_programs = {"inference": entry("inference", self.inference, inference,
-                                                    program_file("inference"), state)}
-            models[program_file("inference")] = inference
-            manifest_programs["algorithms"] = []
-            for i, p in enumerate(self.algorithms):
-                model = portable(p, state, store)
-                models[program_file("algorithm", i)] = model
-                manifest_programs["algorithms"].append(
-                    entry("algorithm", p, model, program_file("algorithm", i), state))
-            manifest_programs["initializations"] = []
-            for i, p in enumerate(self.initializations):
-                item = None
-                if p is not None:
-                    model = portable(p, state, store)
-                    models[program_file("initialization", i)] = model
-                    item = entry("initialization", p, model, program_file("initialization", i), state)
-                manifest_programs["initializations"].append(item)
-            models[INFERENCE_MODEL] = self.inference_model(inference)
+            entries, models = self.programs(store)
+            models[INFERENCE_MODEL] = self.inference_model(models[program_file("inference")])
             models[TRAINING_MODEL] = self.training_model(store)
             _sync(f)
         if store.size == 0:
@@ -146,8 +133,27 @@ class BundlePlan:
         for name, model in models.items():
             _write_file(folder / name, model.SerializeToString())
         programs = [m for name, m in models.items() if name.startswith("program_")]
-        manifest = self.manifest(manifest_programs, programs, store.size > 0)
+        manifest = self.manifest(entries, programs, store.size > 0)
         _write_file(folder / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+
+    def programs(self, store: ConstantStore) -> tuple[dict[str, Any], dict[str, onnx.ModelProto]]:
+        """The manifest's ``inference``, ``algorithms`` and ``initializations``,
+        and the portable model of each program by file name."""
+        state = set(self.tm.state)
+        models: dict[str, onnx.ModelProto] = {}
+
+        def add(kind: str, program: Program, index: int | None = None) -> dict[str, Any]:
+            file = program_file(kind, index)
+            models[file] = portable(program, state, store)
+            return entry(kind, program, models[file], file, state)
+
+        entries = {
+            "inference": add("inference", self.inference),
+            "algorithms": [add("algorithm", p, i) for i, p in enumerate(self.algorithms)],
+            "initializations": [None if p is None else add("initialization", p, i)
+                                for i, p in enumerate(self.initializations)],
+        }
+        return entries, models
 
     def inference_model(self, program: onnx.ModelProto) -> onnx.ModelProto:
         """inference.onnx: the portable inference program with the state it
@@ -161,33 +167,31 @@ class BundlePlan:
             e = places.get(vi.name)
             if e is not None:
                 t = g.initializer.add(name=e.name, data_type=e.elem_type, dims=e.shape)
-                point_external(t, STATE_FILE, e.offset, e.length)
+                mapped.point(t, STATE_FILE, e.offset, e.length)
         del g.input[:]
         g.input.extend(kept)
         return model
 
     def training_model(self, store: ConstantStore) -> onnx.ModelProto:
         """training_model.onnx: the model, its state initializers pointing
-        into state.bin, its constants of 1 KiB or more in constants.bin."""
+        into state.bin (sparse ones dense: training fills them in; their
+        initial values never copied), its constants of 1 KiB or more in
+        constants.bin."""
+        src, places = self.tm.proto, {e.name: e for e in self.entries}
         model = onnx.ModelProto()
-        model.CopyFrom(self.tm.proto)
-        places = {e.name: e for e in self.entries}
-        graphs = [model.graph] + [ti.algorithm for ti in model.training_info]
-        for g in graphs:
-            sparse = [st for st in g.sparse_initializer if st.values.name in places]
-            if sparse:  # a sparse state variable is stored dense (training fills it in)
-                kept = [st for st in g.sparse_initializer if st.values.name not in places]
-                del g.sparse_initializer[:]
-                g.sparse_initializer.extend(kept)
-                for st in sparse:
-                    g.initializer.add(name=st.values.name)
-            for t in g.initializer:
-                e = places.get(t.name)
-                if e is not None:
-                    t.data_type = e.elem_type
-                    del t.dims[:]
-                    t.dims.extend(e.shape)
-                    point_external(t, STATE_FILE, e.offset, e.length)
+        copy_fields(src, model, skip=("graph", "training_info"))
+        graphs = [(src.graph, model.graph, "graph")]
+        for i, ti in enumerate(src.training_info):
+            out = model.training_info.add()
+            copy_fields(ti, out, skip=("algorithm",))
+            graphs.append((ti.algorithm, out.algorithm, f"training_info[{i}].algorithm"))
+        for source, g, origin in graphs:
+            copy_graph(source, places, into=g)
+            for name, var in self.tm.state.items():
+                if var.origin == origin:
+                    e = places[name]
+                    mapped.point(g.initializer.add(name=name, data_type=e.elem_type, dims=e.shape),
+                                 STATE_FILE, e.offset, e.length)
         for t in all_tensors(model):
             if not _in_bundle(t):
                 store.put(t)

@@ -20,16 +20,12 @@ from ..errors import BundleError
 from ..io import mapped
 from .bundle_format import (
     CONSTANT_MIN_BYTES,
-    DTYPES,
+    DTYPE_NAMES,
     ITEMSIZE,
     StateEntry,
     aligned,
-    dtype_name,
     numpy_dtype,
-    point_external,
 )
-
-_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def write_state(f: BinaryIO, entries: list[StateEntry], values: Mapping[str, np.ndarray]) -> int:
@@ -43,29 +39,34 @@ def write_state(f: BinaryIO, entries: list[StateEntry], values: Mapping[str, np.
             raise BundleError(f"state variable {e.name!r} is {value.dtype}{list(value.shape)}, "
                               f"expected {e.dtype}{list(e.shape)}")
         f.write(bytes(e.offset - at))
-        f.write(np.ascontiguousarray(value).tobytes())
+        f.write(as_bytes(value))
         at = e.offset + e.length
     return at
 
 
-def tensor_bytes(t: onnx.TensorProto) -> bytes | None:
+def as_bytes(value: np.ndarray) -> np.ndarray:
+    """The bytes of an array in C order, as a flat uint8 view (no copy when it is contiguous)."""
+    return np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+
+
+def tensor_bytes(t: onnx.TensorProto) -> bytes | np.ndarray | None:
     """The raw little-endian bytes of a tensor of a bundle element type (None
     for other types: strings, 4-bit and 8-bit floats stay where they are)."""
-    dtype = _NAMES.get(t.data_type)
+    dtype = DTYPE_NAMES.get(t.data_type)
     if dtype is None:
         return None
     if mapped.is_mapped(t):
-        return mapped.read(t).tobytes()
+        return as_bytes(mapped.read(t))
     if t.data_location == onnx.TensorProto.EXTERNAL:
         return None  # (not loaded: left as it is)
     if t.HasField("raw_data"):
         return t.raw_data
-    return np.ascontiguousarray(numpy_helper.to_array(t), numpy_dtype(dtype)).tobytes()
+    return as_bytes(numpy_helper.to_array(t).astype(numpy_dtype(dtype), copy=False))
 
 
 def declared_bytes(t: onnx.TensorProto) -> int:
     """A tensor's data size from its type and dims (0 for types a bundle does not store)."""
-    dtype = _NAMES.get(t.data_type)
+    dtype = DTYPE_NAMES.get(t.data_type)
     if dtype is None:
         return 0
     return int(np.prod(list(t.dims), dtype=np.int64)) * ITEMSIZE[dtype]
@@ -97,10 +98,5 @@ class ConstantStore:
             self.f.write(data)
             self.size = offset + len(data)
             place = self._at[key] = (offset, len(data))
-        point_external(t, self.location, *place)
+        mapped.point(t, self.location, *place)
         return True
-
-
-def check_state_types(variables: Mapping[str, tuple[int, tuple[int, ...]]]) -> dict[str, str]:
-    """name -> the bundle dtype of each state variable ((elem_type, shape) pairs)."""
-    return {name: dtype_name(elem, f"state variable {name!r}") for name, (elem, _) in variables.items()}

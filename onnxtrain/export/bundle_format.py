@@ -47,7 +47,8 @@ DTYPES: dict[str, int] = {
     "uint32": TensorProto.UINT32, "int64": TensorProto.INT64, "uint64": TensorProto.UINT64,
     "bool": TensorProto.BOOL,
 }
-_NAMES = {v: k for k, v in DTYPES.items()}
+#: ONNX element type -> the bundle's name.
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1,
             "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8, "bool": 1}
 
@@ -59,7 +60,7 @@ def program_file(kind: str, index: int | None = None) -> str:
 
 def dtype_name(elem_type: int, where: str) -> str:
     """The bundle's name of an ONNX element type, or BundleError naming ``where``."""
-    name = _NAMES.get(elem_type)
+    name = DTYPE_NAMES.get(elem_type)
     if name is None:
         found = TensorProto.DataType.Name(elem_type) if elem_type in TensorProto.DataType.values() \
             else str(elem_type)
@@ -112,18 +113,6 @@ def state_layout(variables: Iterable[tuple[str, str, tuple[int, ...], bool]]
         entries.append(StateEntry(name, dtype, tuple(int(d) for d in shape), offset, length, trainable))
         end = offset + length
     return entries, end
-
-
-def point_external(t: onnx.TensorProto, location: str, offset: int, length: int) -> None:
-    """Make ``t`` (name, type and dims kept) refer to ``length`` bytes at
-    ``offset`` of the bundle file ``location`` as ONNX external data."""
-    for fld in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data",
-                "string_data"):
-        t.ClearField(fld)
-    del t.external_data[:]
-    t.data_location = TensorProto.EXTERNAL
-    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
-        t.external_data.add(key=key, value=value)
 
 
 def external_info(t: onnx.TensorProto) -> dict[str, str]:

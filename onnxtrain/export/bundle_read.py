@@ -201,8 +201,8 @@ def training_model(folder: Path, manifest: dict[str, Any], entries: list[StateEn
     for e in entries:
         t = stored.get(e.name)
         info = external_info(t) if t is not None else {}
-        place = (info.get("location"), int(info.get("offset") or 0), int(info.get("length") or -1))
-        if t is None or place != (state_file, e.offset, e.length) or t.data_type != e.elem_type \
+        place = (info.get("location"), info.get("offset") or "0", info.get("length"))
+        if t is None or place != (state_file, str(e.offset), str(e.length)) or t.data_type != e.elem_type \
                 or tuple(t.dims) != e.shape:
             raise BundleError(f"{where}: state variable {e.name!r} is not stored as the manifest says "
                               f"({e.dtype}{list(e.shape)} at bytes {e.offset}+{e.length} of {state_file})")

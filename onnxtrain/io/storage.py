@@ -52,7 +52,15 @@ import onnx
 from google.protobuf.message import EncodeError
 from onnx import numpy_helper
 
-from ..core.files import fsync_dir, refuse_special, replace_with, unlink_quietly, write_temp
+from ..core.files import (
+    STALE_TEMP_SECONDS,
+    fsync_dir,
+    pid_alive,
+    refuse_special,
+    replace_with,
+    unlink_quietly,
+    write_temp,
+)
 from ..core.protos import all_tensors, labelled_tensors
 from ..errors import TrainingModelError
 from . import mapped
@@ -71,8 +79,6 @@ DEFAULT_MIN_EXTERNAL_BYTES = 1024
 #: so that runtimes can memory-map them.
 _PAGE_ALIGN_FROM = 2**20
 _PAGE = 4096
-#: Temporary files older than this are stale even if their pid seems alive.
-STALE_TEMP_SECONDS = 24 * 3600
 
 
 # ------------------------------------------------------------------ reading
@@ -402,25 +408,13 @@ def remove_stale_temp_files(folder: str | os.PathLike, name: str) -> list[str]:
             old = now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_SECONDS
         except OSError:
             continue
-        if old or (pid is not None and not _pid_alive(pid)):
+        if old or (pid is not None and not pid_alive(pid)):
             try:
                 os.unlink(entry.path)
                 removed.append(entry.name)
             except OSError:
                 pass
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return pid > 0
-    return True
 
 
 def _locations(model: onnx.ModelProto) -> set[str]:
