@@ -15,6 +15,7 @@ const ui = {
   epochs: $('epochs'), batch: $('batch'), lr: $('lr'), train: $('train'), stop: $('stop'), reset: $('reset'),
   status: $('status'), chart: $('chart'), digits: $('digits'), accuracy: $('accuracy'), epoch: $('epoch'),
   step: $('step'), loss: $('loss'), speed: $('speed'), dlModel: $('dl-model'), dlState: $('dl-state'),
+  dlConstants: $('dl-constants'),
 };
 const history = { steps: [], epochs: [], accuracy: [] };
 let sess;
@@ -163,6 +164,7 @@ async function train() {
   setBusy(true);
   document.body.dataset.state = 'training';
   let t0 = performance.now();
+  let evaluating = 0; // ms spent on the test set, left out of the step time
   let frame = 0;
   const result = await sess.fit({
     [input]: { data: data.train.X, shape: shapeOf(data.train.n) },
@@ -180,9 +182,11 @@ async function train() {
       if (!frame) frame = requestAnimationFrame(() => { frame = 0; drawChart(); });
     },
     onEpoch: async ({ epoch, loss, steps }) => {
-      ui.speed.textContent = ((performance.now() - t0) / steps).toFixed(2);
+      ui.speed.textContent = ((performance.now() - t0 - evaluating) / steps).toFixed(2);
       history.epochs.push({ step: history.steps.length, loss });
+      const started = performance.now();
       const accuracy = await show();
+      evaluating += performance.now() - started;
       history.accuracy.push({ step: history.steps.length, accuracy });
       ui.epoch.textContent = String(epoch + 1);
       ui.loss.textContent = loss.toFixed(4);
@@ -204,6 +208,7 @@ function setBusy(busy) {
   ui.stop.disabled = !busy;
   ui.dlModel.disabled = busy;
   ui.dlState.disabled = busy;
+  ui.dlConstants.disabled = busy;
 }
 
 async function download(name) {
@@ -250,6 +255,13 @@ async function main() {
   ui.reset.onclick = () => reset().catch((err) => status(err.message, true));
   ui.dlModel.onclick = () => download(sess.manifest.inference_model);
   ui.dlState.onclick = () => download(sess.manifest.state_file);
+  // inference.onnx reads constants.bin too where the bundle keeps frozen weights
+  // there (LoRA): its external-data location names the file.
+  const constants = sess.manifest.constants_file;
+  const location = new TextEncoder().encode(constants ?? '\0');
+  const model = initialFiles[sess.manifest.inference_model];
+  ui.dlConstants.hidden = !constants || !model.some((_, i) => location.every((b, j) => model[i + j] === b));
+  ui.dlConstants.onclick = () => download(constants);
   setBusy(false);
   status(`ready: ${data.train.n} training and ${data.test.n} test digits, ${sess.stateNames.length} state variables, ` +
     `onnxruntime-web ${ort.env.versions.web} (${ort.env.wasm.numThreads} thread${ort.env.wasm.numThreads > 1 ? 's' : ''})`);

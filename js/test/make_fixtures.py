@@ -296,6 +296,23 @@ def case_digits_cnn(out: Path) -> dict:
     return image_case(out, "digits_cnn", model, steps=4, offset=500)
 
 
+def case_lora(out: Path) -> dict:
+    """The builder with LoRA adapters: the frozen weights are constants (in constants.bin,
+    read as external data), the adapters the state; Adam."""
+    model = build.training_model(digits_mlp(n_in=64, hidden=32, seed=2), loss="cross_entropy",
+                                 target="label", optimizer=build.Adam(lr=0.02),
+                                 lora=build.LoRA(rank=2, alpha=4))
+    c = Case(out, "lora", model)
+    c.start()
+    X, y = digits(32, offset=700)
+    for i in range(4):
+        rows = slice(8 * i, 8 * i + 8)
+        c.step({"X": X[rows], "label": y[rows]})
+    record = c.finish({"X": X[:5]})
+    assert (c.folder / "bundle" / "constants.bin").exists(), "the frozen weights are constants"
+    return record
+
+
 def case_faulty(out: Path) -> dict:
     """Two hand-written algorithms without Gradient: [0] W += 1; [1] V += D, D a feed of any
     shape.  D of shape [2, 3] broadcasts V to [2, 3] (a bound value of the wrong shape,
@@ -319,7 +336,7 @@ def case_faulty(out: Path) -> dict:
 
 
 CASES = [case_linear, case_two_algorithms, case_mlp, case_cnn_batchnorm, case_transformer,
-         case_lstm, case_fit, case_digits_cnn, case_faulty]
+         case_lstm, case_fit, case_digits_cnn, case_lora, case_faulty]
 
 
 def main(argv: list[str]) -> int:
