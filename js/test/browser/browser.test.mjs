@@ -1,14 +1,16 @@
 // Headless Chromium (Debian's, driven by puppeteer-core) trains the fixture
 // bundles with onnxruntime-web's WASM build, from a page served on
 // 127.0.0.1 that imports the package's browser entry with no bundler; the
-// results agree with Python's within float rounding.
+// results agree with Python's within float rounding, and the bundles the
+// page gives back (bundleFiles) load in Python, train on and export.
 
 import assert from 'node:assert/strict';
-import { readFileSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { after, before, test } from 'node:test';
 
-import { JS_ROOT, closeness, fixtures } from '../helpers.mjs';
+import { JS_ROOT, closeness, fixtures, runPython } from '../helpers.mjs';
 import { launch, openPage, serve } from './harness.mjs';
 
 const { dir, cases } = fixtures();
@@ -16,6 +18,7 @@ let server;
 let chromium;
 let page;
 const log = [];
+const back = mkdtempSync(path.join(tmpdir(), 'onnxtrain-from-chromium-'));
 
 before(async () => {
   server = await serve({
@@ -32,6 +35,7 @@ before(async () => {
 after(async () => {
   await chromium?.close();
   await server?.close();
+  rmSync(back, { recursive: true, force: true });
 });
 
 /** Python's state after the steps, variable by variable, as numbers. */
@@ -75,7 +79,9 @@ for (const c of Object.values(cases).filter((k) => k.steps)) {
     }
     compareState(result.state, path.join(dir, c.after), c.name);
     assert.match(result.saveError, /save\(folder\) writes files and needs Node/);
-    assert.ok(result.files.includes('inference.onnx') && result.files.includes('state.bin'));
+    const folder = path.join(back, c.name);
+    mkdirSync(folder);
+    for (const [name, text] of Object.entries(result.files)) writeFileSync(path.join(folder, name), Buffer.from(text, 'base64'));
     assert.deepEqual(log.filter((l) => l.startsWith('pageerror')), []);
   });
 }
@@ -86,4 +92,33 @@ test('fit continues a Python fit checkpoint in Chromium', async () => {
   assert.deepEqual(result.position, c.fit.position);
   result.loss.forEach((loss, i) => assert.ok(Math.abs(loss - c.fit.loss[i]) <= 1e-4 * Math.abs(c.fit.loss[i]), `epoch ${i}: ${loss} vs ${c.fit.loss[i]}`));
   compareState(result.state, path.join(dir, c.after), 'fit');
+});
+
+test('the bundles trained in Chromium come back to Python: load, the state, one more step, export', () => {
+  const names = Object.values(cases).filter((k) => k.steps).map((k) => k.name);
+  const out = runPython(['-c', `
+import json, sys, numpy as np, onnxruntime as ort
+from pathlib import Path
+from onnxtrain import bundle
+fixtures, back = Path(sys.argv[1]), Path(sys.argv[2])
+cases = json.loads((fixtures / "cases.json").read_text())
+def array(spec):
+    return np.fromfile(fixtures / spec["file"], dtype=spec["dtype"]).reshape(spec["shape"])
+for name in sys.argv[3:]:
+    c = cases[name]
+    sess, python = bundle.load(back / name), bundle.load(fixtures / c["after"])
+    for var, value in python.state.items():
+        np.testing.assert_allclose(sess.state[var], value, rtol=1e-4, atol=1e-5, err_msg=f"{name} {var}")
+    feeds = {k: array(s) for k, s in c["steps"][0]["feeds"].items()}
+    algorithm = c["steps"][0]["algorithm"]
+    got, want = sess.train_step(feeds, algorithm=algorithm), python.train_step(feeds, algorithm=algorithm)
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-4, err_msg=name)
+    run = {k: array(s) for k, s in c["run"]["feeds"].items()}
+    sess.export(back / f"{name}.onnx")
+    plain = ort.InferenceSession(str(back / f"{name}.onnx"), providers=["CPUExecutionProvider"])
+    for output, value in zip([o.name for o in plain.get_outputs()], plain.run(None, run)):
+        np.testing.assert_allclose(value, sess.run(run)[output], rtol=1e-5, atol=1e-6, err_msg=name)
+    print("back", name)
+`, dir, back, ...names]);
+  assert.deepEqual(out.trim().split('\n'), names.map((n) => `back ${n}`));
 });
