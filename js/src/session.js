@@ -419,8 +419,9 @@ export class TrainingSession {
     });
   }
 
-  /** Node only (the Node entry implements it). */
-  async save() {
+  /** Node only (the Node entry implements it): `save(folder, { overwrite })`. */
+  // eslint-disable-next-line no-unused-vars
+  async save(folder, options = {}) {
     throw new Error('save(folder) writes files and needs Node (the "node" entry of onnxtrain); ' +
       'elsewhere use `await sess.bundleFiles()` (every file as bytes) or `sess.stateBytes()`');
   }
