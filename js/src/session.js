@@ -91,8 +91,9 @@ export class TrainingSession {
     const missing = [];
     await Promise.all([...files].filter(([name]) => name !== 'manifest.json').map(async ([name, field]) => {
       try {
-        const byPath = reader.modelPath && name !== manifest.state_file && name !== manifest.constants_file;
-        if (byPath) await reader.check(name);
+        // A folder is read again when needed (onnxruntime-node reads programs and
+        // constants.bin itself): only state.bin comes into memory now.
+        if (reader.rereadable && name !== manifest.state_file) await reader.check(name);
         else kept.set(name, await reader.read(name));
       } catch (err) {
         if (!(err instanceof MissingFile)) throw err;
@@ -116,9 +117,8 @@ export class TrainingSession {
     this.#stateSpecs = new Map(manifest.state.map((v) => [v.name, new FeedSpec(v)]));
     this.#state = readState(ort, manifest, kept.get(manifest.state_file), reader.where);
     kept.delete(manifest.state_file);
-    // A folder on disk can be read again when saving; other sources keep their bytes.
-    this.#kept = reader.rereadable ? new Map([['manifest.json', kept.get('manifest.json')]]) : kept;
-    if (reader.rereadable && manifest.constants_file) this.#kept.set(manifest.constants_file, kept.get(manifest.constants_file));
+    // A folder on disk is read again when needed; other sources keep their bytes.
+    this.#kept = kept;
     const specs = this.#stateSpecs;
     this.#inference = new Program(manifest.inference, 'inference', specs);
     this.#algorithms = manifest.algorithms.map((a, i) => new Program(a, a.label ?? `training_info[${i}].algorithm`, specs));
@@ -148,6 +148,7 @@ export class TrainingSession {
       model = this.#kept.get(program.file) ?? await this.#reader.read(program.file);
       const constants = this.#manifest.constants_file;
       if (constants) {
+        if (!this.#kept.has(constants)) this.#kept.set(constants, await this.#reader.read(constants));
         options.externalData = [...(options.externalData ?? []),
           { path: constants, data: this.#kept.get(constants) }];
       }
