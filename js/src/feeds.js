@@ -12,24 +12,24 @@ export class FeedSpec {
     this.text = describe(dtype, this.shape);
   }
 
-  /** Throws unless `value` is a tensor of this dtype and shape. */
-  check(value, caller) {
+  /** Throws unless `value` is a tensor of this dtype and shape (`kind` names it in messages). */
+  check(value, caller, kind = 'feed') {
     if (value === null || typeof value !== 'object' || typeof value.type !== 'string'
       || !Array.isArray(value.dims) && !ArrayBuffer.isView(value.dims)) {
       throw new TypeError(
-        `${caller}: feed '${this.name}' must be an onnxruntime Tensor ` +
+        `${caller}: ${kind} '${this.name}' must be an onnxruntime Tensor ` +
         `(new ort.Tensor(type, data, dims)), got ${kindOf(value)}; expected ${this.text}`,
       );
     }
     if (value.type !== this.dtype) {
-      throw new TypeError(`${caller}: feed '${this.name}' has dtype ${value.type}, expected ${this.text}`);
+      throw new TypeError(`${caller}: ${kind} '${this.name}' has dtype ${value.type}, expected ${this.text}`);
     }
     const shape = this.shape;
     if (shape === null) return;
     const dims = Array.from(value.dims);
     if (dims.length !== shape.length || shape.some((d, a) => Number.isInteger(d) && dims[a] !== d)) {
       throw new RangeError(
-        `${caller}: feed '${this.name}' has shape [${dims.join(', ')}], expected ${this.text}`,
+        `${caller}: ${kind} '${this.name}' has shape [${dims.join(', ')}], expected ${this.text}`,
       );
     }
   }

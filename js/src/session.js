@@ -309,7 +309,7 @@ export class TrainingSession {
       if (spec === undefined) throw new Error(`setState: '${name}' is not a state variable`);
       let tensor = value;
       if (ArrayBuffer.isView(value)) tensor = new this.#ort.Tensor(spec.dtype, value, spec.shape);
-      spec.check(tensor, 'setState');
+      spec.check(tensor, 'setState', 'state variable');
       staged.push([name, this.#copy(tensor)]);
     }
     return this.#serial(async () => {

@@ -162,3 +162,19 @@ test('learningRate: get and set where the bundle records it, a clear error where
 test('load refuses something that is not an onnxruntime module', async () => {
   await assert.rejects(TrainingSession.load({}, mlp), /the first argument must be the onnxruntime module/);
 });
+
+test('setState checks dtype and shape and sets all or nothing; getState copies', async () => {
+  const sess = await TrainingSession.load(ort, mlp);
+  const before = Buffer.from(sess.stateBytes());
+  assert.throws(() => sess.setState({ b1: new ort.Tensor('float32', new Float32Array(31), [31]) }),
+    /setState: state variable 'b1' has shape \[31\], expected float32\[32\]/);
+  assert.throws(() => sess.setState({ b1: new Float32Array(32), nope: new Float32Array(1) }),
+    /setState: 'nope' is not a state variable/);
+  assert.ok(before.equals(Buffer.from(sess.stateBytes())), 'nothing was set');
+  const ones = new Float32Array(32).fill(1);
+  await sess.setState({ b1: ones });
+  ones[0] = 5; // the session holds its own copy
+  assert.deepEqual(Array.from(sess.getState('b1').data), new Array(32).fill(1));
+  assert.throws(() => sess.getState('nope'), /getState: 'nope' is not a state variable/);
+  await sess.release();
+});
