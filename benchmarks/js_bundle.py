@@ -239,8 +239,9 @@ def report(keys: list[str], results: dict, meta: dict) -> str:
              "(a page without COOP/COEP headers) or 2 (cross-origin isolated). "
              f"{meta['rounds']} rounds; timed steps per runner: "
              + ", ".join(f"{k} {results[k]['times']['Node']['n']}" for k in keys) + ".",
-             f"- Date: {meta['date']}; wall time {meta['wall']:.0f} s.", "",
-             "Equal work:", ""] + equal_work(keys, results) + ["",
+             f"- Date: {meta['date']}; wall time {meta['wall']:.0f} s.", ""] + oversubscribed(meta) + [
+             
+"Equal work:", ""] + equal_work(keys, results) + ["",
              "Why Node is behind Python's default session where it is: the default session runs fused C "
              "kernels for the optimizers and NCHWc convolutions (`docs/fused-kernels.md`), which a bundle "
              "cannot hold (JavaScript cannot load them); against the same standard programs Node adds "
@@ -248,6 +249,19 @@ def report(keys: list[str], results: dict, meta: dict) -> str:
              "binds double buffers in place). WASM adds a copy of the state into and out of its heap "
              "each step, and its kernels are slower than the native ones.", END]
     return "\n".join(lines)
+
+
+def oversubscribed(meta: dict) -> list[str]:
+    """A warning when the machine ran more than one runnable thread per CPU."""
+    cpus = os.cpu_count() or 1
+    load = max(meta["load_before"], meta["load_after"])
+    if load <= cpus:
+        return []
+    return [f"**The machine was oversubscribed** (load average up to {load:.1f} on {cpus} CPUs, other "
+            "jobs running): every runner waited for CPU, steps took several times their quiet-machine "
+            "time, and the ratios move by tens of percent from run to run. The rounds interleave the "
+            "runners so that the load hits them alike; rerun `python benchmarks/js_bundle.py --write` "
+            "on a quiet machine for numbers to rely on.", ""]
 
 
 def write_section(text: str) -> Path:
@@ -272,9 +286,17 @@ def main() -> int:
     ap.add_argument("--no-browser", action="store_true")
     ap.add_argument("--write", action="store_true", help="write the section of docs/benchmarks.md")
     ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--from-json", help="rewrite the report of an earlier --json run (no measuring)")
     args = ap.parse_args()
     keys = [k for name in args.workloads.split(",") for k in ALIASES.get(name, [name])]
     keys = [k for k in keys if k in STEPS]
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        text = report([k for k in keys if k in saved["results"]], saved["results"], saved["meta"])
+        print(text)
+        if args.write:
+            print(f"wrote {write_section(text)}")
+        return 0
     if shutil.which("node") is None or not (ROOT / "js" / "node_modules" / "onnxruntime-node").is_dir():
         raise SystemExit("js_bundle: needs node and js/node_modules (cd js && ONNXRUNTIME_NODE_INSTALL=skip npm ci)")
     import tempfile
