@@ -34,7 +34,7 @@ from .io import mapped
 from .io.combine import uses_preview_ops
 from .io.metadata import model_metadata, read_position
 from .io.model import ModelLike, TrainingModel, load, validate
-from .lower.pipeline import KernelChoice, check_fused_kernels
+from .lower.pipeline import KernelChoice, check_fused_kernels, note_exact_quantized_products
 from .lower.programs import (
     Program,
     SplitAlgorithm,
@@ -146,6 +146,7 @@ class TrainingSession(SettingsMixin, ExecutionMixin, DataParallelMixin, ExportMi
         #: The model's onnxtrain.* metadata, decoded once (the model never changes).
         self._metadata = model_metadata(proto)
         # Build every program now, so that model errors surface at construction.
+        note_exact_quantized_products(tm)
         self._inference = inference_program(tm)
         built = [algorithm_programs(tm, i, self._cut_options(i)) for i in range(len(tm.training_info))]
         self._algorithms = [program for program, _ in built]

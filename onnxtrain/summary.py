@@ -353,6 +353,9 @@ def parameter_text(model: Any, indent: str = "  ") -> str:
     inits = {t.name: t for t in proto.graph.initializer}
     choices = parameter_choices(proto.graph)
     trained = [c for c in choices if c.trainable]
+    for c in choices:  # (an untied copy: the initializer it copies)
+        if c.name not in inits:
+            inits[c.name] = inits[c.copy_of]
     size = sum(math.prod(inits[c.name].dims) for c in trained)
     lines = [f"builder's default (trainable=None): {len(trained)} trained ({size:,} parameters), "
              f"{_plural(len(choices) - len(trained), 'constant')}"]
@@ -366,8 +369,9 @@ def parameter_text(model: Any, indent: str = "  ") -> str:
     header = ("name", "dtype", "shape", "choice", "reason") + (("known as",) if named else ())
     lines += _table(header, rows, indent)
     for c in choices:
-        if c.doubt:
-            lines.append(f"{indent}note: {c.name}: {c.doubt}")
+        for note in (c.doubt, c.tie):
+            if note:
+                lines.append(f"{indent}note: {c.name}: {note}")
     return "\n".join(lines)
 
 

@@ -65,6 +65,12 @@ Language models:
   cross-entropy's `ignore_index`, which the loss skips. Feed `attention_mask`
   when the model has it as an input. The labels are `[B, T]` class indices; the
   builder finds the vocabulary axis of `[B, T, V]` logits itself.
+- **Fresh models**: the dynamo exporter stores equal weights once (a fresh
+  Llama's RMSNorm weights, all ones: one initializer read by five nodes). Its
+  node records name the parameter each node read, so the builder gives each its
+  own initializer again, named after its module (`build.parameter_choices`
+  notes it in `tie`); a parameter used twice stays one
+  (`tests/builder/test_tied_exports.py`, made by `scripts/make_tied_exports.py`).
 """
 
 

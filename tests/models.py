@@ -174,3 +174,26 @@ def mlp_classifier(optimizer="sgd", sizes=(4, 8, 3), lr=0.1, dtype=np.float32, s
     loss = [helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "label"], ["loss"], reduction="mean")]
     return trainable_model(main, [vi("X", et, ["N", n_in])], [vi("logits", et, ["N", n_out])], params,
                            loss, vi("label", TensorProto.INT64, ["N"]), optimizer, lr, groups, opset)
+
+
+def overridable_regression(n_in=3, n_out=2, scale=2.0, lr=0.5, dtype=np.float64, seed=0):
+    """Y = Gemm(X, W) * scale, loss = mean((Y - T)^2), W -= lr * dloss/dW.
+
+    ``scale`` (main graph) and ``lr`` (algorithm) are inputs with a default
+    (an initializer of the same name, IR >= 4): fed, the feed wins.  The
+    algorithm also returns ``d_scale``, the gradient with respect to scale."""
+    rng = np.random.default_rng(seed)
+    et = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    main = [helper.make_node("Gemm", ["X", "W"], ["XW"]), helper.make_node("Mul", ["XW", "scale"], ["Y"])]
+    algo = [helper.make_node("Sub", ["Y", "T"], ["diff"]), helper.make_node("Mul", ["diff", "diff"], ["sq"]),
+            helper.make_node("ReduceMean", ["sq"], ["loss"], keepdims=0),
+            helper.make_node("Gradient", ["W", "scale", "X", "T"], ["d_W", "d_scale"], domain=PREVIEW,
+                             xs=["W", "scale"], zs=["X", "T"], y="loss"),
+            helper.make_node("Mul", ["lr", "d_W"], ["step"]), helper.make_node("Sub", ["W", "step"], ["W_new"])]
+    info = training_info(algo, [tensor("lr", np.asarray(lr, dtype))],
+                         [vi("T", et, ["N", n_out]), vi("lr", et, [])],
+                         [vi("loss", et, []), vi("d_scale", et, []), vi("W_new", et, [n_in, n_out])],
+                         [("W", "W_new")])
+    w = (rng.standard_normal((n_in, n_out)) * 0.5).astype(dtype)
+    return model(main, [vi("X", et, ["N", n_in]), vi("scale", et, [])], [vi("Y", et, ["N", n_out])],
+                 [tensor("W", w), tensor("scale", np.asarray(scale, dtype))], [info])

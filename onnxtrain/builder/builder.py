@@ -84,9 +84,10 @@ from .algorithm import Algorithm, initialization_graph
 from .lora import LoRA
 from .losses import Loss
 from .optimizers import Adam, Optimizer
-from .parameters import choose_trainable, untie_shared_initializers
+from .parameters import choose_trainable
 from .plan import INT64, Plan, StateSpec
 from .schedules import Schedule
+from .ties import untie_shared_initializers
 from .train_forward import resolve_batchnorm_var
 
 #: IR version of the built model (TrainingInfoProto needs >= 7).
@@ -174,10 +175,11 @@ def training_model(
     reason (``onnxtrain inspect`` prints it); a warning is issued when a
     choice looks doubtful (a trained one-element initializer that is not a
     bias, an initializer used both as a setting and as a weight).
-    Identity copies of a shared initializer (the TorchScript exporter stores
-    equal initializers once, e.g. every BatchNorm weight of one width) get
-    their own initializer first, so they train separately as in the source
-    model; the main graph computes the same.
+    Parameters an exporter stored in one initializer (TorchScript's
+    Identity copies, e.g. every BatchNorm weight of one width; dynamo's
+    equal weights, e.g. a fresh Llama's RMSNorm weights, told apart by its
+    node records) get their own initializer first, so they train separately
+    as in the source model (``ties``); the main graph computes the same.
     """
     plan = _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad_norm,
                  accumulate, train_mode, batchnorm_var, lora, recompute)

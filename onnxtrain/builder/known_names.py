@@ -38,26 +38,53 @@ _PRODUCT_BIAS = {("Gemm", 2), ("Conv", 2), ("ConvTranspose", 2)}
 _THROUGH = {"Transpose", "Identity", "Cast", "Reshape"}
 
 
-def module_of(node: onnx.NodeProto) -> str | None:
-    """The dotted module path a node was exported from, or None."""
+def _scopes(node: onnx.NodeProto) -> list[str] | None:
+    """The module paths of dynamo's ``name_scopes``, outermost first (None: no record)."""
     for p in node.metadata_props:
         if p.key == "pkg.torch.onnx.name_scopes":
             try:
                 scopes = ast.literal_eval(p.value)
             except (ValueError, SyntaxError):
                 return None
-            mods = [s for s in scopes[:-1] if s]
-            return mods[-1] if mods else None
+            return [s for s in scopes[:-1] if isinstance(s, str) and s]
+    return None
+
+
+def module_of(node: onnx.NodeProto) -> str | None:
+    """The dotted module path a node was exported from, or None."""
+    scopes = _scopes(node)
+    if scopes is not None:
+        return scopes[-1] if scopes else None
     if node.name.startswith("/") and node.name.count("/") >= 2:
         return ".".join(node.name.split("/")[1:-1]) or None
     return None
 
 
-def _fx_params(node: onnx.NodeProto) -> list[str]:
+def fx_placeholders(node: onnx.NodeProto) -> list[str]:
+    """The parameters (``p_...``) and buffers (``b_...``) that dynamo's record
+    of ``node`` (``pkg.torch.onnx.fx_node``) says it read, in argument order:
+    ``%p_model_norm_weight`` -> ``p_model_norm_weight``."""
     for p in node.metadata_props:
         if p.key == "pkg.torch.onnx.fx_node":
-            return re.findall(r"%p_(\w+)", p.value)
+            return re.findall(r"%([pb]_\w+)", p.value)
     return []
+
+
+def placeholder_name(node: onnx.NodeProto, placeholder: str) -> str:
+    """The dotted PyTorch name of a placeholder ``node`` read: the deepest of
+    its modules whose mangled path starts it, then the attribute
+    (``p_model_layers_0_norm_weight`` read in ``model.layers.0.norm`` ->
+    ``model.layers.0.norm.weight``); the mangled name when no module fits."""
+    body = placeholder[2:]
+    for module in reversed(_scopes(node) or []):
+        mangled = module.replace(".", "_") + "_"
+        if body.startswith(mangled) and len(body) > len(mangled):
+            return f"{module}.{body[len(mangled):]}"
+    return body
+
+
+def _fx_params(node: onnx.NodeProto) -> list[str]:
+    return [p[2:] for p in fx_placeholders(node) if p.startswith("p_")]
 
 
 def _from_initializer(value: str, inits: set[str], producer: dict[str, onnx.NodeProto]) -> bool:

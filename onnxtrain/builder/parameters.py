@@ -5,9 +5,10 @@ fills, GELU coefficients, ``Pow`` exponents, baked causal masks, shape
 vectors.  ``parameter_choices`` decides, for every floating-point
 initializer of an inference graph, whether ``trainable=None`` trains it and
 why (one word), and flags doubtful choices; ``choose_trainable`` applies a
-user's ``trainable=`` argument on top of it.  ``untie_shared_initializers``
-undoes the TorchScript exporter's sharing of equal initializers, so that
-each copy trains as its own parameter, as in the source model.
+user's ``trainable=`` argument on top of it, on the graph where
+``ties.untie_shared_initializers`` has undone the exporters' sharing of
+equal initializers, so that each parameter trains as its own, as in the
+source model.
 """
 
 from __future__ import annotations
@@ -26,46 +27,7 @@ from ..core.graph import DEFAULT_DOMAINS, identity_source, node_inputs
 from ..io.model import ModelLike, load
 from .constants import constant_reasons
 from .known_names import known_names, matches
-
-
-# ------------------------------------------------------------------ shared initializers
-def _shared_identities(main: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """Identity nodes copying an initializer that something else reads too."""
-    inits = {t.name for t in main.initializer}
-    readers: dict[str, int] = {}
-    for n in main.node:
-        for name in node_inputs(n):
-            readers[name] = readers.get(name, 0) + 1
-    outputs = {o.name for o in main.output}
-    return [
-        n for n in main.node
-        if n.op_type == "Identity" and n.domain in DEFAULT_DOMAINS and len(n.input) == 1
-        and n.input[0] in inits and len(n.output) == 1 and n.output[0] not in outputs
-        and n.output[0] not in inits
-        and (readers.get(n.input[0], 0) > 1 or n.input[0] in outputs)
-    ]
-
-
-def untie_shared_initializers(main: onnx.GraphProto) -> None:
-    """Give each Identity copy of a shared initializer its own initializer.
-
-    The TorchScript exporter stores equal initializers once: the BatchNorm
-    weights (ones) of all layers of one width become ``Identity(first
-    weight)``, a fresh BatchNorm's running_var ``Identity(its weight)``.
-    Trained as they are, these parameters would be tied (and a running
-    statistic would overwrite a weight); the source model trains them
-    separately.  So an Identity whose input is an initializer that something
-    else reads too, and whose output is not a graph output, is replaced by an
-    initializer of the output's name and the same value: the inference graph
-    computes the same, and each copy becomes its own parameter or statistic."""
-    inits = {t.name: t for t in main.initializer}
-    for n in _shared_identities(main):
-        t = onnx.TensorProto()
-        t.CopyFrom(inits[n.input[0]])
-        t.name = n.output[0]
-        main.initializer.append(t)
-        main.node.remove(n)
-
+from .ties import exporter_ties, needs_untie, untie_shared_initializers
 
 # ------------------------------------------------------------------ parameters vs constants
 #: Inputs that are statistics or settings of training-mode ops, never trainable,
@@ -166,6 +128,12 @@ class ParameterChoice:
     #: "head" (a language model's output head, left out as peft does), or ""
     #: (not a MatMul/Gemm weight an adapter can go on).
     lora: str = ""
+    #: Where the exporter stored it with other parameters (``ties``): why it
+    #: was untied ("untied from 'x': ..."), or why it stays shared; else "".
+    tie: str = ""
+    #: For an initializer the builder makes by untying one (``tie``): the
+    #: model's initializer it copies (same values, dtype and shape); else "".
+    copy_of: str = ""
 
 
 def _setting_reason(node: onnx.NodeProto, index: int, size: int) -> str | None:
@@ -215,10 +183,13 @@ def parameter_choices(model: ModelLike | onnx.GraphProto) -> list[ParameterChoic
 
     Every other floating-point initializer is a **weight** and is trained,
     whatever its shape (a ``[1]`` bias of a one-output Linear included).  An
-    initializer nothing reads is a weight (its gradient is zero).  Identity
-    copies of a shared initializer (TorchScript's deduplication of equal
-    initializers) count as initializers of their own, as the builder
-    unties them (see ``untie_shared_initializers``).
+    initializer nothing reads is a weight (its gradient is zero).  An
+    initializer the exporter stored once for several parameters (TorchScript's
+    Identity copies; dynamo's one initializer read by nodes its records say
+    read distinct parameters) is judged as the builder unties it
+    (``ties.untie_shared_initializers``): one choice per parameter, the copies
+    named after their modules, with ``tie`` saying why and ``copy_of`` which
+    initializer each copies; a parameter read several times stays one.
 
     Each choice also carries ``known_as``, the PyTorch parameter name the
     exporter's records give the initializer (``known_names``), and ``lora``,
@@ -230,11 +201,13 @@ def parameter_choices(model: ModelLike | onnx.GraphProto) -> list[ParameterChoic
     Add to a MatMul/Gemm/Conv output), or one used both as a setting and as
     a weight (it is trained)."""
     graph = model if isinstance(model, onnx.GraphProto) else load(model)[0].graph
-    if _shared_identities(graph):  # judge the graph the builder trains
+    if needs_untie(graph):  # judge the graph the builder trains
         untied = onnx.GraphProto()
         untied.CopyFrom(graph)
-        untie_shared_initializers(untied)
+        ties = untie_shared_initializers(untied)
         graph = untied
+    else:  # (parameters read several times: nothing to untie, a note each)
+        ties = {t.initializer: (t.note(), "") for t in exporter_ties(graph)}
     floats = {t.name: t for t in graph.initializer if t.data_type in FLOAT_TYPES}
     source = identity_source(graph)
     producer = {o: n for n in graph.node for o in n.output if o}
@@ -299,11 +272,12 @@ def parameter_choices(model: ModelLike | onnx.GraphProto) -> list[ParameterChoic
             doubt = (f"it has one element (read by {n.op_type} node "
                      f"{n.name or n.op_type!r}) and may be a constant")
         out.append(ParameterChoice(name, True, "weight", doubt))
-    return _with_names(graph, out)
+    return _with_names(graph, out, ties)
 
 
-def _with_names(graph: onnx.GraphProto, choices: list[ParameterChoice]) -> list[ParameterChoice]:
-    """Each choice with its known name and its part in LoRA's default targets."""
+def _with_names(graph: onnx.GraphProto, choices: list[ParameterChoice],
+                ties: dict[str, tuple[str, str]]) -> list[ParameterChoice]:
+    """Each choice with its known name, its part in LoRA's default targets and its tie note."""
     from dataclasses import replace
 
     from .targets import default_targets, eligible_targets
@@ -313,7 +287,8 @@ def _with_names(graph: onnx.GraphProto, choices: list[ParameterChoice]) -> list[
     targets, skipped = default_targets(graph, eligible, known) if eligible else ([], {})
     lora = {**{n: "target" for n in targets}, **{n: "head" for n in skipped}}
     return [replace(c, known_as=known.get(c.name, "") if known.get(c.name) != c.name else "",
-                    lora=lora.get(c.name, "")) for c in choices]
+                    lora=lora.get(c.name, ""), tie=ties.get(c.name, ("", ""))[0],
+                    copy_of=ties.get(c.name, ("", ""))[1]) for c in choices]
 
 
 #: Magnitude from which a value counts as "minus infinity" in an additive mask

@@ -158,13 +158,15 @@ def train_files(
     saver = ModelCheckpoint(checkpoint) if checkpoint is not None and writes else None
     nan_stop = TerminateOnNaN() if terminate_on_nan else None
     all_callbacks = [cb for cb in (saver, nan_stop) if cb is not None] + list(callbacks)
+    # (nothing to train: the command says so itself, in its own words)
+    quiet = not writes or (resume is not None and initial >= int(epochs))
     try:
         history = fit(sess, train, epochs=int(epochs), batch_size=int(batch_size), seed=int(seed),
-                      validation_data=val, progress=progress if writes else False,
+                      validation_data=val, progress=False if quiet else progress,
                       callbacks=all_callbacks,
-                      # A resumed run continues where the checkpoint stood (mid-epoch too).
-                      initial_epoch=(None if resume is not None and initial <= int(epochs)
-                                     else min(initial, int(epochs))))
+                      # A resumed run continues where the checkpoint stood (mid-epoch
+                      # too): the first fit of a session loaded from a checkpoint.
+                      initial_epoch=None if resume is not None else 0)
     except KeyboardInterrupt:
         at = sess.fit_position or {}
         where = f" during epoch {at.get('epoch', initial) + 1}" if at.get("batch") else ""

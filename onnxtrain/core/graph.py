@@ -562,10 +562,28 @@ def _seed_ml_outputs(
     return out
 
 
+def overridable_inputs(graph: onnx.GraphProto) -> set[str]:
+    """Graph inputs that also have an initializer: inputs with a default value.
+
+    Unfed, the initializer is used; fed, the feed wins (IR.md: "When an
+    initializer has the same name as a graph input, it specifies a default
+    value for that input").  So their values are not known when building:
+    a pass must never fold one as a constant."""
+    inputs = {i.name for i in graph.input}
+    if not inputs:
+        return set()
+    names = {t.name for t in graph.initializer} | {t.values.name for t in graph.sparse_initializer}
+    return inputs & names
+
+
 def constant_values(graph: onnx.GraphProto, max_size: int = 1024) -> dict[str, np.ndarray]:
-    """Values of small Constant outputs and initializers, known when building."""
+    """Values of small Constant outputs and initializers, known when building
+    (not those of inputs with a default: ``overridable_inputs``)."""
     out: dict[str, np.ndarray] = {}
+    fed = overridable_inputs(graph)
     for t in graph.initializer:
+        if t.name in fed:
+            continue
         if _numel(t.dims) <= max_size and t.data_location != TensorProto.EXTERNAL:
             try:
                 out[t.name] = numpy_helper.to_array(t)

@@ -75,6 +75,7 @@ class DataParallelMixin:
                 where = f"train_step (training_info[{i}])"
                 error: BaseException | None = None
                 rows = 0
+                checked: dict[str, np.ndarray] = {}
                 try:
                     self._check_names(feeds, "train_step")
                     checked = self._algorithms[i].check_feeds(feeds, False, "train_step")
@@ -100,8 +101,10 @@ class DataParallelMixin:
                         if inplace:
                             held.enter_context(self._store.exclusive())
                         wrote = bool(inplace)
+                        # (an input with a default that the update reads: its feed too)
+                        fed = {n: v for n, v in checked.items() if n in b.optional_feeds}
                         outputs.update(self._run_and_stage(
-                            b, {}, pending, fetch, "update_binding",
+                            b, fed, pending, fetch, "update_binding",
                             extra_in={n: buffers.ortvalues[n] for n in b.feeds},
                             extra_out={v: buffers.ortvalues[n] for v, n in scratch.items()},
                             inplace=inplace))

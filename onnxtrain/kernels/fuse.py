@@ -34,7 +34,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..core.graph import infer_types, node_inputs, read_counts, toposort
+from ..core.graph import infer_types, node_inputs, overridable_inputs, read_counts, toposort
 from ..errors import TrainingModelError
 
 
@@ -42,8 +42,9 @@ def _scalars(graph: onnx.GraphProto) -> dict[str, float]:
     """Scalar values known when building: Constants, scalar initializers, and
     Casts / arithmetic of known scalars (a tiny constant folder)."""
     known: dict[str, float] = {}
+    fed = overridable_inputs(graph)  # (their values come at run time)
     for t in graph.initializer:
-        if len(t.dims) == 0 or (len(t.dims) == 1 and t.dims[0] == 1):
+        if t.name not in fed and (len(t.dims) == 0 or (len(t.dims) == 1 and t.dims[0] == 1)):
             known[t.name] = float(numpy_helper.to_array(t).reshape(-1)[0])
     for n in graph.node:
         if n.domain not in ("", "ai.onnx"):

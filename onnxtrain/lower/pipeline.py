@@ -7,6 +7,7 @@ the *combination* M ⊕ A_i of the main graph and an algorithm (``combine``;
 ``run_pipeline`` then applies ``PIPELINE`` to a private copy:
 
 1. ``state_to_inputs``        state initializers become graph inputs, fed from the state
+   ``exact_quantized_products`` MatMulNBits with trained scales: accuracy_level 4 -> 1
 2. ``expand_gradient_nodes``  Gradient nodes become backward graphs (autodiff)
    ``recompute_activations``  where the model asks: saved activations recomputed (recompute)
 3. ``lower_optimizer_nodes``  Adam / Momentum / Adagrad become standard ops (optim)
@@ -25,6 +26,7 @@ kernel library is available (``onnxtrain.kernels``).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -37,6 +39,7 @@ from ..core.graph import (
     node_inputs,
     opset_version,
     outer_references,
+    overridable_inputs,
     prune,
     subgraphs,
     toposort,
@@ -182,6 +185,56 @@ def state_to_inputs(low: Lowering) -> None:
     low.available = [i.name for i in g.input] + [t.name for t in g.initializer]
     low.available += [t.values.name for t in g.sparse_initializer]
     low.names = NameGen.from_graph(g)  # fresh names avoid every name in the graph
+
+
+#: The accuracy level the programs give a MatMulNBits node whose scales come
+#: at run time: onnxruntime (1.32) computes accuracy_level 4 (activations
+#: rounded to int8) wrongly when the scales are not a constant initializer
+#: (tests/autodiff/test_grad_contrib.py keeps a canary); level 1 is the float
+#: product of A and the dequantized weights, exact to float32 rounding.
+EXACT_NBITS_LEVEL = 1
+
+
+def runtime_scaled_nbits(nodes: Iterable[onnx.NodeProto], constant: set[str]) -> list[onnx.NodeProto]:
+    """The MatMulNBits nodes at accuracy_level 4 whose scales are not in
+    ``constant`` (the names of the constant initializers): trained state,
+    an input or a computed value."""
+    return [n for n in nodes
+            if n.op_type == "MatMulNBits" and n.domain == "com.microsoft" and len(n.input) > 2
+            and n.input[2] not in constant
+            and any(a.name == "accuracy_level" and a.i == 4 for a in n.attribute)]
+
+
+def exact_quantized_products(low: Lowering) -> None:
+    """Run every MatMulNBits node whose scales come at run time (trained
+    scales: state variables, inputs here) at ``EXACT_NBITS_LEVEL`` instead of
+    accuracy_level 4.  The programs only: the model, and so every export of
+    it, keeps its nodes as they were (``note_exact_quantized_products`` says so)."""
+    g = low.graph
+    constant = {t.name for t in g.initializer} - overridable_inputs(g)
+    for node in runtime_scaled_nbits(g.node, constant):
+        for a in node.attribute:
+            if a.name == "accuracy_level":
+                a.i = EXACT_NBITS_LEVEL
+
+
+def note_exact_quantized_products(tm: TrainingModel) -> None:
+    """Say in one warning which MatMulNBits nodes the programs of ``tm`` run
+    at ``EXACT_NBITS_LEVEL`` (``exact_quantized_products``), if any."""
+    proto = tm.proto
+    constant = set()
+    for g in [proto.graph] + [ti.algorithm for ti in proto.training_info]:
+        constant |= {t.name for t in g.initializer} - overridable_inputs(g)
+    constant -= set(tm.state)
+    nodes = [n for g in [proto.graph] + [ti.algorithm for ti in proto.training_info]
+             for n in runtime_scaled_nbits(g.node, constant)]
+    if nodes:
+        warnings.warn(
+            f"{len(nodes)} MatMulNBits node(s) with trained scales (the first: "
+            f"{nodes[0].name or nodes[0].output[0]!r}) run at accuracy_level {EXACT_NBITS_LEVEL} "
+            "(the float product) instead of 4 in this session: onnxruntime computes accuracy_level "
+            "4 wrongly when the scales are not constant; exported models keep accuracy_level 4",
+            UserWarning, stacklevel=4)
 
 
 def expand_gradient_nodes(low: Lowering) -> None:
@@ -334,6 +387,7 @@ def prune_unused_initializers(low: Lowering) -> None:
 #: run on each part.
 FRONT: tuple[Callable[[Lowering], None], ...] = (
     state_to_inputs,
+    exact_quantized_products,
     expand_gradient_nodes,
     recompute_activations,
     lower_optimizer_nodes,

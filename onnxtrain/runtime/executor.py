@@ -475,6 +475,13 @@ class _Binding:
         self.sess = sess
         self.feeds: dict[str, np.ndarray] = {}
         self.shapes: dict[str, tuple] = {}
+        #: Inputs with a default (an initializer that is also a graph input):
+        #: onnxruntime binds them as OrtValues only (its numpy binding looks
+        #: the name up among the required inputs), and an unfed one must not
+        #: keep the value an earlier run fed (``_bind_overrides``).
+        self.overridable = frozenset(i.name for i in sess.get_overridable_initializers())
+        #: The overridable inputs bound now, with the OrtValues over their feeds.
+        self.overrides: dict[str, ort.OrtValue] = {}
         if self.fast and _Binding._CPU is None:
             _Binding._CPU = ort.OrtDevice.make("cpu", 0)._get_c_device()
         #: Output name -> its position among the bound outputs (binding order).
@@ -510,6 +517,8 @@ class _Binding:
                 return self.unfetched.run(feeds, fetch, n_state_out, to_numpy)
         # Re-bind fetched outputs: otherwise onnxruntime reuses the previous
         # run's buffer, whose shape is wrong once the batch size changes.
+        if self.overridable and (self.overrides or not self.overridable.isdisjoint(feeds)):
+            feeds = self._bind_overrides(feeds)
         if self.fast:
             c = self.c_binding
             bound = self.feeds
@@ -573,6 +582,27 @@ class _Binding:
         if to_numpy:
             return {name: values[n_state_out + i].numpy() for i, name in enumerate(fetch)}
         return {name: values[n_state_out + i] for i, name in enumerate(fetch)}
+
+    def _bind_overrides(self, feeds: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """Bind the fed overridable inputs as OrtValues; the other feeds, to bind as usual.
+
+        An overridable input bound by an earlier run but not fed now would
+        keep that run's value: then every input is unbound and bound again
+        (the state buffers included), and onnxruntime uses its default."""
+        fed = {name: arr for name, arr in feeds.items() if name in self.overridable}
+        if not self.overrides.keys() <= fed.keys():
+            self.binding.clear_binding_inputs()
+            for name, value in self.state[0].items():
+                self.binding.bind_ortvalue_input(name, value)
+            self.overrides = {}
+            self.feeds, self.shapes = {}, {}
+        for name, arr in fed.items():
+            value = self.overrides.get(name)
+            if value is None or value.numpy() is not arr:  # (an OrtValue over the array itself)
+                value = ort.OrtValue.ortvalue_from_numpy(arr)
+                self.binding.bind_ortvalue_input(name, value)
+                self.overrides[name] = value
+        return {name: arr for name, arr in feeds.items() if name not in fed}
 
 
 # ------------------------------------------------------- state buffers

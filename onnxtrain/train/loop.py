@@ -40,6 +40,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -124,12 +125,17 @@ def fit(
       checked against the loss before the first step (``check_targets``).
     - ``validation_split``: hold out that fraction of the rows (the last
       ones, before shuffling, as Keras does) as ``validation_data``.
-    - Epochs run from ``initial_epoch`` to ``epochs - 1``.  ``initial_epoch=None``:
-      where the checkpoint the session was loaded from stood (its epoch, and
-      the batch within it), else 0; an explicit number starts at that epoch's
-      first batch.  With ``shuffle``, the order of epoch e is a permutation
-      drawn from ``(seed, e)``, so a resumed run sees the batches an
-      uninterrupted run would.
+    - Which epochs run (``span``; docs/fit.md): in a live session each
+      ``fit(epochs=N)`` trains N more epochs, from where the last one stopped;
+      a session loaded from a checkpoint at epoch k continues that run on its
+      first fit, epochs k .. N-1 (mid-epoch too); ``initial_epoch=i`` trains
+      epochs i .. N-1 from the first batch of i.  Epochs are numbered from
+      the start of the run, so four ``fit(epochs=1)`` calls train what one
+      ``fit(epochs=4)`` does.  With ``shuffle``, the order of epoch e is a
+      permutation drawn from ``(seed, e)``, so a resumed run sees the batches
+      an uninterrupted run would.  With nothing to train, fit says so in one
+      line (unless ``progress=False``) and returns a History whose keys hold
+      empty lists.
     - ``drop_last``: skip the last partial batch of each epoch.  None: True
       when the model's inputs have a fixed batch dimension (with a note),
       else False.
@@ -165,15 +171,7 @@ def fit(
         raise ValueError(f"fit: log_every must be >= 0, got {log_every}")
     if sess.num_algorithms == 0:
         raise TrainingModelError("fit: the model has no training_info: there is nothing to train")
-    position = sess.fit_position
-    skip = 0
-    if initial_epoch is None:
-        if position is not None and position.get("source") == "checkpoint":
-            initial_epoch, skip = int(position["epoch"]), int(position.get("batch") or 0)
-        else:
-            initial_epoch = 0
-    initial_epoch = int(initial_epoch)
-    if epochs < 0 or initial_epoch < 0:
+    if epochs < 0 or (initial_epoch is not None and int(initial_epoch) < 0):
         raise ValueError(f"fit: epochs and initial_epoch must be >= 0, got {epochs}, {initial_epoch}")
     spec = fit_spec(sess)
     if cycle is not None:
@@ -234,13 +232,21 @@ def fit(
     classes = label_classes(sess, spec.target) if spec.target is not None else None
 
     per_epoch = train.num_batches(batch_size, drop_last, ranks)
-    # The cycle position continues across epochs (and across a resume).
+    run = span(sess.fit_position, epochs, initial_epoch, per_epoch)
+    initial_epoch, skip, base_step, epochs = run.first, run.skip, run.base_step, run.end
+    # The cycle position continues across epochs (and across fit calls and a resume).
     cycle_pos = initial_epoch * per_epoch + skip if per_epoch is not None else 0
-    done_steps = (position or {}).get("step") if skip or initial_epoch else 0
-    base_step = done_steps if isinstance(done_steps, int) else cycle_pos
     hooks = {h: [cb for cb in callbacks if getattr(cb, h, None) is not None] for h in HOOKS}
 
     history = History()
+    if run.nothing:
+        if progress is not False and rank == 0:
+            print(f"nothing to train: {run.nothing}", file=sys.stderr, flush=True)
+        keys = ["loss"] if spec.loss is not None and log_every else []
+        keys += list(metric_fns)
+        if validation is not None:
+            keys += ["val_loss"] + [f"val_{name}" for name in metric_fns]
+        history.history = {key: [] for key in keys + (["lr"] if lr_known else [])}
     step = 0
     stop = broke = nan_stop = False
     _call(hooks["on_train_begin"], "on_train_begin",
@@ -357,6 +363,58 @@ def fit(
         history.steps = step
     _call(hooks["on_train_end"], "on_train_end", dict(history.last))
     return history
+
+
+@dataclass(frozen=True)
+class Span:
+    """The epochs one ``fit`` call trains: epoch ``first`` (from its batch
+    ``skip``) up to ``end`` (excluded); ``base_step``: the steps done before
+    it; ``nothing``: why nothing is to train ("" when something is)."""
+
+    first: int
+    skip: int
+    end: int
+    base_step: int
+    nothing: str = ""
+
+
+def span(position: Mapping[str, Any] | None, epochs: int, initial_epoch: int | None,
+         per_epoch: int | None) -> Span:
+    """Which epochs ``fit(epochs=epochs, initial_epoch=initial_epoch)`` trains
+    from ``position`` (the session's ``fit_position``; docs/fit.md):
+
+    - ``initial_epoch=i``: epochs i .. epochs-1, from the first batch of i;
+    - a position read from a checkpoint (``source`` "checkpoint", the first
+      fit of a loaded session): that run goes on, from its epoch and batch up
+      to ``epochs`` (exclusive), as Lightning's resume does;
+    - a position ``fit`` left (a live session): ``epochs`` more epochs from
+      where it stopped, as Keras trains ``epochs`` more on each call;
+    - no position: epochs 0 .. epochs-1.
+
+    Steps count on from the position's (cumulative, so that the position,
+    epoch and step, agrees with the model's step counter).
+
+    >>> span({"epoch": 2, "batch": 0, "step": 90, "source": "fit"}, 3, None, 45)
+    Span(first=2, skip=0, end=5, base_step=90, nothing='')
+    >>> span({"epoch": 4, "batch": 0, "step": 180, "source": "checkpoint"}, 2, None, 45).nothing
+    'the checkpoint is at epoch 4 of 2'
+    """
+    position = position or {}
+    at, batch = int(position.get("epoch", 0)), int(position.get("batch") or 0)
+    step = position.get("step")
+    if not isinstance(step, int):  # (a checkpoint that holds its epoch only)
+        step = at * per_epoch + batch if per_epoch is not None else 0
+    if initial_epoch is not None:
+        first, end = int(initial_epoch), epochs
+        nothing = f"initial_epoch={first} and epochs={end}" if first >= end else ""
+        return Span(first, 0, end, step, nothing)
+    source = position.get("source")
+    if source == "checkpoint":
+        nothing = f"the checkpoint is at epoch {at} of {epochs}" if at >= epochs else ""
+        return Span(at, batch, max(at, epochs), step, nothing)
+    if source is None:
+        return Span(0, 0, epochs, 0, "" if epochs else "epochs=0")
+    return Span(at, batch, at + epochs, step, "" if epochs else "epochs=0")
 
 
 def fmt_loss(value: float) -> str:

@@ -21,6 +21,7 @@ The SGD step (lr 0.5) gives the gradient back as (before - after) / lr.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -48,9 +49,10 @@ def _load(family: str, precision: str, accuracy_level: int | None = None):
     return ref, proto
 
 
-def _step(family, proto, ref, names):
+def _step(family, proto, ref, names, trainable="names"):
+    """One SGD step training ``names`` (``trainable=None``: the builder's default set)."""
     tm = build.training_model(proto, loss="cross_entropy", output="logits", optimizer=build.SGD(lr=LR),
-                              trainable=names)
+                              trainable=names if trainable == "names" else trainable)
     sess = TrainingSession(tm)
     sess.initialize()
     kv, past, head = PAST[family]
@@ -101,13 +103,60 @@ def test_genai_int4_matches_pytorch(family):
     _compare(ref, names, *_step(family, proto, ref, names), rtol=1e-5, atol=2e-5)
 
 
+def _levels(graph) -> dict[str, int]:
+    return {n.name: next(a.i for a in n.attribute if a.name == "accuracy_level")
+            for n in graph.node if n.op_type == "MatMulNBits"}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_genai_int4_as_built_trains_its_scales_by_default(family, tmp_path):
+    """The builder's int4 default (accuracy_level 4) with the default trainable
+    set, scales included: onnxruntime computes level 4 wrongly with scales fed
+    at run time, so the programs run those nodes at the exact float product,
+    with one warning, and match PyTorch as the accuracy_level 1 model does.
+    The exports keep every node as it was."""
+    ref, proto = _load(family, "int4")
+    levels = _levels(proto.graph)
+    assert set(levels.values()) == {4}
+    names = _params(ref)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss, before, after = _step(family, proto, ref, names, trainable=None)
+    said = [w for w in caught if "accuracy_level" in str(w.message)]
+    assert len(said) == 1 and f"{len(levels)} MatMulNBits node(s)" in str(said[0].message)
+    _compare(ref, names, loss, before, after, rtol=1e-5, atol=2e-5)
+
+    tm = build.training_model(proto, loss="cross_entropy", output="logits")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sess = TrainingSession(tm)
+    for label, program in sess.programs().items():
+        if label != "inference" and "algorithm" not in label:
+            continue
+        assert set(_levels(program.graph).values()) == {1}, label
+    # run() is the exact product too: PyTorch's loss from its logits (float64 softmax).
+    kv, past, head = PAST[family]
+    empty = np.zeros((2, kv, past, head), np.float32)
+    logits = sess.run({"input_ids": ref["input_ids"], "attention_mask": ref["attention_mask"],
+                       "past_key_values.0.key": empty, "past_key_values.0.value": empty})["logits"]
+    z = logits.astype(np.float64)
+    labels = ref["labels"]
+    kept = labels != -100
+    log_p = z - z.max(-1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+    picked = np.take_along_axis(log_p, np.where(kept, labels, 0)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(-picked[kept].mean(), ref["loss"], rtol=1e-5)
+    for training in (False, True):
+        exported = onnx.load(str(sess.export(tmp_path / f"out{training}.onnx", training=training)))
+        assert _levels(exported.graph) == levels
+
+
 def test_genai_llama_int4_as_built_is_straight_through():
     """The builder's int4 default, accuracy_level 4 (activations rounded to int8
     inside MatMulNBits): the loss is onnxruntime's, and the gradients are the
-    exact product's up to that rounding.  The scales stay frozen constants here:
-    onnxruntime 1.32 computes accuracy_level 4 wrongly when the scales are
-    not constant initializers, so MatMulNBits' rule refuses to train them
-    (test_grad_contrib.py)."""
+    exact product's up to that rounding.  The scales stay frozen constants here,
+    so the nodes keep accuracy_level 4 (trained, they run at level 1: the test
+    above)."""
     ref, proto = _load("llama", "int4")
     assert any(a.name == "accuracy_level" and a.i == 4 for n in proto.graph.node for a in n.attribute)
     names = [n for n in _params(ref) if not n.endswith("_scales")]

@@ -92,14 +92,16 @@ def fit(folder: Path) -> None:
 def feed_steps(folder: Path) -> None:
     """Like ``steps`` with named feeds: feeds.npz holds, per step k, every
     input as ``k/NAME`` (the global batch, rows first) and 'bounds' as in
-    ``shards``; each rank trains on its rows of every input."""
+    ``shards``; each rank trains on its rows of every input, and on a scalar
+    input (an input with a default, fed) as it is."""
     sess = onnxtrain.TrainingSession(str(folder / "model.onnx"), comm=COMM)
     data = np.load(folder / "feeds.npz")
     losses = []
     for k, (a, b, c) in enumerate(data["bounds"]):
         lo, hi = (a, b) if RANK == 0 else (b, c)
         prefix = f"{k}/"
-        batch = {name[len(prefix):]: data[name][lo:hi] for name in data.files if name.startswith(prefix)}
+        batch = {name[len(prefix):]: data[name][lo:hi] if data[name].ndim else data[name]
+                 for name in data.files if name.startswith(prefix)}
         losses.append(float(sess.train_step(batch)["loss"]))
     save(folder, dict(sess.state), losses=losses)
 

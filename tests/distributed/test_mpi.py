@@ -111,6 +111,33 @@ def test_uneven_batches_equal_one_process_on_the_global_batch(tmp_path):
         assert abs(((b - a) * l0 + (c - b) * l1) / (c - a) - lg) <= 1e-12 * max(1.0, abs(lg))
 
 
+def test_inputs_with_a_default_fed_on_two_ranks_equal_one_process(tmp_path):
+    """scale (main graph) and lr (read by the update) have defaults; fed on
+    some steps and not on others, 2 ranks equal one process (float64)."""
+    from models import overridable_regression
+
+    tm = overridable_regression()
+    onnx.save(tm, tmp_path / "model.onnx")
+    rng = np.random.default_rng(3)
+    overrides = [{}, {"scale": 3.0, "lr": 0.125}, {}, {"lr": 0.25}]
+    arrays, bounds, steps = {}, [], []
+    for k, fed in enumerate(overrides):
+        batch = {"X": rng.standard_normal((7, 3)), "T": rng.standard_normal((7, 2))}
+        batch.update({name: np.array(v) for name, v in fed.items()})
+        steps.append(batch)
+        arrays.update({f"{k}/{name}": v for name, v in batch.items()})
+        bounds.append((0, 4, 7))
+    np.savez(tmp_path / "feeds.npz", bounds=np.array(bounds), **arrays)
+    r0, r1 = run_worker("feed_steps", tmp_path)
+    s0, s1 = state_of(r0), state_of(r1)
+    ref = onnxtrain.TrainingSession(tm)
+    losses = [float(ref.train_step(b)["loss"]) for b in steps]
+    assert list(s0) == ["W"] and np.array_equal(s0["W"], s1["W"])
+    np.testing.assert_allclose(s0["W"], ref.state["W"], rtol=1e-12)
+    for (a, b, c), l0, l1, lg in zip(bounds, r0["losses"], r1["losses"], losses):
+        assert abs(((b - a) * l0 + (c - b) * l1) / (c - a) - lg) <= 1e-12 * max(1.0, abs(lg))
+
+
 def test_ranks_stay_bit_identical_with_adamw_clipping_and_a_schedule(tmp_path):
     tm = build.training_model(mlp(np.float32), loss="mse", optimizer=build.AdamW(lr=1e-2),
                               clip_grad_norm=0.5, schedule=build.cosine(10))

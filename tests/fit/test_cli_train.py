@@ -229,6 +229,13 @@ def test_train_checkpoint_and_resume_match_an_uninterrupted_run(capsys, files, t
     assert code == 0, err
     assert "nothing to train: the checkpoint is at epoch 4 of 4" in stdout
     assert (tmp_path / "again.onnx").exists()
+    # With progress shown too, the command says it once (fit's own line stays quiet).
+    code, stdout, err = run_cli(capsys, "train", files / "train.onnx", "--epochs", 2,
+                                "-o", tmp_path / "again.onnx", "--resume", ckpt, "--overwrite",
+                                "--data", files / "train.npz", "--batch-size", 64, "--seed", 7)
+    assert code == 0, err
+    assert (stdout + err).count("nothing to train") == 1, stdout + err
+    assert "nothing to train: the checkpoint is at epoch 4 of 2" in stdout
 
 
 def npz_with(path, **arrays):

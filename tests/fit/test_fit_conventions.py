@@ -265,9 +265,12 @@ def test_early_stopping_counts_patience_like_keras_and_restores_the_best():
         def on_epoch_end(self, epoch, logs):
             snapshots.append(params(self.session))
 
-    class Monitored(Callback):  # a monitored value: best at epoch 1, worse after it
+    class Monitored(Callback):  # a monitored value: best at the call's epoch 1, worse after it
+        def on_train_begin(self, logs):
+            self.start = logs["initial_epoch"]
+
         def on_epoch_end(self, epoch, logs):
-            logs["val_metric"] = [3.0, 1.0, 2.0, 2.0, 0.0, 0.0][epoch]
+            logs["val_metric"] = [3.0, 1.0, 2.0, 2.0, 0.0, 0.0][epoch - self.start]
 
     es = EarlyStopping("val_metric", patience=2, restore_best_weights=True)
     h = sess.fit(X, y, epochs=10, batch_size=8, progress=False, callbacks=[Snap(), Monitored(), es])
@@ -275,9 +278,10 @@ def test_early_stopping_counts_patience_like_keras_and_restores_the_best():
     assert same_state(params(sess), snapshots[1])
     assert not same_state(params(sess), snapshots[3])
     # One object, a second fit: its state starts afresh (else it would stop at once).
+    # The session goes on from the best epoch's end: epochs 2, 3, ...
     snapshots.clear()
     h2 = sess.fit(X, y, epochs=10, batch_size=8, progress=False, callbacks=[Snap(), Monitored(), es])
-    assert len(h2) == 4 and es.best_epoch == 1 and es.best == 1.0
+    assert len(h2) == 4 and h2.epochs == [2, 3, 4, 5] and es.best_epoch == 3 and es.best == 1.0
 
 
 def test_terminate_on_nan_stops_quietly_while_the_default_raises():

@@ -101,8 +101,10 @@ def matmul_nbits_vjp(ctx, dy):
     the gradient is that of the exact product.  Training the scales of an
     accuracy_level 4 node is refused: onnxruntime 1.32 gets that node's
     forward pass wrong when its scales are fed at run time (with B a
-    constant, it returns values off by the size of the output).  g_idx
-    (deprecated act-order) is refused."""
+    constant, it returns values off by the size of the output).  A session's
+    programs never get here with one: ``lower.pipeline.exact_quantized_products``
+    runs such nodes at accuracy_level 1 first.  g_idx (deprecated act-order)
+    is refused."""
     e = ctx.emit
     a = ctx.inputs[0]
     if ctx.input(4) is not None:
