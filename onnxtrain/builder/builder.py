@@ -81,6 +81,7 @@ from . import lora as _lora
 from . import losses as _losses
 from . import optimizers as _optimizers
 from .algorithm import Algorithm, initialization_graph
+from .folding import warn_if_folded
 from .lora import LoRA
 from .losses import Loss
 from .optimizers import Adam, Optimizer
@@ -206,7 +207,9 @@ def _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad
           accumulate, train_mode, batchnorm_var="auto", lora=None, recompute=None) -> Plan:
     """Check every argument and decide the names and the state variables."""
     recompute_spec = _recompute.normalize(recompute)
-    proto = _adapt.adapt(_inference_copy(model))
+    source = _inference_copy(model)
+    warn_if_folded(source, stacklevel=3)  # at the caller of training_model
+    proto = _adapt.adapt(source)
     opset = _default_opset(proto)
     untie_shared_initializers(proto.graph)
     lora_info = _lora.apply(proto, lora)[1] if lora is not None else None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import TextIO
 
@@ -60,7 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return args.handler(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _warning_line
+            return args.handler(args)
     except BrokenPipeError:
         # The reader went away (``onnxtrain ... | head``): exit quietly.  Python
         # would report the pipe again when it flushes stdout at exit, so point
@@ -84,6 +87,12 @@ def _error(exc: BaseException) -> None:
     """Print an exception as one line on stderr."""
     message = " ".join(str(exc).split()) or type(exc).__name__
     print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line ``onnxtrain: warning: ...`` on stderr (no source line)."""
+    text = " ".join(str(message).split())
+    print(f"{PROG}: warning: {text}", file=sys.stderr if file is None else file)
 
 
 def _positive_int(text: str) -> int:
@@ -171,9 +180,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
           file=out)
     opsets = ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in proto.opset_import)
     print(f"opsets: {opsets}", file=out)
-    from ..summary import pytorch_export_hint
+    from ..builder.folding import batchnorm_hint
 
-    hint = pytorch_export_hint(proto)
+    hint = batchnorm_hint(proto)
     if hint:
         print(hint, file=out)
     g = proto.graph
@@ -381,6 +390,7 @@ def _optimizer(args: argparse.Namespace):
 
 def _cmd_make_training(args: argparse.Namespace) -> int:
     from .. import builder as build
+    from ..builder.folding import FoldedBatchNormWarning
     from ..io.storage import write_model
     from ..train.callbacks import check_writable
 
@@ -402,10 +412,14 @@ def _cmd_make_training(args: argparse.Namespace) -> int:
         trainable = lambda name: name not in frozen  # noqa: E731
 
     try:
-        built = build.training_model(
-            model, loss=args.loss or "cross_entropy", target=args.target, output=args.output_name,
-            optimizer=optimizer, trainable=trainable, schedule=schedule,
-            clip_grad_norm=args.clip_grad_norm, accumulate=args.accumulate)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", FoldedBatchNormWarning)
+            built = build.training_model(
+                model, loss=args.loss or "cross_entropy", target=args.target,
+                output=args.output_name, optimizer=optimizer, trainable=trainable,
+                schedule=schedule, clip_grad_norm=args.clip_grad_norm,
+                accumulate=args.accumulate)
+        _replay(caught)
     except TypeError as exc:  # the builder's type checks: a user mistake here
         raise ValueError(str(exc)) from None
     except ValueError as exc:
@@ -420,6 +434,18 @@ def _cmd_make_training(args: argparse.Namespace) -> int:
     print(f"wrote training model {path}")
     print(sess)
     return 0
+
+
+def _replay(caught) -> None:
+    """Warnings caught while building, shown again; the folded-BatchNorm one as
+    the ``hint:`` line ``inspect`` prints."""
+    from ..builder.folding import FoldedBatchNormWarning
+
+    for w in caught:
+        if issubclass(w.category, FoldedBatchNormWarning):
+            print("hint: " + str(w.message).removeprefix("training_model: "), file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 class _EpochLines:
