@@ -40,8 +40,9 @@ Metadata (JSON values) tells the fit loop how to drive the model:
 ``onnxtrain.inputs``, ``onnxtrain.target``, ``onnxtrain.loss``,
 ``onnxtrain.prediction``, ``onnxtrain.task``, ``onnxtrain.cycle``,
 ``onnxtrain.trainable``, ``onnxtrain.optimizer_state``, where
-BatchNormalization statistics are trained, ``onnxtrain.batchnorm_var``
-and, with ``recompute=``, ``onnxtrain.recompute``.
+BatchNormalization statistics are trained, ``onnxtrain.batchnorm_var``,
+with ``recompute=``, ``onnxtrain.recompute`` and, for a model given as a
+path, ``onnxtrain.source`` (that file's absolute path).
 
 >>> import numpy as np
 >>> from onnx import TensorProto, helper, numpy_helper
@@ -61,6 +62,7 @@ and, with ``recompute=``, ``onnxtrain.recompute``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -72,7 +74,7 @@ from ..core.graph import PREVIEW_DOMAIN, graph_names, infer_types, opset_version
 from ..core.names import NameGen
 from ..core.protos import all_tensors
 from ..io import storage
-from ..io.metadata import replace_metadata
+from ..io.metadata import replace_metadata, set_metadata
 from ..io.model import ModelLike, load
 from ..io.storage import tensor_bytes
 from ..lower import recompute as _recompute
@@ -190,6 +192,9 @@ def training_model(
         initialization_graph(plan, index, ti)
     _set_imports(proto)
     _set_metadata(plan)
+    if isinstance(model, (str, os.PathLike)):
+        # The file it was built from (genai.export names it when it is not the base's).
+        set_metadata(proto, "source", os.path.abspath(os.fspath(model)))
     # A model under SPILL_FROM is returned self-contained, as any onnx tool
     # expects; a larger one keeps its weights in their (mapped) files, which
     # TrainingSession and storage.write_model read without a copy.
