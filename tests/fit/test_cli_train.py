@@ -241,7 +241,7 @@ def npz_with(path, **arrays):
     ("not npz", ["not a .npz archive"]),
     ("wrong arrays", ["expected arrays 'X' and 'y'", "['A']"]),
     ("wrong features", ["feed 'X' has shape [10, 5]"]),
-    ("wrong label dtype", ["'label' has dtype float32"]),
+    ("wrong label dtype", ["target 'label' holds 0.5 at index [0]", "--loss mse"]),
     ("row mismatch", ["same number of rows"]),
     ("missing model", ["nope.onnx"]),
     ("inference model", ["mlp.onnx", "no training_info", "make-training"]),
@@ -262,7 +262,7 @@ def test_train_mistakes(capsys, files, tmp_path, case, fragments):
     elif case == "wrong features":
         data = npz_with(tmp_path / "f.npz", X=np.zeros((10, 5), np.float32), y=np.zeros(10, np.int64))
     elif case == "wrong label dtype":
-        data = npz_with(tmp_path / "l.npz", X=np.zeros((10, 64), np.float32), y=np.zeros(10, np.float32))
+        data = npz_with(tmp_path / "l.npz", X=np.zeros((10, 64), np.float32), y=np.full(10, 0.5, np.float32))
     elif case == "row mismatch":
         data = npz_with(tmp_path / "r.npz", X=np.zeros((10, 64), np.float32), y=np.zeros(9, np.int64))
     elif case == "missing model":
