@@ -388,6 +388,11 @@ def _set_metadata(plan: Plan) -> None:
         # The tensor of training_info[algorithm].algorithm holding the rate the update
         # uses, lr * schedule(step) (TrainingSession.current_learning_rate).
         entries["learning_rate"].update(value=plan.lr_value, algorithm=plan.lr_algorithm)
+        # The schedule, for messages, and where fit sets a total taken from the run.
+        entries["schedule"] = {"spec": plan.schedule.spec, "algorithm": plan.lr_algorithm}
+        if plan.schedule_total:
+            entries["schedule"].update(state=plan.schedule_total,
+                                       warmup=int(getattr(plan.schedule, "warmup", 0)))
     if plan.clip_state:
         # The clipping threshold's state variable (TrainingSession.clip_grad_norm).
         entries["clip_grad_norm"] = {"state": plan.clip_state, "base": plan.clip_grad_norm}

@@ -257,7 +257,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 # ------------------------------------------- make-training and train (issue 4)
 LOSSES = ("cross_entropy", "mse", "l1", "huber", "bce_with_logits", "nll")
 OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad")
-SCHEDULES = ("cosine:TOTAL[:WARMUP]", "step_decay:STEP[:GAMMA]", "linear_warmup:STEPS")
+SCHEDULES = ("cosine[:TOTAL[:WARMUP]]", "step_decay:STEP[:GAMMA]", "linear_warmup:STEPS")
 
 
 def _add_training_commands(sub) -> None:
@@ -354,10 +354,14 @@ def _non_negative_float(text: str) -> float:
 
 
 def parse_schedule(text: str):
-    """``cosine:1000``, ``cosine:1000:100``, ``step_decay:500:0.5``, ``linear_warmup:200``.
+    """``cosine`` (over the run: epochs x steps per epoch, set when ``train``
+    starts), ``cosine:1000``, ``cosine:1000:100``, ``cosine::100`` (the run,
+    100 warmup steps), ``step_decay:500:0.5``, ``linear_warmup:200``.
 
     >>> parse_schedule("step_decay:500:0.5")
     StepDecay(step_size=500, gamma=0.5)
+    >>> parse_schedule("cosine")
+    Cosine(total_steps=None, warmup=0)
     """
     from .. import builder as build
 
@@ -365,8 +369,9 @@ def parse_schedule(text: str):
     args = rest.split(":") if rest else []
     usage = f"--schedule: expected one of {', '.join(SCHEDULES)}, got {text!r}"
     try:
-        if kind == "cosine" and len(args) in (1, 2):
-            return build.cosine(int(args[0]), *(int(a) for a in args[1:]))
+        if kind == "cosine" and len(args) <= 2:
+            total = int(args[0]) if args and args[0] else None  # none: the run's
+            return build.cosine(total, *(int(a) for a in args[1:]))
         if kind == "step_decay" and len(args) in (1, 2):
             return build.step_decay(int(args[0]), *(float(a) for a in args[1:]))
         if kind == "linear_warmup" and len(args) == 1:

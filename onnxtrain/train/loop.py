@@ -58,6 +58,7 @@ from .callbacks import (
 )
 from .data import Data, as_data, check_same_rows, check_targets, comm_sum, in_step
 from .metrics import Mean, metric_functions
+from .schedule import start_schedule
 from .spec import FitSpec, find_value_info, fit_spec, label_classes
 
 __all__ = ["NonFiniteLossError", "evaluate", "fit", "predict"]
@@ -234,6 +235,7 @@ def fit(
     classes = label_classes(sess, spec.target) if spec.target is not None else None
 
     per_epoch = train.num_batches(batch_size, drop_last, ranks)
+    schedule = start_schedule(sess, epochs, per_epoch, cycle) if lr_known else None
     # The cycle position continues across epochs (and across a resume).
     cycle_pos = initial_epoch * per_epoch + skip if per_epoch is not None else 0
     done_steps = (position or {}).get("step") if skip or initial_epoch else 0
@@ -280,6 +282,8 @@ def fit(
                     fetch = bool(log_every) and i % log_every == 0
                     if lr_known:  # the rate this step uses, schedule included
                         lr = _current_rate(sess)
+                        if schedule is not None:  # one warning when it has ended
+                            schedule.check(lr, epoch, i)
                     out = sess.train_step(batch, algorithm=algorithm, fetch=fetch)
                     cycle_pos += 1
                     step += 1
