@@ -5,9 +5,13 @@
 - ``onnxtrain check MODEL``          validate a training model (exit 0 and 'OK', else 1)
 - ``onnxtrain export CKPT -o OUT``   write the inference model of a training checkpoint
 - ``onnxtrain make-training MODEL -o OUT --loss L --target T --optimizer O --lr LR``
+  ``[--lora RANK[:ALPHA] [--lora-targets NAME,...]]``
                                      build a training model (``onnxtrain.build.training_model``)
-- ``onnxtrain train MODEL --data DATA.npz --epochs N -o OUT [--checkpoint C] [--resume C]``
-  ``[--distributed]`` (under ``mpiexec -n N``: data-parallel over MPI)
+- ``onnxtrain train MODEL --data DATA.npz --epochs N -o OUT [--lr LR] [--checkpoint C]``
+  ``[--resume C] [--distributed]`` (under ``mpiexec -n N``: data-parallel over MPI)
+
+Each subcommand's ``--help`` ends with examples (``EXAMPLES``); warnings print
+as one line ``onnxtrain: warning: ...``.
                                      fit it with progress bars (``onnxtrain.cli_train.train_files``)
 
 User mistakes (a missing file, an invalid model, a bad option value) and a
@@ -142,7 +146,49 @@ def _parser() -> argparse.ArgumentParser:
     _add_training_commands(sub)
     from ..ort_training.cli import add_parser as _add_import_ort
     _add_import_ort(sub)
+    for name, command in sub.choices.items():  # each --help ends with its examples
+        command.formatter_class = _ExamplesLast
+        if name in EXAMPLES:
+            command.epilog = "examples:\n" + "\n".join(f"  {line}" for line in EXAMPLES[name])
     return parser
+
+
+#: What each subcommand's --help ends with: command lines that work as shown.
+EXAMPLES = {
+    "demo": ["onnxtrain demo",
+             "onnxtrain demo --epochs 5 --batch-size 64 -o digits.onnx --no-progress"],
+    "inspect": ["onnxtrain inspect model.onnx          # an export: what make-training would train",
+                "onnxtrain inspect checkpoint.onnx     # a training model: training_info and state"],
+    "check": ["onnxtrain check training.onnx",
+              "onnxtrain check checkpoint.onnx && onnxtrain export checkpoint.onnx -o trained.onnx"],
+    "export": ["onnxtrain export checkpoint.onnx -o trained.onnx",
+               "onnxtrain export checkpoint.onnx -o copy.onnx --training"],
+    "make-training": [
+        "onnxtrain make-training model.onnx -o training.onnx --loss cross_entropy --lr 1e-3",
+        "onnxtrain make-training regressor.onnx -o training.onnx --loss mse --optimizer sgd "
+        "--lr 0.01 --momentum 0.9 --schedule cosine",
+        "onnxtrain make-training llama.onnx -o lora.onnx --lora 8:16 --lora-targets q_proj,v_proj",
+    ],
+    "train": [
+        "onnxtrain train training.onnx --data train.npz --epochs 10 -o trained.onnx",
+        "onnxtrain train training.onnx --data train.npz --epochs 20 --lr 1e-4 -o trained.onnx "
+        "--checkpoint ckpt.onnx --resume ckpt.onnx",
+        "mpiexec -n 2 onnxtrain train training.onnx --data train.npz --epochs 10 -o trained.onnx "
+        "--distributed",
+    ],
+    "import-ort": ["onnxtrain import-ort artifacts/ -o model.onnx",
+                   "onnxtrain import-ort artifacts/ -o model.onnx --checkpoint saved/checkpoint "
+                   "--prediction logits"],
+}
+
+
+class _ExamplesLast(argparse.HelpFormatter):
+    """argparse's help, with the examples (the epilog) kept line by line."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("examples:"):
+            return "\n".join(indent + line for line in text.splitlines())
+        return super()._fill_text(text, width, indent)
 
 
 # ------------------------------------------------------------------ commands
@@ -289,6 +335,13 @@ def _add_training_commands(sub) -> None:
                       help="scale gradients to a global L2 norm of at most C")
     make.add_argument("--accumulate", type=_positive_int, default=1, metavar="K",
                       help="average gradients over K batches per update (default 1)")
+    make.add_argument("--lora", default=None, metavar="RANK[:ALPHA]",
+                      help="train low-rank adapters instead of the targeted weights "
+                           "(build.LoRA(rank, alpha); alpha defaults to build.LoRA's, 16)")
+    make.add_argument("--lora-targets", default=None, metavar="NAME,NAME,...",
+                      help="the weights --lora adapts: initializer names, PyTorch names or "
+                           "module suffixes such as q_proj,v_proj (default: every MatMul/Gemm "
+                           "weight but a language model's head; inspect's lora column)")
     make.set_defaults(handler=_cmd_make_training)
 
     train = sub.add_parser(
@@ -312,6 +365,9 @@ def _add_training_commands(sub) -> None:
                             "checkpoint needs --resume)")
     train.add_argument("--validation-data", default=None, metavar="VAL.npz",
                        help="report val_loss and val_accuracy after each epoch")
+    train.add_argument("--lr", type=_non_negative_float, default=None,
+                       help="the learning rate to train with (default: the model's; a schedule "
+                            "scales it); also over a --resume checkpoint's")
     train.add_argument("--seed", type=int, default=0, help="shuffling seed (default 0)")
     train.add_argument("--no-progress", action="store_true",
                        help="no progress bars (one line per epoch is printed either way)")
@@ -381,6 +437,37 @@ def parse_schedule(text: str):
     raise ValueError(usage)
 
 
+def parse_lora(text: str | None, targets: str | None):
+    """``--lora RANK[:ALPHA]`` and ``--lora-targets NAME,NAME,...`` as ``build.LoRA``
+    (None without ``--lora``).
+
+    >>> parse_lora("8", None) == parse_lora("8:16", None)    # build.LoRA's alpha: 16
+    True
+    >>> parse_lora("4:8", "q_proj,v_proj")
+    LoRA(rank=4, alpha=8.0, targets=('q_proj', 'v_proj'), dropout=0.0, seed=0)
+    """
+    from .. import builder as build
+
+    if text is None:
+        if targets is not None:
+            raise ValueError("--lora-targets needs --lora RANK[:ALPHA]")
+        return None
+    rank, _, alpha = text.partition(":")
+    try:
+        options = {"rank": int(rank)} | ({"alpha": float(alpha)} if alpha else {})
+    except ValueError:
+        raise ValueError(f"--lora: expected RANK[:ALPHA] (e.g. 8 or 8:16), got {text!r}") from None
+    if targets is not None:
+        names = [n.strip() for n in targets.split(",")]
+        if not all(names):
+            raise ValueError(f"--lora-targets: expected NAME,NAME,..., got {targets!r}")
+        options["targets"] = names
+    try:
+        return build.LoRA(**options)
+    except ValueError as exc:
+        raise ValueError(f"--lora {text}: {exc}") from None
+
+
 def _optimizer(args: argparse.Namespace):
     from .. import builder as build
 
@@ -403,6 +490,10 @@ def _cmd_make_training(args: argparse.Namespace) -> int:
     _not_the_input(args.output, args.model, "the model read (MODEL)")
     schedule = parse_schedule(args.schedule) if args.schedule else None
     optimizer = _optimizer(args)
+    lora = parse_lora(args.lora, args.lora_targets)
+    if lora is not None and args.frozen:
+        raise ValueError("--frozen does not go with --lora: under LoRA only the adapters train "
+                         "(leave a weight out of --lora-targets to keep it as it is)")
     trainable = None
     model = args.model
     if args.frozen:
@@ -423,7 +514,7 @@ def _cmd_make_training(args: argparse.Namespace) -> int:
                 model, loss=args.loss or "cross_entropy", target=args.target,
                 output=args.output_name, optimizer=optimizer, trainable=trainable,
                 schedule=schedule, clip_grad_norm=args.clip_grad_norm,
-                accumulate=args.accumulate)
+                accumulate=args.accumulate, lora=lora)
         _replay(caught)
     except TypeError as exc:  # the builder's type checks: a user mistake here
         raise ValueError(str(exc)) from None
@@ -482,7 +573,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                              progress=not args.no_progress,
                              callbacks=[_EpochLines(args.epochs)] if rank == 0 else [],
                              terminate_on_nan=not args.no_terminate_on_nan, comm=comm,
-                             overwrite=args.overwrite)
+                             overwrite=args.overwrite, lr=args.lr)
     except TrainingInterrupted as exc:
         if exc.checkpoint is None:
             raise
@@ -519,6 +610,8 @@ def _resume_command(args: argparse.Namespace, checkpoint) -> str:
     words += ["--resume", checkpoint]
     if args.validation_data:
         words += ["--validation-data", args.validation_data]
+    if args.lr is not None:
+        words += ["--lr", args.lr]
     if args.no_progress:
         words.append("--no-progress")
     return shlex.join(str(w) for w in words)
