@@ -174,3 +174,14 @@ def mlp_classifier(optimizer="sgd", sizes=(4, 8, 3), lr=0.1, dtype=np.float32, s
     loss = [helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "label"], ["loss"], reduction="mean")]
     return trainable_model(main, [vi("X", et, ["N", n_in])], [vi("logits", et, ["N", n_out])], params,
                            loss, vi("label", TensorProto.INT64, ["N"]), optimizer, lr, groups, opset)
+
+
+def gemm_inference(n_in: int = 4, n_out: int = 3, seed: int = 0) -> onnx.ModelProto:
+    """An inference model y = x @ W + b (Gemm), x float32 [N, n_in], for the builder."""
+    rng = np.random.default_rng(seed)
+    g = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "W", "b"], ["y"])], "g",
+        [vi("x", F32, ["N", n_in])], [vi("y", F32, ["N", n_out])],
+        [tensor("W", rng.standard_normal((n_in, n_out)).astype(np.float32)),
+         tensor("b", np.zeros(n_out, np.float32))])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from models import gemm_inference
 
 from onnxtrain import build
 from onnxtrain.cli.app import main
@@ -104,21 +105,13 @@ def test_lora_mistakes_are_one_line(capsys, tmp_path, flags, fragments):
 
 # ------------------------------------------------------------------ train --lr
 def test_train_lr_is_the_sessions_learning_rate(capsys, tmp_path):
-    from onnx import TensorProto, helper, numpy_helper
-
     from onnxtrain import TrainingSession
 
     rng = np.random.default_rng(0)
     X = rng.standard_normal((64, 4)).astype(np.float32)
     y = rng.integers(0, 3, 64)
     np.savez(tmp_path / "d.npz", X=X, y=y)
-    g = helper.make_graph(
-        [helper.make_node("Gemm", ["x", "W", "b"], ["y"])], "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
-        [numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "W"),
-         numpy_helper.from_array(np.zeros(3, np.float32), "b")])
-    inference = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    inference = gemm_inference(4, 3)
     onnx.save(build.training_model(inference, optimizer=build.SGD(lr=0.1)), str(tmp_path / "m.onnx"))
     ckpt = tmp_path / "c.onnx"
     assert main(["train", str(tmp_path / "m.onnx"), "--data", str(tmp_path / "d.npz"), "--epochs",

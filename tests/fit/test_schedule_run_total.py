@@ -11,7 +11,7 @@ import warnings
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from models import gemm_inference
 
 from onnxtrain import TrainingSession, build
 from onnxtrain.cli.app import main
@@ -21,14 +21,7 @@ ROWS, BATCH = 64, 16  # 4 batches per epoch
 
 
 def model():
-    rng = np.random.default_rng(0)
-    g = helper.make_graph(
-        [helper.make_node("Gemm", ["x", "W", "b"], ["y"])], "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
-        [numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "W"),
-         numpy_helper.from_array(np.zeros(3, np.float32), "b")])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return gemm_inference(4, 3)
 
 
 def session(schedule, accumulate=1) -> TrainingSession:

@@ -9,24 +9,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from models import gemm_inference
 
 from onnxtrain import TrainingSession, build
 from onnxtrain.cli.app import main
 
-F32 = TensorProto.FLOAT
 ROWS = 64
 
 
 def linear(out: int):
-    rng = np.random.default_rng(0)
-    g = helper.make_graph(
-        [helper.make_node("Gemm", ["x", "W", "b"], ["y"])], "g",
-        [helper.make_tensor_value_info("x", F32, ["N", 4])],
-        [helper.make_tensor_value_info("y", F32, ["N", out])],
-        [numpy_helper.from_array(rng.standard_normal((4, out)).astype(np.float32), "W"),
-         numpy_helper.from_array(np.zeros(out, np.float32), "b")])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return gemm_inference(4, out)
 
 
 def session(out: int, loss: str) -> TrainingSession:
