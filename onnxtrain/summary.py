@@ -151,15 +151,20 @@ def algorithm_rows(sess: Any) -> list[AlgorithmRow]:
     return rows
 
 
-def _plural(n: int, word: str) -> str:
+def plural(n: int, word: str) -> str:
+    """``1 epoch``, ``2 epochs``: a count and its noun.
+
+    >>> plural(1, "step"), plural(3, "step")
+    ('1 step', '3 steps')
+    """
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def _headline(sess: Any, rows: list[StateRow]) -> str:
     trainable = [r for r in rows if r.role == "trainable"]
     params = sum(r.size for r in trainable)
-    return (f"TrainingSession: {_plural(sess.num_algorithms, 'algorithm')}, "
-            f"{_plural(len(rows), 'state variable')} "
+    return (f"TrainingSession: {plural(sess.num_algorithms, 'algorithm')}, "
+            f"{plural(len(rows), 'state variable')} "
             f"({len(trainable)} trainable, {params:,} parameters)")
 
 
@@ -174,7 +179,7 @@ def _io(sess: Any) -> tuple[list[str], list[str]]:
 def _algorithm_line(a: AlgorithmRow) -> str:
     init = f"; initialization sets {a.initializes}" if a.initializes else ""
     return (f"training_info[{a.index}]: feeds {', '.join(a.feeds) or 'nothing'} -> returns "
-            f"{', '.join(a.returns) or 'nothing'}; updates {_plural(len(a.updates), 'variable')}{init}")
+            f"{', '.join(a.returns) or 'nothing'}; updates {plural(len(a.updates), 'variable')}{init}")
 
 
 def _cycle_line(sess: Any) -> str | None:
@@ -362,7 +367,7 @@ def parameter_text(model: Any, indent: str = "  ") -> str:
     trained = [c for c in choices if c.trainable]
     size = sum(math.prod(inits[c.name].dims) for c in trained)
     lines = [f"builder's default (trainable=None): {len(trained)} trained ({size:,} parameters), "
-             f"{_plural(len(choices) - len(trained), 'constant')}"]
+             f"{plural(len(choices) - len(trained), 'constant')}"]
     rows = []
     named = any(c.known_as for c in choices)  # exporter records name some weights
     lora = any(c.lora for c in choices)  # what build.LoRA(targets=None) adapts

@@ -591,8 +591,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if not history.epochs:
         print(f"nothing to train: the checkpoint is at epoch {result.initial_epoch} "
               f"of {result.epochs}")
+    from ..summary import plural
+
     ranks = f" on {comm.size} ranks" if comm is not None and comm.size > 1 else ""
-    print(f"trained {len(history)} epochs ({history.steps} steps{ranks}) in {result.seconds:.1f} s")
+    print(f"trained {plural(len(history), 'epoch')} ({plural(history.steps, 'step')}{ranks}) "
+          f"in {result.seconds:.1f} s")
     if result.checkpoint is not None:
         print(f"wrote checkpoint {result.checkpoint}")
     print(f"wrote inference model {result.output}")
