@@ -524,6 +524,8 @@ def _cmd_make_training(args: argparse.Namespace) -> int:
             raise ValueError(f"--loss: the default, cross_entropy, does not fit this model "
                              f"({detail}): pass --loss mse for a regression or --loss "
                              "bce_with_logits for 0/1 targets") from None
+        if str(exc).startswith("LoRA.targets: "):  # the option that gave them
+            raise ValueError(str(exc).replace("LoRA.targets: ", "--lora-targets: ", 1)) from None
         raise
     path = write_model(built, args.output)
     sess = TrainingSession(built)

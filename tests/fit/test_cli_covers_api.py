@@ -90,7 +90,7 @@ def test_make_training_lora_equals_build_lora(capsys, tmp_path, flags, lora):
     (["--lora", "4:-1"], ["--lora 4:-1", "alpha must be a finite number > 0"]),
     (["--lora-targets", "q_proj"], ["--lora-targets needs --lora"]),
     (["--lora", "4", "--lora-targets", "q_proj,,v_proj"], ["--lora-targets: expected NAME,NAME"]),
-    (["--lora", "4", "--lora-targets", "nope"], ["unknown name 'nope'"]),
+    (["--lora", "4", "--lora-targets", "nope"], ["--lora-targets: unknown name 'nope'", "q_proj"]),
     (["--lora", "4", "--frozen", "val_41"], ["--frozen does not go with --lora"]),
 ])
 def test_lora_mistakes_are_one_line(capsys, tmp_path, flags, fragments):
