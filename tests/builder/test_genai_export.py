@@ -154,6 +154,9 @@ def test_training_model_records_the_file_it_was_built_from(tmp_path):
     resumed = TrainingSession(tmp_path / "ckpt.onnx")
     assert model_metadata(resumed.model)["source"] == model_metadata(tm)["source"]
     assert genai.export(resumed, tmp_path / "served", base=FOLDERS["fp32"]).is_dir()
+    # An inference export does not carry it (the path of the machine it was built on).
+    sess.export(tmp_path / "inference.onnx")
+    assert "source" not in model_metadata(onnx.load(str(tmp_path / "inference.onnx")))
     # A model given in memory has no file to record.
     assert "source" not in model_metadata(build.training_model(onnx.load(str(LLAMA_EXPORT))))
 
