@@ -9,24 +9,35 @@
    and the sky is blue", ``build.LoRA`` on the genai graph as it is
    (GroupQueryAttention, SkipSimplifiedLayerNormalization, MatMulNBits);
    on the int4 model the 4-bit codes stay frozen and unmaterialized (QLoRA).
+   LoRA's default targets leave the LM head out (as peft does), so the final
+   norm's weight trains beside the adapters (``trainable=[FINAL_NORM]``):
+   with the head and that norm frozen, the logits' scale is bounded and the
+   loss of the tiny model cannot fall below about 1.2, even once the phrase
+   is learned.  On the int4 model, ``build.export_requantized`` then shows
+   what requantizing the merged weights to 4 bits would lose.
 3. ``onnxtrain.genai.export`` writes genai folders: "merged" (float weights
    merged, int4 weights with the exact adapter side branch) and "separate"
    (the base with LoRA slots plus ``adapter.onnx_adapter``).
 4. Generate with onnxruntime-genai, greedy, before and after, and check that
    genai's tokens equal greedy decoding with ``sess.run``.
 
-    python examples/finetune_genai_lora.py                      # builds a tiny Llama (~0.5 M parameters)
+    python examples/finetune_genai_lora.py                      # builds a tiny Llama (~0.1 M parameters)
     python examples/finetune_genai_lora.py --quick              # the committed tiny models (the test suite)
     python examples/finetune_genai_lora.py --config 0.5b --precision int4 --steps 20 --out /tmp/g
 
 Prints the text before and after, seconds per step, peak resident memory
-(VmHWM) and the size of the model's weights.  Without ``--out`` the files go
-to a temporary folder removed at the end.  ``--no-progress`` hides the bar.
+(VmHWM, from building the session to the end of training; the base models
+are built in a child process, so torch is not counted) and the size of the
+model's weights.  docs/llm.md's figures for the tiny Llama are this
+output with ``--quick`` (``scripts/make_llm_doc.py`` writes them).  Without
+``--out`` the files go to a temporary folder removed at the end.
+``--no-progress`` hides the bar.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -59,7 +70,9 @@ CONFIGS = {
     "0.5b": dict(hidden=1536, layers=24, heads=12, kv_heads=2, intermediate=4096, vocab=320),
 }
 #: steps, learning rate, LoRA rank per config.
-DEFAULTS = {"tiny": (60, 1e-2, 8), "0.5b": (20, 2e-3, 16)}
+DEFAULTS = {"tiny": (120, 2e-2, 8), "0.5b": (20, 2e-3, 16)}
+#: Trained beside the adapters: the final norm's weight sets the scale of the logits.
+FINAL_NORM = "final_norm_layernorm.weight"
 
 
 # ------------------------------------------------------------------ the base models
@@ -103,13 +116,26 @@ def make_hf(folder: Path, *, hidden, layers, heads, kv_heads, intermediate, voca
     return sum(p.numel() for p in model.parameters())
 
 
+def make_hf_apart(folder: Path, config: str) -> int:
+    """``make_hf`` in a child process: torch never enters this one (its
+    libraries would count in the peak memory reported for training)."""
+    code = ("import json, sys; from pathlib import Path; import runpy; "
+            "ns = runpy.run_path(sys.argv[1]); "
+            "print(ns['make_hf'](Path(sys.argv[2]), **json.loads(sys.argv[3])))")
+    proc = subprocess.run([sys.executable, "-c", code, __file__, str(folder), json.dumps(CONFIGS[config])],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"building the random Llama failed:\n{proc.stderr}")
+    return int(proc.stdout.strip().splitlines()[-1])
+
+
 def make_genai_models(out: Path, config: str = "tiny", precisions=("fp32", "int4")) -> dict[str, Path]:
     """Genai folders ``out/llama-<precision>`` built from one random Llama."""
     out.mkdir(parents=True, exist_ok=True)
     folders = {}
     with tempfile.TemporaryDirectory() as tmp:
         hf = Path(tmp) / "hf"
-        n = make_hf(hf, **CONFIGS[config])
+        n = make_hf_apart(hf, config)
         print(f"random Llama ({config}): {n / 1e6:.1f} M parameters")
         for p in precisions:
             target = out / f"llama-{p}"
@@ -224,7 +250,7 @@ def finetune(base: Path, out: Path, precision: str, steps: int, lr: float, rank:
     reset = reset_peak()  # the peak of building the session and training, not of genai above
     tm = build.training_model(str(base / "model.onnx"), loss="cross_entropy",
                               optimizer=build.AdamW(lr=lr),
-                              lora=build.LoRA(rank=rank, alpha=2 * rank))
+                              lora=build.LoRA(rank=rank, alpha=2 * rank), trainable=[FINAL_NORM])
     sess = TrainingSession(tm)
     sess.initialize()
     seq = np.array([full] * rows, np.int64)
@@ -246,6 +272,8 @@ def finetune(base: Path, out: Path, precision: str, steps: int, lr: float, rank:
           f"{'' if reset else ' (since start)'}; model weights {weight_bytes(base) / 2**20:.1f} MiB")
     ours = dec.greedy(sess, prompt, n_new)
     print(f"[{precision}] after, sess.run:     {text(ours)!r}")
+    if precision == "int4":
+        requantized(sess, batch, out / "requantized.onnx")
     result = {"before": text(before), "after": text(ours), "loss": (first, last), "s_per_step": per_step,
               "train_peak": train_peak, "history": history, "genai": {}}
     for mode in ("merged", "separate"):
@@ -260,6 +288,29 @@ def finetune(base: Path, out: Path, precision: str, steps: int, lr: float, rank:
     result["learned"] = result["after"] == PHRASE
     print(f"[{precision}] phrase learned: {result['learned']}")
     return result
+
+
+def requantized(sess: TrainingSession, batch: dict, path: Path) -> dict:
+    """What requantizing the merged int4 weights loses (``build.export_requantized``):
+    the part of each LoRA update the 4-bit grid does not keep, and how far the
+    requantized model's logits are from ``sess.run``'s on the phrase."""
+    import warnings
+
+    import onnxruntime as ort
+
+    with warnings.catch_warnings():  # its warning says what the line below prints
+        warnings.simplefilter("ignore", UserWarning)
+        report = build.export_requantized(sess, path)
+    errors = sorted(100 * r["update_error"] for r in report.values())
+    feeds = {k: v for k, v in batch.items() if k != "target"}
+    ours = sess.run(feeds)["logits"]
+    theirs = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["logits"], feeds)[0]
+    gap = float(np.abs(theirs - ours).max())
+    agree = float((theirs.argmax(-1) == ours.argmax(-1)).mean())
+    print(f"[int4] requantized (build.export_requantized): update_error {errors[0]:.0f}% to "
+          f"{errors[-1]:.0f}% over {len(errors)} targets (median {np.median(errors):.0f}%); logits "
+          f"up to {gap:.1f} from sess.run's, next-token argmax agrees on {agree:.0%}")
+    return {"update_error": errors, "logit_gap": gap, "argmax_agreement": agree}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -48,6 +48,7 @@ from onnx import helper, numpy_helper
 
 from .builder import lora as _lora
 from .io.loading import load
+from .io.metadata import model_metadata
 from .io.storage import write_model
 from .runtime.adapters import write_adapter
 
@@ -85,6 +86,24 @@ def _session_parts(sess: Any) -> tuple[dict[str, Any], Mapping[str, np.ndarray]]
     return info, state
 
 
+def _check_built_from(built: onnx.ModelProto, info: dict[str, Any], model: onnx.ModelProto,
+                      path: Path) -> None:
+    """ValueError, in one line naming both files, when the session's LoRA targets
+    are not weights of base's decoder: the session was built from another model
+    (another export of the same network names its weights otherwise)."""
+    names = {t.name for t in model.graph.initializer}
+    missing = [e["weight"] for e in info["targets"] if e["weight"] not in names]
+    if not missing:
+        return
+    source = model_metadata(built).get("source")
+    built_from = f"{source}" if source else "a model in memory (no file recorded)"
+    shown = ", ".join(repr(m) for m in missing[:3]) + (", ..." if len(missing) > 3 else "")
+    raise ValueError(
+        f"genai.export: the session must be built from the base folder's own {path}, not from "
+        f"{built_from} (its LoRA targets {shown} are not weights there): build it with "
+        f"build.training_model({str(path)!r}, lora=...)")
+
+
 def export(sess: Any, folder: str | os.PathLike, base: str | os.PathLike,
            adapters: str = "merged", name: str = "adapter") -> Path:
     """Write the genai model folder ``folder`` for LoRA/QLoRA session ``sess``
@@ -105,6 +124,7 @@ def export(sess: Any, folder: str | os.PathLike, base: str | os.PathLike,
     # merged weights are computed block by block and codes copied file to file
     # while the new model is written.
     model, _ = load(base / filename)
+    _check_built_from(sess.model, info, model, base / filename)
     desc = {"rank": info["rank"], "alpha": info["alpha"],
             "targets": [{k: e[k] for k in ("weight", "A", "B", "in", "out", "transposed", "scale",
                                            "quantized") if k in e} for e in info["targets"]]}

@@ -151,15 +151,20 @@ def algorithm_rows(sess: Any) -> list[AlgorithmRow]:
     return rows
 
 
-def _plural(n: int, word: str) -> str:
+def plural(n: int, word: str) -> str:
+    """``1 epoch``, ``2 epochs``: a count and its noun.
+
+    >>> plural(1, "step"), plural(3, "step")
+    ('1 step', '3 steps')
+    """
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def _headline(sess: Any, rows: list[StateRow]) -> str:
     trainable = [r for r in rows if r.role == "trainable"]
     params = sum(r.size for r in trainable)
-    return (f"TrainingSession: {_plural(sess.num_algorithms, 'algorithm')}, "
-            f"{_plural(len(rows), 'state variable')} "
+    return (f"TrainingSession: {plural(sess.num_algorithms, 'algorithm')}, "
+            f"{plural(len(rows), 'state variable')} "
             f"({len(trainable)} trainable, {params:,} parameters)")
 
 
@@ -174,7 +179,7 @@ def _io(sess: Any) -> tuple[list[str], list[str]]:
 def _algorithm_line(a: AlgorithmRow) -> str:
     init = f"; initialization sets {a.initializes}" if a.initializes else ""
     return (f"training_info[{a.index}]: feeds {', '.join(a.feeds) or 'nothing'} -> returns "
-            f"{', '.join(a.returns) or 'nothing'}; updates {_plural(len(a.updates), 'variable')}{init}")
+            f"{', '.join(a.returns) or 'nothing'}; updates {plural(len(a.updates), 'variable')}{init}")
 
 
 def _cycle_line(sess: Any) -> str | None:
@@ -330,8 +335,11 @@ def model_text(model: Any) -> str:
 def parameter_text(model: Any, indent: str = "  ") -> str:
     """What ``build.training_model(trainable=None)`` would train in an inference
     model: one row per floating-point initializer, "train" or "constant" with
-    a one-word reason (``build.parameter_choices`` states the rule), and a
-    note under each doubtful choice.
+    a one-word reason (``build.parameter_choices`` states the rule), what
+    ``build.LoRA(targets=None)`` does with it (``lora``: "target", "head" for
+    a language model's output head, left out; shown when some weight is
+    either), the PyTorch name (``known as``) where the exporter recorded one,
+    and a note under each doubtful choice.
 
     >>> from onnx import TensorProto, helper, numpy_helper
     >>> g = helper.make_graph(
@@ -342,15 +350,19 @@ def parameter_text(model: Any, indent: str = "  ") -> str:
     ...      numpy_helper.from_array(np.array(3.0, np.float32), "p")])
     >>> print(parameter_text(helper.make_model(g)))
     builder's default (trainable=None): 1 trained (4 parameters), 1 constant
-      name  dtype    shape   choice    reason
-      W     float32  [2, 2]  train     weight
-      p     float32  []      constant  scalar
+      name  dtype    shape   choice    reason  lora
+      W     float32  [2, 2]  train     weight  target
+      p     float32  []      constant  scalar  -
     """
     from .builder.parameters import parameter_choices
     from .io.model import load
 
     proto, _ = load(model)
     inits = {t.name: t for t in proto.graph.initializer}
+    # Identity copies of a shared initializer are parameters of their own (the builder unties them).
+    for n in proto.graph.node:
+        if n.op_type == "Identity" and n.input and n.input[0] in inits:
+            inits.setdefault(n.output[0], inits[n.input[0]])
     choices = parameter_choices(proto.graph)
     trained = [c for c in choices if c.trainable]
     for c in choices:  # (an untied copy: the initializer it copies)
@@ -358,45 +370,21 @@ def parameter_text(model: Any, indent: str = "  ") -> str:
             inits[c.name] = inits[c.copy_of]
     size = sum(math.prod(inits[c.name].dims) for c in trained)
     lines = [f"builder's default (trainable=None): {len(trained)} trained ({size:,} parameters), "
-             f"{_plural(len(choices) - len(trained), 'constant')}"]
+             f"{plural(len(choices) - len(trained), 'constant')}"]
     rows = []
     named = any(c.known_as for c in choices)  # exporter records name some weights
+    lora = any(c.lora for c in choices)  # what build.LoRA(targets=None) adapts
     for c in choices:
         t = inits[c.name]
         dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).name
         rows.append((c.name, dtype, str(list(t.dims)), "train" if c.trainable else "constant",
-                     c.reason + (" (doubtful)" if c.doubt else "")) + ((c.known_as,) if named else ()))
-    header = ("name", "dtype", "shape", "choice", "reason") + (("known as",) if named else ())
+                     c.reason + (" (doubtful)" if c.doubt else ""))
+                    + ((c.lora or "-",) if lora else ()) + ((c.known_as,) if named else ()))
+    header = (("name", "dtype", "shape", "choice", "reason") + (("lora",) if lora else ())
+              + (("known as",) if named else ()))
     lines += _table(header, rows, indent)
     for c in choices:
         for note in (c.doubt, c.tie):
             if note:
                 lines.append(f"{indent}note: {c.name}: {note}")
     return "\n".join(lines)
-
-
-#: What ``onnxtrain inspect`` says about a PyTorch export without BatchNormalization.
-PYTORCH_EXPORT_HINT = (
-    "hint: exported by PyTorch with no BatchNormalization: an eval-mode "
-    "torch.onnx.export folds BatchNorm into the Conv before it, so fine-tuning would not "
-    "match PyTorch; to keep it, export with dynamo=True, optimize=False (or dynamo=False, "
-    "training=TrainingMode.PRESERVE) and a dynamic batch dimension (docs/compatibility.md)"
-)
-
-
-def pytorch_export_hint(model: onnx.ModelProto) -> str | None:
-    """``PYTORCH_EXPORT_HINT`` for a model whose producer is PyTorch and whose
-    graphs hold no BatchNormalization node, else None.
-
-    >>> m = onnx.ModelProto(producer_name="pytorch")
-    >>> pytorch_export_hint(m) == PYTORCH_EXPORT_HINT
-    True
-    >>> m.graph.node.add(op_type="BatchNormalization") and pytorch_export_hint(m)
-    >>> pytorch_export_hint(onnx.ModelProto(producer_name="skl2onnx"))
-    """
-    if model.producer_name.lower() != "pytorch":
-        return None
-    graphs = [model.graph] + [ti.algorithm for ti in model.training_info]
-    if any(n.op_type == "BatchNormalization" for g in graphs for n in g.node):
-        return None
-    return PYTORCH_EXPORT_HINT

@@ -29,8 +29,12 @@ An eval-mode `torch.onnx.export` is made for inference: the dynamo exporter's
 default `optimize=True`, like TorchScript's constant folding, folds each
 BatchNormalization into the Conv before it. The folded model trains, but not
 as PyTorch does (no batch statistics, no running averages: the fused rows
-above). `onnxtrain inspect` prints a one-line hint for a PyTorch export without
-BatchNormalization. To fine-tune like PyTorch:
+above). `onnxtrain inspect`, `onnxtrain make-training` and `build.training_model`
+(a `FoldedBatchNormWarning`) say so in one line when the export shows a fold:
+a node that onnxscript's `FuseBatchNormInto*` rule made, a Conv or Gemm that
+carries a BatchNorm module's records (`class_hierarchy`, `name_scopes`), or a
+Conv whose bias TorchScript computed (`onnx::Conv_N`). A model that never had
+a BatchNorm gets no hint. To fine-tune like PyTorch:
 
 - **Keep BatchNormalization**: `dynamo=True, optimize=False` (model in eval
   mode), or `dynamo=False, training=torch.onnx.TrainingMode.PRESERVE` with the

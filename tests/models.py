@@ -197,3 +197,14 @@ def overridable_regression(n_in=3, n_out=2, scale=2.0, lr=0.5, dtype=np.float64,
     w = (rng.standard_normal((n_in, n_out)) * 0.5).astype(dtype)
     return model(main, [vi("X", et, ["N", n_in]), vi("scale", et, [])], [vi("Y", et, ["N", n_out])],
                  [tensor("W", w), tensor("scale", np.asarray(scale, dtype))], [info])
+
+
+def gemm_inference(n_in: int = 4, n_out: int = 3, seed: int = 0) -> onnx.ModelProto:
+    """An inference model y = x @ W + b (Gemm), x float32 [N, n_in], for the builder."""
+    rng = np.random.default_rng(seed)
+    g = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "W", "b"], ["y"])], "g",
+        [vi("x", F32, ["N", n_in])], [vi("y", F32, ["N", n_out])],
+        [tensor("W", rng.standard_normal((n_in, n_out)).astype(np.float32)),
+         tensor("b", np.zeros(n_out, np.float32))])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])

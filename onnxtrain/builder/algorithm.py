@@ -208,7 +208,13 @@ class Algorithm:
         if plan.schedule is None:
             plan.lr_value = lr
             return lr
-        plan.lr_value = e.Mul(lr, plan.schedule.emit(e, plan.step))
+        if plan.schedule.run_total:
+            # The run's number of updates, set by fit when it starts (0 until then).
+            plan.schedule_total = self.hyperparameter("schedule_total", 0.0)
+            factor = plan.schedule.emit(e, plan.step, plan.schedule_total)
+        else:
+            factor = plan.schedule.emit(e, plan.step)
+        plan.lr_value = e.Mul(lr, factor)
         return plan.lr_value
 
     def optimizer_step(self, grads: Sequence[str]) -> None:

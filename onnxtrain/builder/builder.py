@@ -40,8 +40,9 @@ Metadata (JSON values) tells the fit loop how to drive the model:
 ``onnxtrain.inputs``, ``onnxtrain.target``, ``onnxtrain.loss``,
 ``onnxtrain.prediction``, ``onnxtrain.task``, ``onnxtrain.cycle``,
 ``onnxtrain.trainable``, ``onnxtrain.optimizer_state``, where
-BatchNormalization statistics are trained, ``onnxtrain.batchnorm_var``
-and, with ``recompute=``, ``onnxtrain.recompute``.
+BatchNormalization statistics are trained, ``onnxtrain.batchnorm_var``,
+with ``recompute=``, ``onnxtrain.recompute`` and, for a model given as a
+path, ``onnxtrain.source`` (that file's absolute path).
 
 >>> import numpy as np
 >>> from onnx import TensorProto, helper, numpy_helper
@@ -61,6 +62,7 @@ and, with ``recompute=``, ``onnxtrain.recompute``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -72,7 +74,7 @@ from ..core.graph import PREVIEW_DOMAIN, graph_names, infer_types, opset_version
 from ..core.names import NameGen
 from ..core.protos import all_tensors
 from ..io import storage
-from ..io.metadata import replace_metadata
+from ..io.metadata import replace_metadata, set_metadata
 from ..io.model import ModelLike, load
 from ..io.storage import tensor_bytes
 from ..lower import recompute as _recompute
@@ -81,6 +83,7 @@ from . import lora as _lora
 from . import losses as _losses
 from . import optimizers as _optimizers
 from .algorithm import Algorithm, initialization_graph
+from .folding import warn_if_folded
 from .lora import LoRA
 from .losses import Loss
 from .optimizers import Adam, Optimizer
@@ -191,6 +194,9 @@ def training_model(
         initialization_graph(plan, index, ti)
     _set_imports(proto)
     _set_metadata(plan)
+    if isinstance(model, (str, os.PathLike)):
+        # The file it was built from (genai.export names it when it is not the base's).
+        set_metadata(proto, "source", os.path.abspath(os.fspath(model)))
     # A model under SPILL_FROM is returned self-contained, as any onnx tool
     # expects; a larger one keeps its weights in their (mapped) files, which
     # TrainingSession and storage.write_model read without a copy.
@@ -208,7 +214,9 @@ def _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad
           accumulate, train_mode, batchnorm_var="auto", lora=None, recompute=None) -> Plan:
     """Check every argument and decide the names and the state variables."""
     recompute_spec = _recompute.normalize(recompute)
-    proto = _adapt.adapt(_inference_copy(model))
+    source = _inference_copy(model)
+    warn_if_folded(source, stacklevel=3)  # at the caller of training_model
+    proto = _adapt.adapt(source)
     opset = _default_opset(proto)
     untie_shared_initializers(proto.graph)
     lora_info = _lora.apply(proto, lora)[1] if lora is not None else None
@@ -382,6 +390,11 @@ def _set_metadata(plan: Plan) -> None:
         # The tensor of training_info[algorithm].algorithm holding the rate the update
         # uses, lr * schedule(step) (TrainingSession.current_learning_rate).
         entries["learning_rate"].update(value=plan.lr_value, algorithm=plan.lr_algorithm)
+        # The schedule, for messages, and where fit sets a total taken from the run.
+        entries["schedule"] = {"spec": plan.schedule.spec, "algorithm": plan.lr_algorithm}
+        if plan.schedule_total:
+            entries["schedule"].update(state=plan.schedule_total,
+                                       warmup=int(getattr(plan.schedule, "warmup", 0)))
     if plan.clip_state:
         # The clipping threshold's state variable (TrainingSession.clip_grad_norm).
         entries["clip_grad_norm"] = {"state": plan.clip_state, "base": plan.clip_grad_norm}

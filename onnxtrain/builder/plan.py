@@ -133,6 +133,8 @@ class Plan:
     #: The rate the update uses (lr * schedule(step)) and the algorithm computing it.
     lr_value: str = ""
     lr_algorithm: int = 0
+    #: The state variable holding a schedule's total taken from the run (cosine()).
+    schedule_total: str = ""
     clip_state: str = ""
     #: The activation recompute option (``onnxtrain.recompute``), None when off.
     recompute: Any = None

@@ -11,15 +11,23 @@ with ``scheduler.step()`` called after every ``optimizer.step()``.
                               f(s) = (1 + cos(pi * min(1, (s - w) / (T - w)))) / 2   otherwise
                               (w = 0: torch CosineAnnealingLR(T_max=T, eta_min=0) up to s = T;
                               after T the factor stays 0 instead of rising again)
+- ``cosine()``                the same, T the updates of the run: a state variable
+                              (metadata ``onnxtrain.schedule``) that ``fit`` sets when it
+                              starts, to epochs x updates per epoch, unless a checkpoint
+                              already holds it (``TrainingSession.schedule_total_steps``);
+                              until it is set, the factor is 1 after the warmup
 
-``factor(s)`` is the same formula in Python, for tests and for plotting.
+``factor(s)`` is the same formula in Python, for tests and for plotting;
+``spec`` the schedule as ``make-training --schedule`` writes it.
 
 >>> [round(step_decay(2, 0.5).factor(s), 3) for s in range(5)]
 [1.0, 1.0, 0.5, 0.5, 0.25]
 >>> [round(linear_warmup(4).factor(s), 2) for s in range(5)]
 [0.25, 0.5, 0.75, 1.0, 1.0]
->>> round(cosine(10).factor(5), 6)
-0.5
+>>> round(cosine(10).factor(5), 6), cosine().factor(5, total=10) == cosine(10).factor(5)
+(0.5, True)
+>>> cosine(1000, 100).spec, cosine().spec, step_decay(500, 0.5).spec
+('cosine:1000:100', 'cosine', 'step_decay:500:0.5')
 """
 
 from __future__ import annotations
@@ -37,6 +45,10 @@ F64 = TensorProto.DOUBLE
 class Schedule:
     """A learning-rate factor f(step)."""
 
+    #: Whether the total number of updates comes from the run (``fit`` sets it):
+    #: then ``emit`` gets the 0-D float64 tensor holding it as ``total``.
+    run_total = False
+
     def factor(self, step: int) -> float:
         """f(step) in Python (the reference of ``emit``)."""
         raise NotImplementedError
@@ -44,6 +56,11 @@ class Schedule:
     def emit(self, e: Emitter, step: str) -> str:
         """Append nodes computing f(step) as a 0-D float64 tensor from the int64 counter."""
         raise NotImplementedError
+
+    @property
+    def spec(self) -> str:
+        """The schedule as ``make-training --schedule`` writes it (``cosine:1000``)."""
+        return type(self).__name__
 
 
 def _as_float(e: Emitter, step: str) -> str:
@@ -68,6 +85,10 @@ class LinearWarmup(Schedule):
     def factor(self, step: int) -> float:
         return min(1.0, (step + 1) / self.warmup_steps)
 
+    @property
+    def spec(self) -> str:
+        return f"linear_warmup:{self.warmup_steps}"
+
     def emit(self, e: Emitter, step: str) -> str:
         one = e.const(1.0, dtype=F64)
         ramp = e.Div(e.Add(_as_float(e, step), one), e.const(float(self.warmup_steps), dtype=F64))
@@ -89,6 +110,10 @@ class StepDecay(Schedule):
     def factor(self, step: int) -> float:
         return float(self.gamma) ** (step // self.step_size)
 
+    @property
+    def spec(self) -> str:
+        return f"step_decay:{self.step_size}:{self.gamma:g}"
+
     def emit(self, e: Emitter, step: str) -> str:
         # Integer division of a non-negative counter is floor division.
         periods = e.Div(step, e.scalar_int(self.step_size))
@@ -97,47 +122,67 @@ class StepDecay(Schedule):
 
 @dataclass(frozen=True)
 class Cosine(Schedule):
-    """Linear warmup over ``warmup`` steps, then cosine annealing to 0 at ``total_steps``.
+    """Linear warmup over ``warmup`` steps, then cosine annealing to 0 at ``total_steps``
+    (None: the updates of the run, set by ``fit``; see the module doc).
 
     f(s) = (s + 1) / warmup                                       for s < warmup
     f(s) = (1 + cos(pi * min(1, (s - warmup) / (total_steps - warmup)))) / 2   otherwise"""
 
-    total_steps: int
+    total_steps: int | None = None
     warmup: int = 0
 
     def __post_init__(self) -> None:
-        _check_positive_int("cosine", total_steps=self.total_steps)
-        if not isinstance(self.warmup, int) or not 0 <= self.warmup < self.total_steps:
-            raise ValueError(
-                f"cosine: warmup must be an integer in [0, total_steps={self.total_steps}), "
-                f"got {self.warmup!r}"
-            )
+        if self.total_steps is not None:
+            _check_positive_int("cosine", total_steps=self.total_steps)
+        limit = "" if self.total_steps is None else f", total_steps={self.total_steps}"
+        if (not isinstance(self.warmup, int) or isinstance(self.warmup, bool) or self.warmup < 0
+                or (self.total_steps is not None and self.warmup >= self.total_steps)):
+            raise ValueError(f"cosine: warmup must be an integer in [0{limit}), got {self.warmup!r}")
 
-    def factor(self, step: int) -> float:
+    @property
+    def run_total(self) -> bool:  # type: ignore[override]
+        return self.total_steps is None
+
+    @property
+    def spec(self) -> str:
+        if self.total_steps is None:
+            return "cosine" + (f"::{self.warmup}" if self.warmup else "")
+        return f"cosine:{self.total_steps}" + (f":{self.warmup}" if self.warmup else "")
+
+    def factor(self, step: int, total: int | None = None) -> float:
+        total = self.total_steps if self.total_steps is not None else total
         if step < self.warmup:
             return (step + 1) / self.warmup
-        progress = min(1.0, (step - self.warmup) / (self.total_steps - self.warmup))
+        if not total:  # the run's total, not set yet
+            return 1.0
+        progress = min(1.0, (step - self.warmup) / (total - self.warmup))
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    def emit(self, e: Emitter, step: str) -> str:
+    def emit(self, e: Emitter, step: str, total: str | None = None) -> str:
         s = _as_float(e, step)
-        progress = e.Div(
-            e.Sub(s, e.const(float(self.warmup), dtype=F64)),
-            e.const(float(self.total_steps - self.warmup), dtype=F64),
-        )
-        progress = e.Min(progress, e.const(1.0, dtype=F64))
+        warmup = e.const(float(self.warmup), dtype=F64)
+        if self.total_steps is not None:
+            span = e.const(float(self.total_steps - self.warmup), dtype=F64)
+        else:
+            # The run's total (0 until fit sets it; max() keeps the division finite).
+            span = e.Max(e.Sub(total, warmup), e.const(1.0, dtype=F64))
+        progress = e.Min(e.Div(e.Sub(s, warmup), span), e.const(1.0, dtype=F64))
         half = e.const(0.5, dtype=F64)
         cosine = e.Cos(e.Mul(e.const(math.pi, dtype=F64), progress))
         annealed = e.Mul(half, e.Add(e.const(1.0, dtype=F64), cosine))
+        if self.total_steps is None:  # factor 1 until the total is set
+            unset = e.LessOrEqual(total, e.const(0.0, dtype=F64))
+            annealed = e.Where(unset, e.const(1.0, dtype=F64), annealed)
         if not self.warmup:
             return annealed
-        ramp = e.Div(e.Add(s, e.const(1.0, dtype=F64)), e.const(float(self.warmup), dtype=F64))
+        ramp = e.Div(e.Add(s, e.const(1.0, dtype=F64)), warmup)
         warming = e.Less(step, e.scalar_int(self.warmup))
         return e.Where(warming, ramp, annealed)
 
 
-def cosine(total_steps: int, warmup: int = 0) -> Cosine:
-    """Cosine annealing to 0 over ``total_steps`` updates, after ``warmup`` linear warmup steps."""
+def cosine(total_steps: int | None = None, warmup: int = 0) -> Cosine:
+    """Cosine annealing to 0 over ``total_steps`` updates (None: the updates of
+    the run, set when ``fit`` starts), after ``warmup`` linear warmup steps."""
     return Cosine(total_steps, warmup)
 
 

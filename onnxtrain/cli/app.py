@@ -6,9 +6,13 @@
 - ``onnxtrain export CKPT -o OUT``   write the inference model of a training checkpoint
 - ``onnxtrain bundle MODEL -o FOLDER``  write a portable training bundle (``onnxtrain.bundle.save``)
 - ``onnxtrain make-training MODEL -o OUT --loss L --target T --optimizer O --lr LR``
+  ``[--lora RANK[:ALPHA] [--lora-targets NAME,...]]``
                                      build a training model (``onnxtrain.build.training_model``)
-- ``onnxtrain train MODEL --data DATA.npz --epochs N -o OUT [--checkpoint C] [--resume C]``
-  ``[--distributed]`` (under ``mpiexec -n N``: data-parallel over MPI)
+- ``onnxtrain train MODEL --data DATA.npz --epochs N -o OUT [--lr LR] [--checkpoint C]``
+  ``[--resume C] [--distributed]`` (under ``mpiexec -n N``: data-parallel over MPI)
+
+Each subcommand's ``--help`` ends with examples (``EXAMPLES``); warnings print
+as one line ``onnxtrain: warning: ...``.
                                      fit it with progress bars (``onnxtrain.cli_train.train_files``)
 
 User mistakes (a missing file, an invalid model, a bad option value) and a
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import TextIO
 
@@ -61,7 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return args.handler(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _warning_line
+            return args.handler(args)
     except BrokenPipeError:
         # The reader went away (``onnxtrain ... | head``): exit quietly.  Python
         # would report the pipe again when it flushes stdout at exit, so point
@@ -85,6 +92,12 @@ def _error(exc: BaseException) -> None:
     """Print an exception as one line on stderr."""
     message = " ".join(str(exc).split()) or type(exc).__name__
     print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line ``onnxtrain: warning: ...`` on stderr (no source line)."""
+    text = " ".join(str(message).split())
+    print(f"{PROG}: warning: {text}", file=sys.stderr if file is None else file)
 
 
 def _positive_int(text: str) -> int:
@@ -149,7 +162,49 @@ def _parser() -> argparse.ArgumentParser:
     _add_training_commands(sub)
     from ..ort_training.cli import add_parser as _add_import_ort
     _add_import_ort(sub)
+    for name, command in sub.choices.items():  # each --help ends with its examples
+        command.formatter_class = _ExamplesLast
+        if name in EXAMPLES:
+            command.epilog = "examples:\n" + "\n".join(f"  {line}" for line in EXAMPLES[name])
     return parser
+
+
+#: What each subcommand's --help ends with: command lines that work as shown.
+EXAMPLES = {
+    "demo": ["onnxtrain demo",
+             "onnxtrain demo --epochs 5 --batch-size 64 -o digits.onnx --no-progress"],
+    "inspect": ["onnxtrain inspect model.onnx          # an export: what make-training would train",
+                "onnxtrain inspect checkpoint.onnx     # a training model: training_info and state"],
+    "check": ["onnxtrain check training.onnx",
+              "onnxtrain check checkpoint.onnx && onnxtrain export checkpoint.onnx -o trained.onnx"],
+    "export": ["onnxtrain export checkpoint.onnx -o trained.onnx",
+               "onnxtrain export checkpoint.onnx -o copy.onnx --training"],
+    "make-training": [
+        "onnxtrain make-training model.onnx -o training.onnx --loss cross_entropy --lr 1e-3",
+        "onnxtrain make-training regressor.onnx -o training.onnx --loss mse --optimizer sgd "
+        "--lr 0.01 --momentum 0.9 --schedule cosine",
+        "onnxtrain make-training llama.onnx -o lora.onnx --lora 8:16 --lora-targets q_proj,v_proj",
+    ],
+    "train": [
+        "onnxtrain train training.onnx --data train.npz --epochs 10 -o trained.onnx",
+        "onnxtrain train training.onnx --data train.npz --epochs 20 --lr 1e-4 -o trained.onnx "
+        "--checkpoint ckpt.onnx --resume ckpt.onnx",
+        "mpiexec -n 2 onnxtrain train training.onnx --data train.npz --epochs 10 -o trained.onnx "
+        "--distributed",
+    ],
+    "import-ort": ["onnxtrain import-ort artifacts/ -o model.onnx",
+                   "onnxtrain import-ort artifacts/ -o model.onnx --checkpoint saved/checkpoint "
+                   "--prediction logits"],
+}
+
+
+class _ExamplesLast(argparse.HelpFormatter):
+    """argparse's help, with the examples (the epilog) kept line by line."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("examples:"):
+            return "\n".join(indent + line for line in text.splitlines())
+        return super()._fill_text(text, width, indent)
 
 
 # ------------------------------------------------------------------ commands
@@ -187,9 +242,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
           file=out)
     opsets = ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in proto.opset_import)
     print(f"opsets: {opsets}", file=out)
-    from ..summary import pytorch_export_hint
+    from ..builder.folding import batchnorm_hint
 
-    hint = pytorch_export_hint(proto)
+    hint = batchnorm_hint(proto)
     if hint:
         print(hint, file=out)
     g = proto.graph
@@ -278,7 +333,7 @@ def _cmd_bundle(args: argparse.Namespace) -> int:
 # ------------------------------------------- make-training and train (issue 4)
 LOSSES = ("cross_entropy", "mse", "l1", "huber", "bce_with_logits", "nll")
 OPTIMIZERS = ("adam", "adamw", "sgd", "adagrad")
-SCHEDULES = ("cosine:TOTAL[:WARMUP]", "step_decay:STEP[:GAMMA]", "linear_warmup:STEPS")
+SCHEDULES = ("cosine[:TOTAL[:WARMUP]]", "step_decay:STEP[:GAMMA]", "linear_warmup:STEPS")
 
 
 def _add_training_commands(sub) -> None:
@@ -310,6 +365,13 @@ def _add_training_commands(sub) -> None:
                       help="scale gradients to a global L2 norm of at most C")
     make.add_argument("--accumulate", type=_positive_int, default=1, metavar="K",
                       help="average gradients over K batches per update (default 1)")
+    make.add_argument("--lora", default=None, metavar="RANK[:ALPHA]",
+                      help="train low-rank adapters instead of the targeted weights "
+                           "(build.LoRA(rank, alpha); alpha defaults to build.LoRA's, 16)")
+    make.add_argument("--lora-targets", default=None, metavar="NAME,NAME,...",
+                      help="the weights --lora adapts: initializer names, PyTorch names or "
+                           "module suffixes such as q_proj,v_proj (default: every MatMul/Gemm "
+                           "weight but a language model's head; inspect's lora column)")
     make.set_defaults(handler=_cmd_make_training)
 
     train = sub.add_parser(
@@ -333,6 +395,9 @@ def _add_training_commands(sub) -> None:
                             "checkpoint needs --resume)")
     train.add_argument("--validation-data", default=None, metavar="VAL.npz",
                        help="report val_loss and val_accuracy after each epoch")
+    train.add_argument("--lr", type=_non_negative_float, default=None,
+                       help="the learning rate to train with (default: the model's; a schedule "
+                            "scales it); also over a --resume checkpoint's")
     train.add_argument("--seed", type=int, default=0, help="shuffling seed (default 0)")
     train.add_argument("--no-progress", action="store_true",
                        help="no progress bars (one line per epoch is printed either way)")
@@ -375,10 +440,14 @@ def _non_negative_float(text: str) -> float:
 
 
 def parse_schedule(text: str):
-    """``cosine:1000``, ``cosine:1000:100``, ``step_decay:500:0.5``, ``linear_warmup:200``.
+    """``cosine`` (over the run: epochs x steps per epoch, set when ``train``
+    starts), ``cosine:1000``, ``cosine:1000:100``, ``cosine::100`` (the run,
+    100 warmup steps), ``step_decay:500:0.5``, ``linear_warmup:200``.
 
     >>> parse_schedule("step_decay:500:0.5")
     StepDecay(step_size=500, gamma=0.5)
+    >>> parse_schedule("cosine")
+    Cosine(total_steps=None, warmup=0)
     """
     from .. import builder as build
 
@@ -386,8 +455,9 @@ def parse_schedule(text: str):
     args = rest.split(":") if rest else []
     usage = f"--schedule: expected one of {', '.join(SCHEDULES)}, got {text!r}"
     try:
-        if kind == "cosine" and len(args) in (1, 2):
-            return build.cosine(int(args[0]), *(int(a) for a in args[1:]))
+        if kind == "cosine" and len(args) <= 2:
+            total = int(args[0]) if args and args[0] else None  # none: the run's
+            return build.cosine(total, *(int(a) for a in args[1:]))
         if kind == "step_decay" and len(args) in (1, 2):
             return build.step_decay(int(args[0]), *(float(a) for a in args[1:]))
         if kind == "linear_warmup" and len(args) == 1:
@@ -395,6 +465,37 @@ def parse_schedule(text: str):
     except ValueError as exc:
         raise ValueError(f"{usage} ({exc})") from None
     raise ValueError(usage)
+
+
+def parse_lora(text: str | None, targets: str | None):
+    """``--lora RANK[:ALPHA]`` and ``--lora-targets NAME,NAME,...`` as ``build.LoRA``
+    (None without ``--lora``).
+
+    >>> parse_lora("8", None) == parse_lora("8:16", None)    # build.LoRA's alpha: 16
+    True
+    >>> parse_lora("4:8", "q_proj,v_proj")
+    LoRA(rank=4, alpha=8.0, targets=('q_proj', 'v_proj'), dropout=0.0, seed=0)
+    """
+    from .. import builder as build
+
+    if text is None:
+        if targets is not None:
+            raise ValueError("--lora-targets needs --lora RANK[:ALPHA]")
+        return None
+    rank, _, alpha = text.partition(":")
+    try:
+        options = {"rank": int(rank)} | ({"alpha": float(alpha)} if alpha else {})
+    except ValueError:
+        raise ValueError(f"--lora: expected RANK[:ALPHA] (e.g. 8 or 8:16), got {text!r}") from None
+    if targets is not None:
+        names = [n.strip() for n in targets.split(",")]
+        if not all(names):
+            raise ValueError(f"--lora-targets: expected NAME,NAME,..., got {targets!r}")
+        options["targets"] = names
+    try:
+        return build.LoRA(**options)
+    except ValueError as exc:
+        raise ValueError(f"--lora {text}: {exc}") from None
 
 
 def _optimizer(args: argparse.Namespace):
@@ -411,6 +512,7 @@ def _optimizer(args: argparse.Namespace):
 
 def _cmd_make_training(args: argparse.Namespace) -> int:
     from .. import builder as build
+    from ..builder.folding import FoldedBatchNormWarning
     from ..io.storage import write_model
     from ..train.callbacks import check_writable
 
@@ -418,6 +520,10 @@ def _cmd_make_training(args: argparse.Namespace) -> int:
     _not_the_input(args.output, args.model, "the model read (MODEL)")
     schedule = parse_schedule(args.schedule) if args.schedule else None
     optimizer = _optimizer(args)
+    lora = parse_lora(args.lora, args.lora_targets)
+    if lora is not None and args.frozen:
+        raise ValueError("--frozen does not go with --lora: under LoRA only the adapters train "
+                         "(leave a weight out of --lora-targets to keep it as it is)")
     trainable = None
     model = args.model
     if args.frozen:
@@ -432,10 +538,14 @@ def _cmd_make_training(args: argparse.Namespace) -> int:
         trainable = lambda name: name not in frozen  # noqa: E731
 
     try:
-        built = build.training_model(
-            model, loss=args.loss or "cross_entropy", target=args.target, output=args.output_name,
-            optimizer=optimizer, trainable=trainable, schedule=schedule,
-            clip_grad_norm=args.clip_grad_norm, accumulate=args.accumulate)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", FoldedBatchNormWarning)
+            built = build.training_model(
+                model, loss=args.loss or "cross_entropy", target=args.target,
+                output=args.output_name, optimizer=optimizer, trainable=trainable,
+                schedule=schedule, clip_grad_norm=args.clip_grad_norm,
+                accumulate=args.accumulate, lora=lora)
+        _replay(caught)
     except TypeError as exc:  # the builder's type checks: a user mistake here
         raise ValueError(str(exc)) from None
     except ValueError as exc:
@@ -444,12 +554,26 @@ def _cmd_make_training(args: argparse.Namespace) -> int:
             raise ValueError(f"--loss: the default, cross_entropy, does not fit this model "
                              f"({detail}): pass --loss mse for a regression or --loss "
                              "bce_with_logits for 0/1 targets") from None
+        if str(exc).startswith("LoRA.targets: "):  # the option that gave them
+            raise ValueError(str(exc).replace("LoRA.targets: ", "--lora-targets: ", 1)) from None
         raise
     path = write_model(built, args.output)
     sess = TrainingSession(built)
     print(f"wrote training model {path}")
     print(sess)
     return 0
+
+
+def _replay(caught) -> None:
+    """Warnings caught while building, shown again; the folded-BatchNorm one as
+    the ``hint:`` line ``inspect`` prints."""
+    from ..builder.folding import FoldedBatchNormWarning
+
+    for w in caught:
+        if issubclass(w.category, FoldedBatchNormWarning):
+            print("hint: " + str(w.message).removeprefix("training_model: "), file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 class _EpochLines:
@@ -481,7 +605,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                              progress=not args.no_progress,
                              callbacks=[_EpochLines(args.epochs)] if rank == 0 else [],
                              terminate_on_nan=not args.no_terminate_on_nan, comm=comm,
-                             overwrite=args.overwrite)
+                             overwrite=args.overwrite, lr=args.lr)
     except TrainingInterrupted as exc:
         if exc.checkpoint is None:
             raise
@@ -499,8 +623,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if not history.epochs:
         print(f"nothing to train: the checkpoint is at epoch {result.initial_epoch} "
               f"of {result.epochs}")
+    from ..summary import plural
+
     ranks = f" on {comm.size} ranks" if comm is not None and comm.size > 1 else ""
-    print(f"trained {len(history)} epochs ({history.steps} steps{ranks}) in {result.seconds:.1f} s")
+    print(f"trained {plural(len(history), 'epoch')} ({plural(history.steps, 'step')}{ranks}) "
+          f"in {result.seconds:.1f} s")
     if result.checkpoint is not None:
         print(f"wrote checkpoint {result.checkpoint}")
     print(f"wrote inference model {result.output}")
@@ -518,6 +645,8 @@ def _resume_command(args: argparse.Namespace, checkpoint) -> str:
     words += ["--resume", checkpoint]
     if args.validation_data:
         words += ["--validation-data", args.validation_data]
+    if args.lr is not None:
+        words += ["--lr", args.lr]
     if args.no_progress:
         words.append("--no-progress")
     return shlex.join(str(w) for w in words)

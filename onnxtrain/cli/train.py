@@ -101,6 +101,7 @@ def train_files(
     terminate_on_nan: bool = True,
     comm: Any = None,
     overwrite: bool = False,
+    lr: float | None = None,
 ) -> TrainResult:
     """``onnxtrain train``: fit a training model file on an .npz file.
 
@@ -124,7 +125,8 @@ def train_files(
     each trains on its shard of every global batch of ``batch_size * ranks``
     rows, and rank 0 alone shows progress and writes the checkpoint and the
     output.  A failure on any rank (a missing file, a bad batch) stops every
-    rank."""
+    rank.  ``lr``: the base learning rate to train with (``sess.learning_rate``,
+    set before the first step, over a resumed checkpoint's too)."""
     start = time.perf_counter()
     if int(epochs) < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
@@ -152,6 +154,8 @@ def train_files(
             )
         train = load_npz(data, sess)
         val = load_npz(validation_data, sess) if validation_data is not None else None
+        if lr is not None:
+            sess.learning_rate = lr
         return train, val, initial
 
     train, val, initial = _everywhere(comm, check_session)

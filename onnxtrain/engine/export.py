@@ -13,7 +13,7 @@ from onnx import numpy_helper
 
 from ..builder import lora
 from ..io import mapped
-from ..io.metadata import write_position
+from ..io.metadata import drop_metadata, write_position
 from ..io.storage import came_external, external_data_threshold, materialized, tensor_bytes, write_model
 from ..lower.pipeline import inference_export
 from ..runtime.executor import MAX_IR_VERSION, as_numpy
@@ -63,6 +63,7 @@ class ExportMixin:
                 out = lora.merge(out, deferred=deferred)
             out = inference_export(out)
             out.ir_version = min(out.ir_version, MAX_IR_VERSION)
+            drop_metadata(out, "source")  # where it was built: no business of a served model
         return out
 
     def export(

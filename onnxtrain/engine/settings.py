@@ -1,5 +1,6 @@
-"""Hyperparameters the builder keeps as state: ``learning_rate`` and
-``clip_grad_norm`` read and set through their state variables."""
+"""Hyperparameters the builder keeps as state: ``learning_rate``,
+``clip_grad_norm`` and ``schedule_total_steps`` read and set through their
+state variables."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class SettingsMixin:
                 f"{key}: the model has no {what} state variable (only models made by "
                 f"onnxtrain.build record one, in metadata onnxtrain.{key}"
                 + ("; build with clip_grad_norm=... to clip" if key == "clip_grad_norm" else
+                   "; only build.cosine() without a total has one" if key == "schedule" else
                    "; rebuild older ones with onnxtrain.build.training_model") + ")"
             )
         return name
@@ -107,6 +109,21 @@ class SettingsMixin:
         model = onnx.helper.make_model(g, opset_imports=list(proto.opset_import))
         model.ir_version = proto.ir_version
         return Executor(model, label="current_learning_rate"), inputs
+
+    @property
+    def schedule_total_steps(self) -> int | None:
+        """The updates a schedule built without a total (``build.cosine()``) runs
+        over: None until set.  ``fit`` sets it when it starts (epochs x updates
+        per epoch) unless it is set; it is state, so a checkpoint keeps it and
+        ``initialize()`` unsets it.  A model without such a schedule raises."""
+        value = float(self.state[self._setting_state("schedule", "schedule-total")])
+        return int(value) if value > 0 else None
+
+    @schedule_total_steps.setter
+    def schedule_total_steps(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"schedule_total_steps must be an integer >= 1, got {value!r}")
+        self._set_setting("schedule", "schedule-total", int(value), positive=True)
 
     @property
     def clip_grad_norm(self) -> float:

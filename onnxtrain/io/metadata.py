@@ -26,7 +26,10 @@ onnxtrain.checkpoint   the fit position {"epoch", "batch",         start at epoc
 
 The builder also records ``trainable``, ``optimizer_state``,
 ``train_prediction`` (per algorithm, the training-mode copy's prediction),
-``clip_grad_norm``, ``lora``, ``batchnorm_var`` and, with ``accumulate=k``,
+``clip_grad_norm``, ``schedule`` (``{"spec": "cosine:1000", "algorithm": i}``, plus
+``"state"``: the variable holding the run's total for ``cosine()``), ``lora``,
+``batchnorm_var``, ``source`` (kept by checkpoints, dropped from inference exports: the absolute path of the
+file the model was built from, when it was given as a path) and, with ``accumulate=k``,
 ``data_parallel`` (``{"local": [gradient sums], "reduce": {algorithm: [values]}}``:
 what a data-parallel session keeps per rank and reduces instead of the
 gradients, ``onnxtrain.split``).

@@ -31,6 +31,7 @@ returns) and ``write_checkpoint`` live here too.
 from __future__ import annotations
 
 import csv
+import errno
 import math
 import os
 import re
@@ -142,14 +143,31 @@ def check_writable(path: str | os.PathLike, what: str) -> Path:
     try:  # can a file be made there?  (the temporary file's name is not shown)
         fd, probe = tempfile.mkstemp(prefix=f".{p.name}.{os.getpid()}.", suffix=".tmp", dir=parent)
     except OSError as exc:
-        raise ValueError(f"{shown}: cannot write in the folder {str(parent)!r} "
-                         f"({exc.strerror or type(exc).__name__})") from None
+        raise ValueError(f"{shown}: {_no_new_file(str(parent), exc)}") from None
     os.close(fd)
     try:
         os.unlink(probe)
     except OSError:
         pass
     return p
+
+
+def _no_new_file(folder: str, exc: OSError) -> str:
+    """Why no file can be made in ``folder`` (which exists), in words.
+
+    >>> _no_new_file("/proc", FileNotFoundError(errno.ENOENT, "No such file or directory"))
+    "the folder '/proc' takes no new files (its file system refuses them, as /proc and /sys do)"
+    """
+    reasons = {
+        errno.ENOENT: "its file system refuses them, as /proc and /sys do",
+        errno.EACCES: "no permission to write there",
+        errno.EPERM: "no permission to write there",
+        errno.EROFS: "it is on a read-only file system",
+        errno.ENOSPC: "its device has no space left",
+        errno.EDQUOT: "the disk quota is used up",
+    }
+    reason = reasons.get(exc.errno) or (exc.strerror or type(exc).__name__).lower()
+    return f"the folder {folder!r} takes no new files ({reason})"
 
 
 def special_kind(path: str | os.PathLike) -> str | None:
@@ -338,7 +356,13 @@ class ModelCheckpoint(Callback):
     ``save_best_only=True``: write only when ``monitor`` improved (``mode``
     as in EarlyStopping).  The file is the training model with its state and
     the fit position, so ``TrainingSession(path).fit(...)`` resumes it.
-    ``every``: every n-th epoch.  Files written are listed in ``written``."""
+    ``every``: every n-th epoch.  Files written are listed in ``written``.
+
+    It overwrites ``filepath`` when it exists, an earlier run's checkpoint
+    included, as Keras's does (a path that is not a regular file is refused
+    before the first step).  ``onnxtrain train --checkpoint CK`` refuses an existing
+    ``CK`` instead: ``--resume CK`` goes on from it, ``--overwrite`` starts
+    again over it."""
 
     def __init__(self, filepath: str | os.PathLike, monitor: str | None = None,
                  save_best_only: bool = False, mode: str = "auto", every: int = 1) -> None:
@@ -448,7 +472,8 @@ class History:
 
         Losses go on the left y axis, metrics (accuracy, ...) on a second y
         axis on the right (``ax.twinx()``), so that a loss falling near 0 and an
-        accuracy near 1 both stay readable; each axis names what it shows.
+        accuracy near 1 both stay readable; each axis names what it shows.  The
+        legend sits above the plot, where it covers no curve.
         Returns the matplotlib Axes of the losses (the first one).  matplotlib is an optional extra:
         ``pip install 'onnxtrain[plot]'``."""
         try:
@@ -486,7 +511,11 @@ class History:
             axes.set_ylabel(bases[0] if len(bases) == 1 else ", ".join(bases))
         ax.set_xlabel("epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
-        ax.legend(handles=handles, labels=[h.get_label() for h in handles])
+        # Above the plot, in one row: placed inside, matplotlib's "best" spot avoids
+        # only the left axis' curves and covered the metrics of the right one.
+        ax.legend(handles=handles, labels=[h.get_label() for h in handles], loc="lower center",
+                  bbox_to_anchor=(0.5, 1.0), ncol=min(len(handles), 4), frameon=False,
+                  borderaxespad=0.2)
         ax.grid(alpha=0.3)
         return ax
 

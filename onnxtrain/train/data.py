@@ -124,16 +124,24 @@ def check_targets(
 ) -> None:
     """Check the target array against the loss before the first step.
 
+    Every message names the target, its shape and the fix.  The shape: the
+    rank and the fixed dims the model declares for the target (any loss).
     Class-index losses (metadata ``onnxtrain.classes``: C, the class axis,
     ignore_index): every label is in [0, C) or equals ignore_index, else a
-    ValueError naming the target, the value and C (onnxruntime would fail
-    deep inside with an out-of-range index, or a negative label would train
-    silently to nonsense).  Regression targets: a float dtype, and the rank
-    (and fixed dims) the model declares.  ``classes``: ``label_classes``'s
-    answer when the caller already has it (checks of every batch)."""
+    ValueError naming the value and C (onnxruntime would fail deep inside
+    with an out-of-range index, or a negative label would train silently to
+    nonsense); float labels (an iterable's batches, which are not cast) are
+    refused with the cast or the loss to use.  Regression targets: a float
+    dtype.  ``classes``: ``label_classes``'s answer when the caller already
+    has it (checks of every batch)."""
     name = spec.target
     if classes is ...:
         classes = label_classes(sess, name)
+    vi = find_value_info(sess, name)
+    if vi is not None:
+        _check_target_shape(vi, target, name, caller, classes)
+    if isinstance(classes, dict) and target.dtype.kind == "f":
+        raise ValueError(float_labels_message(caller, name, target))
     if isinstance(classes, dict) and target.dtype.kind in "iu":
         count, ignore = classes.get("count"), classes.get("ignore_index")
         valid = target >= 0
@@ -146,29 +154,66 @@ def check_targets(
             where = tuple(int(i) for i in np.argwhere(~valid)[0])
             allowed = f"[0, {count})" if count is not None else ">= 0"
             also = f" or ignore_index {ignore}" if ignore is not None else ""
+            fix = ("labels 1..C? subtract 1: y - 1" if count is not None
+                   and int(target.max()) == count and int(target.min()) >= 1 else
+                   f"labels must be in {allowed}{also}")
             raise ValueError(
                 f"{caller}: target {name!r} holds label {int(bad[0])} at index {list(where)} "
-                f"({bad.size} bad label(s)); labels must be in {allowed}{also} for C = {count} "
-                f"classes" + (" (labels 1..C? subtract 1)" if count is not None
-                              and int(target.max()) == count and int(target.min()) >= 1 else "")
-            )
+                f"({bad.size} bad label(s); y has shape {list(target.shape)}) for C = {count} "
+                f"classes; {fix}")
         return
-    vi = find_value_info(sess, name)
     if vi is None or spec.task != "regression":
         return
     expected = np_dtype(vi)
     if expected is not None and expected.kind == "f" and target.dtype.kind not in "f":
-        raise ValueError(f"{caller}: target {name!r} has dtype {target.dtype}; the regression "
-                         f"loss expects {expected}")
-    if vi.type.tensor_type.HasField("shape"):
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
-        shape = target.shape
-        if len(dims) != len(shape) or any(d is not None and i > 0 and d != n
-                                          for i, (d, n) in enumerate(zip(dims, shape))):
-            shown = ["N" if d is None else d for d in dims]
-            hint = " (reshape y to (-1, 1)?)" if len(dims) == len(shape) + 1 and dims[-1] == 1 else ""
-            raise ValueError(f"{caller}: target {name!r} has shape {list(shape)}; the model "
-                             f"expects {shown}{hint}")
+        raise ValueError(f"{caller}: target {name!r} has dtype {target.dtype} (y has shape "
+                         f"{list(target.shape)}); the regression loss expects {expected}: convert "
+                         f"it with y.astype({expected.name!r})")
+
+
+def _check_target_shape(vi: Any, target: np.ndarray, name: str, caller: str, classes: Any) -> None:
+    """The rank and the fixed dims (after the batch axis) the model declares, with the fix."""
+    if not vi.type.tensor_type.HasField("shape"):
+        return
+    dims = [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+    shape = target.shape
+    if len(dims) == len(shape) and all(d is None or i == 0 or d == n
+                                       for i, (d, n) in enumerate(zip(dims, shape))):
+        return
+    shown = ["N" if d is None else d for d in dims]
+    fix = ""
+    per_row = int(np.prod(shape[1:])) if shape else 1
+    if isinstance(classes, dict) and len(shape) == len(dims) + 1 and shape[-1] == classes.get("count"):
+        fix = "one-hot labels? pass the class indices: y.argmax(-1)"
+    elif all(d is not None for d in dims[1:]) and dims and per_row == int(np.prod(dims[1:])):
+        fix = f"reshape y to {tuple([-1] + dims[1:])}"
+    raise ValueError(f"{caller}: target {name!r} has shape {list(shape)}; the model expects {shown}"
+                     + (f": {fix}" if fix else ""))
+
+
+def float_labels_message(caller: str, name: str, arr: np.ndarray) -> str:
+    """Float labels for a class-index loss: the cast when they are whole numbers,
+    else the loss that takes float targets."""
+    shape = list(arr.shape)
+    if integral(arr):
+        return (f"{caller}: target {name!r} holds class ids as {arr.dtype} (y has shape {shape}); "
+                "its loss takes class indices: pass y.astype('int64')")
+    flat = arr.reshape(-1)
+    at = int(np.flatnonzero(~_whole(flat))[0])
+    where = [int(i) for i in np.unravel_index(at, arr.shape)]
+    return (f"{caller}: target {name!r} holds {flat[at]:.4g} at index {where} (y has shape {shape}, "
+            f"dtype {arr.dtype}), not a class index; its loss takes class indices: for float targets build "
+            "the training model with loss='mse' (onnxtrain make-training --loss mse), or "
+            "bce_with_logits for 0/1 targets")
+
+
+def _whole(arr: np.ndarray) -> np.ndarray:
+    return np.isfinite(arr) & (arr == np.round(arr))
+
+
+def integral(arr: np.ndarray) -> bool:
+    """Whether every value of a float array is a whole number (a class id)."""
+    return bool(arr.size) and bool(_whole(arr).all())
 
 
 def input_arrays(spec: FitSpec, X: Any, caller: str) -> dict[str, np.ndarray]:
@@ -185,20 +230,24 @@ def input_arrays(spec: FitSpec, X: Any, caller: str) -> dict[str, np.ndarray]:
 
 
 def cast_feed(sess: Any, name: str, arr: np.ndarray, caller: str, target: bool = False) -> np.ndarray:
-    """Convert whole data arrays once to the dtype the model declares (same kind only)."""
+    """Convert whole data arrays once to the dtype the model declares (same kind
+    only; and float class ids to integer labels when every value is a whole
+    number, as Keras does)."""
     vi = find_value_info(sess, name)
     expected = np_dtype(vi) if vi is not None else None
     if expected is None or arr.dtype == expected:
         return arr
     if np.can_cast(arr.dtype, expected, casting="same_kind"):
         return arr.astype(expected)
-    hint = ""
     if target and arr.dtype.kind == "f" and expected.kind in "iu":
-        # Float targets on a class-index loss: a regression (or yes/no) task.
-        hint = ("; its loss takes class indices: for float targets build the training model "
-                "with loss='mse' (onnxtrain make-training --loss mse), or bce_with_logits for "
-                "0/1 targets")
-    raise ValueError(f"{caller}: {name!r} has dtype {arr.dtype}, the model expects {expected}{hint}")
+        # Float labels on a class-index loss: whole numbers are class ids, cast as
+        # Keras casts them; other values are a regression (or yes/no) task.
+        if integral(arr):
+            return arr.astype(expected)
+        raise ValueError(float_labels_message(caller, name, arr))
+    what = "target " if target else ""
+    raise ValueError(f"{caller}: {what}{name!r} has dtype {arr.dtype} (shape {list(arr.shape)}), the "
+                     f"model expects {expected}: convert it with .astype({expected.name!r})")
 
 
 # ------------------------------------------------------------ data parallel

@@ -59,6 +59,7 @@ from .callbacks import (
 )
 from .data import Data, as_data, check_same_rows, check_targets, comm_sum, in_step
 from .metrics import Mean, metric_functions
+from .schedule import start_schedule
 from .spec import FitSpec, find_value_info, fit_spec, label_classes
 
 __all__ = ["NonFiniteLossError", "evaluate", "fit", "predict"]
@@ -234,6 +235,7 @@ def fit(
     per_epoch = train.num_batches(batch_size, drop_last, ranks)
     run = span(sess.fit_position, epochs, initial_epoch, per_epoch)
     initial_epoch, skip, base_step, epochs = run.first, run.skip, run.base_step, run.end
+    schedule = start_schedule(sess, epochs, per_epoch, cycle) if lr_known and not run.nothing else None
     # The cycle position continues across epochs (and across fit calls and a resume).
     cycle_pos = initial_epoch * per_epoch + skip if per_epoch is not None else 0
     hooks = {h: [cb for cb in callbacks if getattr(cb, h, None) is not None] for h in HOOKS}
@@ -286,6 +288,8 @@ def fit(
                     fetch = bool(log_every) and i % log_every == 0
                     if lr_known:  # the rate this step uses, schedule included
                         lr = _current_rate(sess)
+                        if schedule is not None:  # one warning when it has ended
+                            schedule.check(lr, epoch, i)
                     out = sess.train_step(batch, algorithm=algorithm, fetch=fetch)
                     cycle_pos += 1
                     step += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import onnx
@@ -737,7 +738,12 @@ def test_model_from_path(tmp_path):
     onnx.save(mlp(), path)
     tm = build.training_model(str(path), optimizer=build.SGD(0.1))
     direct = build.training_model(mlp(), optimizer=build.SGD(0.1))
-    assert tm.SerializeToString() == direct.SerializeToString()  # the same model as from memory
+    # The same model as from memory, plus the file it was built from (genai.export names it).
+    from onnxtrain.io.metadata import drop_metadata, model_metadata
+
+    assert model_metadata(tm)["source"] == os.path.abspath(path)
+    drop_metadata(tm, "source")
+    assert tm.SerializeToString() == direct.SerializeToString()
     x, labels = blobs()
     sess = TrainingSession(tm)
     before = dict(sess.state.items())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 
 import numpy as np
@@ -297,7 +298,9 @@ def test_inspect_shows_the_builder_choice(tmp_path, capsys):
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert "builder's default (trainable=None): 10 trained" in out and "8 constants" in out
-    rows = {line.split()[0]: line.split()[-2:] for line in out.splitlines() if " float32 " in line}
+    # name, dtype, shape, choice, reason, then the lora column
+    rows = {line.split()[0]: list(re.search(r"\] +(train|constant) +(\S+)", line).groups())
+            for line in out.splitlines() if " float32 " in line}
     assert rows["three"] == ["constant", "exponent"]
     assert rows["attn_scale"] == ["constant", "scalar"]
     assert rows["Wq"] == ["train", "weight"]

@@ -131,8 +131,51 @@ def test_export_errors(trained, tmp_path):
     with pytest.raises(ValueError, match="folder must differ from base"):
         genai.export(sess, base, base=base)
     other = FOLDERS["int4" if precision == "fp32" else "fp32"]
-    with pytest.raises(ValueError, match="adapters do not fit .*model.onnx.*unknown name"):
+    with pytest.raises(ValueError, match="must be built from the base folder's own .*model.onnx"):
         genai.export(sess, tmp_path / "m", base=other)
     with pytest.raises(TypeError, match="TrainingSession"):
         genai.export(object(), tmp_path / "m", base=base)
     assert json.loads((base / "genai_config.json").read_text())["model"]["type"] == "llama"
+
+
+# ------------------------------------------------ a session built from another export
+LLAMA_EXPORT = FOLDERS["fp32"].parents[1] / "llm" / "llama__dynamo.onnx"
+
+
+def test_training_model_records_the_file_it_was_built_from(tmp_path):
+    from onnxtrain import TrainingSession, build
+    from onnxtrain.io.metadata import model_metadata
+
+    tm = build.training_model(str(FOLDERS["fp32"] / "model.onnx"), lora=build.LoRA(rank=2))
+    assert model_metadata(tm)["source"] == str((FOLDERS["fp32"] / "model.onnx").resolve())
+    # A checkpoint keeps it: a resumed session exports to genai as the first one did.
+    sess = TrainingSession(tm)
+    sess.export(tmp_path / "ckpt.onnx", training=True)
+    resumed = TrainingSession(tmp_path / "ckpt.onnx")
+    assert model_metadata(resumed.model)["source"] == model_metadata(tm)["source"]
+    assert genai.export(resumed, tmp_path / "served", base=FOLDERS["fp32"]).is_dir()
+    # An inference export does not carry it (the path of the machine it was built on).
+    sess.export(tmp_path / "inference.onnx")
+    assert "source" not in model_metadata(onnx.load(str(tmp_path / "inference.onnx")))
+    # A model given in memory has no file to record.
+    assert "source" not in model_metadata(build.training_model(onnx.load(str(LLAMA_EXPORT))))
+
+
+@pytest.mark.parametrize("given", ["path", "proto"])
+def test_a_session_built_from_another_export_is_told_in_one_line(tmp_path, given):
+    """Issue 34, item 3: an HF export of the same network names its weights
+    otherwise (val_41, ...): one line naming the base's model.onnx and the file
+    the session was built from, and nothing written."""
+    from onnxtrain import TrainingSession, build
+
+    source = str(LLAMA_EXPORT) if given == "path" else onnx.load(str(LLAMA_EXPORT))
+    sess = TrainingSession(build.training_model(source, lora=build.LoRA(rank=2)))
+    with pytest.raises(ValueError) as info:
+        genai.export(sess, tmp_path / "served", base=FOLDERS["fp32"])
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"the base folder's own {FOLDERS['fp32'] / 'model.onnx'}" in message
+    built_from = str(LLAMA_EXPORT.resolve()) if given == "path" else "a model in memory"
+    assert f"not from {built_from}" in message
+    assert "'val_41'" in message and "build.training_model(" in message
+    assert not (tmp_path / "served").exists()

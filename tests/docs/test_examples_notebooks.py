@@ -5,6 +5,7 @@ kernel of this Python (ipykernel), each cell with a time limit."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -46,8 +47,8 @@ def test_every_example_is_covered():
     assert scripts == set(EXPECTED)
 
 
-@pytest.mark.parametrize("script", sorted(EXPECTED))
-def test_example_runs_quick(script, tmp_path):
+def run_quick(script: str, cwd: Path) -> str:
+    """``examples/<script> --quick`` in a subprocess; its stdout (checked to have worked)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     launcher = []
     if script in MPI_EXAMPLES:
@@ -58,11 +59,96 @@ def test_example_runs_quick(script, tmp_path):
         launcher = [str(mpiexec), "-n", "2"]
         env["ONNXTRAIN_THREADS"] = "1"
     proc = subprocess.run(launcher + [sys.executable, str(EXAMPLES / script), "--quick"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+                          capture_output=True, text=True, timeout=120, cwd=cwd, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for expected in EXPECTED[script]:
-        assert expected in proc.stdout, (expected, proc.stdout)
     assert "Traceback" not in proc.stderr
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def quick_output(tmp_path_factory):
+    """Each example's ``--quick`` output, run once per test module (per worker)."""
+    done: dict[str, str] = {}
+
+    def output(script: str) -> str:
+        if script not in done:
+            done[script] = run_quick(script, tmp_path_factory.mktemp(script.removesuffix(".py")))
+        return done[script]
+
+    return output
+
+
+@pytest.mark.parametrize("script", sorted(EXPECTED))
+def test_example_runs_quick(script, quick_output):
+    out = quick_output(script)
+    for expected in EXPECTED[script]:
+        assert expected in out, (expected, out)
+
+
+# ------------------------------------------------- docs/llm.md and the genai example
+def llm_doc_script():
+    spec = importlib.util.spec_from_file_location("make_llm_doc", ROOT / "scripts" / "make_llm_doc.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_llm_doc_figures_are_generated_from_a_run():
+    """Every generated region of docs/llm.md is what scripts/make_llm_doc.py
+    renders from the run the doc quotes: no figure is typed by hand."""
+    make = llm_doc_script()
+    doc = (ROOT / "docs" / "llm.md").read_text()
+    held = make.doc_regions(doc)
+    assert set(held) == {"requantized", "table", "output"}
+    assert held == make.regions(make.doc_output(doc))
+
+
+def test_llm_doc_agrees_with_the_genai_example(quick_output):
+    """The doc's figures are the example's: the same targets, adapter count,
+    steps and texts; losses and the requantizing report up to what another
+    onnxruntime version may change; peak memory within a factor of 1.5."""
+    make = llm_doc_script()
+    doc = make.figures(make.doc_output((ROOT / "docs" / "llm.md").read_text()))
+    run = make.figures(quick_output("finetune_genai_lora.py"))
+    for p in ("fp32", "int4"):
+        d, r = doc[p], run[p]
+        for key in ("targets", "adapters", "steps", "weights_mib", "sess.run", "genai merged",
+                    "genai separate"):
+            assert d[key] == r[key], (p, key, d[key], r[key])
+        assert d["first"] == pytest.approx(r["first"], abs=2e-3), p
+        assert d["last"] == pytest.approx(r["last"], rel=0.2), p
+        assert d["last"] < 0.05  # the phrase is learned, not just greedily right
+        assert 1 / 1.5 < d["peak_mib"] / r["peak_mib"] < 1.5, (p, d["peak_mib"], r["peak_mib"])
+    d, r = doc["requantized"], run["requantized"]
+    assert d["targets"] == r["targets"] == doc["int4"]["targets"]
+    for key in ("lo", "hi", "median", "agree"):
+        assert abs(d[key] - r[key]) <= 5, (key, d[key], r[key])
+    assert d["gap"] == pytest.approx(r["gap"], rel=0.3, abs=0.2)
+
+
+def test_building_the_models_leaves_torch_out_of_the_training_peak(tmp_path):
+    """Without --quick the example builds its models first (torch, transformers,
+    the genai builder) in a child process: the peak it reports for training is
+    the --quick one, not torch's libraries on top (826 MiB, issue 34)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxruntime_genai.models.builder")  # needs transformers too
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "finetune_genai_lora.py"), "--precision",
+                           "fp32", "--no-progress"], capture_output=True, text=True, timeout=900,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    make = llm_doc_script()
+    built = make.figures(proc.stdout)["fp32"]
+    doc = make.figures(make.doc_output((ROOT / "docs" / "llm.md").read_text()))["fp32"]
+    assert "random Llama (tiny): 0.1 M parameters" in proc.stdout
+    assert built["peak_mib"] < 1.5 * doc["peak_mib"], (built["peak_mib"], doc["peak_mib"])
+    assert built["sess.run"] == doc["sess.run"]
+
+
+def test_the_example_docstring_counts_what_it_builds():
+    """The docstring's parameter count is the tiny Llama's (0.1 M, not 0.5 M)."""
+    make = llm_doc_script()
+    text = (EXAMPLES / "finetune_genai_lora.py").read_text()
+    assert f"~{make.tiny_parameters():.1f} M parameters" in text
 
 
 # ------------------------------------------------------------------ notebooks

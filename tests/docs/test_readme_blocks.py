@@ -2,8 +2,8 @@
 
 The blocks run top to bottom in one fresh interpreter, in a fresh folder, in
 one namespace (a later block may use an earlier block's names).  A block whose
-first line is ``# needs: MODULE`` (torch, mpi4py) runs where that module is
-installed and is skipped elsewhere; listings that are not code use another
+first line is ``# needs: MODULE ...`` (torch onnxscript, mpi4py) runs where
+those modules are installed and is skipped elsewhere; listings that are not code use another
 fence."""
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ blocks = json.loads(sys.stdin.read())
 namespace = {"__name__": "__main__"}
 for i, code in enumerate(blocks):
     first = code.splitlines()[0] if code.strip() else ""
-    need = first.split("needs:", 1)[1].split()[0] if first.startswith("# needs:") else None
-    if need and importlib.util.find_spec(need) is None:
-        print(f"README BLOCK {i} SKIPPED {need}", flush=True)
+    needs = first.split("needs:", 1)[1].split("(")[0].split() if first.startswith("# needs:") else []
+    missing = [m for m in needs if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"README BLOCK {i} SKIPPED {' '.join(missing)}", flush=True)
         continue
     try:
         exec(compile(code, f"README.md python block {i + 1}", "exec"), namespace)

@@ -114,6 +114,8 @@ def test_make_training_frozen_schedule_and_accumulate(capsys, files):
 @pytest.mark.parametrize("text, expected", [
     ("cosine:1000", "Cosine(total_steps=1000, warmup=0)"),
     ("cosine:1000:50", "Cosine(total_steps=1000, warmup=50)"),
+    ("cosine", "Cosine(total_steps=None, warmup=0)"),
+    ("cosine::50", "Cosine(total_steps=None, warmup=50)"),
     ("step_decay:30", "StepDecay(step_size=30, gamma=0.1)"),
     ("step_decay:30:0.5", "StepDecay(step_size=30, gamma=0.5)"),
     ("linear_warmup:10", "LinearWarmup(warmup_steps=10)"),
@@ -125,7 +127,7 @@ def test_parse_schedule(text, expected):
 @pytest.mark.parametrize("argv, fragments", [
     (["--frozen", "W9"], ["--frozen: 'W9' is not an initializer", "W1, b1, W2, b2"]),
     (["--frozen", "W1", "b1", "W2", "b2"], ["no trainable parameters"]),
-    (["--schedule", "cosine"], ["--schedule: expected one of"]),
+    (["--schedule", "cosine:1:2:3"], ["--schedule: expected one of"]),
     (["--schedule", "cosine:many"], ["--schedule", "cosine:many"]),
     (["--schedule", "warp:3"], ["--schedule", "warp:3"]),
     (["--schedule", "linear_warmup:0"], ["--schedule", "warmup_steps"]),
@@ -248,7 +250,7 @@ def npz_with(path, **arrays):
     ("not npz", ["not a .npz archive"]),
     ("wrong arrays", ["expected arrays 'X' and 'y'", "['A']"]),
     ("wrong features", ["feed 'X' has shape [10, 5]"]),
-    ("wrong label dtype", ["'label' has dtype float32"]),
+    ("wrong label dtype", ["target 'label' holds 0.5 at index [0]", "--loss mse"]),
     ("row mismatch", ["same number of rows"]),
     ("missing model", ["nope.onnx"]),
     ("inference model", ["mlp.onnx", "no training_info", "make-training"]),
@@ -269,7 +271,7 @@ def test_train_mistakes(capsys, files, tmp_path, case, fragments):
     elif case == "wrong features":
         data = npz_with(tmp_path / "f.npz", X=np.zeros((10, 5), np.float32), y=np.zeros(10, np.int64))
     elif case == "wrong label dtype":
-        data = npz_with(tmp_path / "l.npz", X=np.zeros((10, 64), np.float32), y=np.zeros(10, np.float32))
+        data = npz_with(tmp_path / "l.npz", X=np.zeros((10, 64), np.float32), y=np.full(10, 0.5, np.float32))
     elif case == "row mismatch":
         data = npz_with(tmp_path / "r.npz", X=np.zeros((10, 64), np.float32), y=np.zeros(9, np.int64))
     elif case == "missing model":

@@ -107,7 +107,7 @@ def test_arrays_are_cast_to_the_declared_dtype(digits):
 
 @pytest.mark.parametrize("data, message", [
     (({"X": np.zeros((4, 64), np.float32), "label": np.zeros(3, np.int64)}), "same number of rows"),
-    ((np.zeros((4, 64), np.float32), np.zeros(4, np.float32)), "'label' has dtype float32"),
+    ((np.zeros((4, 64), np.float32), np.full(4, 0.5, np.float32)), "'label' holds 0.5 .*--loss mse"),
     ((np.zeros((0, 64), np.float32), np.zeros(0, np.int64)), "empty"),
     ({"X": np.zeros((4, 64), np.float32)}, "no target 'label'"),
     ("digits.npz", "data must be"),

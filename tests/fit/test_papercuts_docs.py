@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from onnxtrain.builder.folding import HINT_FIX, batchnorm_hint
 from onnxtrain.cli.app import main
-from onnxtrain.summary import PYTORCH_EXPORT_HINT
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = ROOT / "tests" / "data" / "exporters"
@@ -32,7 +32,9 @@ def test_inspect_hints_at_a_pytorch_export_without_batchnorm(capsys, exporter, h
         pytest.skip("exporter corpus not present")
     lines = inspect(capsys, path)
     hints = [line for line in lines if line.startswith("hint:")]
-    assert hints == ([PYTORCH_EXPORT_HINT] if hinted else [])
+    import onnx
+
+    assert hints == ([batchnorm_hint(onnx.load(str(path)))] if hinted else [])
 
 
 def test_no_hint_for_other_producers(capsys):
@@ -42,8 +44,8 @@ def test_no_hint_for_other_producers(capsys):
 
 def test_the_hint_names_both_ways_to_keep_batchnorm():
     for words in ("dynamo=True, optimize=False", "TrainingMode.PRESERVE", "dynamic batch"):
-        assert words in PYTORCH_EXPORT_HINT
-    assert "\n" not in PYTORCH_EXPORT_HINT
+        assert words in HINT_FIX
+    assert "\n" not in HINT_FIX
 
 
 @pytest.mark.parametrize("doc", ["README.md", "docs/compatibility.md"])
