@@ -13,6 +13,7 @@ from onnx import helper, numpy_helper
 from ..core.emitter import Emitter, np_dtype
 from ..core.graph import PREVIEW_DOMAIN
 from ..core.names import NameGen
+from ..optim.transforms import clip_by_global_norm
 from .plan import F64, Plan, StateSpec
 from .train_forward import training_forward
 
@@ -182,14 +183,9 @@ class Algorithm:
         c is a state variable (``hyperparameter``; metadata
         ``onnxtrain.clip_grad_norm``), settable through
         ``TrainingSession.clip_grad_norm``."""
-        e = self.e
-        e.hint = "clip"
+        self.e.hint = "clip"
         self.plan.clip_state = self.hyperparameter("clip_grad_norm", self.plan.clip_grad_norm)
-        squares = [e.Cast(e.reduce("ReduceSumSquare", g, None, keepdims=False), to=F64) for g in grads]
-        norm = e.Sqrt(e.sum_all(squares))
-        coef = e.Div(self.plan.clip_state, e.Add(norm, e.const(1e-6, dtype=F64)))
-        coef = e.Min(coef, e.const(1.0, dtype=F64))
-        return [e.Mul(g, e.cast_to(coef, e.dtype(g))) for g in grads]
+        return clip_by_global_norm(self.e, grads, self.plan.clip_state, F64)
 
     def learning_rate(self) -> str:
         """lr * schedule(step) as a 0-D float64.
