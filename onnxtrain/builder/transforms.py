@@ -20,15 +20,27 @@ The math they share with the other front-ends lives in ``onnxtrain.optim``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from ..core.emitter import Emitter
 from ..optim.transforms import clip_by_global_norm
 from .optimizers import Optimizer
 from .plan import F64, INT64, Plan, StateSpec
 from .schedules import Schedule
 
-if TYPE_CHECKING:
-    from .algorithm import Algorithm
+
+class Algorithm(Protocol):
+    """What a transform emits into (``algorithm.Algorithm``): one algorithm graph."""
+
+    plan: Plan
+    index: int
+    e: Emitter
+
+    def bind(self, key: str, value: str) -> None:
+        """Bind state variable ``key`` to ``value``."""
+
+    def hyperparameter(self, hint: str, value: float) -> str:
+        """A 0-D float64 setting of this algorithm graph, kept as state."""
 
 
 @dataclass
