@@ -4,7 +4,11 @@ onnxruntime has no kernels for these ops, so each node is replaced, where it
 stands, by default-domain ops (Cast, Greater, Where, Pow, Sqrt and arithmetic,
 all valid from opset 9 on) that write the node's own output names.  Each
 lowering mirrors the function of the same name in ``reference.py``, line by
-line; the pseudo-code of the spec is quoted in the comments.
+line; the pseudo-code of the spec is quoted in the comments.  What is
+computed once per node (the rate, Momentum's beta) is written here; each
+tensor's update is a call of the update rule of the same math
+(``updates``: SpecAdam, AdamStepSize, Momentum, Nesterov, Adagrad, and
+WeightDecay for ``norm_coefficient``), which the fused kernels replace by name.
 
 The attributes are Python values, folded into Constants of X's element type.
 T is a runtime tensor, so ``T > 0 ? a : b`` becomes ``Where(Greater(T, 0), a, b)``;

@@ -241,3 +241,19 @@ def test_calls_keep_their_names_through_a_saved_model(tmp_path):
     calls = find_calls(list(loaded.training_info[0].algorithm.node))
     assert [c.rule.name for c in calls] == ["Adam"] * 4
     assert {c.operands["p"] for c in calls} == {"W1", "b1", "W2", "b2"}
+
+
+def test_standard_programs_hold_only_default_domain_ops():
+    """Calls are plain nodes (their names mark them): the programs that
+    ``sess.programs()`` hands out, which the portable bundle stores, import
+    and use nothing but the default domain; only the executed program has
+    the kernels."""
+    tm = build.training_model(mlp(), optimizer=build.SGD(0.1, momentum=0.9, weight_decay=0.01))
+    sess = TrainingSession(tm, fused_kernels=None)
+    sess.train_step({"X": blobs()[0], "target": blobs()[1]})
+    for label, program in sess.programs().items():
+        assert {n.domain for n in program.graph.node} <= {""}, label
+        assert {o.domain for o in program.opset_import} <= {"", "ai.onnx"}, label
+        assert not program.functions, label
+    algorithm = sess.programs()["training_info[0].algorithm"]
+    assert {c.rule.name for c in find_calls(list(algorithm.graph.node))} == {"Momentum", "WeightDecay"}
