@@ -1,5 +1,6 @@
 """The algorithm and initialization graphs the builder writes: forward pass,
-loss, gradients, clipping, the optimizer update and its schedule
+loss, gradients, then the plan's chain of transforms (``builder.transforms``:
+accumulation, clipping, the rate and its schedule, the optimizer update)
 (``Algorithm``), and the graphs that reset the state it adds."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ..core.graph import PREVIEW_DOMAIN
 from ..core.names import NameGen
 from .plan import F64, Plan, StateSpec
 from .train_forward import training_forward
+from .transforms import Step
 
 
 # ------------------------------------------------------------------ algorithm
@@ -44,15 +46,11 @@ class Algorithm:
             plan.running_stats = plan.running_stats or bool(running_stats)
             for key, value in running_stats:
                 self.bind(key, value)
-        if self.index != plan.final:
-            self.accumulate_into_sums(grads)
-        else:
-            if plan.accumulate > 1:
-                grads = self.mean_with_sums(grads)
-            if plan.clip_grad_norm is not None:
-                grads = self.clip(grads)
-            self.optimizer_step(grads)
-            self.count_step()
+        step: Step | None = Step(grads)
+        for transform in plan.chain:  # builder.transforms: accumulation, clipping, rate, optimizer
+            step = transform.update(self, step)
+            if step is None:
+                break
         self.graph(ti.algorithm)
         for key, value in self.bindings:
             ti.update_binding.add(key=key, value=value)
@@ -137,32 +135,6 @@ class Algorithm:
             self.value_info.append(plan.state[p].value_info(g))
         return names
 
-    def accumulate_into_sums(self, grads: Sequence[str]) -> None:
-        """sums = (accum.step == step ? sums : 0) + g;  count likewise + 1;  accum.step = step."""
-        plan, e = self.plan, self.e
-        e.hint = "accumulate"
-        current = e.Equal(plan.accum_step, plan.step)
-        for p, g in zip(plan.params, grads):
-            kept = e.Where(current, plan.accum[p], e.const(0.0, like=g))
-            self.bind(plan.accum[p], e.Add(kept, g))
-        count = e.Where(current, plan.accum_count, e.scalar_int(0))
-        self.bind(plan.accum_count, e.Add(count, e.scalar_int(1)))
-        self.bind(plan.accum_step, e.Identity(plan.step))
-
-    def mean_with_sums(self, grads: Sequence[str]) -> list[str]:
-        """g_mean = (sums + g) / (count + 1) when the sums belong to this update, else g."""
-        plan, e = self.plan, self.e
-        e.hint = "accumulate"
-        current = e.Equal(plan.accum_step, plan.step)
-        n = e.Add(e.Where(current, plan.accum_count, e.scalar_int(0)), e.scalar_int(1))
-        out = []
-        for p, g in zip(plan.params, grads):
-            kept = e.Where(current, plan.accum[p], e.const(0.0, like=g))
-            total = e.Add(kept, g)
-            plan.reduce_points.append(total)
-            out.append(e.Div(total, e.Cast(n, to=e.dtype(g))))
-        return out
-
     def hyperparameter(self, hint: str, value: float) -> str:
         """A 0-D float64 state variable of this algorithm graph, reset to
         ``value`` by this TrainingInfoProto's initialization_binding (which is
@@ -175,66 +147,6 @@ class Algorithm:
         plan.state[name] = StateSpec(name, F64, (), self.index, self.index, fill=float(value))
         e.dtypes[name] = F64
         return name
-
-    def clip(self, grads: Sequence[str]) -> list[str]:
-        """g *= min(1, c / (||g||_2 + 1e-6)), the norm over all gradients
-        (torch.nn.utils.clip_grad_norm_), computed in float64.  The threshold
-        c is a state variable (``hyperparameter``; metadata
-        ``onnxtrain.clip_grad_norm``), settable through
-        ``TrainingSession.clip_grad_norm``."""
-        e = self.e
-        e.hint = "clip"
-        self.plan.clip_state = self.hyperparameter("clip_grad_norm", self.plan.clip_grad_norm)
-        squares = [e.Cast(e.reduce("ReduceSumSquare", g, None, keepdims=False), to=F64) for g in grads]
-        norm = e.Sqrt(e.sum_all(squares))
-        coef = e.Div(self.plan.clip_state, e.Add(norm, e.const(1e-6, dtype=F64)))
-        coef = e.Min(coef, e.const(1.0, dtype=F64))
-        return [e.Mul(g, e.cast_to(coef, e.dtype(g))) for g in grads]
-
-    def learning_rate(self) -> str:
-        """lr * schedule(step) as a 0-D float64.
-
-        The base rate lr is a state variable (a 0-D float64 initializer of
-        this algorithm graph, reset to ``optimizer.lr`` by this
-        TrainingInfoProto's initialization_binding, which is what makes it
-        state per IR.md), not a Constant: ``TrainingSession.learning_rate``
-        changes it between steps without rebuilding, it is saved with a
-        checkpoint, and the step reads it like any other state (one commit).
-        Metadata ``onnxtrain.learning_rate`` names it."""
-        plan, e = self.plan, self.e
-        e.hint = "lr"
-        lr = plan.lr_state = self.hyperparameter("lr", plan.optimizer.lr)
-        plan.lr_algorithm = self.index
-        if plan.schedule is None:
-            plan.lr_value = lr
-            return lr
-        if plan.schedule.run_total:
-            # The run's number of updates, set by fit when it starts (0 until then).
-            plan.schedule_total = self.hyperparameter("schedule_total", 0.0)
-            factor = plan.schedule.emit(e, plan.step, plan.schedule_total)
-        else:
-            factor = plan.schedule.emit(e, plan.step)
-        plan.lr_value = e.Mul(lr, factor)
-        return plan.lr_value
-
-    def optimizer_step(self, grads: Sequence[str]) -> None:
-        plan = self.plan
-        lr = self.learning_rate()
-        self.e.hint = "optimizer"
-        state = {
-            slot: [plan.slots[p][slot] for p in plan.params] for slot, _ in plan.optimizer.slots()
-        }
-        new_params, new_state = plan.optimizer.update(self.e, lr, plan.step, plan.params, grads, state)
-        for p, value in zip(plan.params, new_params):
-            self.bind(p, value)
-        for slot, values in new_state.items():
-            for p, value in zip(plan.params, values):
-                self.bind(plan.slots[p][slot], value)
-
-    def count_step(self) -> None:
-        e = self.e
-        e.hint = "counter"
-        self.bind(self.plan.step, e.Add(self.plan.step, e.scalar_int(1)))
 
 
 # ------------------------------------------------------------------ initialization

@@ -88,10 +88,11 @@ from .lora import LoRA
 from .losses import Loss
 from .optimizers import Adam, Optimizer
 from .parameters import choose_trainable
-from .plan import INT64, Plan, StateSpec
+from .plan import Plan, StateSpec
 from .schedules import Schedule
 from .ties import untie_shared_initializers
 from .train_forward import resolve_batchnorm_var
+from .transforms import chain_for
 
 #: IR version of the built model (TrainingInfoProto needs >= 7).
 IR_VERSION = 10
@@ -261,6 +262,7 @@ def _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad
         accumulate=accumulate, train_mode=bool(train_mode), params=params,
         taken=taken, names=NameGen(taken), batchnorm_var=bn_var,
         declared=_declared_types(main), lora=lora_info, recompute=recompute_spec,
+        chain=chain_for(optimizer, schedule, clip_grad_norm, accumulate),
     )
     plan.loss_name = plan.fresh("loss")  # the same name in every algorithm graph
     _plan_state(plan)
@@ -323,30 +325,18 @@ def _data_inputs(main: onnx.GraphProto) -> list[str]:
 
 
 def _plan_state(plan: Plan) -> None:
-    """Name and place every state variable."""
+    """Name and place every state variable: the parameters, then what the
+    update keeps (the optimizer's slots and the step counter), then the state
+    of the other transforms of the chain."""
     main = plan.proto.graph
     inits = {t.name: t for t in main.initializer}
-    k, final = plan.accumulate, plan.final
     for p in plan.params:
         t = inits[p]
-        plan.state[p] = StateSpec(p, t.data_type, tuple(t.dims), "main", final, initial=t, existing=True)
-    for p in plan.params:
-        var = plan.state[p]
-        plan.slots[p] = {}
-        for slot, fill in plan.optimizer.slots():
-            plan.slots[p][slot] = plan.add_state(
-                f"{p}.{slot}", StateSpec("", var.elem_type, var.shape, final, final, fill=fill)
-            )
-    shared = "main" if k > 1 else 0
-    plan.step = plan.add_state("step", StateSpec("", INT64, (), shared, final))
-    if k > 1:
-        for p in plan.params:
-            var = plan.state[p]
-            plan.accum[p] = plan.add_state(
-                f"{p}.grad_accum", StateSpec("", var.elem_type, var.shape, "main", 0)
-            )
-        plan.accum_count = plan.add_state("accum.count", StateSpec("", INT64, (), "main", 0))
-        plan.accum_step = plan.add_state("accum.step", StateSpec("", INT64, (), "main", 0))
+        plan.state[p] = StateSpec(p, t.data_type, tuple(t.dims), "main", plan.final, initial=t, existing=True)
+    *gradient_transforms, update = plan.chain
+    update.init(plan)
+    for transform in gradient_transforms:
+        transform.init(plan)
 
 
 def _add_main_state(plan: Plan) -> None:

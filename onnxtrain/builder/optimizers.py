@@ -8,22 +8,26 @@ returns the new parameters and the new state.  Optimizer state lives in
 slots: one tensor per parameter and slot, named ``<param>.<slot>``.
 
 Where a spec op of ``ai.onnx.preview.training`` computes exactly torch's
-rule it is used (the runtime lowers it); where it does not, the rule is
-written as plain arithmetic:
+rule it is used (the runtime lowers it to the same update rules); where it
+does not, the update rule of ``onnxtrain.optim.updates`` is applied directly:
 
 =============================  ==============================  =========================
 optimizer                      torch rule                       emitted as
 =============================  ==============================  =========================
-SGD(momentum=0)                p -= lr (g + wd p)               arithmetic
+SGD(momentum=0)                p -= lr (g + wd p)               rule ``SGD``
 SGD(momentum>0[, nesterov])    buf = m buf + g, ...             spec ``Momentum`` (*)
 Adagrad                        clr = lr / (1 + (t-1) lr_decay)  spec ``Adagrad`` (*)
-Adam / AdamW                   bias-corrected, eps outside      arithmetic
+Adam / AdamW                   bias-corrected, eps outside      rule ``Adam``
 =============================  ==============================  =========================
+
+The L2 penalty ``g + wd p`` of SGD, Adagrad and Adam is the gradient
+transform ``optim.transforms.add_decayed_weights`` (rule ``WeightDecay``).
 
 (*) The spec ops hold their hyperparameters as float32 attributes.  That is
 exact for float32 parameters (torch rounds them to float32 as well), and for
 float64 parameters only when each value is a float32 number; otherwise the
-float64 group gets the same rule as arithmetic (``spec_is_exact``).
+float64 group gets the same rules directly (``spec_is_exact``; Adagrad then
+takes torch's own association, rule ``TorchAdagrad``).
 
 Scalar factors (bias corrections, learning rates) are computed in float64 and
 cast once to each parameter's element type, as torch computes them in Python
@@ -43,6 +47,9 @@ from onnx import TensorProto
 
 from ..core.emitter import Emitter
 from ..core.graph import PREVIEW_DOMAIN
+from ..optim.rules import apply
+from ..optim.transforms import add_decayed_weights
+from ..optim.updates import adam_step_size
 
 F64 = TensorProto.DOUBLE
 
@@ -111,15 +118,17 @@ def spec_is_exact(attrs: dict[str, object], et: int) -> bool:
     return all(float(np.float32(v)) == v for v in attrs.values() if isinstance(v, float))
 
 
-#: One parameter's update as arithmetic: (emit, lr, step, p, g, state) -> (p_new, state_new).
-Arithmetic = Callable[[Emitter, str, str, str, str, str], tuple[str, str]]
+#: One parameter group's update as rule calls where the spec op is not exact:
+#: (emit, lr, step, params, grads, states, et) -> (new params, new states).
+Direct = Callable[[Emitter, str, str, Sequence[str], Sequence[str], Sequence[str], int],
+                  tuple[list[str], list[str]]]
 
 
-def _spec_or_arithmetic(
+def _spec_or_direct(
     e: Emitter,
     op_type: str,
     attrs: dict[str, object],
-    arithmetic: Arithmetic,
+    direct: Direct,
     lr: str,
     step: str,
     params: Sequence[str],
@@ -128,14 +137,17 @@ def _spec_or_arithmetic(
 ) -> tuple[list[str], list[str]]:
     """Per element type: one multi-tensor spec node
     ``op(R, T, X1..Xn, G1..Gn, S1..Sn) -> X1_new..Xn_new, S1_new..Sn_new``
-    where it is exact (``spec_is_exact``), else the same rule as arithmetic."""
+    where it is exact (``spec_is_exact``), else ``direct``: the update rules
+    with the hyperparameters in the parameters' own type."""
     new_params = [""] * len(params)
     new_states = [""] * len(params)
     cache = _ScalarCache(e)
     for et, idx in _by_element_type(e, params).items():
         if not spec_is_exact(attrs, et):
-            for i in idx:
-                new_params[i], new_states[i] = arithmetic(e, lr, step, params[i], grads[i], states[i])
+            outs = direct(e, lr, step, [params[i] for i in idx], [grads[i] for i in idx],
+                          [states[i] for i in idx], et)
+            for k, i in enumerate(idx):
+                new_params[i], new_states[i] = outs[0][k], outs[1][k]
             continue
         inputs = [cache.as_type(lr, et), step]
         inputs += [params[i] for i in idx] + [grads[i] for i in idx] + [states[i] for i in idx]
@@ -147,26 +159,19 @@ def _spec_or_arithmetic(
     return new_params, new_states
 
 
-def _with_weight_decay(e: Emitter, g: str, p: str, weight_decay: float) -> str:
-    """g + wd p (L2 penalty folded into the gradient, as torch does)."""
-    if not weight_decay:
-        return g
-    return e.Add(g, e.Mul(e.const(weight_decay, like=p), p))
-
-
 @dataclass(frozen=True)
 class SGD(Optimizer):
     """torch.optim.SGD (dampening 0).
 
     g' = g + wd p
-    momentum = 0:  p -= lr g'                                   (arithmetic)
+    momentum = 0:  p -= lr g'                                   (rule ``SGD``)
     momentum > 0:  buf = g' at the first step, else m buf + g'
                    p -= lr buf            (nesterov: p -= lr (g' + m buf))
     The momentum case is exactly the spec ``Momentum`` op with alpha = m,
     beta = 1, norm_coefficient = wd and T = the step counter (beta is taken
     as 1 at T = 0, and buf starts at zero, so the first buf is g'), except
     for float64 parameters with an m or wd that float32 cannot hold, which
-    get the same rule as arithmetic."""
+    get the same rules (``Momentum``/``Nesterov`` with beta = 1) directly."""
 
     lr: float
     momentum: float = 0.0
@@ -185,25 +190,27 @@ class SGD(Optimizer):
         if self.momentum:
             attrs = dict(alpha=float(self.momentum), beta=1.0, norm_coefficient=float(self.weight_decay),
                          mode="nesterov" if self.nesterov else "standard")
-            new, bufs = _spec_or_arithmetic(
-                e, "Momentum", attrs, self._momentum_arithmetic, lr, step, params, grads, state["momentum"]
+            new, bufs = _spec_or_direct(
+                e, "Momentum", attrs, self._momentum_direct, lr, step, params, grads, state["momentum"]
             )
             return new, {"momentum": bufs}
         cache = _ScalarCache(e)
-        new = []
-        for p, g in zip(params, grads):
-            g = _with_weight_decay(e, g, p, self.weight_decay)
-            new.append(e.Sub(p, e.Mul(cache.as_type(lr, e.dtype(p)), g)))
+        grads = add_decayed_weights(e, params, grads, self.weight_decay)
+        new = [apply(e, "SGD", {"lr": cache.as_type(lr, e.dtype(p)), "p": p, "g": g})["p_new"]
+               for p, g in zip(params, grads)]
         return new, {}
 
-    def _momentum_arithmetic(self, e, lr, step, p, g, buf):
-        """buf = m buf + g' (buf starts at 0, so the first buf is g');
+    def _momentum_direct(self, e, lr, step, params, grads, bufs, et):
+        """buf = m buf + 1 g' (buf starts at 0, so the first buf is g');
         p -= lr buf, or lr (g' + m buf) with nesterov."""
-        g = _with_weight_decay(e, g, p, self.weight_decay)
-        m = e.const(self.momentum, like=p)
-        buf_new = e.Add(e.Mul(m, buf), g)
-        direction = e.Add(g, e.Mul(m, buf_new)) if self.nesterov else buf_new
-        return e.Sub(p, e.Mul(e.cast_to(lr, e.dtype(p)), direction)), buf_new
+        grads = add_decayed_weights(e, params, grads, self.weight_decay)
+        m = e.const(self.momentum, dtype=et)
+        scalars = {"alpha": m, "beta": e.const(1.0, dtype=et), "r": e.cast_to(lr, et)}
+        if self.nesterov:
+            scalars["alpha2"] = m
+        rule = "Nesterov" if self.nesterov else "Momentum"
+        outs = [apply(e, rule, {**scalars, "x": p, "g": g, "v": buf}) for p, g, buf in zip(params, grads, bufs)]
+        return [o["x_new"] for o in outs], [o["v_new"] for o in outs]
 
 
 @dataclass(frozen=True)
@@ -214,8 +221,9 @@ class Adagrad(Optimizer):
     g' = g + wd p;  state_sum += g'^2;  p -= clr g' / (sqrt(state_sum) + eps)
     This is exactly the spec ``Adagrad`` op with T = t - 1 (the step counter),
     decay_factor = lr_decay, norm_coefficient = wd, epsilon = eps, and the
-    state starting at initial_accumulator_value (float64 parameters with
-    values float32 cannot hold get the same rule as arithmetic)."""
+    state starting at initial_accumulator_value.  float64 parameters with
+    values float32 cannot hold get torch's own association instead (rule
+    ``TorchAdagrad``: clr (g' / (sqrt(state_sum) + eps)), clr in float64)."""
 
     lr: float
     lr_decay: float = 0.0
@@ -235,24 +243,25 @@ class Adagrad(Optimizer):
     def update(self, e, lr, step, params, grads, state):
         attrs = dict(decay_factor=float(self.lr_decay), epsilon=float(self.eps),
                      norm_coefficient=float(self.weight_decay))
-        new, sums = _spec_or_arithmetic(
-            e, "Adagrad", attrs, self._arithmetic, lr, step, params, grads, state["adagrad_sum"]
+        new, sums = _spec_or_direct(
+            e, "Adagrad", attrs, self._direct, lr, step, params, grads, state["adagrad_sum"]
         )
         return new, {"adagrad_sum": sums}
 
-    def _arithmetic(self, e, lr, step, p, g, state_sum):
-        """clr = lr / (1 + step lr_decay); sum += g'^2; p -= clr g' / (sqrt(sum) + eps)."""
+    def _direct(self, e, lr, step, params, grads, sums, et):
+        """clr = lr / (1 + step lr_decay) in float64; sum += g'^2; p -= clr (g' / (sqrt(sum) + eps))."""
         decayed = e.Mul(e.Cast(step, to=F64), e.const(self.lr_decay, dtype=F64))
-        clr = e.Div(lr, e.Add(e.const(1.0, dtype=F64), decayed))
-        g = _with_weight_decay(e, g, p, self.weight_decay)
-        sum_new = e.Add(state_sum, e.Mul(g, g))
-        denom = e.Add(e.Sqrt(sum_new), e.const(self.eps, like=p))
-        return e.Sub(p, e.Mul(e.cast_to(clr, e.dtype(p)), e.Div(g, denom))), sum_new
+        clr = e.cast_to(e.Div(lr, e.Add(e.const(1.0, dtype=F64), decayed)), et)
+        grads = add_decayed_weights(e, params, grads, self.weight_decay)
+        eps = e.const(self.eps, dtype=et)
+        outs = [apply(e, "TorchAdagrad", {"eps": eps, "clr": clr, "p": p, "g": g, "h": h})
+                for p, g, h in zip(params, grads, sums)]
+        return [o["p_new"] for o in outs], [o["h_new"] for o in outs]
 
 
 @dataclass(frozen=True)
 class Adam(Optimizer):
-    """torch.optim.Adam (amsgrad off), written as arithmetic.
+    """torch.optim.Adam (amsgrad off), as the rule ``Adam``.
 
     t = step + 1;  g' = g + wd p
     m = b1 m + (1 - b1) g';  v = b2 v + (1 - b2) g'^2
@@ -287,39 +296,41 @@ class Adam(Optimizer):
 
     def update(self, e, lr, step, params, grads, state):
         b1, b2 = self.betas
-        # Scalars, once for all parameters, in float64.
-        t = e.Cast(e.Add(step, e.scalar_int(1)), to=F64)
-        one = e.const(1.0, dtype=F64)
-        bias1 = e.Sub(one, e.Pow(e.const(b1, dtype=F64), t))
-        bias2_sqrt = e.Sqrt(e.Sub(one, e.Pow(e.const(b2, dtype=F64), t)))
+        # Scalars, once for all parameters, in float64:
         # lr / bias1 * m / (sqrt(v) / bias2_sqrt + eps)
         #   = (lr * bias2_sqrt / bias1) * m / (sqrt(v) + eps * bias2_sqrt):
         # the bias corrections fold into two scalars (no pass over v for them)
-        step_size = e.Div(e.Mul(lr, bias2_sqrt), bias1)
+        t = e.Cast(e.Add(step, e.scalar_int(1)), to=F64)
+        step_size, bias2_sqrt = adam_step_size(e, lr, t, b1, b2, F64)
         eps_hat = e.Mul(e.const(self.eps, dtype=F64), bias2_sqrt)
-        if self.decoupled and self.weight_decay:
-            decay = e.Sub(one, e.Mul(lr, e.const(self.weight_decay, dtype=F64)))
+        decay = None
+        if self.decoupled and self.weight_decay:  # p *= 1 - lr wd
+            decay = e.Sub(e.const(1.0, dtype=F64), e.Mul(lr, e.const(self.weight_decay, dtype=F64)))
+        elif not self.decoupled:
+            grads = add_decayed_weights(e, params, grads, self.weight_decay)
         cache = _ScalarCache(e)
+        numbers: dict[int, dict[str, str | None]] = {}
 
         new, ms, vs = [], [], []
         for p, g, m, v in zip(params, grads, state["adam_m"], state["adam_v"]):
             et = e.dtype(p)
-            if self.weight_decay and self.decoupled:
-                p = e.Mul(p, cache.as_type(decay, et))  # p *= 1 - lr wd
-            else:
-                g = _with_weight_decay(e, g, p, self.weight_decay)
-            m_new = e.Add(e.Mul(e.const(b1, dtype=et), m), e.Mul(e.const(1.0 - b1, dtype=et), g))
-            v_new = e.Add(e.Mul(e.const(b2, dtype=et), v), e.Mul(e.const(1.0 - b2, dtype=et), e.Mul(g, g)))
-            denom = e.Add(e.Sqrt(v_new), cache.as_type(eps_hat, et))
-            new.append(e.Sub(p, e.Mul(cache.as_type(step_size, et), e.Div(m_new, denom))))
-            ms.append(m_new)
-            vs.append(v_new)
+            if et not in numbers:
+                numbers[et] = {
+                    "b1": e.const(b1, dtype=et), "c1": e.const(1.0 - b1, dtype=et),
+                    "b2": e.const(b2, dtype=et), "c2": e.const(1.0 - b2, dtype=et),
+                    "eps": cache.as_type(eps_hat, et), "step": cache.as_type(step_size, et),
+                    "decay": cache.as_type(decay, et) if decay is not None else None,
+                }
+            out = apply(e, "Adam", {**numbers[et], "p": p, "g": g, "m": m, "v": v})
+            new.append(out["p_new"])
+            ms.append(out["m_new"])
+            vs.append(out["v_new"])
         return new, {"adam_m": ms, "adam_v": vs}
 
 
 @dataclass(frozen=True)
 class AdamW(Adam):
-    """torch.optim.AdamW: Adam with decoupled weight decay, as arithmetic.
+    """torch.optim.AdamW: Adam with decoupled weight decay, as the rule ``Adam``.
 
     p *= 1 - lr wd (before the update, with this step's lr), then Adam's
     update with the raw gradient."""

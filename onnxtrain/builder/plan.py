@@ -138,6 +138,8 @@ class Plan:
     clip_state: str = ""
     #: The activation recompute option (``onnxtrain.recompute``), None when off.
     recompute: Any = None
+    #: The update chain (``builder.transforms``): what each algorithm does with its gradients.
+    chain: tuple[Any, ...] = ()
 
     @property
     def final(self) -> int:

@@ -3,11 +3,12 @@
 Standard ONNX kernels stream every tensor through memory once per operation,
 so an Adam update written as eleven of them costs eleven passes over each
 parameter.  ``optim_kernels.c`` does the same arithmetic, in the same order and
-with the same IEEE rounding, in one pass: the builder's Adam/AdamW
-(``AdamUpdate``, see ``fuse.fuse_adam_updates``) and the lowered spec ops
-Adam, Momentum (standard and Nesterov) and Adagrad (``SpecAdam``,
-``Momentum``, ``Nesterov``, ``Adagrad``: multi-tensor ops, one node for many
-small tensors; see ``fuse.fuse_spec_optimizers`` and docs/fused-kernels.md).
+with the same IEEE rounding, in one pass: the update rules that name a kernel
+(``onnxtrain.optim.updates``; ``fuse.fuse_rule_calls`` puts the kernel in
+place of each call): the builder's Adam/AdamW (``AdamUpdate``) and the
+lowered spec ops Adam, Momentum (standard and Nesterov) and Adagrad
+(``SpecAdam``, ``AdamStepSize``, ``Momentum``, ``Nesterov``, ``Adagrad``:
+multi-tensor ops, one node for many small tensors; see docs/fused-kernels.md).
 It also holds layer kernels that onnxruntime's standard ops run slowly
 (``fuse_layers``: MaxPool with Indices, Relu's and BatchNormalization's
 gradients, a convolution's column matrices, MaxPool's scatter) and the

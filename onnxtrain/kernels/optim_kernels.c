@@ -13,7 +13,8 @@
  *     p_new = p*decay - step*(m_new / (sqrt(v_new) + eps))
  *
  * and the per-tensor updates of the ai.onnx.preview.training optimizers as
- * onnxtrain/optim/lower.py writes them (fuse.fuse_spec_optimizers).  These
+ * onnxtrain/optim/lower.py writes them (the rules SpecAdam, Momentum,
+ * Nesterov, Adagrad; nc is a WeightDecay call the kernel takes in).  These
  * take one-element scalars first (nc and post optional: '' when the lowering
  * has no such operation), then any number of tensors, k inputs each (a
  * variadic input: one node updates many tensors), and give per tensor its
@@ -32,7 +33,7 @@
  *       h' = h + gr*gr;  x' = x - (r*gr) / (sqrt(h') + eps)
  *
  * and the step size of the spec's Adam, which the lowering writes as ten
- * one-element kernels (fuse.fuse_adam_step_sizes):
+ * one-element kernels (the rule AdamStepSize):
  *
  *   AdamStepSizeF32/F64  r, t (int64), one_h, beta, one_v, alpha, zero (int64)
  *                        -> r' (every input one element; r' of their
@@ -80,9 +81,11 @@
  *       with updates[k] added at indices[k] in order (MaxPool's gradient
  *       where windows overlap).
  *
- * AdamUpdate is the Adam/AdamW update that onnxtrain's optimizer builder
- * writes as eleven standard ONNX kernels (see onnxtrain/fuse.py,
- * fuse_adam_updates).  In every op but BatchNormGrad, every operation is one
+ * Each optimizer op computes one update rule of onnxtrain/optim/updates.py
+ * (AdamUpdate: the rule Adam, which the builder's Adam/AdamW and ONNX Runtime
+ * training's AdamW apply; the others: the spec ops' rules), and takes the
+ * operands the rule's FusedKernel names, in that order; kernels/fuse.py puts
+ * it in place of each call of the rule.  In every op but BatchNormGrad, every operation is one
  * IEEE operation in the same order as in the standard kernels it replaces
  * (multiplication and addition are commutative in IEEE arithmetic, so operand
  * order does not matter), and the library is compiled with -ffp-contract=off

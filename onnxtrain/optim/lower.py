@@ -4,7 +4,11 @@ onnxruntime has no kernels for these ops, so each node is replaced, where it
 stands, by default-domain ops (Cast, Greater, Where, Pow, Sqrt and arithmetic,
 all valid from opset 9 on) that write the node's own output names.  Each
 lowering mirrors the function of the same name in ``reference.py``, line by
-line; the pseudo-code of the spec is quoted in the comments.
+line; the pseudo-code of the spec is quoted in the comments.  What is
+computed once per node (the rate, Momentum's beta) is written here; each
+tensor's update is a call of the update rule of the same math
+(``updates``: SpecAdam, AdamStepSize, Momentum, Nesterov, Adagrad, and
+WeightDecay for ``norm_coefficient``), which the fused kernels replace by name.
 
 The attributes are Python values, folded into Constants of X's element type.
 T is a runtime tensor, so ``T > 0 ? a : b`` becomes ``Where(Greater(T, 0), a, b)``;
@@ -44,6 +48,7 @@ from ..core.graph import PREVIEW_DOMAIN, graph_names, infer_types, opset_version
 from ..core.names import NameGen
 from ..errors import TrainingModelError
 from .common import SIGNATURES, OptimizerCall, constant, describe, split_node
+from .rules import apply
 
 #: Where (opset 9) is the newest op the lowerings need.
 MIN_OPSET = 9
@@ -95,6 +100,8 @@ def lower_optimizers(
 
 
 # ------------------------------------------------------------------ lowerings
+# Each per-tensor update is a call of the rule of the same math (``updates``);
+# what is computed once per node (the rate, Momentum's beta) stays here.
 def _lower_adam(emit: Emitter, call: OptimizerCall, et: int) -> None:
     d = np_dtype(et)
     a = call.attrs
@@ -102,47 +109,27 @@ def _lower_adam(emit: Emitter, call: OptimizerCall, et: int) -> None:
     one = constant(1, d)
     alpha = constant(a["alpha"], d)
     beta = constant(a["beta"], d)
-
-    R = emit.cast_to(call.r, et)
-    T = emit.Cast(call.t, to=et)
     # R_adjusted = T > 0 ? R * Sqrt(1 - beta**T) / (1 - alpha**T) : R
     # (one scalar for all tensors of the node)
-    sqrt_h_correction = emit.Sqrt(emit.Sub(c(one), emit.Pow(c(beta), T)))
-    v_correction = emit.Sub(c(one), emit.Pow(c(alpha), T))
-    r_adjusted = emit.Where(
-        _t_positive(emit, call), emit.Div(emit.Mul(R, sqrt_h_correction), v_correction), R
-    )
-
+    rate = {"r": emit.cast_to(call.r, et), "t": call.t, "one_h": c(one), "beta": c(beta), "one_v": c(one),
+            "alpha": c(alpha), "zero": emit.scalar_int(0)}
+    r_adjusted = apply(emit, "AdamStepSize", rate)["r_new"]
+    # X_final = (1 - norm_coefficient_post) * X_new
+    # (with norm_coefficient_post = 0 the factor is exactly 1: X_new is final)
+    ncp = constant(a["norm_coefficient_post"], d)
+    scalars = {"alpha": c(alpha), "oma": c(one - alpha), "beta": c(beta), "omb": c(one - beta),
+               "eps": c(a["epsilon"]), "r": r_adjusted, "post": c(one - ncp) if ncp != 0 else None}
     for i in range(call.n):
         ins, outs = call.tensor_inputs(i), call.tensor_outputs(i)
         if not any(outs.values()):
             continue
-        X, G, V, H = ins["X"], ins["G"], ins["V"], ins["H"]
         # G_regularized = norm_coefficient * X + G
-        g_reg = _regularized_gradient(emit, c, X, G, a["norm_coefficient"])
+        g_reg = _regularized_gradient(emit, c, ins["X"], ins["G"], a["norm_coefficient"])
         # V_new = alpha * V + (1 - alpha) * G_regularized
-        v_new = _into(
-            emit, "Add", emit.Mul(c(alpha), V), emit.Mul(c(one - alpha), g_reg), outs["V"]
-        )
         # H_new = beta * H + (1 - beta) * G_regularized * G_regularized
-        h_new = _into(
-            emit,
-            "Add",
-            emit.Mul(c(beta), H),
-            emit.Mul(emit.Mul(c(one - beta), g_reg), g_reg),
-            outs["H"],
-        )
-        # H_sqrt = Sqrt(H_new) + epsilon
-        h_sqrt = emit.Add(emit.Sqrt(h_new), c(a["epsilon"]))
-        # X_new = X - R_adjusted * V_new / H_sqrt
-        step = emit.Div(emit.Mul(r_adjusted, v_new), h_sqrt)
-        # X_final = (1 - norm_coefficient_post) * X_new
-        # (with norm_coefficient_post = 0 the factor is exactly 1: X_new is final)
-        ncp = constant(a["norm_coefficient_post"], d)
-        if ncp == 0:
-            _into(emit, "Sub", X, step, outs["X"])
-        else:
-            _into(emit, "Mul", c(one - ncp), emit.Sub(X, step), outs["X"])
+        # X_new = X - R_adjusted * V_new / (Sqrt(H_new) + epsilon)
+        apply(emit, "SpecAdam", {**scalars, "x": ins["X"], "g": g_reg, "v": ins["V"], "h": ins["H"]},
+              {"x_new": outs["X"], "v_new": outs["V"], "h_new": outs["H"]})
 
 
 def _lower_momentum(emit: Emitter, call: OptimizerCall, et: int) -> None:
@@ -150,25 +137,23 @@ def _lower_momentum(emit: Emitter, call: OptimizerCall, et: int) -> None:
     a = call.attrs
     c = _constants(emit, d)
     R = emit.cast_to(call.r, et)
-    alpha = c(a["alpha"])
     # beta_adjusted = T > 0 ? beta : 1
     beta_adjusted = emit.Where(_t_positive(emit, call), c(a["beta"]), c(1))
+    if a["mode"] == "standard":
+        # V_new = alpha * V + beta_adjusted * G_regularized;  X_new = X - R * V_new
+        rule, scalars = "Momentum", {"alpha": c(a["alpha"]), "beta": beta_adjusted, "r": R}
+    else:
+        # X_new = X - R * (G_regularized + alpha * V_new)
+        rule, scalars = "Nesterov", {"alpha": c(a["alpha"]), "beta": beta_adjusted, "alpha2": c(a["alpha"]),
+                                     "r": R}
     for i in range(call.n):
         ins, outs = call.tensor_inputs(i), call.tensor_outputs(i)
         if not any(outs.values()):
             continue
-        X, G, V = ins["X"], ins["G"], ins["V"]
         # G_regularized = norm_coefficient * X + G
-        g_reg = _regularized_gradient(emit, c, X, G, a["norm_coefficient"])
-        # V_new = alpha * V + beta_adjusted * G_regularized
-        v_new = _into(emit, "Add", emit.Mul(alpha, V), emit.Mul(beta_adjusted, g_reg), outs["V"])
-        if a["mode"] == "standard":
-            # X_new = X - R * V_new
-            direction = v_new
-        else:
-            # X_new = X - R * (G_regularized + alpha * V_new)
-            direction = emit.Add(g_reg, emit.Mul(alpha, v_new))
-        _into(emit, "Sub", X, emit.Mul(R, direction), outs["X"])
+        g_reg = _regularized_gradient(emit, c, ins["X"], ins["G"], a["norm_coefficient"])
+        apply(emit, rule, {**scalars, "x": ins["X"], "g": g_reg, "v": ins["V"]},
+              {"x_new": outs["X"], "v_new": outs["V"]})
 
 
 def _lower_adagrad(emit: Emitter, call: OptimizerCall, et: int) -> None:
@@ -183,15 +168,12 @@ def _lower_adagrad(emit: Emitter, call: OptimizerCall, et: int) -> None:
         ins, outs = call.tensor_inputs(i), call.tensor_outputs(i)
         if not any(outs.values()):
             continue
-        X, G, H = ins["X"], ins["G"], ins["H"]
         # G_regularized = norm_coefficient * X + G
-        g_reg = _regularized_gradient(emit, c, X, G, a["norm_coefficient"])
+        g_reg = _regularized_gradient(emit, c, ins["X"], ins["G"], a["norm_coefficient"])
         # H_new = H + G_regularized * G_regularized
-        h_new = _into(emit, "Add", H, emit.Mul(g_reg, g_reg), outs["H"])
-        # H_adaptive = Sqrt(H_new) + epsilon
-        h_adaptive = emit.Add(emit.Sqrt(h_new), c(a["epsilon"]))
-        # X_new = X - r * G_regularized / H_adaptive
-        _into(emit, "Sub", X, emit.Div(emit.Mul(r, g_reg), h_adaptive), outs["X"])
+        # X_new = X - r * G_regularized / (Sqrt(H_new) + epsilon)
+        apply(emit, "Adagrad", {"eps": c(a["epsilon"]), "r": r, "x": ins["X"], "g": g_reg, "h": ins["H"]},
+              {"x_new": outs["X"], "h_new": outs["H"]})
 
 
 _LOWERINGS = {"Adam": _lower_adam, "Momentum": _lower_momentum, "Adagrad": _lower_adagrad}
@@ -217,24 +199,17 @@ def _constants(emit: Emitter, d: np.dtype) -> Callable[[Any], str]:
 def _regularized_gradient(
     emit: Emitter, c: Callable[[Any], str], x: str, g: str, coefficient: float
 ) -> str:
-    """norm_coefficient * X + G, the gradient of the loss plus 0.5 * nc * ||X||^2.
-
-    With nc = 0 this is G (for finite X), so no pass over X is spent on it."""
+    """norm_coefficient * X + G, the gradient of the loss plus 0.5 * nc * ||X||^2
+    (a ``WeightDecay`` call).  With nc = 0 this is G (for finite X), so no
+    pass over X is spent on it."""
     if coefficient == 0:
         return g
-    return emit.Add(emit.Mul(c(coefficient), x), g)
+    return apply(emit, "WeightDecay", {"nc": c(coefficient), "x": x, "g": g})["g_new"]
 
 
 def _t_positive(emit: Emitter, call: OptimizerCall) -> str:
     """T > 0, decided on the int64 T itself."""
     return emit.Greater(call.t, emit.scalar_int(0))
-
-
-def _into(emit: Emitter, op_type: str, a: str, b: str, out: str) -> str:
-    """Emit a binary op that writes the optimizer's output ``out`` (fresh if '')."""
-    if out:
-        return emit.op(op_type, [a, b], outputs=[out])[0]
-    return emit.op(op_type, [a, b])
 
 
 def _element_type(call: OptimizerCall, dtypes: dict[str, int]) -> int:

@@ -35,6 +35,12 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ..core.emitter import Emitter
+from ..core.names import NameGen
+from ..optim.rules import apply
+from ..optim.transforms import clip_by_global_norm
+from ..optim.updates import adam_step_size
+
 PREVIEW = "ai.onnx.preview.training"
 RESET = "@lazy_reset_grad"
 LR = "@learning_rate"
@@ -70,58 +76,30 @@ class OptimizerConfig:
         return json.dumps(asdict(self))
 
 
-class Graph:
-    """Nodes of one algorithm graph, with fresh names."""
-
-    def __init__(self, taken: set[str], prefix: str) -> None:
-        self.taken, self.prefix, self.nodes = taken, prefix, []
-
-    def fresh(self, hint: str) -> str:
-        i, name = 0, f"{self.prefix}/{hint}"
-        while name in self.taken:
-            i += 1
-            name = f"{self.prefix}/{hint}_{i}"
-        self.taken.add(name)
-        return name
-
-    def op(self, op_type: str, inputs: Sequence[str], n_out: int = 1, domain: str = "",
-           **attrs) -> str | list[str]:
-        outs = [self.fresh(op_type) for _ in range(n_out)]
-        self.nodes.append(helper.make_node(op_type, list(inputs), outs, domain=domain, **attrs))
-        return outs[0] if n_out == 1 else outs
-
-    def const(self, value, dtype) -> str:
-        return self.op("Constant", [], value=numpy_helper.from_array(np.asarray(value, dtype)))
+def emitter(taken: set[str] | NameGen, opset: int, dtypes: dict[str, int], hint: str) -> Emitter:
+    """An emitter for one of these graphs: fresh names that avoid ``taken``."""
+    names = taken if isinstance(taken, NameGen) else NameGen(taken)
+    return Emitter(opset, names, dtypes, hint=hint)
 
 
-def adamw_update(g: Graph, cfg: OptimizerConfig, lr: str, t: str, p: str, grad: str, m0: str, m1: str,
-           dtype) -> tuple[str, str, str]:
-    """One AdamW update (see the module docstring); ``t``: step + 1 as ``dtype``."""
+def adamw_update(e: Emitter, cfg: OptimizerConfig, lr: str, t: str, p: str, grad: str, m0: str, m1: str
+                 ) -> tuple[str, str, str]:
+    """One AdamW update (see the module docstring): the rule ``Adam`` with
+    the bias correction in ``p``'s element type (``lr`` and ``t``, step + 1,
+    already of it) and eps as given, then ``DecayAfter`` with s = lr wd."""
+    et = e.dtype(p)
     b1, b2 = cfg.betas
-    c = lambda v: g.const(v, dtype)  # noqa: E731
-    m0_new = g.op("Add", [g.op("Mul", [m0, c(b1)]), g.op("Mul", [grad, c(1 - b1)])])
-    m1_new = g.op("Add", [g.op("Mul", [m1, c(b2)]),
-                          g.op("Mul", [g.op("Mul", [grad, grad]), c(1 - b2)])])
-    denom = g.op("Add", [g.op("Sqrt", [m1_new]), c(cfg.eps)])
     step_size = lr
     if cfg.bias_correction:
-        corr2 = g.op("Sqrt", [g.op("Sub", [c(1.0), g.op("Pow", [c(b2), t])])])
-        corr1 = g.op("Sub", [c(1.0), g.op("Pow", [c(b1), t])])
-        step_size = g.op("Div", [g.op("Mul", [lr, corr2]), corr1])
-    p_new = g.op("Sub", [p, g.op("Mul", [step_size, g.op("Div", [m0_new, denom])])])
+        step_size, _ = adam_step_size(e, lr, t, b1, b2, et)
+    scalars = {"b1": e.const(b1, dtype=et), "c1": e.const(1 - b1, dtype=et), "b2": e.const(b2, dtype=et),
+               "c2": e.const(1 - b2, dtype=et), "eps": e.const(cfg.eps, dtype=et), "step": step_size}
+    out = apply(e, "Adam", {**scalars, "p": p, "g": grad, "m": m0, "v": m1})
+    p_new = out["p_new"]
     if cfg.weight_decay:
-        decay = g.op("Mul", [g.op("Mul", [lr, c(cfg.weight_decay)]), p_new])
-        p_new = g.op("Sub", [p_new, decay])
-    return p_new, m0_new, m1_new
-
-
-def _clip(g: Graph, grads: list[str], max_norm: float, dtype) -> list[str]:
-    squares = [g.op("ReduceSumSquare", [x], keepdims=0) for x in grads]
-    total = squares[0] if len(squares) == 1 else g.op("Sum", squares)
-    norm = g.op("Sqrt", [total])
-    coef = g.op("Div", [g.const(max_norm, dtype), g.op("Add", [norm, g.const(1e-6, dtype)])])
-    coef = g.op("Min", [coef, g.const(1.0, dtype)])
-    return [g.op("Mul", [x, coef]) for x in grads]
+        s = e.Mul(lr, e.const(cfg.weight_decay, dtype=et))
+        p_new = apply(e, "DecayAfter", {"s": s, "p": p_new})["p_new"]
+    return p_new, out["m_new"], out["v_new"]
 
 
 def _vi(name: str, arr_or_dtype, shape=None) -> onnx.ValueInfoProto:
@@ -186,26 +164,31 @@ def training_model(forward: onnx.ModelProto, values: dict[str, np.ndarray],
         main.name = "state"
     main.initializer.extend(numpy_helper.from_array(v, n) for n, v in state.items())
 
-    g = Graph(taken, "module")
-    grads = g.op("Gradient", list(trainable) + user_inputs, n_out=len(trainable), domain=PREVIEW,
+    opset = _opsets(forward)[""]
+    dtypes = {n: helper.np_dtype_to_tensor_dtype(np.asarray(v).dtype) for n, v in {**values, **state}.items()}
+    names = NameGen(taken)
+    e = emitter(names, opset, dtypes, "module")
+    grads = e.op("Gradient", list(trainable) + user_inputs, outputs=len(trainable), domain=PREVIEW,
                  xs=list(trainable), zs=user_inputs, y=loss)
     grads = [grads] if isinstance(grads, str) else grads
+    for p, gr in zip(trainable, grads):
+        e.dtypes[gr] = dtypes[p]
     if not fused:  # gradients summed into the buffers
         for p, gr in zip(trainable, grads):
-            new = g.op("Where", [RESET, gr, g.op("Add", [grad_name(p), gr])])
+            new = e.Where(RESET, gr, e.Add(grad_name(p), gr))
             _bind(ti, ti.algorithm, grad_name(p), new, values[p])
-        _bind(ti, ti.algorithm, RESET, g.const(False, np.bool_), state[RESET])
-        ti.algorithm.node.extend(g.nodes)
+        _bind(ti, ti.algorithm, RESET, e.const(False, dtype=np.bool_), state[RESET])
+        ti.algorithm.node.extend(e.nodes)
         ti = model.training_info.add()
         ti.algorithm.name = "optimizer_step"
-        g = Graph(taken, "optimizer")
+        e = emitter(names, opset, dtypes, "optimizer")
         grads = [grad_name(p) for p in trainable]
-    updates = _updates(g, optimizer, trainable, grads, values) if optimizer is not None else {}
+    updates = _updates(e, optimizer, trainable, grads) if optimizer is not None else {}
     # identity bindings keep every parameter and setting a state variable
     for name in [*values, *(k for k in state if k not in (RESET,) and "@grad" not in k)]:
-        value = updates.get(name) or g.op("Identity", [name])
+        value = updates.get(name) or e.Identity(name)
         _bind(ti, ti.algorithm, name, value, values.get(name, state.get(name)))
-    ti.algorithm.node.extend(g.nodes)
+    ti.algorithm.node.extend(e.nodes)
 
     del model.opset_import[:]
     for domain, version in _opsets(forward).items():
@@ -247,25 +230,24 @@ def _shared_state(values, trainable, optimizer, extra_state, fused) -> dict[str,
     return state
 
 
-def _updates(g: Graph, optimizer: OptimizerConfig, trainable: Sequence[str], grads: list[str],
-             values: dict[str, np.ndarray]) -> dict[str, str]:
+def _updates(e: Emitter, optimizer: OptimizerConfig, trainable: Sequence[str], grads: list[str]
+             ) -> dict[str, str]:
     """The new value of every parameter, moment and the step."""
     updates: dict[str, str] = {}
     if not trainable:
         return updates
-    dtype = values[trainable[0]].dtype
-    et = helper.np_dtype_to_tensor_dtype(dtype)
+    et = e.dtype(trainable[0])
     if optimizer.max_norm is not None:
-        grads = _clip(g, grads, float(optimizer.max_norm), dtype)
-    lr = g.op("Cast", [LR], to=et)
-    t = g.op("Cast", [g.op("Add", [STEP, g.const(1, np.int64)])], to=et)
+        grads = clip_by_global_norm(e, grads, e.const(float(optimizer.max_norm), dtype=et), et)
+    lr = e.Cast(LR, to=et)
+    t = e.Cast(e.Add(STEP, e.scalar_int(1)), to=et)
     for p, gr in zip(trainable, grads):
         if optimizer.kind == "SGD":
-            updates[p] = g.op("Sub", [p, g.op("Mul", [lr, gr])])
+            updates[p] = apply(e, "SGD", {"lr": lr, "p": p, "g": gr})["p_new"]
         else:
             m0, m1 = moment_name(p, 0), moment_name(p, 1)
-            updates[p], updates[m0], updates[m1] = adamw_update(g, optimizer, lr, t, p, gr, m0, m1, dtype)
-    updates[STEP] = g.op("Add", [STEP, g.const(1, np.int64)])
+            updates[p], updates[m0], updates[m1] = adamw_update(e, optimizer, lr, t, p, gr, m0, m1)
+    updates[STEP] = e.Add(STEP, e.scalar_int(1))
     return updates
 
 

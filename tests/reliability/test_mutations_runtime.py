@@ -25,13 +25,16 @@ import numpy as np
 import onnx
 import pytest
 from models import linear_regression, model, tensor, training_info, vi
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 from reliability_models import COUNTER_FEED, counter_model
 
 from onnxtrain import TrainingModelError, TrainingSession
 from onnxtrain.core import diskcache as cache
-from onnxtrain.kernels.fuse import fuse_adam_updates
+from onnxtrain.core.emitter import Emitter
+from onnxtrain.core.names import NameGen
+from onnxtrain.kernels.fuse import fuse_rule_calls
 from onnxtrain.lower.inplace import inplace_keys
+from onnxtrain.optim import apply
 
 F32 = TensorProto.FLOAT
 F64 = TensorProto.DOUBLE
@@ -175,41 +178,38 @@ def test_cache_eviction_is_least_recently_used_not_first_in(private_cache):
     assert left == [0, 3, 4], f"entries left after eviction: {left}"
 
 
-# ------------------------------------------------------------ Adam fusion matcher
-def adam_update(g_m: str, g_v: str) -> onnx.ModelProto:
-    """build.Adam's update with m' reading ``g_m`` and v' reading ``g_v``:
+# ------------------------------------------------------------ update-rule calls
+def adam_update(g_v: str) -> onnx.ModelProto:
+    """One call of the rule Adam over p, g1, g2, m, v, with v' then made to
+    read ``g_v`` (m' reads g1):
 
-        m' = b1*m + c1*g_m;  v' = b2*v + c2*(g_v*g_v);  p' = p - step*(m'/(Sqrt(v') + eps))
+        m' = b1*m + c1*g1;  v' = b2*v + c2*(g_v*g_v);  p' = p - step*(m'/(Sqrt(v') + eps))
     """
     shape = [4, 3]
     scalars = {"b1": 0.9, "c1": 0.1, "b2": 0.999, "c2": 0.001, "eps": 1e-8, "step": 0.01}
-    nodes = [
-        helper.make_node("Mul", ["b1", "m"], ["m_a"]), helper.make_node("Mul", ["c1", g_m], ["m_b"]),
-        helper.make_node("Add", ["m_a", "m_b"], ["m_new"]),
-        helper.make_node("Mul", [g_v, g_v], ["gg"]),
-        helper.make_node("Mul", ["b2", "v"], ["v_a"]), helper.make_node("Mul", ["c2", "gg"], ["v_b"]),
-        helper.make_node("Add", ["v_a", "v_b"], ["v_new"]),
-        helper.make_node("Sqrt", ["v_new"], ["root"]), helper.make_node("Add", ["root", "eps"], ["den"]),
-        helper.make_node("Div", ["m_new", "den"], ["q"]), helper.make_node("Mul", ["step", "q"], ["d"]),
-        helper.make_node("Sub", ["p", "d"], ["p_new"]),
-    ]
-    inputs = [helper.make_tensor_value_info(n, F32, shape) for n in ("p", "g1", "g2", "m", "v")]
-    outputs = [helper.make_tensor_value_info(n, F32, shape) for n in ("p_new", "m_new", "v_new")]
-    inits = [numpy_helper.from_array(np.array(v, np.float32), k) for k, v in scalars.items()]
-    return helper.make_model(helper.make_graph(nodes, "adam", inputs, outputs, inits),
+    names = ("p", "g1", "g2", "m", "v")
+    e = Emitter(17, NameGen(names), dict.fromkeys(names, F32))
+    operands = {k: e.const(v, dtype=F32) for k, v in scalars.items()}
+    out = apply(e, "Adam", {**operands, "p": "p", "g": "g1", "m": "m", "v": "v"},
+                {"p_new": "p_new", "m_new": "m_new", "v_new": "v_new"})
+    square = next(n for n in e.nodes if n.op_type == "Mul" and list(n.input) == ["g1", "g1"])
+    square.input[:] = [g_v, g_v]
+    inputs = [helper.make_tensor_value_info(n, F32, shape) for n in names]
+    outputs = [helper.make_tensor_value_info(out[k], F32, shape) for k in ("p_new", "m_new", "v_new")]
+    return helper.make_model(helper.make_graph(e.nodes, "adam", inputs, outputs),
                              opset_imports=[helper.make_opsetid("", 17)])
 
 
-def test_adam_fusion_refuses_moments_of_different_gradients():
-    """Bug caught: ``first_moment`` accepting any gradient (``sg[1] != g``
-    dropped from its refusal), so m' of g1 and v' of g2 fuse into one kernel
-    that reads g2 for both."""
-    same = adam_update("g1", "g1")
-    assert fuse_adam_updates(same.graph, same.opset_import) == 1  # the pattern is recognised
-    assert [n.op_type for n in same.graph.node] == ["AdamUpdateF32"]
-    different = adam_update("g1", "g2")
+def test_rule_call_refuses_moments_of_different_gradients():
+    """Bug caught: the call check binding a formal operand anew at each use
+    (``env.setdefault(fi, ai) != ai`` dropped from ``rules._match``), so m' of
+    g1 and v' of g2 fuse into one kernel that reads g1 for both."""
+    same = adam_update("g1")
+    assert fuse_rule_calls(same.graph, same.opset_import) == 1  # the call is recognised
+    assert [n.op_type for n in same.graph.node if n.op_type != "Constant"] == ["AdamUpdateF32"]
+    different = adam_update("g2")
     before = different.SerializeToString()
-    assert fuse_adam_updates(different.graph, different.opset_import) == 0
+    assert fuse_rule_calls(different.graph, different.opset_import) == 0
     assert different.SerializeToString() == before
 
 

@@ -1,7 +1,9 @@
 """The fused optimizer kernels (onnxtrain/kernels): the rewrites, the library, the fallbacks.
 
-The builder's Adam/AdamW update (AdamUpdate), and the lowered spec ops:
-Adam (SpecAdam), Momentum (Momentum, Nesterov) and Adagrad (Adagrad).
+The calls of the update rules that name a kernel (onnxtrain.optim.rules):
+the builder's Adam/AdamW (AdamUpdate), and the lowered spec ops: Adam
+(SpecAdam, AdamStepSize), Momentum (Momentum, Nesterov) and Adagrad
+(Adagrad).
 
 The fused program must give bit-for-bit the standard program's results, so
 each check runs both and compares exactly."""
@@ -20,9 +22,12 @@ from test_build import TorchRule, assert_trajectories_close, blobs, initial_para
 from test_optim import _attrs, lower, make_model, random_state
 
 from onnxtrain import TrainingSession, build
+from onnxtrain.core.emitter import Emitter
+from onnxtrain.core.names import NameGen
 from onnxtrain.kernels import fuse
 from onnxtrain.kernels import library as kernels
-from onnxtrain.kernels.fuse import KERNEL_DOMAIN, fuse_adam_updates, fuse_spec_optimizers, with_fused_kernels
+from onnxtrain.kernels.fuse import KERNEL_DOMAIN, fuse_rule_calls, with_fused_kernels
+from onnxtrain.optim import apply
 
 needs_library = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
@@ -35,7 +40,7 @@ def fused_ops(sess: TrainingSession) -> list[str]:
     return [n.op_type for n in prog.graph.node if n.domain == KERNEL_DOMAIN]
 
 
-#: The spec Adam's step size, fused beside its updates (fuse.fuse_adam_step_sizes).
+#: The spec Adam's step size, fused beside its updates (rule AdamStepSize).
 STEP_SIZE = ("AdamStepSizeF32", "AdamStepSizeF64")
 
 
@@ -87,47 +92,41 @@ def test_default_session_fuses_and_follows_the_numpy_adamw_rule():
     assert_trajectories_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
+ADAM_SCALARS = {"b1": 0.9, "c1": 0.1, "b2": 0.999, "c2": 0.001, "eps": 1e-8, "step": 0.01, "decay": 0.99}
+
+
 def _adam_graph(shape=(3, 4), dtype=TensorProto.FLOAT, extra_reader=None, decay=True):
-    """The per-parameter update as build.AdamW writes it, over graph inputs."""
+    """One call of the rule Adam (as build.AdamW applies it) over graph inputs
+    p, g, m, v and Constant scalars; ``extra_reader``: the k-th node of the
+    call whose output is also a graph output."""
     def vi(name, s):
         return helper.make_tensor_value_info(name, dtype, list(s))
-    nodes = [helper.make_node("Constant", [], [c], value=helper.make_tensor(c, dtype, [], [val]))
-             for c, val in [("b1", 0.9), ("c1", 0.1), ("b2", 0.999), ("c2", 0.001), ("eps", 1e-8),
-                            ("s", 0.01), ("d", 0.99)]]
-    nodes += [
-        helper.make_node("Mul", ["p", "d"], ["pd"]) if decay else helper.make_node("Identity", ["p"], ["pd"]),
-        helper.make_node("Mul", ["b1", "m"], ["bm"]),
-        helper.make_node("Mul", ["g", "c1"], ["cg"]),
-        helper.make_node("Add", ["cg", "bm"], ["m_new"]),
-        helper.make_node("Mul", ["v", "b2"], ["bv"]),
-        helper.make_node("Mul", ["g", "g"], ["gg"]),
-        helper.make_node("Mul", ["c2", "gg"], ["cgg"]),
-        helper.make_node("Add", ["bv", "cgg"], ["v_new"]),
-        helper.make_node("Sqrt", ["v_new"], ["sq"]),
-        helper.make_node("Add", ["eps", "sq"], ["den"]),
-        helper.make_node("Div", ["m_new", "den"], ["q"]),
-        helper.make_node("Mul", ["q", "s"], ["upd"]),
-        helper.make_node("Sub", ["pd", "upd"], ["p_new"]),
-    ]
-    outputs = [vi("p_new", shape), vi("m_new", shape), vi("v_new", shape)]
-    if extra_reader:
-        outputs.append(vi(extra_reader, shape))
-    graph = helper.make_graph(nodes, "adam", [vi(n, shape) for n in ("p", "g", "m", "v")], outputs)
+    e = Emitter(17, NameGen(["p", "g", "m", "v"]), {n: dtype for n in "pgmv"})
+    scalars = {k: e.const(v, dtype=dtype) for k, v in ADAM_SCALARS.items() if decay or k != "decay"}
+    start = len(e.nodes)
+    out = apply(e, "Adam", {**scalars, "p": "p", "g": "g", "m": "m", "v": "v"},
+                {"p_new": "p_new", "m_new": "m_new", "v_new": "v_new"})
+    outputs = [vi(out[k], shape) for k in ("p_new", "m_new", "v_new")]
+    if extra_reader is not None:
+        outputs.append(vi(e.nodes[start + extra_reader].output[0], shape))
+    graph = helper.make_graph(e.nodes, "adam", [vi(n, shape) for n in ("p", "g", "m", "v")], outputs)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def test_rewrite_matches_any_operand_order():
+def test_rewrite_replaces_a_call_by_name():
+    """The call's operands become the kernel's inputs in the kernel's order
+    (tensors first for AdamUpdate); nothing of its twelve ops is left."""
     model = _adam_graph()
     fused, count = with_fused_kernels(model)
     assert count == 1
     node = next(n for n in fused.graph.node if n.domain == KERNEL_DOMAIN)
+    constant = {n.output[0]: n for n in model.graph.node if n.op_type == "Constant"}
     assert node.op_type == "AdamUpdateF32"
     assert list(node.input[:4]) == ["p", "g", "m", "v"]
-    assert list(node.input[4:10]) == ["b1", "c1", "b2", "c2", "eps", "s"]
-    assert node.input[10] == "d"
+    values = [float(onnx.numpy_helper.to_array(constant[i].attribute[0].t)) for i in node.input[4:]]
+    assert values == [float(np.float32(v)) for v in ADAM_SCALARS.values()]
     assert list(node.output) == ["p_new", "m_new", "v_new"]
     assert {o.domain for o in fused.opset_import} >= {"", KERNEL_DOMAIN}
-    # Nothing of the eleven standard kernels is left.
     assert [n.op_type for n in fused.graph.node if n.op_type != "Constant"] == ["AdamUpdateF32"]
 
 
@@ -136,23 +135,58 @@ def test_rewrite_without_decay_adds_a_constant_one():
     fused, count = optimizer_rewrites(model)
     assert count == 1
     node = next(n for n in fused.graph.node if n.domain == KERNEL_DOMAIN)
-    assert node.input[0] == "pd"  # the Identity stays; its output is the parameter
+    assert node.input[0] == "p"
     one = next(t for t in fused.graph.initializer if t.name == node.input[10])
     assert onnx.numpy_helper.to_array(one) == 1
 
 
-@pytest.mark.parametrize("reader", ["q", "den", "gg", "upd"])
-def test_rewrite_leaves_updates_whose_intermediates_are_read(reader):
-    """An intermediate that something else reads must still be computed: no rewrite."""
+@pytest.mark.parametrize("reader", [0, 2, 5, 8, 10, 11])  # Mul(p, decay), c1 g, g g, Sqrt, Div, step .
+def test_rewrite_leaves_calls_whose_intermediates_are_read(reader):
+    """A value inside the call that something else reads must still be computed: no rewrite."""
     model = _adam_graph(extra_reader=reader)
-    assert fuse_adam_updates(model.graph, list(model.opset_import)) == 0
+    assert fuse_rule_calls(model.graph, list(model.opset_import)) == 0
 
 
-@pytest.mark.parametrize("shape,dtype", [((1,), TensorProto.FLOAT), ((3, 4), TensorProto.FLOAT16),
-                                         (("N", 4), TensorProto.FLOAT)])
-def test_rewrite_needs_static_float_shapes_of_several_elements(shape, dtype):
+@pytest.mark.parametrize("shape,dtype", [((3, 4), TensorProto.FLOAT16), (("N", 4), TensorProto.FLOAT),
+                                         ((1, 1, 1, 1, 1, 1, 1, 1, 2), TensorProto.FLOAT)])
+def test_rewrite_needs_static_float_shapes_of_rank_at_most_8(shape, dtype):
     model = _adam_graph(shape=shape, dtype=dtype)
-    assert fuse_adam_updates(model.graph, list(model.opset_import)) == 0
+    assert fuse_rule_calls(model.graph, list(model.opset_import)) == 0
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (0, 3)])
+def test_rewrite_takes_one_element_and_empty_parameters(shape):
+    model = _adam_graph(shape=shape)
+    assert fuse_rule_calls(model.graph, list(model.opset_import)) == 1
+
+
+def _rename_nodes(model):
+    for k, n in enumerate(model.graph.node):
+        n.name = f"node{k}"
+
+
+@pytest.mark.parametrize("change", ["names", "op", "missing", "operand"])
+def test_rewrite_matches_no_arithmetic_only_intact_calls(change):
+    """The rewrite finds a call by its nodes' names and checks it against the
+    rule's body: the same arithmetic under other names is not fused, nor is a
+    call one of whose ops, nodes or operands a pass changed."""
+    model = _adam_graph()
+    nodes = [n for n in model.graph.node if n.op_type != "Constant"]
+    if change == "names":
+        _rename_nodes(model)
+    elif change == "op":
+        next(n for n in nodes if n.op_type == "Sqrt").op_type = "Abs"
+    elif change == "missing":  # Sqrt(v') + eps -> v' + eps: the Sqrt node gone
+        sqrt = next(n for n in nodes if n.op_type == "Sqrt")
+        for n in nodes:
+            n.input[:] = [sqrt.input[0] if i == sqrt.output[0] else i for i in n.input]
+        model.graph.node.remove(sqrt)
+    else:  # c2*(g*g) reads another tensor than c1*g: not the rule's one gradient
+        gg = next(n for n in nodes if n.op_type == "Mul" and n.input[0] == n.input[1] == "g")
+        gg.input[:] = ["m", "m"]
+    before = model.SerializeToString()
+    assert fuse_rule_calls(model.graph, list(model.opset_import)) == 0
+    assert model.SerializeToString() == before
 
 
 @needs_library
@@ -439,18 +473,17 @@ def test_spec_rewrite_leaves_updates_whose_intermediates_are_read(reader):
             np.testing.assert_array_equal(a, b)
 
 
-def test_spec_rewrite_keeps_a_read_pre_decay_value_and_fuses_the_rest():
-    """X - step read elsewhere: the kernel writes it, the post-decay Mul stays."""
+def test_spec_rewrite_leaves_a_call_whose_pre_decay_value_is_read():
+    """X - step read elsewhere: a value inside the SpecAdam call (before its
+    post factor), so that call keeps its standard ops; the step size is fused."""
     model = _lowered_adam(attrs={"norm_coefficient_post": 0.01})
     final = next(n for n in model.graph.node if "X1_new" in n.output)
     assert final.op_type == "Mul"
     pre = final.input[1]
     model.graph.output.append(helper.make_tensor_value_info(pre, TensorProto.FLOAT, [3, 4]))
     fused, count = optimizer_rewrites(model)
-    assert count == 1
-    node = next(n for n in fused.graph.node if n.domain == KERNEL_DOMAIN and n.op_type not in STEP_SIZE)
-    assert node.output[0] == pre and node.input[7] == ""  # no post in the kernel
-    assert any(n.op_type == "Mul" and "X1_new" in n.output for n in fused.graph.node)
+    assert count == 0
+    assert [n.op_type for n in fused.graph.node if n.domain == KERNEL_DOMAIN] == ["AdamStepSizeF32"]
     if kernels.library():
         feeds = random_state("Adam", [(3, 4)], np.float32, np.random.default_rng(0))
         feeds.update(R=np.array(0.1, np.float32), T=np.array(3, np.int64))
@@ -476,7 +509,7 @@ def test_spec_rewrite_needs_static_shapes_and_true_scalars(change):
     if change == "unknown-r":  # (a model the checker refuses: cleared after lowering)
         next(i for i in lowered.graph.input if i.name == "R").type.tensor_type.ClearField("shape")
     expected = 1 if change == "none" else 0
-    assert fuse_spec_optimizers(lowered.graph, list(lowered.opset_import)) == expected
+    assert fuse_rule_calls(lowered.graph, list(lowered.opset_import)) == expected
 
 
 @needs_library
@@ -554,8 +587,9 @@ def test_spec_adam_is_not_taken_for_the_builders_adam():
     fused, count = optimizer_rewrites(lower(model))
     assert count == 2
     assert {n.op_type for n in fused.graph.node if n.domain == KERNEL_DOMAIN} == {"SpecAdamF32", "AdamStepSizeF32"}
-    builder = _adam_graph()
-    assert fuse_spec_optimizers(builder.graph, list(builder.opset_import)) == 0
+    builder, count = with_fused_kernels(_adam_graph())
+    assert count == 1
+    assert [n.op_type for n in builder.graph.node if n.domain == KERNEL_DOMAIN] == ["AdamUpdateF32"]
 
 
 # ----------------------------------------------- large tensors: the update split over two threads

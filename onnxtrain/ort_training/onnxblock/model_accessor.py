@@ -9,6 +9,8 @@ import itertools
 import onnx
 from onnx import helper
 
+from ...core.names import NameGen
+
 
 class ModelAccessor:
     """Holds the model the blocks of a ``with base(...)`` build on (``.model``)."""
@@ -16,20 +18,20 @@ class ModelAccessor:
     def __init__(self, model: onnx.ModelProto) -> None:
         self._model = model
         self._counter = itertools.count()
+        self._given: set[str] = set()
 
     @property
     def model(self) -> onnx.ModelProto:
         return self._model
 
     def fresh(self, hint: str) -> str:
-        """A value name not yet used in the model."""
-        g = self._model.graph
-        taken = {v for n in g.node for v in (*n.input, *n.output)} | {
-            t.name for t in (*g.initializer, *g.input, *g.output)}
-        while True:
-            name = f"onnx::{hint}::{next(self._counter)}"
-            if name not in taken:
-                return name
+        """A value name not yet used in the model: ``onnx::<hint>::<n>``, as
+        ONNX Runtime's blocks name theirs (``core.names.NameGen`` keeps it unused)."""
+        names = NameGen.from_graph(self._model.graph)  # the model grows between calls
+        names.reserve(self._given)
+        name = names.fresh(f"onnx::{hint}::{next(self._counter)}")
+        self._given.add(name)
+        return name
 
 
 _ACCESSOR: ModelAccessor | None = None

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from ...optim.rules import apply
 from .. import engine
 from . import blocks
 
@@ -55,25 +55,26 @@ class OptimizerBlock(blocks.Block):
         if not trainable:
             raise RuntimeError("the optimizer needs at least one trainable parameter")
         et = trainable[0].data_type
-        dtype = helper.tensor_dtype_to_np_dtype(et)
         model = self.base
         cfg = self.config
-        g = engine.Graph({"learning_rate", "step", "param", "gradient"}, "update")
-        lr = g.op("Cast", ["learning_rate"], to=et)
-        t = g.op("Cast", [g.op("Add", ["step", g.const(1, np.int64)])], to=et)
+        names = {"learning_rate", "step", "param", "gradient", "momentum0", "momentum1"}
+        dtypes = {"learning_rate": TensorProto.FLOAT, "step": TensorProto.INT64, "param": et, "gradient": et,
+                  "momentum0": et, "momentum1": et}
+        e = engine.emitter(names, 17, dtypes, "update")
+        lr = e.Cast("learning_rate", to=et)
+        t = e.Cast(e.Add("step", e.scalar_int(1)), to=et)
         inputs = [helper.make_tensor_value_info("learning_rate", TensorProto.FLOAT, []),
                   helper.make_tensor_value_info("step", TensorProto.INT64, []),
                   helper.make_tensor_value_info("param", et, None),
                   helper.make_tensor_value_info("gradient", et, None)]
         if cfg.kind == "SGD":
-            outputs = {"updated_param": g.op("Sub", ["param", g.op("Mul", [lr, "gradient"])])}
+            outputs = {"updated_param": apply(e, "SGD", {"lr": lr, "p": "param", "g": "gradient"})["p_new"]}
         else:
             inputs += [helper.make_tensor_value_info(f"momentum{i}", et, None) for i in (0, 1)]
-            p, m0, m1 = engine.adamw_update(g, cfg, lr, t, "param", "gradient", "momentum0",
-                                      "momentum1", dtype)
+            p, m0, m1 = engine.adamw_update(e, cfg, lr, t, "param", "gradient", "momentum0", "momentum1")
             outputs = {"updated_param": p, "updated_momentum0": m0, "updated_momentum1": m1}
         model.graph.input.extend(inputs)
-        model.graph.node.extend(g.nodes)
+        model.graph.node.extend(e.nodes)
         model.graph.node.extend(helper.make_node("Identity", [v], [k]) for k, v in outputs.items())
         model.graph.output.extend(helper.make_tensor_value_info(k, et, None) for k in outputs)
         entry = model.metadata_props.add()
