@@ -3,7 +3,8 @@
 - ``onnxtrain demo``                 train the digits classifier (``onnxtrain.demo.run_demo``)
 - ``onnxtrain inspect MODEL``        describe a model and its training_info
 - ``onnxtrain check MODEL``          validate a training model (exit 0 and 'OK', else 1)
-- ``onnxtrain export CKPT -o OUT``   write the inference model of a training checkpoint
+- ``onnxtrain export CKPT -o OUT [--outputs A,B]``
+                                     write the inference model of a training checkpoint
 - ``onnxtrain make-training MODEL -o OUT --loss L --target T --optimizer O --lr LR``
                                      build a training model (``onnxtrain.build.training_model``)
 - ``onnxtrain train MODEL --data DATA.npz --epochs N -o OUT [--checkpoint C] [--resume C]``
@@ -129,6 +130,10 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("-o", "--output", required=True, metavar="OUT", help="output path")
     export.add_argument("--training", action="store_true",
                         help="keep training_info (write a training checkpoint, not inference)")
+    export.add_argument("--outputs", default=None, metavar="A,B",
+                        help="the outputs the inference model keeps, comma-separated (the nodes they "
+                             "need stay, inputs nothing reads go); default: the model's own "
+                             "(a model from import-ort: its prediction, not the loss)")
     export.set_defaults(handler=_cmd_export)
     _add_training_commands(sub)
     from ..ort_training.cli import add_parser as _add_import_ort
@@ -239,7 +244,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     check_writable(args.output, "-o")
     _not_the_input(args.output, args.checkpoint, "the checkpoint read (CKPT)")
-    path = TrainingSession(args.checkpoint).export(args.output, training=args.training)
+    outputs = None
+    if args.outputs is not None:
+        if args.training:
+            raise ValueError("--outputs cuts the inference model; --training writes the whole "
+                             "training checkpoint: give one of them")
+        outputs = [o.strip() for o in args.outputs.split(",") if o.strip()]
+        if not outputs:
+            raise ValueError(f"--outputs {args.outputs!r}: expected output names, comma-separated")
+    path = TrainingSession(args.checkpoint).export(args.output, training=args.training, outputs=outputs)
     kind = "training checkpoint" if args.training else "inference model"
     print(f"wrote {kind} {path}")
     return 0
