@@ -386,7 +386,7 @@ def render(rows: list[dict], wall: float, workers: int) -> str:
     w(f"Gradient checks run: {len(corpus_rows)}: **{outcomes['pass']} pass**, {outcomes['xfail']} xfail"
       + (f", {outcomes['skip']} skipped (onnxruntime cannot run them, probed)" if outcomes["skip"] else "")
       + (f", {outcomes['fail']} FAIL" if outcomes["fail"] else "")
-      + (f", {outcomes['xpass']} xpass (non-strict xfails whose onnxruntime cause is gone)"
+      + (f", {outcomes['xpass']} XPASS (xfail entries that passed: stale, a failure of the suite)"
          if outcomes["xpass"] else "") + ".")
     w("")
     w("| precision | checks | pass | meaning |")

@@ -3,7 +3,8 @@
 - ``onnxtrain demo``                 train the digits classifier (``onnxtrain.demo.run_demo``)
 - ``onnxtrain inspect MODEL``        describe a model and its training_info
 - ``onnxtrain check MODEL``          validate a training model (exit 0 and 'OK', else 1)
-- ``onnxtrain export CKPT -o OUT``   write the inference model of a training checkpoint
+- ``onnxtrain export CKPT -o OUT [--outputs A,B]``
+                                     write the inference model of a training checkpoint
 - ``onnxtrain bundle MODEL -o FOLDER``  write a portable training bundle (``onnxtrain.bundle.save``)
 - ``onnxtrain make-training MODEL -o OUT --loss L --target T --optimizer O --lr LR``
   ``[--lora RANK[:ALPHA] [--lora-targets NAME,...]]``
@@ -143,16 +144,17 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("-o", "--output", required=True, metavar="OUT", help="output path")
     export.add_argument("--training", action="store_true",
                         help="keep training_info (write a training checkpoint, not inference)")
+    export.add_argument("--outputs", default=None, metavar="A,B",
+                        help="the outputs the inference model keeps, comma-separated (the nodes they "
+                             "need stay, inputs nothing reads go); default: the model's own "
+                             "(a model from import-ort: its prediction, not the loss)")
     export.set_defaults(handler=_cmd_export)
 
     bundle = sub.add_parser(
         "bundle", help="write a portable training bundle (trains in JavaScript: onnxruntime-node/-web)",
         description="Write MODEL (a training model or a checkpoint, whose fit position is kept) as a "
                     "training bundle: standard-op programs, state.bin and a manifest (docs/bundle.md), "
-                    "which the JavaScript package onnxtrain trains and onnxtrain.bundle.load reads back.",
-        epilog="examples:\n  onnxtrain bundle train.onnx -o digits.bundle\n"
-               "  onnxtrain bundle checkpoint.onnx -o digits.bundle --overwrite",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+                    "which the JavaScript package onnxtrain trains and onnxtrain.bundle.load reads back.")
     bundle.add_argument("model", metavar="MODEL", help="path of a training model or checkpoint")
     bundle.add_argument("-o", "--output", required=True, metavar="FOLDER",
                         help="the bundle folder to write (new or empty)")
@@ -178,7 +180,10 @@ EXAMPLES = {
     "check": ["onnxtrain check training.onnx",
               "onnxtrain check checkpoint.onnx && onnxtrain export checkpoint.onnx -o trained.onnx"],
     "export": ["onnxtrain export checkpoint.onnx -o trained.onnx",
-               "onnxtrain export checkpoint.onnx -o copy.onnx --training"],
+               "onnxtrain export checkpoint.onnx -o copy.onnx --training",
+               "onnxtrain export checkpoint.onnx -o scores.onnx --outputs logits"],
+    "bundle": ["onnxtrain bundle training.onnx -o digits.bundle",
+               "onnxtrain bundle checkpoint.onnx -o digits.bundle --overwrite"],
     "make-training": [
         "onnxtrain make-training model.onnx -o training.onnx --loss cross_entropy --lr 1e-3",
         "onnxtrain make-training regressor.onnx -o training.onnx --loss mse --optimizer sgd "
@@ -310,7 +315,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     check_writable(args.output, "-o")
     _not_the_input(args.output, args.checkpoint, "the checkpoint read (CKPT)")
-    path = TrainingSession(args.checkpoint).export(args.output, training=args.training)
+    outputs = None
+    if args.outputs is not None:
+        if args.training:
+            raise ValueError("--outputs cuts the inference model; --training writes the whole "
+                             "training checkpoint: give one of them")
+        outputs = [o.strip() for o in args.outputs.split(",") if o.strip()]
+        if not outputs:
+            raise ValueError(f"--outputs {args.outputs!r}: expected output names, comma-separated")
+    path = TrainingSession(args.checkpoint).export(args.output, training=args.training, outputs=outputs)
     kind = "training checkpoint" if args.training else "inference model"
     print(f"wrote {kind} {path}")
     return 0

@@ -171,6 +171,48 @@ def prune(nodes: Sequence[onnx.NodeProto], outputs: Iterable[str]) -> list[onnx.
     return [n for n in nodes if id(n) in live]
 
 
+def keep_outputs(model: onnx.ModelProto, outputs: Sequence[str], where: str) -> None:
+    """Cut ``model``'s main graph (in place) to ``outputs``, values it computes
+    or takes in: the nodes they need, the inputs those read (an input nothing
+    needs any more, a label, goes), the requested outputs typed as the graph
+    declares them (else as shape inference finds them).  Initializers stay
+    (an unread one is for the caller to drop)."""
+    if isinstance(outputs, str) or not outputs:
+        raise ValueError(f"{where}: outputs must be a non-empty list of value names, got {outputs!r}")
+    graph = model.graph
+    values = {o for n in graph.node for o in n.output if o} | {i.name for i in graph.input} | {
+        t.name for t in graph.initializer}
+    unknown = [o for o in outputs if o not in values]
+    if unknown:
+        raise ValueError(f"{where}: {unknown[0]!r} is not a value of the model's main graph "
+                         f"(its outputs: {[o.name for o in graph.output]})")
+    nodes = prune(list(graph.node), outputs)
+    needed = set(outputs) | {i for n in nodes for i in node_inputs(n)}
+    declared = {v.name: v for v in (*graph.value_info, *graph.input, *graph.output)}
+    if any(not declared.get(o, onnx.ValueInfoProto()).type.HasField("tensor_type") for o in outputs):
+        inferred = onnx.shape_inference.infer_shapes(model).graph
+        declared = {v.name: v for v in (*inferred.value_info, *graph.input, *graph.output, *graph.value_info)}
+    kept_outputs = []
+    for name in outputs:
+        vi = onnx.ValueInfoProto()
+        if name in declared:
+            vi.CopyFrom(declared[name])
+        vi.name = name
+        kept_outputs.append(vi)
+    inputs = [i for i in graph.input if i.name in needed]
+    value_info = [v for v in graph.value_info if v.name in needed and v.name not in outputs]
+    for field, kept in (("node", nodes), ("input", inputs), ("output", kept_outputs), ("value_info", value_info)):
+        kept = [_copy(x) for x in kept]  # (clearing the field would take the messages with it)
+        graph.ClearField(field)
+        getattr(graph, field).extend(kept)
+
+
+def _copy(message):
+    out = type(message)()
+    out.CopyFrom(message)
+    return out
+
+
 def shape_of_type(tp: onnx.TypeProto) -> tuple | None:
     if not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
         return None
@@ -627,3 +669,12 @@ def opset_version(opset_imports: Iterable[onnx.OperatorSetIdProto], domain: str 
         if o.domain in domains:
             return int(o.version)
     return 0
+
+
+def batch_norm_training(node: onnx.NodeProto, opset: int) -> bool:
+    """Whether a BatchNormalization node runs in training mode (batch
+    statistics; the running ones updated as outputs 1 and 2): from opset 14
+    its ``training_mode`` attribute says so, before it the extra outputs do."""
+    if opset >= 14:
+        return any(a.name == "training_mode" and a.i for a in node.attribute)
+    return sum(1 for o in node.output if o) > 1

@@ -22,6 +22,9 @@ onnxtrain.learning_    {"state": name, "base": lr}: the base       no ``sess.lea
 rate                   learning rate's state variable
 onnxtrain.checkpoint   the fit position {"epoch", "batch",         start at epoch 0
                        "step"} (written by export(training=True))
+onnxtrain.export_      the main-graph outputs an inference export  every main-graph output
+outputs                keeps (``import_ort``: the prediction, not
+                       the loss; ``export(outputs=...)`` overrides)
 ====================== =========================================== ==============================
 
 The builder also records ``trainable``, ``optimizer_state``,

@@ -36,6 +36,7 @@ from onnx import helper
 from ..autodiff import expand_gradients, is_gradient
 from ..core.graph import (
     PREVIEW_DOMAIN,
+    batch_norm_training,
     node_inputs,
     opset_version,
     outer_references,
@@ -345,12 +346,7 @@ def shield_batch_norm_inputs(low: Lowering) -> None:
     changed = False
     for n in g.node:
         if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx"):
-            training = (
-                any(a.name == "training_mode" and a.i for a in n.attribute)
-                if opset >= 14
-                else sum(1 for o in n.output if o) > 1
-            )
-            if training:
+            if batch_norm_training(n, opset):
                 for k in (3, 4):
                     if len(n.input) > k and n.input[k] in fixed:
                         copy = names.fresh(f"{n.input[k]}/bn_private")

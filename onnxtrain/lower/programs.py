@@ -55,6 +55,10 @@ class FeedSpec:
         """The feed as a C-contiguous array of the right dtype and rank (or ValueError)."""
         arr = value if value.__class__ is np.ndarray else self._convert(value, caller)
         dtype = arr.dtype
+        if dtype.kind == "U" and self.dtype == np.object_:
+            # a string tensor fed as numpy text ('<U3'): onnxruntime takes objects
+            arr = arr.astype(object)
+            dtype = arr.dtype
         if dtype is not self.dtype and dtype != self.dtype and self.dtype is not None:
             raise ValueError(
                 f"{caller}: feed {self.name!r} has dtype {arr.dtype}, expected {self.text}"

@@ -20,23 +20,14 @@ from collections.abc import Iterator
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from ..io.storage import write_model
-from ..runtime.executor import owned_ortvalue
+from ..runtime.executor import is_ortvalue, owned_ortvalue
 from ..session import TrainingSession
 from . import checkpoint as ckpt
 from . import engine, models
 from .engine import LR, RESET, STEP, OptimizerConfig
-
-
-def _to_ortvalue(arr: np.ndarray):
-    """An OrtValue owning a copy of ``arr`` (one made from numpy would only
-    borrow the array's memory)."""
-    return owned_ortvalue(arr)
-
-
-def _is_ortvalue(x) -> bool:
-    return type(x).__name__ == "OrtValue" and hasattr(x, "numpy")
 
 
 # ------------------------------------------------------------------ state
@@ -252,12 +243,19 @@ class Module:
                 raise
             self._forward = models.forward_model(models.load(eval_model_uri, "Module"), params)
         graph = self._forward.graph
+        # the parameters in the model's order (ORT's: the training model's
+        # initializers, trainable and frozen alike), then any the graph lacks
         self._order = [i.name for i in graph.input if i.name in params]
         self._order += [n for n in state._names() if n not in self._order]
         self._inputs = [i.name for i in graph.input if i.name not in params]
         self._outputs = [o.name for o in graph.output]
         self._trainable = [n for n in self._order if n in state._data.trainable]
+        # BatchNormalization's running statistics: updated by training, read by eval
+        self._running = models.running_statistics(self._forward)
+        self._buffers = [n for n in self._running if n not in params]
         values = self._start_values(state)
+        inits = {t.name: t for t in graph.initializer}
+        values.update({n: numpy_helper.to_array(inits[n]) for n in self._buffers})
         self._optimizer: OptimizerConfig | None = None
         self._session = self._build(values, None, {})
         self._eval = self._eval_session(eval_model_uri, params)
@@ -280,17 +278,27 @@ class Module:
         return values
 
     def _build(self, values, optimizer, extra) -> TrainingSession:
-        model = engine.training_model(self._forward, values, self._trainable, optimizer, extra)
+        model = engine.training_model(self._forward, values, self._trainable, optimizer, extra,
+                                      running=self._running)
         return TrainingSession(model, session_options=self._options)
 
     def _eval_session(self, uri, params) -> TrainingSession | None:
+        """The eval model in inference mode, parameters and running statistics
+        graph inputs, fed from the training session's state per call."""
         if uri is None:
             return None
-        model = models.forward_model(models.load(uri, "Module eval model"), params)
+        model = models.eval_mode(models.forward_model(models.load(uri, "Module eval model"), params))
+        shared = params | set(self._buffers)
+        graph = model.graph
+        fed = [t for t in graph.initializer if t.name in self._buffers]
+        kept = [t for t in graph.initializer if t.name not in self._buffers]
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+        graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in fed)
         self._eval_model = model
-        self._eval_inputs = [i.name for i in model.graph.input if i.name not in params]
-        self._eval_outputs = [o.name for o in model.graph.output]
-        self._eval_params = [i.name for i in model.graph.input if i.name in params]
+        self._eval_inputs = [i.name for i in graph.input if i.name not in shared]
+        self._eval_outputs = [o.name for o in graph.output]
+        self._eval_params = [i.name for i in graph.input if i.name in shared]
         return TrainingSession(model, session_options=self._options)  # parameters fed per call
 
     # -- ORT's Module API
@@ -303,8 +311,10 @@ class Module:
         names = self.input_names()
         if len(user_inputs) != len(names):
             raise ValueError(f"Module: expected {len(names)} inputs {names}, got {len(user_inputs)}")
-        as_ortvalue = bool(user_inputs) and all(_is_ortvalue(x) for x in user_inputs)
-        feeds = {n: (x.numpy() if _is_ortvalue(x) else x) for n, x in zip(names, user_inputs)}
+        # as 1.19.2: numpy outputs for any numpy input, else OrtValues
+        as_ortvalue = not any(isinstance(x, np.ndarray) for x in user_inputs) and (
+            not user_inputs or any(is_ortvalue(x) for x in user_inputs))
+        feeds = {n: (x.numpy() if is_ortvalue(x) else x) for n, x in zip(names, user_inputs)}
         if self.training:
             out = self._session.train_step(feeds, algorithm=0)
             values = [out[n] for n in self._outputs]
@@ -313,7 +323,7 @@ class Module:
             out = self._eval.run(feeds, self._eval_outputs)
             values = [out[n] for n in self._eval_outputs]
         if as_ortvalue:
-            values = [_to_ortvalue(v) for v in values]
+            values = [owned_ortvalue(v) for v in values]
         return values[0] if len(values) == 1 else tuple(values)
 
     def train(self, mode: bool = True) -> "Module":
@@ -345,11 +355,11 @@ class Module:
         parts = [np.asarray(self._session.state[n], np.float32).ravel()
                  for n in self._selected(trainable_only)]
         flat = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-        return _to_ortvalue(flat)
+        return owned_ortvalue(flat)
 
     def copy_buffer_to_parameters(self, buffer, trainable_only: bool = True) -> None:
         """Set the parameters from a flat buffer (completes a nominal state)."""
-        flat = np.asarray(buffer.numpy() if _is_ortvalue(buffer) else buffer).ravel()
+        flat = np.asarray(buffer.numpy() if is_ortvalue(buffer) else buffer).ravel()
         names = self._selected(trainable_only)
         size = self.get_parameters_size(trainable_only)
         if flat.size != size:
@@ -369,7 +379,7 @@ class Module:
         from .inference import inference_model
 
         source = self._eval_model if self._eval is not None else self._forward  # ORT cuts the eval model
-        values = {n: np.array(self._session.state[n]) for n in self._order}
+        values = {n: np.array(self._session.state[n]) for n in (*self._order, *self._buffers)}
         write_model(inference_model(source, values, graph_output_names), inference_model_uri)
 
     def input_names(self) -> list[str]:
@@ -393,7 +403,7 @@ class Module:
                     if key.startswith("momentum") and key[8:].isdigit():
                         extra[engine.moment_name(p, int(key[8:]))] = value
         extra[LR] = np.array(lr, np.float32)
-        values = {n: extra.pop(n) for n in self._order}
+        values = {n: extra.pop(n) for n in (*self._order, *self._buffers)}
         self._session = self._build(values, cfg, extra)
         self._optimizer = cfg
         self._initial_lr = float(lr)

@@ -6,9 +6,12 @@ forward pass with its loss (parameters as initializers, the checkpoint's
 values); one TrainingInfoProto computes the gradient of the loss with
 respect to the trainable parameters and applies the optimizer of the
 optimizer model (AdamW in 1.19.2's form, or SGD), with the checkpoint's
-step count, moments and learning rate as its state.  Metadata tells ``fit``
+step count, moments and learning rate as its state (and the running
+statistics of training-mode BatchNormalization).  Metadata tells ``fit``
 the data inputs, the target (the last user input, where ORT's losses put
-labels and targets), the loss and the learning-rate state.
+labels and targets), the loss and the learning-rate state, and ``export``
+the outputs of the inference model: the prediction (and any extra output
+of the artifacts), not the loss, so not the labels either.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from ..io.metadata import set_metadata
 from ..io.storage import write_model
@@ -85,7 +89,10 @@ def import_ort(art_dir: str | os.PathLike, output: str | os.PathLike | None = No
                 if key.startswith("momentum") and key[8:].isdigit():
                     extra[engine.moment_name(p, int(key[8:]))] = value
     extra[engine.LR] = np.array(lr, np.float32)
-    model = engine.training_model(forward, values, trainable, cfg, extra, fused=True)
+    running = models.running_statistics(forward)
+    inits = {t.name: t for t in forward.graph.initializer}
+    values.update({n: numpy_helper.to_array(inits[n]) for n in running if n not in values})
+    model = engine.training_model(forward, values, trainable, cfg, extra, fused=True, running=running)
     user_inputs = [i.name for i in model.graph.input]
     loss = forward.graph.output[0].name
     if len(user_inputs) > 1:
@@ -95,6 +102,9 @@ def import_ort(art_dir: str | os.PathLike, output: str | os.PathLike | None = No
     if prediction:
         _add_output(model, prediction)
         set_metadata(model, "prediction", prediction)
+        # the inference model is the model the artifacts were made from: its
+        # outputs without the loss (and so without the labels)
+        set_metadata(model, "export_outputs", [o.name for o in model.graph.output if o.name != loss])
     set_metadata(model, "loss", loss)
     set_metadata(model, "trainable", trainable)
     set_metadata(model, "learning_rate", {"state": engine.LR, "base": float(lr)})

@@ -15,6 +15,10 @@ one TrainingInfoProto model with the same split, from a **forward model**
 - training_info[1] ("optimizer"): optional global-norm clipping of the
   buffers, then the update of every trainable parameter, ``step + 1``.
 
+Training-mode BatchNormalization updates its running mean and variance in
+training_info[0] (``running``: each statistic, a state variable, bound to
+the node output holding its new value), which the eval model then reads.
+
 Update rules (``cfg.kind``), with g the summed gradient, as 1.19.2's kernels:
 
 - SGD:   p <- p - lr g;
@@ -28,7 +32,7 @@ Update rules (``cfg.kind``), with g the summed gradient, as 1.19.2's kernels:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -119,13 +123,15 @@ def _bind(ti: onnx.TrainingInfoProto, graph: onnx.GraphProto, key: str, value: s
 def training_model(forward: onnx.ModelProto, values: dict[str, np.ndarray],
                    trainable: Sequence[str], optimizer: OptimizerConfig | None,
                    extra_state: dict[str, np.ndarray] | None = None,
-                   fused: bool = False) -> onnx.ModelProto:
+                   fused: bool = False, running: Mapping[str, str] | None = None) -> onnx.ModelProto:
     """The TrainingInfoProto model (see the module docstring).
 
     ``values``: every parameter (graph inputs of ``forward`` or initializers)
-    with its value; ``trainable``: those that get gradients; ``extra_state``:
-    start values of the shared state (gradient buffers, moments, step, lr)
-    by name, zeros / defaults otherwise.
+    with its value, running statistics included; ``trainable``: those that
+    get gradients; ``extra_state``: start values of the shared state
+    (gradient buffers, moments, step, lr) by name, zeros / defaults
+    otherwise; ``running``: statistic -> the value that updates it
+    (``models.running_statistics``).
 
     ``fused=False`` (Module's layout): the main graph holds only the state
     and the forward pass sits in training_info[0], so that training_info[1]
@@ -178,6 +184,10 @@ def training_model(forward: onnx.ModelProto, values: dict[str, np.ndarray],
             new = e.Where(RESET, gr, e.Add(grad_name(p), gr))
             _bind(ti, ti.algorithm, grad_name(p), new, values[p])
         _bind(ti, ti.algorithm, RESET, e.const(False, dtype=np.bool_), state[RESET])
+    running = dict(running or {})
+    for stat, new in running.items():  # the forward pass's own update
+        _bind(ti, ti.algorithm, stat, e.Identity(new), values[stat])
+    if not fused:
         ti.algorithm.node.extend(e.nodes)
         ti = model.training_info.add()
         ti.algorithm.name = "optimizer_step"
@@ -185,7 +195,8 @@ def training_model(forward: onnx.ModelProto, values: dict[str, np.ndarray],
         grads = [grad_name(p) for p in trainable]
     updates = _updates(e, optimizer, trainable, grads) if optimizer is not None else {}
     # identity bindings keep every parameter and setting a state variable
-    for name in [*values, *(k for k in state if k not in (RESET,) and "@grad" not in k)]:
+    for name in [*(n for n in values if n not in running),
+                 *(k for k in state if k not in (RESET,) and "@grad" not in k)]:
         value = updates.get(name) or e.Identity(name)
         _bind(ti, ti.algorithm, name, value, values.get(name, state.get(name)))
     ti.algorithm.node.extend(e.nodes)

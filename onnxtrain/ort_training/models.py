@@ -6,7 +6,10 @@
   gradient and accumulation nodes, ``com.microsoft`` ops, are cut away);
 - ``optimizer_config``: the optimizer an optimizer model describes (ORT's
   ``AdamWOptimizer`` / ``SGDOptimizerV2`` / ``InplaceClipGradNorm`` node
-  attributes, or the settings our own optimizer models carry as metadata).
+  attributes, or the settings our own optimizer models carry as metadata);
+- ``eval_mode``: a model with Dropout off and BatchNormalization on its
+  running statistics (the eval model's form); ``running_statistics``: the
+  running statistics a training-mode forward pass updates.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
-from ..core.graph import prune
+from ..core.graph import DEFAULT_DOMAINS, batch_norm_training, node_inputs, opset_version, prune
+from ..core.names import NameGen
 from .engine import OPTIMIZER_KEY, OptimizerConfig
 
 #: metadata key marking the models ``artifacts.generate_artifacts`` writes
@@ -82,6 +86,61 @@ def forward_model(model: onnx.ModelProto, parameters: set[str]) -> onnx.ModelPro
     del out.opset_import[:]
     out.opset_import.extend(kept)
     return out
+
+
+def eval_mode(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` in inference mode, as ``generate_artifacts`` makes
+    the eval model: Dropout without its ``training_mode`` input (so off),
+    BatchNormalization with ``training_mode=0`` and its Y output alone (its
+    running statistics read, not updated).  1.19.2 keeps BatchNormalization's
+    other outputs, which its own loader then refuses ("should be 1 when
+    Training_mode = False")."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    read = {i for n in graph.node for i in node_inputs(n)} | {o.name for o in graph.output}
+    for node in graph.node:
+        if node.domain not in DEFAULT_DOMAINS:
+            continue
+        if node.op_type == "Dropout" and len(node.input) > 2:
+            del node.input[2:]
+        elif node.op_type == "BatchNormalization" and len(node.output) > 1:
+            used = [o for o in node.output[1:] if o in read]
+            if used:
+                raise ValueError(f"eval model: BatchNormalization {node.name or node.output[0]!r} has "
+                                 f"its training-mode output {used[0]!r} read: it cannot be put in "
+                                 "inference mode")
+            del node.output[1:]
+            for a in node.attribute:
+                if a.name == "training_mode":
+                    a.i = 0
+    return out
+
+
+def running_statistics(model: onnx.ModelProto) -> dict[str, str]:
+    """The running mean and variance that ``model``'s training-mode
+    BatchNormalization nodes update: input name (an initializer or a graph
+    input of ``model``) -> the node output holding its new value.  Outputs
+    the node leaves unnamed are named here (``model`` changes in place)."""
+    graph = model.graph
+    opset = opset_version(model.opset_import)
+    fixed = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    names = NameGen.from_graph(graph)
+    found: dict[str, str] = {}
+    for node in graph.node:
+        if (node.op_type != "BatchNormalization" or node.domain not in DEFAULT_DOMAINS
+                or not batch_norm_training(node, opset)):
+            continue
+        for k in (1, 2):  # outputs 1, 2: new running mean, variance (inputs 3, 4)
+            stat = node.input[k + 2] if len(node.input) > k + 2 else ""
+            if stat not in fixed or stat in found:
+                continue
+            while len(node.output) <= k:
+                node.output.append("")
+            if not node.output[k]:
+                node.output[k] = names.fresh(f"{stat}/running")
+            found[stat] = node.output[k]
+    return found
 
 
 def optimizer_config(model: onnx.ModelProto) -> OptimizerConfig:

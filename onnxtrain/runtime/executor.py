@@ -492,6 +492,8 @@ class _Binding:
         self.static_bound: set[str] = set()
         #: The last fetch sequence whose outputs are all bound to static buffers.
         self.all_static: Sequence[str] | None = None
+        #: onnxruntime binds no string tensor: a program with a string input runs unbound.
+        self.unbound = any(i.type == "tensor(string)" for i in sess.get_inputs())
 
     def _static_outputs(self) -> dict[str, tuple[ort.OrtValue, np.ndarray]]:
         out: dict[str, tuple[ort.OrtValue, np.ndarray]] = {}
@@ -508,6 +510,8 @@ class _Binding:
         return out
 
     def run(self, feeds, fetch, n_state_out: int, to_numpy: bool) -> dict[str, Any]:
+        if self.unbound:
+            return self._run_unbound(feeds, fetch, to_numpy)
         if not fetch and self.unfetched is not False:
             if self.unfetched is None:  # the same buffers, bound to the pruned session
                 pruned = self.pruned()
@@ -605,6 +609,23 @@ class _Binding:
         return {name: arr for name, arr in feeds.items() if name not in fed}
 
 
+    def _run_unbound(self, feeds, fetch, to_numpy: bool) -> dict[str, Any]:
+        """One run through ``InferenceSession.run`` (string feeds): the state
+        OrtValues fed as they are, the new state copied into its buffers
+        after the run (every value is read before any is written)."""
+        state_in, state_out = self.state
+        names = [*state_out, *fetch]
+        if not names:
+            return {}
+        values = self.sess.run(names, {**feeds, **state_in})
+        for buffer, value in zip(state_out.values(), values):
+            copy_into(buffer, value)
+        out = dict(zip(fetch, values[len(state_out):]))
+        if to_numpy:
+            return out
+        return {n: v if v.dtype == object else owned_ortvalue(v) for n, v in out.items()}
+
+
 # ------------------------------------------------------- state buffers
 def new_buffer(arr: np.ndarray, device: tuple[str, int]) -> ort.OrtValue:
     """An OrtValue on ``device`` holding its own copy of ``arr``."""
@@ -620,10 +641,16 @@ def as_numpy(value: ort.OrtValue | np.ndarray) -> np.ndarray:
     return value.numpy() if isinstance(value, ort.OrtValue) else np.asarray(value)
 
 
+def is_ortvalue(value: Any) -> bool:
+    """Whether ``value`` is an ``onnxruntime.OrtValue`` (for layers that do not import onnxruntime)."""
+    return isinstance(value, ort.OrtValue)
+
+
 def owned_ortvalue(arr: np.ndarray) -> ort.OrtValue:
     """A CPU OrtValue owning a copy of ``arr`` (one made with
-    ``ortvalue_from_numpy`` only borrows the array's memory)."""
-    arr = np.ascontiguousarray(arr)
+    ``ortvalue_from_numpy`` only borrows the array's memory), of the same
+    shape (a 0-d array gives a 0-d OrtValue)."""
+    arr = contiguous(np.asarray(arr))
     value = ort.OrtValue.ortvalue_from_shape_and_type(list(arr.shape), arr.dtype)
     value.update_inplace(arr)
     return value

@@ -178,6 +178,35 @@ def _with_expanded(*names: str) -> tuple[str, ...]:
     return tuple(n for name in names for n in (name, name + "_expanded"))
 
 
+#: Attention cases that onnxruntime releases before 1.32 refuse or compute
+#: differently from the op's ONNX definition (checked with 1.31, the declared
+#: minimum, and the onnx 1.23 corpus: each fails there; with 1.32 each passes).
+ATTENTION_WINDOW = (
+    "test_attention_local_window", "test_attention_local_window_default",
+    "test_attention_bidirectional_window", "test_attention_3d_local_window",
+    "test_attention_local_window_rank1_boolean_mask", "test_attention_local_window_with_past",
+    "test_attention_local_window_ext_cache_float16_mask", "test_attention_local_window_ext_cache_rank2_mask",
+    "test_attention_local_window_ext_cache_rank3_head_mask",
+    "test_attention_local_window_ext_cache_rank4_batch_mask", "test_attention_local_window_gqa_rank4_mask",
+)
+ATTENTION_NONPAD = (
+    "test_attention_4d_causal_nonpad_attn_mask_composition", "test_attention_4d_causal_nonpad_batch_prefill",
+    "test_attention_4d_causal_nonpad_continued_prefill", "test_attention_4d_gqa_causal_nonpad_decode",
+    "test_attention_4d_gqa_causal_nonpad_decode_fp16",
+    "test_attention_4d_causal_nonpad_negative_offset_structural_empty",
+)
+ATTENTION_PADDED_KV = (
+    "test_attention_4d_causal_padded_kv_bf16", "test_attention_4d_diff_heads_mask4d_padded_kv",
+    "test_attention_4d_padded_kv_bf16",
+)
+ATTENTION_MASKED_ROW = (
+    "test_attention_causal_boolmask_nan_robustness", "test_attention_23_boolmask_fullymasked_row_nan_robustness",
+    "test_attention_23_fullymasked_qk_matmul_output_mode3_zero",
+    "test_attention_24_fullymasked_qk_matmul_output_mode3_zero",
+    "test_attention_24_qk_matmul_output_mode3_softmax_precision",
+)
+
+
 #: Expected failures: case name -> reason.  A reason starts with its category:
 #:   "non-differentiable point" -- the case's input sits on a kink, a tie or the
 #:       edge of the op's domain: no derivative for finite differences to match;
@@ -187,12 +216,12 @@ def _with_expanded(*names: str) -> tuple[str, ...]:
 #:   "rule bug" -- the rule's gradient is wrong (a silent zero, or invalid ops);
 #:   "rule limitation" -- the rule or the engine refuses the case loudly;
 #:   "function body" -- the op has no rule and its body cannot be used.
-#: Every category but "onnxruntime" is a strict xfail: the cause is the case's
-#: data or our code, whatever onnxruntime is installed, so a pass means the
-#: entry is stale.  "onnxruntime" entries depend on the installed release
-#: (fixed in some, present in others), so they are non-strict: a pass is
-#: reported as XPASS, not as a failure.  Cases that onnxruntime cannot run at
-#: all (no kernel, op too new) are skipped by probes, not listed here.
+#: Every entry is a strict xfail: a pass means the entry is stale.  Most
+#: causes are the case's data or our code, whatever onnxruntime is installed.
+#: An "onnxruntime" entry that a later release fixed is expected to fail only
+#: before that release (``ORT_FIXED_IN``); from it on, the case must pass, so
+#: a regression there is seen.  Cases that onnxruntime cannot run at all (no
+#: kernel, op too new) are skipped by probes, not listed here.
 XFAIL: dict[str, str] = {
     # ---------------------------------------------------------- non-differentiable points
     **_each("non-differentiable point: x = 1 is the end of Acosh's domain (infinite slope; x - eps "
@@ -243,27 +272,19 @@ XFAIL: dict[str, str] = {
             "two finite-difference runs see different masks",
             "test_training_dropout", "test_training_dropout_mask",
             "test_training_dropout_default", "test_training_dropout_default_mask"),
-    # ---------------------------------------------------------- onnxruntime (non-strict)
-    **_each("onnxruntime: some releases' Attention schema has no left_window_size/right_window_size "
-            "attributes (newer than the ONNX they bundle), so they refuse the case",
-            "test_attention_local_window", "test_attention_local_window_default",
-            "test_attention_bidirectional_window", "test_attention_3d_local_window",
-            "test_attention_local_window_rank1_boolean_mask",
-            "test_attention_local_window_with_past", "test_attention_local_window_ext_cache_float16_mask",
-            "test_attention_local_window_ext_cache_rank2_mask",
-            "test_attention_local_window_ext_cache_rank3_head_mask",
-            "test_attention_local_window_ext_cache_rank4_batch_mask"),
-    **_each("onnxruntime: some releases' Attention kernel handles nonpad_kv_seqlen differently from the "
-            "ONNX function body that defines the op, which the gradient follows (the _expanded twin, "
-            "whose forward pass is that body, passes)",
-            "test_attention_4d_causal_nonpad_attn_mask_composition",
-            "test_attention_4d_causal_nonpad_batch_prefill",
-            "test_attention_4d_causal_nonpad_continued_prefill",
-            "test_attention_4d_gqa_causal_nonpad_decode", "test_attention_4d_gqa_causal_nonpad_decode_fp16"),
-    **_each("onnxruntime: some releases' Attention kernel rejects the case in float64 ('Type parameter "
-            "(T) of Optype (Add) bound to different types'); the _expanded twin passes",
-            "test_attention_4d_causal_padded_kv_bf16", "test_attention_4d_diff_heads_mask4d_padded_kv",
-            "test_attention_4d_padded_kv_bf16"),
+    # ---------------------------------------------------------- onnxruntime (fixed in 1.32)
+    **_each("onnxruntime: releases before 1.32 have no left_window_size/right_window_size attributes in "
+            "their Attention schema (newer than the ONNX they bundle), so they refuse the case",
+            *ATTENTION_WINDOW),
+    **_each("onnxruntime: releases before 1.32 handle nonpad_kv_seqlen in their Attention kernel "
+            "differently from the ONNX function body that defines the op, which the gradient follows "
+            "(the _expanded twin, whose forward pass is that body, passes)", *ATTENTION_NONPAD),
+    **_each("onnxruntime: releases before 1.32 reject the case in float64 in their Attention kernel "
+            "('Type parameter (T) of Optype (Add) bound to different types'); the _expanded twin passes",
+            *ATTENTION_PADDED_KV),
+    **_each("onnxruntime: releases before 1.32 output NaN from their Attention kernel for a query row "
+            "that sees no key (the op's definition gives zeros), so the case's loss is not finite",
+            *ATTENTION_MASKED_ROW),
     # ---------------------------------------------------------- rule bugs
     # ---------------------------------------------------------- rule limitations
     **_each("rule limitation: in the written-out AffineGrid body, an If decided at run time (2-D or "
@@ -315,6 +336,24 @@ XFAIL: dict[str, str] = {
             "not data); the case feeds them as a graph input",
             "test_roialign_aligned_false", "test_roialign_aligned_true", "test_roialign_mode_max"),
 }
+
+#: "onnxruntime" entries of XFAIL that a release fixed: case name -> that
+#: release (major, minor).  With it or a newer one installed, the case is a
+#: plain check and must pass; with an older one, a strict xfail.
+ORT_FIXED_IN: dict[str, tuple[int, int]] = {
+    name: (1, 32) for name in (*ATTENTION_WINDOW, *ATTENTION_NONPAD, *ATTENTION_PADDED_KV, *ATTENTION_MASKED_ROW)
+}
+ORT_VERSION = tuple(int(p) for p in re.findall(r"\d+", ort.__version__)[:2])
+
+
+def expected_failure(name: str, ort_version: tuple[int, ...] = ORT_VERSION) -> str | None:
+    """The XFAIL reason of case ``name`` with onnxruntime ``ort_version``
+    installed: None when the case must pass."""
+    fixed = ORT_FIXED_IN.get(name)
+    if fixed is not None and tuple(ort_version) >= fixed:
+        return None
+    return XFAIL.get(name)
+
 
 TRAINING_DOMAINS = frozenset({PREVIEW_DOMAIN, "ai.onnx.training"})
 
@@ -495,7 +534,7 @@ def _classify(case: Case) -> None:
             case.precision = "f32"
         else:
             case.precision = "f64"
-        case.xfail = XFAIL.get(case.name)
+        case.xfail = expected_failure(case.name)
         case.skip = _needs_newer_ort(case)
 
 
@@ -855,8 +894,7 @@ def _params(cases: Sequence[Case]) -> list:
         if c.skip:
             marks.append(pytest.mark.skip(reason=c.skip))
         elif c.xfail:
-            # only causes that are ours (or the case's data) are strict, see XFAIL
-            marks.append(pytest.mark.xfail(reason=c.xfail, strict=not c.xfail.startswith("onnxruntime")))
+            marks.append(pytest.mark.xfail(reason=c.xfail, strict=True))  # see XFAIL
         out.append(pytest.param(c, id=c.id, marks=marks))
     return out
 
@@ -892,6 +930,12 @@ def test_tables_name_real_cases() -> None:
     else:
         stale = sorted(n for n in names if n in cases and cases[n].category != "check")
     assert not stale, f"entries that are not gradient-check cases of onnx {onnx.__version__}: {stale}"
+    # a release fixes only onnxruntime's own causes, and each such case is
+    # expected to fail before it and to pass from it on
+    assert all(XFAIL.get(n, "").startswith("onnxruntime") for n in ORT_FIXED_IN), sorted(ORT_FIXED_IN)
+    for name, fixed in ORT_FIXED_IN.items():
+        assert expected_failure(name, (fixed[0], fixed[1] - 1)) == XFAIL[name]
+        assert expected_failure(name, fixed) is None and expected_failure(name, (fixed[0] + 1, 0)) is None
 
 
 def test_function_body_takes_schema_attribute_defaults() -> None:

@@ -176,3 +176,115 @@ def test_attention_bodies_without_the_masked_row_guard_get_it():
     before = guarded.SerializeToString()
     _guard_masked_rows(guarded)
     assert guarded.SerializeToString() == before
+
+
+def _run_body(f: onnx.FunctionProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    """The body's nodes as a graph, run by onnxruntime."""
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, feeds[n].shape) for n in f.input]
+    model = helper.make_model(
+        helper.make_graph(list(f.node), "body", inputs,
+                          [helper.make_tensor_value_info(f.output[0], TensorProto.FLOAT, None)]),
+        opset_imports=[helper.make_opsetid("", 23)])
+    model.ir_version = 10
+    (out,) = Executor(model).run(feeds, [f.output[0]])
+    return out
+
+
+def test_the_added_guard_zeroes_the_masked_row_and_keeps_the_others():
+    """Run: a row of scores that is all -inf (softmax NaN) comes out as zeros,
+    a finite row as its softmax, bit for bit.
+
+    Bug caught: the guard's ``Where`` operands swapped (``Where(isnan, y, 0)``:
+    NaN kept, every finite row zeroed)."""
+    from onnxtrain.autodiff.inline import _guard_masked_rows
+
+    body = helper.make_function("", "Attention", ["s"], ["o"], [
+        helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+        helper.make_node("Identity", ["p"], ["o"])], [helper.make_opsetid("", 23)])
+    bare = onnx.FunctionProto()
+    bare.CopyFrom(body)
+    _guard_masked_rows(body)
+    s = np.array([[-np.inf] * 4, [0.5, -1.0, 2.0, 0.0]], np.float32)
+    unguarded, guarded = _run_body(bare, {"s": s}), _run_body(body, {"s": s})
+    assert np.isnan(unguarded[0]).all()  # the row the guard is for
+    np.testing.assert_array_equal(guarded[0], np.zeros(4, np.float32))
+    np.testing.assert_array_equal(guarded[1], unguarded[1])
+    assert abs(float(guarded[1].sum()) - 1.0) < 1e-6
+
+
+def _strip_guards(f: onnx.FunctionProto) -> int:
+    """Remove each ``Where`` that reads a Softmax result (directly or through
+    Cast/Identity), as onnx < 1.23 writes Attention's body; returns how many."""
+    producer = {o: n for n in f.node for o in n.output}
+
+    def from_softmax(name: str) -> bool:
+        n = producer.get(name)
+        while n is not None and n.op_type in ("Cast", "Identity"):
+            n = producer.get(n.input[0])
+        return n is not None and n.op_type == "Softmax"
+
+    dropped = {n.output[0]: n.input[2] for n in f.node if n.op_type == "Where" and from_softmax(n.input[2])}
+    kept = [n for n in f.node if not (n.op_type == "Where" and n.output[0] in dropped)]
+    for n in kept:
+        n.input[:] = [dropped.get(i, i) for i in n.input]
+    del f.node[:]
+    f.node.extend(kept)
+    return len(dropped)
+
+
+class _BodyWithoutGuard:
+    """onnx's Attention schema, with the body it gives stripped of its guard."""
+
+    def __init__(self, schema) -> None:
+        self._schema = schema
+        self.stripped = 0
+
+    def __getattr__(self, name):
+        return getattr(self._schema, name)
+
+    def get_context_dependent_function_with_opset_version(self, *args):
+        f = onnx.FunctionProto()
+        f.ParseFromString(self._schema.get_context_dependent_function_with_opset_version(*args))
+        self.stripped += _strip_guards(f)
+        return f.SerializeToString()
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("att_") and "_left" in n
+                                  and "min" not in n])
+def test_a_body_without_the_guard_gets_it_and_the_gradients_stay_right(name, monkeypatch):
+    """onnx 1.22 writes Attention's body without the guard, 1.23 with it: give
+    the inliner a body without it, whatever onnx is installed, and the
+    left-padded cases (query rows that see no key) still get finite
+    gradients equal to PyTorch's, the guard's Where after the Softmax.
+
+    Bug caught: ``_guard_masked_rows`` not called by ``function_body`` (with
+    onnx >= 1.23 every other test passes, the body guards itself)."""
+    from onnxtrain.autodiff.inline import function_body
+
+    real = onnx.defs.get_schema
+    fakes: list[_BodyWithoutGuard] = []
+
+    def get_schema(op_type, *args, **kwargs):
+        schema = real(op_type, *args, **kwargs)
+        if op_type != "Attention":
+            return schema
+        fakes.append(_BodyWithoutGuard(schema))
+        return fakes[-1]
+
+    monkeypatch.setattr(onnx.defs, "get_schema", get_schema)
+    spec, arrays = case(name)
+    types = [helper.make_tensor_type_proto(helper.np_dtype_to_tensor_dtype(arrays[k].dtype), arrays[k].shape)
+             for k in ("q", "k", "v", "mask")]
+    body = function_body(attention_nodes(spec, arrays["q"].shape[-1])[0], [helper.make_opsetid("", 23)], [],
+                         types)
+    if tuple(int(p) for p in onnx.__version__.split(".")[:2]) >= (1, 23):
+        assert sum(f.stripped for f in fakes) >= 1  # the installed body had a guard, now removed
+    producer = {o: n for n in body.node for o in n.output}
+    softmax = [n.output[0] for n in body.node if n.op_type == "Softmax"]
+    guards = [n for n in body.node if n.op_type == "Where" and n.input[2] in softmax
+              and producer[n.input[0]].op_type == "IsNaN"]
+    assert len(guards) == len(softmax) == 1, [n.op_type for n in body.node]
+    got = gradients(spec, arrays)
+    for key in ("dq", "dk", "dv"):
+        assert np.isfinite(got[key]).all(), f"{name}: {key} has NaN/inf"
+        np.testing.assert_allclose(got[key], arrays[key], rtol=2e-5, atol=2e-6, err_msg=f"{name} {key}")

@@ -299,6 +299,33 @@ def test_train_mistakes(capsys, files, tmp_path, case, fragments):
     assert not out.exists()
 
 
+def test_an_adam_checkpoint_is_not_resumed_into_an_sgd_model(capsys, files, tmp_path):
+    """The Adam run's checkpoint has every state variable of the SGD model (the
+    same weights) and more (the moments, the step count): resuming it there
+    would drop them silently, so it is refused in one line naming them.
+
+    Bug caught: the operands of the "unexpected state variables" difference
+    swapped in ``cli/train.py`` (the model's variables minus the
+    checkpoint's: empty, so it never fires)."""
+    for optimizer in ("adam", "sgd"):
+        code, _, err = run_cli(capsys, "make-training", files / "mlp.onnx", "-o", tmp_path / f"{optimizer}.onnx",
+                               "--target", "label", "--optimizer", optimizer, "--lr", "0.01")
+        assert code == 0, err
+    ck = tmp_path / "adam_ck.onnx"
+    common = ["--data", files / "named.npz", "--epochs", 1, "--no-progress"]
+    code, _, err = run_cli(capsys, "train", tmp_path / "adam.onnx", "-o", tmp_path / "a.onnx",
+                           "--checkpoint", ck, *common)
+    assert code == 0, err
+    adam, sgd = TrainingSession(str(ck)).state_info, TrainingSession(str(tmp_path / "sgd.onnx")).state_info
+    assert set(sgd) < set(adam)  # the case: nothing missing, something extra
+    out = tmp_path / "s.onnx"
+    code, stdout, err = run_cli(capsys, "train", tmp_path / "sgd.onnx", "-o", out, "--resume", ck, *common)
+    assert code == 1, (stdout, err)
+    extra = sorted(set(adam) - set(sgd))
+    assert_one_line_error(err, f"{ck}: not a checkpoint of", "unexpected state variables", repr(extra[0]))
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("argv", [
     ["train", "m.onnx", "--epochs", "1", "-o", "o"],           # --data is required
     ["train", "m.onnx", "--data", "d.npz", "-o", "o"],         # --epochs is required

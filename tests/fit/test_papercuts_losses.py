@@ -33,10 +33,27 @@ def test_a_class_index_loss_over_one_class_is_refused(loss):
     assert "mse" in str(info.value) and "bce_with_logits" in str(info.value)
 
 
-def test_two_classes_and_regression_losses_still_build():
-    build.training_model(linear(2), loss="cross_entropy")
-    build.training_model(linear(1), loss="mse")
-    build.training_model(linear(1), loss="bce_with_logits")
+def _softplus(x: np.ndarray) -> np.ndarray:
+    return np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x)))
+
+
+@pytest.mark.parametrize("n_out, loss, target, reference", [
+    (2, "cross_entropy", np.array([0, 1, 1, 0, 1, 0]),
+     lambda y, t: np.mean(np.log(np.exp(y).sum(1)) - y[np.arange(len(t)), t])),
+    (1, "mse", np.linspace(-1, 2, 6, dtype=np.float32)[:, None], lambda y, t: np.mean((y - t) ** 2)),
+    (1, "bce_with_logits", np.array([0, 1, 1, 0, 1, 0], np.float32)[:, None],
+     lambda y, t: np.mean(_softplus(y) - t * y)),
+])
+def test_two_classes_and_regression_losses_still_build(n_out, loss, target, reference):
+    """The one-class refusal stops there: two classes with cross entropy and
+    one output with mse or bce_with_logits build, and the loss the model
+    computes is that loss (numpy, float64, on the same weights)."""
+    tm = build.training_model(linear(n_out), loss=loss)
+    sess = TrainingSession(tm)
+    X = np.random.default_rng(2).standard_normal((6, 4)).astype(np.float32)
+    y = (X.astype(np.float64) @ sess.state["W"].astype(np.float64)) + sess.state["b"]
+    got = sess.evaluate_batch({"X": X, "target": target}, "loss")["loss"]
+    np.testing.assert_allclose(got, reference(y, target), rtol=1e-5)
 
 
 def test_make_training_without_loss_asks_for_one(capsys, tmp_path):

@@ -143,6 +143,25 @@ def test_an_output_over_the_model_or_another_output_is_refused(capsys, files):
     assert model.read_bytes() == before
 
 
+def test_two_outputs_through_a_folder_link_are_one_file(capsys, files):
+    """``-o link/out.onnx --checkpoint real/out.onnx``, ``link`` a symbolic
+    link to the folder ``real``, neither file there yet: one file named twice,
+    refused before the first step.
+
+    Bug caught: ``same_file`` comparing ``os.path.abspath`` instead of
+    ``realpath`` when the files do not exist (links not followed)."""
+    from onnxtrain.train.callbacks import same_file
+
+    real = files / "real"
+    real.mkdir()
+    (files / "link").symlink_to(real, target_is_directory=True)
+    out, ck = files / "link" / "out.onnx", real / "out.onnx"
+    assert same_file(out, ck) and not same_file(out, real / "other.onnx")
+    code, stdout, err = train(capsys, files, "-o", out, "--checkpoint", ck)
+    one_line_error(code, err, f"--checkpoint {ck}: ", "also the -o output")
+    assert stdout == "" and not ck.exists()
+
+
 def test_an_existing_checkpoint_needs_resume_or_overwrite(capsys, files):
     ck, out = files / "ck.onnx", files / "t.onnx"
     code, _, err = train(capsys, files, "-o", out, "--checkpoint", ck, epochs=3)

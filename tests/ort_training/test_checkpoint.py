@@ -92,3 +92,30 @@ def test_bad_files_are_clear_errors(tmp_path, data_dir):
         ckpt.loads(good[: len(good) // 2])
     with pytest.raises(FileNotFoundError):
         ckpt.load(tmp_path / "missing")
+
+
+def test_a_complete_checkpoint_with_a_tensor_without_data_is_refused(tmp_path, monkeypatch):
+    """Only a nominal checkpoint may hold tensors without data (their shapes);
+    in a complete one, a tensor of shape [2, 3] with no bytes is a broken file,
+    never zeros.
+
+    Bug caught: ``nominal and`` dropped from the empty-data test of
+    ``_read_tensor``: the broken tensor read back silently as zeros."""
+    real = ckpt._write_tensor
+    # write "w" as a nominal tensor (shape, no data) in a checkpoint that says it is complete
+    monkeypatch.setattr(ckpt, "_write_tensor",
+                        lambda fb, b, name, arr, nominal: real(fb, b, name, arr, nominal or name == "w"))
+    arrays = {"w": np.ones((2, 3), np.float32), "b": np.ones(3, np.float32)}
+    complete = ckpt.dumps(ckpt.Checkpoint(trainable=arrays))
+    nominal = ckpt.dumps(ckpt.Checkpoint(trainable=arrays, nominal=True))
+    monkeypatch.undo()
+    with pytest.raises(ckpt.CheckpointError, match=r"'w': 0 bytes of data for shape \[2, 3\]"):
+        ckpt.loads(complete)
+    (tmp_path / "broken").write_bytes(complete)
+    from onnxtrain.ort_training.api import CheckpointState
+
+    with pytest.raises(ckpt.CheckpointError, match="'w'"):
+        CheckpointState.load_checkpoint(tmp_path / "broken")
+    # the nominal checkpoint keeps its shapes, and says it is nominal
+    back = ckpt.loads(nominal)
+    assert back.nominal and back.trainable["w"].shape == (2, 3)

@@ -93,3 +93,101 @@ def test_batchnorm_model_eval_loads_and_runs(tmp_path):
     h = x @ numpy_helper.to_array(inits[0]).T
     expected = np.mean(((h - 0.5) / np.sqrt(2.0 + 1e-5)) ** 2)
     np.testing.assert_allclose([train_loss, eval_loss], [expected, expected], rtol=1e-5)
+
+
+def _mlp_forward(state, x):
+    p = {n: np.asarray(state[n], np.float64) for n in PARAMS}
+    return np.maximum(x @ p["fc1.weight"].T + p["fc1.bias"], 0) @ p["fc2.weight"].T + p["fc2.bias"]
+
+
+def test_an_imported_model_exports_the_model_the_artifacts_were_made_from(data_dir, ort_runs, tmp_path):
+    """ORT's artifacts hold the loss: the imported model's inference export
+    is the model they were made from (input -> output), without the loss or
+    the labels, with the trained weights; ``outputs=`` chooses others
+    (the loss, which brings the labels back), as ORT's
+    export_model_for_inferencing(path, names)."""
+    import onnxruntime
+
+    sess = TrainingSession(import_ort(data_dir / "adamw"))
+    sess.learning_rate = 0.01
+    sess.train_step({"input": ort_runs["x"][0], "labels": ort_runs["labels"][0]})
+    path = sess.export(tmp_path / "inference.onnx")
+    ort_sess = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [i.name for i in ort_sess.get_inputs()] == ["input"]
+    assert [o.name for o in ort_sess.get_outputs()] == ["output"]
+    x = ort_runs["x"][1]
+    (out,) = ort_sess.run(None, {"input": x})
+    np.testing.assert_allclose(out, _mlp_forward(sess.state, x), rtol=1e-5, atol=1e-6)
+    model = sess.to_model()
+    assert [o.name for o in model.graph.output] == ["output"] and len(model.graph.node) == 3
+
+    both = sess.to_model(outputs=["output", "onnx::loss::2"])
+    assert [i.name for i in both.graph.input] == ["input", "labels"]
+    assert [o.name for o in both.graph.output] == ["output", "onnx::loss::2"]
+    hidden = sess.to_model(outputs=["h"])  # an intermediate value: fc1's Gemm alone
+    assert [n.op_type for n in hidden.graph.node] == ["Gemm"]
+    assert sorted(t.name for t in hidden.graph.initializer) == ["fc1.bias", "fc1.weight"]
+    assert hidden.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    with pytest.raises(ValueError, match="'nope' is not a value of the model's main graph"):
+        sess.export(tmp_path / "bad.onnx", outputs=["nope"])
+    with pytest.raises(ValueError, match="training=True"):
+        sess.export(tmp_path / "bad.onnx", training=True, outputs=["output"])
+    assert not (tmp_path / "bad.onnx").exists()
+    # the training checkpoint keeps everything, and its export again the model alone
+    sess.export(tmp_path / "ck.onnx", training=True)
+    again = TrainingSession(tmp_path / "ck.onnx").to_model()
+    assert [i.name for i in again.graph.input] == ["input"] and [o.name for o in again.graph.output] == ["output"]
+
+
+def test_cli_import_train_and_export_write_the_model_without_loss_or_labels(data_dir, ort_runs, tmp_path,
+                                                                           capsys):
+    """``onnxtrain import-ort`` then ``onnxtrain train ... -o``: the inference
+    model takes the input alone and returns the model's output;
+    ``onnxtrain export --outputs`` cuts where asked."""
+    import onnx
+    import onnxruntime
+
+    imported = tmp_path / "imported.onnx"
+    assert main(["import-ort", str(data_dir / "adamw"), "-o", str(imported)]) == 0
+    np.savez(tmp_path / "d.npz", input=ort_runs["x"].reshape(-1, 12), labels=ort_runs["labels"].reshape(-1))
+    out, ck = tmp_path / "out.onnx", tmp_path / "ck.onnx"
+    assert main(["train", str(imported), "--data", str(tmp_path / "d.npz"), "--epochs", "1", "--batch-size", "5",
+                 "-o", str(out), "--checkpoint", str(ck), "--no-progress"]) == 0
+    model = onnx.load(out)
+    assert [i.name for i in model.graph.input] == ["input"] and [o.name for o in model.graph.output] == ["output"]
+    x = ort_runs["x"][2]
+    (got,) = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"input": x})
+    np.testing.assert_allclose(got, _mlp_forward(TrainingSession(str(ck)).state, x), rtol=1e-5, atol=1e-6)
+    capsys.readouterr()
+    cut = tmp_path / "cut.onnx"
+    assert main(["export", str(ck), "-o", str(cut), "--outputs", "output,onnx::loss::2"]) == 0
+    model = onnx.load(cut)
+    assert [o.name for o in model.graph.output] == ["output", "onnx::loss::2"]
+    assert [i.name for i in model.graph.input] == ["input", "labels"]
+    for argv, message in ((["--outputs", "nope"], "'nope' is not a value"),
+                          (["--outputs", "output", "--training"], "--outputs cuts the inference model"),
+                          (["--outputs", ","], "expected output names")):
+        assert main(["export", str(ck), "-o", str(tmp_path / "bad.onnx"), *argv]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err and "Traceback" not in err
+    assert not (tmp_path / "bad.onnx").exists()
+
+
+def test_an_imported_batch_norm_model_updates_its_running_statistics(tmp_path):
+    """Training-mode BatchNormalization in the artifacts: each step of the
+    imported model updates the running mean and variance by ONNX's rule
+    (state variables of the model, written to its checkpoint)."""
+    from test_api_ort_behaviours import MOMENTUM, STATS, WEIGHTS, bn_model
+
+    artifacts.generate_artifacts(bn_model(), requires_grad=WEIGHTS, loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path)
+    sess = TrainingSession(import_ort(tmp_path))
+    assert set(STATS) <= set(sess.state)
+    x = np.random.default_rng(3).standard_normal((8, 6)).astype(np.float32)
+    before = {n: np.array(sess.state[n], np.float64) for n in [*WEIGHTS, *STATS]}
+    sess.train_step({"input": x, "labels": np.arange(8) % 3})
+    h = x @ before["fc1.weight"] + before["fc1.bias"]
+    np.testing.assert_allclose(sess.state["bn.running_mean"],
+                               MOMENTUM * before["bn.running_mean"] + (1 - MOMENTUM) * h.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(sess.state["bn.running_var"],
+                               MOMENTUM * before["bn.running_var"] + (1 - MOMENTUM) * h.var(0), rtol=1e-5)

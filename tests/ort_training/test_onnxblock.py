@@ -35,8 +35,9 @@ def test_training_block_by_hand(data_dir, tmp_path, ort_runs, torch_ref):
     assert [t.name for t in trainable] == ["fc2.weight", "fc2.bias"]
     assert [t.name for t in frozen] == ["fc1.weight"]
     training, evaluation = block.to_model_proto()
-    # fc1.bias is neither: a constant of the graph; the others are inputs after the user inputs
-    assert [i.name for i in training.graph.input] == ["input", "target", "fc2.weight", "fc2.bias", "fc1.weight"]
+    # fc1.bias is neither: a constant of the graph; the others are inputs after the user
+    # inputs, in the order of the initializers, frozen and trainable alike (ORT's)
+    assert [i.name for i in training.graph.input] == ["input", "target", "fc1.weight", "fc2.weight", "fc2.bias"]
     assert [t.name for t in training.graph.initializer] == ["fc1.bias"]
     assert len(model.graph.input) == 1  # the base model is not changed
     onnx.save(training, tmp_path / "training.onnx")

@@ -129,6 +129,32 @@ def test_every_temporary_file_is_fsynced_before_its_rename(tmp_path, monkeypatch
         "the folder was not fsynced after the renames"
 
 
+def test_an_adapter_file_is_fsynced_before_its_rename(tmp_path, monkeypatch):
+    """The same for onnxruntime's LoRA adapter files (``write_adapter``, which
+    ``onnxtrain.genai`` uses): the file renamed into place is the inode that
+    was fsynced, and it holds the parameters.
+
+    Bug caught: the ``os.fsync`` of the temporary adapter file dropped from
+    ``runtime/adapters.py`` (onnxruntime's exporter does not sync it)."""
+    import onnxruntime as ort
+
+    from onnxtrain.runtime.adapters import write_adapter
+
+    params = {"lora_A": np.arange(6, dtype=np.float32).reshape(2, 3),
+              "lora_B": np.ones((3, 2), np.float32)}
+    ops = FileOps(monkeypatch)
+    target = tmp_path / "a.onnx_adapter"
+    write_adapter(target, params)
+    replaces = ops.replaces()
+    assert [e[2] for e in replaces] == [target]
+    _, src, _, _inode, synced = replaces[0]
+    assert synced, f"{target.name} was renamed into place from {src.name} without an fsync"
+    loaded = ort.AdapterFormat.read_adapter(str(target)).get_parameters()
+    assert sorted(loaded) == sorted(params)
+    for name, value in params.items():
+        np.testing.assert_array_equal(loaded[name].numpy(), value, err_msg=name)
+
+
 # ------------------------------------------------------------------ alignment
 def test_large_tensors_start_on_a_page_boundary_of_the_data_file(tmp_path):
     """Tensors of at least 1 MiB at offsets divisible by 4096 (runtimes map

@@ -679,3 +679,35 @@ def test_step_size_read_elsewhere_stays_standard():
     assert count == 1
     assert not any(n.op_type in STEP_SIZE for n in fused.graph.node)
     assert any(n.op_type == "Where" for n in fused.graph.node)
+
+
+@pytest.mark.parametrize("which", ["beta", "alpha"])
+def test_step_size_with_two_step_counts_stays_standard(which):
+    """Each bias correction's Pow reads Cast(T): when one reads the Cast of
+    another count, the chain is not Adam's step size and must stay standard
+    kernels (the kernel would compute both powers from T).
+
+    Bug caught: the matcher no longer checking that the second (alpha's)
+    Cast reads the step count; "beta" covers the first."""
+    model = _lowered_adam()
+    producer = {o: n for n in model.graph.node for o in n.output}
+    where = producer[_step_size_name(model)]
+    div = producer[where.input[1]]
+    # Div(Mul(r, Sqrt(Sub(1, Pow(beta, Cast(T))))), Sub(1, Pow(alpha, Cast(T))))
+    sub = producer[producer[producer[div.input[0]].input[1]].input[0]] if which == "beta" \
+        else producer[div.input[1]]
+    power = producer[sub.input[1]]
+    cast = producer[power.input[1]]
+    assert power.op_type == "Pow" and cast.op_type == "Cast" and cast.input[0] == "T"
+    other = helper.make_node("Cast", ["T_other"], ["T_other_cast"], to=cast.attribute[0].i)
+    power.input[1] = "T_other_cast"
+    nodes = list(model.graph.node)
+    nodes.insert(nodes.index(power), other)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    model.graph.input.append(helper.make_tensor_value_info("T_other", TensorProto.INT64, []))
+    assert fuse.fuse_adam_step_sizes(model.graph, list(model.opset_import)) == 0
+    assert not any(n.op_type in STEP_SIZE for n in model.graph.node)
+    # the same edit with T itself fuses: the refusal is for the other count
+    next(n for n in model.graph.node if n.output[0] == "T_other_cast").input[0] = "T"
+    assert fuse.fuse_adam_step_sizes(model.graph, list(model.opset_import)) == 1

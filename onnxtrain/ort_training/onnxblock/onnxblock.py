@@ -6,8 +6,9 @@ trainable parameters (``requires_grad(name)``), frozen ones
 (``requires_grad(name, False)``) and constants (the rest, which stay in the
 graph).  ``to_model_proto()`` returns (training model, eval model): the
 forward pass with its loss, parameters as graph inputs after the user
-inputs, ONNX Runtime's eval-model form.  onnxtrain builds the backward pass
-from it when ``api.Module`` loads it, so both files hold the same graph.
+inputs (in the order of the initializers), ONNX Runtime's eval-model form.
+onnxtrain builds the backward pass from it when ``api.Module`` loads it; the
+eval model is the same graph in inference mode (``models.eval_mode``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from abc import abstractmethod
 
 import onnx
 
-from ..models import KIND_KEY
+from ..models import KIND_KEY, eval_mode
 from . import blocks
 
 
@@ -107,16 +108,18 @@ class TrainingBlock(blocks.Block):
         trainable = [t for t in model.graph.initializer if t.name in self._requires_grad]
         frozen = [t for t in model.graph.initializer if t.name in self._frozen_params]
         self._parameters = (trainable, frozen)
-        # parameters become graph inputs after the user inputs (ORT's eval-model form)
-        params = [*trainable, *frozen]
-        names = {t.name for t in params}
+        # parameters become graph inputs after the user inputs, in the order of
+        # the initializers, trainable and frozen alike (ORT's eval-model form,
+        # the order of Module.get_contiguous_parameters)
+        names = {t.name for t in (*trainable, *frozen)}
+        params = [t for t in model.graph.initializer if t.name in names]
         kept = [t for t in model.graph.initializer if t.name not in names]
         del model.graph.initializer[:]
         model.graph.initializer.extend(kept)
         model.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
                                  for t in params)
         self._training_model = copy.deepcopy(model)
-        self._eval_model = copy.deepcopy(model)
+        self._eval_model = eval_mode(model)  # Dropout off, BatchNormalization on running statistics
         for m, kind in ((self._training_model, "training"), (self._eval_model, "eval")):
             entry = m.metadata_props.add()
             entry.key, entry.value = KIND_KEY, kind
