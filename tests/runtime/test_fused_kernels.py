@@ -684,11 +684,12 @@ def test_step_size_read_elsewhere_stays_standard():
 @pytest.mark.parametrize("which", ["beta", "alpha"])
 def test_step_size_with_two_step_counts_stays_standard(which):
     """Each bias correction's Pow reads Cast(T): when one reads the Cast of
-    another count, the chain is not Adam's step size and must stay standard
-    kernels (the kernel would compute both powers from T).
+    another count, the call is no longer the AdamStepSize rule's body and
+    must stay standard kernels (the kernel would compute both powers from T).
 
-    Bug caught: the matcher no longer checking that the second (alpha's)
-    Cast reads the step count; "beta" covers the first."""
+    Bug caught: the call's check against the rule's body no longer comparing
+    the operand the body repeats (alpha's Cast reads the step count; "beta"
+    covers the first)."""
     model = _lowered_adam()
     producer = {o: n for n in model.graph.node for o in n.output}
     where = producer[_step_size_name(model)]
@@ -706,8 +707,9 @@ def test_step_size_with_two_step_counts_stays_standard(which):
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     model.graph.input.append(helper.make_tensor_value_info("T_other", TensorProto.INT64, []))
-    assert fuse.fuse_adam_step_sizes(model.graph, list(model.opset_import)) == 0
-    assert not any(n.op_type in STEP_SIZE for n in model.graph.node)
-    # the same edit with T itself fuses: the refusal is for the other count
-    next(n for n in model.graph.node if n.output[0] == "T_other_cast").input[0] = "T"
-    assert fuse.fuse_adam_step_sizes(model.graph, list(model.opset_import)) == 1
+    fused, _ = with_fused_kernels(model)
+    assert not any(n.op_type in STEP_SIZE for n in fused.graph.node)
+    # the call's own Cast back in place fuses: the refusal is for the other count
+    next(n for n in model.graph.node if n.output[0] == power.output[0]).input[1] = cast.output[0]
+    fused, _ = with_fused_kernels(model)
+    assert any(n.op_type in STEP_SIZE for n in fused.graph.node)
