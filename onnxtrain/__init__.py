@@ -9,7 +9,7 @@ True
 # First: in the command line, Ctrl-C during the imports below is one line, exit 130.
 from . import startup  # noqa: F401  (it installs that on import)
 # isort: on
-from . import build
+from . import build, bundle
 from ._version import __version__ as __version__
 from .errors import ExecutionError, GradientError, TrainingModelError
 from .io.metadata import checkpoint_epoch
@@ -42,6 +42,7 @@ __all__ = [
     "TrainingModelError",
     "TrainingSession",
     "build",
+    "bundle",
     "checkpoint_epoch",
     "train_test_split",
 ]

@@ -33,3 +33,17 @@ class DistributedStepError(RuntimeError):
     def __init__(self, message: str, ranks: list[int] | None = None) -> None:
         super().__init__(message)
         self.ranks = list(ranks or [])
+
+
+class BundleError(ValueError):
+    """A training bundle (docs/bundle.md) cannot be written or read: a model
+    it cannot hold, a version this onnxtrain does not know, a manifest that
+    disagrees with its files.  The message names the folder, file or entry."""
+
+
+class BundleFileMissing(BundleError, FileNotFoundError):
+    """A file the bundle's manifest lists is not in the folder (its message
+    names the file)."""
+
+    def __init__(self, message: str) -> None:
+        BundleError.__init__(self, message)

@@ -4,6 +4,7 @@
 - ``onnxtrain inspect MODEL``        describe a model and its training_info
 - ``onnxtrain check MODEL``          validate a training model (exit 0 and 'OK', else 1)
 - ``onnxtrain export CKPT -o OUT``   write the inference model of a training checkpoint
+- ``onnxtrain bundle MODEL -o FOLDER``  write a portable training bundle (``onnxtrain.bundle.save``)
 - ``onnxtrain make-training MODEL -o OUT --loss L --target T --optimizer O --lr LR``
                                      build a training model (``onnxtrain.build.training_model``)
 - ``onnxtrain train MODEL --data DATA.npz --epochs N -o OUT [--checkpoint C] [--resume C]``
@@ -130,6 +131,21 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--training", action="store_true",
                         help="keep training_info (write a training checkpoint, not inference)")
     export.set_defaults(handler=_cmd_export)
+
+    bundle = sub.add_parser(
+        "bundle", help="write a portable training bundle (trains in JavaScript: onnxruntime-node/-web)",
+        description="Write MODEL (a training model or a checkpoint, whose fit position is kept) as a "
+                    "training bundle: standard-op programs, state.bin and a manifest (docs/bundle.md), "
+                    "which the JavaScript package onnxtrain trains and onnxtrain.bundle.load reads back.",
+        epilog="examples:\n  onnxtrain bundle train.onnx -o digits.bundle\n"
+               "  onnxtrain bundle checkpoint.onnx -o digits.bundle --overwrite",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    bundle.add_argument("model", metavar="MODEL", help="path of a training model or checkpoint")
+    bundle.add_argument("-o", "--output", required=True, metavar="FOLDER",
+                        help="the bundle folder to write (new or empty)")
+    bundle.add_argument("--overwrite", action="store_true",
+                        help="replace an existing non-empty FOLDER")
+    bundle.set_defaults(handler=_cmd_bundle)
     _add_training_commands(sub)
     from ..ort_training.cli import add_parser as _add_import_ort
     _add_import_ort(sub)
@@ -242,6 +258,19 @@ def _cmd_export(args: argparse.Namespace) -> int:
     path = TrainingSession(args.checkpoint).export(args.output, training=args.training)
     kind = "training checkpoint" if args.training else "inference model"
     print(f"wrote {kind} {path}")
+    return 0
+
+
+def _cmd_bundle(args: argparse.Namespace) -> int:
+    from ..core.files import check_folder_target
+    from ..export.bundle import write
+
+    try:  # before the model is read: a bad -o fails at once, nothing changed
+        check_folder_target(args.output, args.overwrite, how="--overwrite")
+    except FileExistsError as exc:
+        raise ValueError(f"-o {exc}") from None
+    path = write(args.model, args.output, overwrite=args.overwrite)
+    print(f"wrote training bundle {path}")
     return 0
 
 

@@ -4,11 +4,14 @@ flushed and fsynced, then renamed over the destination, then the folder
 fsynced.  The destination holds the old file or the new one, never a part,
 whatever interrupts the write (SIGKILL, power loss after the fsync, a full
 disk, an exception).  Temporary files are named ``.<name>.<pid>.<random>.tmp``.
+A folder of files that belong together (a training bundle) is written the
+same way as a whole (``write_folder``).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -135,3 +138,75 @@ def replacing(target: str | os.PathLike) -> Iterator[str]:
         fsync_dir(target.parent)
     finally:
         unlink_quietly(tmp)
+
+
+def write_folder(target: str | os.PathLike, fill: Callable[[Path], object], overwrite: bool = False) -> Path:
+    """Write a folder the way ``write_atomically`` writes a file: ``fill(tmp)``
+    fills a temporary folder beside ``target`` (its files written and
+    fsynced), which is then renamed to ``target``.  ``target`` is never seen
+    half written: it holds the old content or the new one.
+
+    Refused (FileExistsError, before ``fill`` runs, nothing changed): a
+    ``target`` that is not a folder (a file, a link, a device), and a
+    non-empty folder unless ``overwrite``.  With ``overwrite``, the old folder
+    is moved aside, the new one renamed into place (the old one is moved back
+    if that fails), then the old one is removed.  Temporary folders are named
+    ``.<name>.<pid>.<random>.tmp``."""
+    given = target
+    target = Path(os.path.abspath(target))
+    check_folder_target(given, overwrite)
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=parent))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())
+        fill(tmp)
+        fsync_dir(tmp)
+        check_folder_target(given, overwrite)  # (again: it may have changed meanwhile)
+        _rename_folder(tmp, target, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(parent)
+    return Path(given)
+
+
+def check_folder_target(target: str | os.PathLike, overwrite: bool, how: str = "overwrite=True") -> None:
+    """FileExistsError unless ``target`` may become a folder ``write_folder`` writes:
+    absent, an empty folder, or (``overwrite``) a folder; never a link or a file.
+    ``how``: what the message says replaces a non-empty folder."""
+    path = os.fspath(target)
+    if os.path.islink(path):
+        raise FileExistsError(f"{path}: exists and is a symbolic link; refusing to write over it "
+                              "(give the path of a folder)")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(mode):
+        kind = "a file" if stat.S_ISREG(mode) else "not a regular file or folder"
+        raise FileExistsError(f"{path}: exists and is {kind}; refusing to write over it "
+                              "(give the path of a folder)")
+    if not overwrite and any(os.scandir(path)):
+        raise FileExistsError(f"{path}: the folder exists and is not empty; refusing to write into it "
+                              f"(give a new or empty folder, or {how} to replace it)")
+
+
+def _rename_folder(tmp: Path, target: Path, overwrite: bool) -> None:
+    """Rename ``tmp`` to ``target`` (absent, empty, or with ``overwrite`` replaced)."""
+    try:
+        os.rename(tmp, target)  # absent, or an empty folder (POSIX replaces it)
+        return
+    except OSError:
+        if not overwrite or not target.is_dir() or target.is_symlink():
+            raise
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".old",
+                                dir=target.parent))
+    os.rmdir(old)  # (only its unique name is wanted)
+    os.rename(target, old)
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

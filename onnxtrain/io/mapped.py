@@ -136,7 +136,10 @@ def source(t: onnx.TensorProto) -> tuple[str, int, int]:
 
 
 def point(t: onnx.TensorProto, path: str, offset: int, length: int) -> None:
-    """Make ``t`` (its data already dropped or never read) a mapped placeholder."""
+    """Make ``t`` (its data already dropped or never read) refer to ``length``
+    bytes at ``offset`` of ``path`` as external data: a mapped placeholder
+    when ``path`` is a trusted file's absolute path, a plain external
+    reference (a bundle's ``state.bin``) when it is relative."""
     for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data",
                   "string_data"):
         t.ClearField(field)

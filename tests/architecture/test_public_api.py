@@ -13,7 +13,7 @@ import pytest
 import onnxtrain
 
 PUBLIC = {
-    "onnxtrain": ["TrainingSession", "build", "Callback", "Checkpoint", "CSVLogger", "EarlyStopping",
+    "onnxtrain": ["TrainingSession", "build", "bundle", "Callback", "Checkpoint", "CSVLogger", "EarlyStopping",
                   "History", "ModelCheckpoint", "StopTraining", "TerminateOnNaN", "ExecutionError",
                   "GradientError", "TrainingModelError", "NonFiniteLossError", "checkpoint_epoch",
                   "train_test_split", "__version__"],
@@ -21,6 +21,8 @@ PUBLIC = {
                         "L1", "Huber", "CrossEntropy", "BCEWithLogits", "NLL", "CustomLoss", "Optimizer",
                         "SGD", "Adagrad", "Adam", "AdamW", "Schedule", "cosine", "step_decay",
                         "linear_warmup", "lora", "losses", "optimizers", "schedules"],
+    "onnxtrain.bundle": ["save", "load", "read", "Bundle", "BundleError", "BundleFileMissing", "FORMAT",
+                         "VERSION"],
     "onnxtrain.autodiff": ["vjp", "no_grad", "refuse", "VJPContext", "REGISTRY"],
     "onnxtrain.comm": ["Communicator", "LocalCommunicator", "MPICommunicator", "SingleProcess",
                        "as_communicator", "local_group"],
@@ -40,7 +42,7 @@ def test_public_names_import(module):
 
 
 def test_everything_in_all_exists():
-    for module in ("onnxtrain", "onnxtrain.build", "onnxtrain.comm", "onnxtrain.backend",
+    for module in ("onnxtrain", "onnxtrain.build", "onnxtrain.bundle", "onnxtrain.comm", "onnxtrain.backend",
                    "onnxtrain.datasets", "onnxtrain.demo"):
         mod = importlib.import_module(module)
         assert [n for n in mod.__all__ if not hasattr(mod, n)] == [], module
