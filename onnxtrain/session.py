@@ -18,14 +18,15 @@ import threading
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 
-from .engine import export as onnx_export
 from .errors import TrainingModelError
+from .export import model as model_export
 from .io import mapped
 from .io.metadata import model_metadata, read_position
 from .io.model import ModelLike, load, validate
@@ -524,9 +525,7 @@ class TrainingSession:
         cannot hold 2 GiB): those then stay references to their files
         (``onnxtrain.io.mapped``), which a ``TrainingSession`` of this process
         accepts.  ``export`` writes any size to a file, streamed."""
-        with self._store.snapshot() as snap:
-            state = {n: np.array(as_numpy(v), copy=True) for n, v in snap.items()}
-        return onnx_export.to_model(self.model, state, self.fit_position, training)
+        return model_export.to_model(self, training)
 
     def export(
         self, path: str | os.PathLike, training: bool = False, external_data: bool | None = None
@@ -540,5 +539,15 @@ class TrainingSession:
         step from another thread writes elsewhere), mapped weights file to
         file, merged LoRA weights block by block."""
         with self._store.snapshot() as snap:
-            state = {n: as_numpy(v) for n, v in snap.items()}  # views of the pinned buffers
-            return onnx_export.export(self.model, state, self.fit_position, path, training, external_data)
+            pinned = _Pinned(self.model, {n: as_numpy(v) for n, v in snap.items()}, self.fit_position)
+            return model_export.write(pinned, path, training, external_data)
+
+
+@dataclass(frozen=True)
+class _Pinned:
+    """A ``SessionLike`` of a session whose state buffers are pinned while
+    it is used: its state values are views of them, not copies."""
+
+    model: onnx.ModelProto
+    state: Mapping[str, np.ndarray]
+    fit_position: dict[str, Any] | None
