@@ -9,9 +9,11 @@ The public face of ``onnxtrain.builder``: what the README and the docs call
 
 See ``builder.builder.training_model`` for the arguments, ``losses``,
 ``optimizers`` and ``schedules`` for the math of each part, ``lora`` for the
-adapters' format.
+adapters and their files (``onnxtrain.lora``: ``builder.lora`` and
+``export.adapters``).
 """
 
+from . import lora
 from .builder import (
     L1,
     MSE,
@@ -30,9 +32,7 @@ from .builder import (
     ParameterChoice,
     Schedule,
     cosine,
-    export_requantized,
     linear_warmup,
-    lora,
     losses,
     optimizers,
     parameter_choices,
@@ -41,6 +41,7 @@ from .builder import (
     step_decay,
     training_model,
 )
+from .lora import export_requantized
 
 __all__ = [
     "training_model", "parameter_choices", "ParameterChoice", "LoRA", "export_requantized",

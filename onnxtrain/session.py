@@ -17,49 +17,38 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 
-from .engine.checks import check_finite
-from .engine.execution import ExecutionMixin
-from .engine.export import ExportMixin
-from .engine.parallel_step import DataParallelMixin
-from .engine.settings import SettingsMixin
-from .engine.state_view import StateView
 from .errors import TrainingModelError
+from .export import model as model_export
 from .io import mapped
-from .io.combine import uses_preview_ops
 from .io.metadata import model_metadata, read_position
-from .io.model import ModelLike, TrainingModel, load, validate
-from .lower.pipeline import KernelChoice, check_fused_kernels, note_exact_quantized_products
-from .lower.programs import (
-    Program,
-    SplitAlgorithm,
-    algorithm_programs,
-    check_feed_names,
-    inference_program,
-    initialization_program,
-    loss_program,
-)
+from .io.model import ModelLike, load, validate
+from .lower.pipeline import check_fused_kernels, note_exact_quantized_products
+from .lower.programs import ProgramSet
 from .parallel.comm import Communicator, SingleProcess, as_communicator
 from .parallel.data_parallel import BUCKET_BYTES, DataParallel, threads_per_rank
+from .parallel.step import DataParallelStep
 from .runtime.executor import (
     LARGE_MODEL_BYTES,
-    Executor,
     as_numpy,
-    copy_into,
     default_session_options,
     device_of,
     state_device,
 )
-from .runtime.state import StateStore
+from .runtime.runner import ProgramRunner, RunOptions
+from .runtime.settings import Settings
+from .runtime.state import StateStore, StateView
 from .train import loop
 
 
-class TrainingSession(SettingsMixin, ExecutionMixin, DataParallelMixin, ExportMixin):
+class TrainingSession:
     """Runs an ONNX training model on onnxruntime.
 
     >>> sess = TrainingSession("model.onnx")          # doctest: +SKIP
@@ -110,86 +99,56 @@ class TrainingSession(SettingsMixin, ExecutionMixin, DataParallelMixin, ExportMi
         gradients, optimizer state); see docs/large-models.md."""
         if memory not in ("safe", "lean"):
             raise ValueError(f"memory must be 'safe' or 'lean', got {memory!r}")
-        self._lean = memory == "lean"
-        self._dp: DataParallel | None = None
+        lean = memory == "lean"
         if comm is None:
-            if self._lean:  # the data-parallel cut, with a world of one
-                self._dp = DataParallel(SingleProcess(), "sum", bucket_bytes)
-            self._setup(model, providers, session_options, fused_kernels, check_finite)
-        else:
-            self._dp = DataParallel(as_communicator(comm), reduction, bucket_bytes)
-            if session_options is None and not os.environ.get("ONNXTRAIN_THREADS"):
-                # Ranks on one machine share its cores (see distributed.threads_per_rank).
-                threads = threads_per_rank(self._dp.comm.local_size())
-                session_options = default_session_options(threads)
-            error: BaseException | None = None
-            try:  # a rank that cannot load the model must not leave the others waiting
-                if device_of(list(providers) if providers else None)[0] != "cpu":
-                    raise ValueError("comm=: data-parallel training runs on the CPU provider")
-                self._setup(model, providers, session_options, fused_kernels, check_finite)
-            except BaseException as exc:
-                error = exc
-            self._dp.agree(error, 0, "TrainingSession()")
-            self._broadcast_state(list(self._model.state))
+            # memory="lean" runs the data-parallel cut, with a world of one.
+            dp = DataParallel(SingleProcess(), "sum", bucket_bytes) if lean else None
+            self._setup(model, providers, session_options, fused_kernels, check_finite, lean, dp)
+            return
+        dp = DataParallel(as_communicator(comm), reduction, bucket_bytes)
+        if session_options is None and not os.environ.get("ONNXTRAIN_THREADS"):
+            # Ranks on one machine share its cores (see data_parallel.threads_per_rank).
+            session_options = default_session_options(threads_per_rank(dp.comm.local_size()))
+        error: BaseException | None = None
+        try:  # a rank that cannot load the model must not leave the others waiting
+            if device_of(list(providers) if providers else None)[0] != "cpu":
+                raise ValueError("comm=: data-parallel training runs on the CPU provider")
+            self._setup(model, providers, session_options, fused_kernels, check_finite, lean, dp)
+        except BaseException as exc:
+            error = exc
+        dp.agree(error, 0, "TrainingSession()")
+        self._broadcast_state(list(self._model.state))
 
     def _setup(self, model: ModelLike, providers: Sequence[Any] | None, session_options: Any,
-               fused_kernels: bool | None, check_finite: bool) -> None:
-        """Load and validate the model, build every program, seed the state."""
+               fused_kernels: bool | None, check_finite: bool, lean: bool, dp: DataParallel | None) -> None:
+        """Load and validate the model, build every program and the parts that run them, seed the state."""
         proto, base = load(model)
-        self._model: TrainingModel = validate(proto, base, tensors_checked=True)  # load() did
+        tm = self._model = validate(proto, base, tensors_checked=True)  # load() did
         # The data files its weights are mapped from stay while it lives (storage).
         weakref.finalize(self, mapped.hold(proto))
-        self._providers = list(providers) if providers else None
-        self._session_options = session_options
+        providers = list(providers) if providers else None
+        #: The transaction's lock: one writer at a time.
         self._lock = threading.RLock()
-        tm = self._model
         #: The model's onnxtrain.* metadata, decoded once (the model never changes).
-        self._metadata = model_metadata(proto)
+        metadata = model_metadata(proto)
         # Build every program now, so that model errors surface at construction.
         note_exact_quantized_products(tm)
-        self._inference = inference_program(tm)
-        built = [algorithm_programs(tm, i, self._cut_options(i)) for i in range(len(tm.training_info))]
-        self._algorithms = [program for program, _ in built]
-        #: Data-parallel: each algorithm cut in two, and the buffers of its reduced values.
-        self._splits: list[SplitAlgorithm] = [split for _, split in built if split is not None]
-        self._grad_buffers = [self._dp.buffers(s.reduced) for s in self._splits] if self._dp else []
-        #: Rows of local accumulation steps since the last reduced sums (data-parallel).
-        self._local_rows = 0
-        #: The initialization programs, built on first use (``_initializations``):
-        #: only ``initialize()`` runs them.  A graph with training ops is built
-        #: now, so that its errors surface here; a plain one (a builder's: its
-        #: starting values as constants) has nothing to lower that can fail.
-        self._init_programs: list[Program | None] | None = None
-        if any(ti.HasField("initialization") and uses_preview_ops(ti.initialization)
-               for ti in tm.proto.training_info):
-            self._init_programs = self._initializations
-        #: evaluate_batch's loss programs by (algorithm, loss, prediction).
-        self._loss_programs: dict[tuple[int, str, str | None], Program] = {}
-        self._executors: dict[int, Executor] = {}
-        #: memory="lean": the in-place variables of each update program, by id,
-        #: and its temporaries written over gradient buffers ({value: input}).
-        self._inplace: dict[int, set[str]] = {}
-        self._scratch: dict[int, dict[str, str]] = {}
-        self._executed: dict[int, KernelChoice] = {}
-        self._plans: tuple[Program, tuple, Executor] | None = None
-        check_fused_kernels(fused_kernels, device_of(self._providers)[0])
-        self._fused_kernels = fused_kernels
-        #: Why fused kernels are not in use (empty while they are, or not yet asked).
-        self.fused_kernels_note = ""
-        self._check_finite = check_finite
+        self._programs = ProgramSet(tm, metadata, data_parallel=dp is not None)
+        check_fused_kernels(fused_kernels, device_of(providers)[0])
         self._store = StateStore(
             {name: tm.initial_value(name, readonly=True) for name in tm.state},
-            state_device(self._providers),
+            state_device(providers),
             adopt=tm.fresh_values(),
         )
-        #: Large weights: onnxruntime frees step temporaries (``Executor``'s ``large``).
-        self._large = tm.tensor_bytes() >= LARGE_MODEL_BYTES
-        #: Built with recompute= (saving activation memory): no onnxruntime memory pattern.
-        self._recompute = self._metadata.get("recompute") not in (None, False)
-        self._input_names = set(self._inference.feeds) | set(self._inference.optional_feeds)
-        for p in self._algorithms:
-            self._input_names |= set(p.feeds) | set(p.optional_feeds)
-        self._known_names = frozenset(self._input_names | set(tm.state))
+        self._runner = ProgramRunner(self._programs, self._store, RunOptions(
+            providers, session_options, fused_kernels, lean=lean,
+            # Large weights: onnxruntime frees step temporaries (``Executor``'s ``large``).
+            large=tm.tensor_bytes() >= LARGE_MODEL_BYTES,
+            # Built with recompute= (saving activation memory): no onnxruntime memory pattern.
+            recompute=metadata.get("recompute") not in (None, False),
+            check_finite=check_finite))
+        self._parallel = DataParallelStep(dp, self._programs, self._runner, self._store) if dp else None
+        self._settings = Settings(tm, metadata, self._store)
         #: Where the fit loop stands: {"epoch": epochs done, "batch": batches done
         #: in the next epoch, "step": steps done, "source": "checkpoint" | "fit"}
         #: or None.  Read from a checkpoint's metadata, kept up to date by ``fit``
@@ -198,13 +157,6 @@ class TrainingSession(SettingsMixin, ExecutionMixin, DataParallelMixin, ExportMi
 
     # ------------------------------------------------------------ properties
     @property
-    def _initializations(self) -> list[Program | None]:
-        if self._init_programs is None:
-            tm = self._model
-            self._init_programs = [initialization_program(tm, i) for i in range(len(tm.training_info))]
-        return self._init_programs
-
-    @property
     def state(self) -> Mapping[str, np.ndarray]:
         """Every state variable -> numpy array (copies; the mapping is read-only)."""
         return StateView(self._store)
@@ -212,38 +164,46 @@ class TrainingSession(SettingsMixin, ExecutionMixin, DataParallelMixin, ExportMi
     @property
     def comm(self) -> Communicator | None:
         """The communicator of a data-parallel session (``comm=``), else None."""
-        if self._dp is None or isinstance(self._dp.comm, SingleProcess):
-            return None
-        return self._dp.comm
+        return self._parallel.comm if self._parallel is not None else None
 
     @property
     def communication_seconds(self) -> float:
         """Seconds this rank has spent in the collectives of data-parallel
         steps (waiting for slower ranks included); 0.0 without ``comm``."""
-        return self._dp.comm_seconds if self._dp is not None else 0.0
+        return self._parallel.dp.comm_seconds if self._parallel is not None else 0.0
 
     @property
     def num_algorithms(self) -> int:
-        return len(self._algorithms)
+        return len(self._programs.algorithms)
 
     @property
     def model(self) -> onnx.ModelProto:
         """The loaded model as given (initializers hold the initial values)."""
         return self._model.proto
 
+    @property
+    def fused_kernels_note(self) -> str:
+        """Why fused kernels are not in use (empty while they are, or not yet asked)."""
+        return self._runner.fused_kernels_note
+
     def programs(self, executed: bool = False) -> dict[str, onnx.ModelProto]:
         """The standard-op ONNX model of every program, by label (for inspection).
 
         ``executed=True``: the models onnxruntime runs instead, which differ
         where fused kernels replace standard ones (see ``fused_kernels``)."""
-        out = {"inference": self._inference.model}
-        for p in self._algorithms:
-            out[p.label] = self._program_model(p)[0] if executed else p.model
-        for split in self._splits:
+        progs = self._programs
+
+        def shown(p: Any) -> onnx.ModelProto:
+            return self._runner.executed_model(p) if executed else p.model
+
+        out = {"inference": progs.inference.model}
+        for p in progs.algorithms:
+            out[p.label] = shown(p)
+        for split in progs.splits:
             for p in (split.a, split.b):
                 if p is not None:
-                    out[p.label] = self._program_model(p)[0] if executed else p.model
-        for p in self._initializations:
+                    out[p.label] = shown(p)
+        for p in progs.initializations:
             if p is not None:
                 out[p.label] = p.model
         return out
@@ -304,97 +264,28 @@ class TrainingSession(SettingsMixin, ExecutionMixin, DataParallelMixin, ExportMi
     @property
     def algorithm_inputs(self) -> list[dict[str, onnx.ValueInfoProto]]:
         """Per algorithm: the inputs a train_step must feed (name -> ValueInfoProto)."""
-        return [dict(p.feeds) for p in self._algorithms]
+        return [dict(p.feeds) for p in self._programs.algorithms]
 
     @property
     def inference_inputs(self) -> dict[str, onnx.ValueInfoProto]:
         """The inputs run() must feed (name -> ValueInfoProto)."""
-        return dict(self._inference.feeds)
+        return dict(self._programs.inference.feeds)
 
     @property
     def inference_outputs(self) -> list[str]:
-        return list(self._inference.outputs)
+        return list(self._programs.inference.outputs)
 
     @property
     def algorithm_outputs(self) -> list[list[str]]:
         """Per algorithm: the outputs train_step returns (those no update_binding consumes)."""
-        return [list(p.returned) for p in self._algorithms]
+        return [list(p.returned) for p in self._programs.algorithms]
 
     @property
     def state_info(self) -> dict[str, Any]:
         """Every state variable -> StateVar (name, origin graph, dtype, shape)."""
         return dict(self._model.state)
 
-    def _check_names(self, feeds: Mapping[str, Any], caller: str) -> None:
-        check_feed_names(feeds, self._known_names, self._input_names, caller)
-
-    def _run_and_stage(
-        self,
-        program: Program,
-        feeds: dict[str, np.ndarray],
-        pending: dict[str, Any],
-        fetch: bool,
-        field: str,
-        extra_in: Mapping[str, Any] | None = None,
-        extra_out: Mapping[str, Any] | None = None,
-        inplace: Container[str] = (),
-    ) -> dict[str, np.ndarray]:
-        """Run ``program`` writing its bound values into spare state buffers.
-
-        ``pending`` holds the new (uncommitted) buffers of variables that
-        earlier programs of the same transaction wrote; it is extended with
-        this program's.  Returns the unbound outputs (numpy) if ``fetch``.
-        ``extra_in``/``extra_out``: more OrtValues to bind, by input and
-        output name (the reduced values of a data-parallel step).
-        ``inplace``: variables whose current buffer is written over (memory="lean")."""
-        store = self._store
-        state_in = store.current(program.state_inputs)
-        if pending:
-            for n in program.state_inputs:
-                if n in pending:
-                    state_in[n] = pending[n]
-        if extra_in:
-            state_in.update(extra_in)
-        targets = store.targets(program.target_keys, inplace)
-        state_out = dict(zip(program.bound_values, targets))
-        if extra_out:
-            state_out.update(extra_out)
-        executor = self._executor(program)
-        try:
-            outputs = executor.run_bound(feeds, state_in, state_out, program.returned if fetch else ())
-        except RuntimeError as exc:
-            self._diagnose(program, feeds, state_in, field)
-            raise exc
-        staged = dict(zip(program.bound_keys, targets))
-        for (key, source), buffer in zip(program.bound_copies, targets[len(program.bound_keys):]):
-            copy_into(buffer, as_numpy(staged[source]))  # one output, two variables
-            staged[key] = buffer
-        if self._check_finite:
-            check_finite(program, staged, field)
-        pending.update(staged)
-        return outputs
-
-    def _diagnose(
-        self, program: Program, feeds: dict[str, np.ndarray], state_in: dict[str, Any], field: str
-    ) -> None:
-        """After a failed bound run: rerun plainly to name a bad bound value."""
-        arrays = dict(feeds)
-        arrays.update({n: as_numpy(v) for n, v in state_in.items()})
-        try:
-            values = self._executor(program).run(arrays, program.outputs)
-        except RuntimeError:
-            return  # the original onnxruntime error says it best
-        results = dict(zip(program.outputs, values))
-        for idx, (key, value) in enumerate(program.bindings):
-            var = self._model.state[key]
-            new = results[value]
-            if new.dtype != var.dtype or tuple(new.shape) != var.shape:
-                raise TrainingModelError(
-                    f"{program.label.rsplit('.', 1)[0]}.{field}[{idx}]: value {value!r} is "
-                    f"{new.dtype}{list(new.shape)}, but state variable {key!r} is "
-                    f"{var.dtype}{list(var.shape)}"
-                )
-
+    # ------------------------------------------------------------ the steps
     def train_step(
         self, feeds: Mapping[str, Any], algorithm: int | None = None, fetch: bool = True
     ) -> dict[str, np.ndarray]:
@@ -406,7 +297,7 @@ class TrainingSession(SettingsMixin, ExecutionMixin, DataParallelMixin, ExportMi
         combined-graph output that no update_binding consumes (later
         algorithms win on equal names); ``fetch=False`` returns nothing and
         skips those transfers, for tight loops."""
-        algorithms = self._algorithms
+        algorithms = self._programs.algorithms
         if algorithm is None:
             if not algorithms:
                 raise TrainingModelError(
@@ -424,30 +315,25 @@ class TrainingSession(SettingsMixin, ExecutionMixin, DataParallelMixin, ExportMi
                 f"train_step: algorithm must be None or an index in "
                 f"[0, {len(algorithms)}), got {algorithm!r}"
             )
-        if self._dp is not None:
+        if self._parallel is not None:
             indices = range(len(algorithms)) if algorithm is None else (int(algorithm),)
-            return self._data_parallel_step(indices, feeds, fetch)
-        self._check_names(feeds, "train_step")
-        checked = [p.check_feeds(feeds, False, "train_step") for p in programs]
+            with self._lock:
+                return self._parallel.step(indices, feeds, fetch)
+        checked = self._programs.checked(programs, feeds, "train_step")
+        runner = self._runner
         with self._lock:
             if len(programs) == 1:
-                outputs = self._planned_step(programs[0], checked[0], fetch)
+                # The steady state: one prepared step, committed (``ProgramRunner.plan_steps``).
+                outputs = runner.planned_step(programs[0], checked[0], fetch)
                 if outputs is not None:
                     return outputs
             pending: dict[str, Any] = {}
-            if len(programs) == 1:
-                outputs = self._run_and_stage(programs[0], checked[0], pending, fetch,
-                                              "update_binding")
-            else:
-                outputs = {}
-                for program, program_feeds in zip(programs, checked):
-                    outputs.update(
-                        self._run_and_stage(program, program_feeds, pending, fetch,
-                                            "update_binding")
-                    )
+            outputs = {}
+            for program, program_feeds in zip(programs, checked):
+                outputs.update(runner.run_and_stage(program, program_feeds, pending, fetch, "update_binding"))
             self._store.commit(pending)  # all bindings at once (R9)
             if len(programs) == 1:
-                self._plan_steps(programs[0])
+                runner.plan_steps(programs[0])
         return outputs
 
     def evaluate_batch(
@@ -463,23 +349,13 @@ class TrainingSession(SettingsMixin, ExecutionMixin, DataParallelMixin, ExportMi
         state.  Where the builder recorded a training-mode copy of the forward
         pass (metadata ``train_prediction``), the loss reads the inference-mode
         ``prediction`` instead."""
-        n = len(self._algorithms)
+        n = len(self._programs.algorithms)
         if not (type(algorithm) is int or isinstance(algorithm, np.integer)) or not 0 <= algorithm < n:
             raise ValueError(f"evaluate: algorithm must be an index in [0, {n}), got {algorithm!r}")
-        key = (int(algorithm), loss, prediction)
-        program = self._loss_programs.get(key)
-        if program is None:
-            returned = self._algorithms[algorithm].returned
-            if loss not in returned:
-                raise ValueError(f"evaluate: {loss!r} is not an output of algorithm {algorithm} "
-                                 f"{returned}")
-            train_prediction = self._metadata.get("train_prediction", {})
-            program = loss_program(self._model, int(algorithm), loss, prediction,
-                                   train_prediction.get(str(algorithm)))
-            self._loss_programs[key] = program
-        self._check_names(feeds, "evaluate")
+        program = self._programs.loss(int(algorithm), loss, prediction)
+        self._programs.check_names(feeds, "evaluate")
         checked = program.check_feeds(feeds, False, "evaluate")
-        executor = self._executor(program)
+        executor = self._runner.executor(program)
         with self._store.snapshot(program.state_inputs) as snap:
             return executor.run_bound(checked, snap, {}, program.outputs)
 
@@ -496,21 +372,23 @@ class TrainingSession(SettingsMixin, ExecutionMixin, DataParallelMixin, ExportMi
                 UserWarning, stacklevel=2,
             )
         self.fit_position = None
+        runner = self._runner
+        lean = runner.options.lean
         # memory="lean": readers wait until the commit (not only the in-place writes).
-        with self._lock, self._store.exclusive(self._lean):
+        with self._lock, self._store.exclusive(lean):
             pending: dict[str, Any] = {}
             error: BaseException | None = None
             wrote = False
             try:
-                for program in self._initializations:
+                for program in self._programs.initializations:
                     if program is None or not program.bindings:
                         continue
                     # memory="lean": an initialization graph reads no state
                     # (R6), so its values may go straight into the current buffers.
-                    inplace = set(program.bound_keys) if self._lean else set()
+                    inplace = set(program.bound_keys) if lean else set()
                     wrote = wrote or bool(inplace)
-                    self._run_and_stage(program, {}, pending, False, "initialization_binding",
-                                        inplace=inplace)
+                    runner.run_and_stage(program, {}, pending, False, "initialization_binding",
+                                         inplace=inplace)
             except BaseException as exc:
                 error = exc
                 if wrote:
@@ -519,12 +397,11 @@ class TrainingSession(SettingsMixin, ExecutionMixin, DataParallelMixin, ExportMi
                     exc.add_note("initialize(): memory='lean': some state was already reset in place")
             self._agree(error, "initialize()")
             self._store.commit(pending)
-            if self._large:  # rarely run again: let their weights' maps go
-                for program in self._initializations:
-                    if program is not None:
-                        self._executors.pop(id(program), None)
-            self._local_rows = 0  # accumulated gradient sums start over
-            if self._dp is not None:  # random initializations differ: rank 0's win
+            if runner.options.large:  # rarely run again: let their weights' maps go
+                runner.forget(self._programs.built_initializations)
+            if self._parallel is not None:
+                self._parallel.local_rows = 0  # accumulated gradient sums start over
+                # random initializations differ: rank 0's win
                 self._broadcast_state([k for k in self._model.state if k in pending])
 
     def run(
@@ -536,8 +413,8 @@ class TrainingSession(SettingsMixin, ExecutionMixin, DataParallelMixin, ExportMi
         included, may be fed to override their value for this call only.
         Safe to call from other threads while training: it reads a pinned,
         consistent snapshot of the state."""
-        self._check_names(feeds, "run")
-        program = self._inference
+        self._programs.check_names(feeds, "run")
+        program = self._programs.inference
         names = list(output_names) if output_names is not None else program.outputs
         bad = [n for n in names if n not in program.outputs]
         if bad:
@@ -546,10 +423,11 @@ class TrainingSession(SettingsMixin, ExecutionMixin, DataParallelMixin, ExportMi
             )
         user = program.check_feeds(feeds, True, "run")
         reads = [n for n in program.state_inputs if n not in user]
-        executor = self._executor(program)
+        executor = self._runner.executor(program)
         with self._store.snapshot(reads) as snap:
             return executor.run_bound(user, snap, {}, names)
 
+    # ------------------------------------------------------------------ state
     def load_state(self, mapping: Mapping[str, Any]) -> None:
         """Set some state variables.  Names, dtypes and shapes must match.
 
@@ -564,9 +442,22 @@ class TrainingSession(SettingsMixin, ExecutionMixin, DataParallelMixin, ExportMi
         self._agree(error, "load_state()")
         with self._lock:
             self._store.replace(staged)
-        if self._dp is not None and self._dp.size > 1:
-            names = self._dp.comm.allgather_object(sorted(staged))[0]
-            self._broadcast_state(names)
+        if self._parallel is not None and self._parallel.dp.size > 1:
+            self._broadcast_state(self._parallel.rank0_names(staged))
+
+    def _agree(self, error: BaseException | None, what: str) -> None:
+        """Raise ``error`` here, or DistributedStepError elsewhere, if any rank failed."""
+        if self._parallel is not None:
+            self._parallel.agree(error, what)
+        elif error is not None:
+            raise error
+
+    def _broadcast_state(self, names: Sequence[str]) -> None:
+        """Rank 0's values of the state variables ``names`` to every rank."""
+        arrays = self._parallel.broadcast(names) if self._parallel is not None else None
+        if arrays is not None:
+            with self._lock:
+                self._store.replace(arrays)
 
     def _checked_state(self, mapping: Mapping[str, Any]) -> dict[str, np.ndarray]:
         staged: dict[str, np.ndarray] = {}
@@ -585,3 +476,104 @@ class TrainingSession(SettingsMixin, ExecutionMixin, DataParallelMixin, ExportMi
         return staged
 
 
+
+    # ---------------------------------------------------------------- settings
+    @property
+    def learning_rate(self) -> float:
+        """The base learning rate (a schedule scales it), read from its state variable.
+
+        Setting it changes the next step and every later one, nothing is
+        rebuilt; the value is state, so it is saved in a checkpoint and
+        ``initialize()`` resets it to the rate the model was built with."""
+        return self._settings.value("learning_rate")
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        self.load_state(self._settings.staged("learning_rate", value))
+
+    @property
+    def current_learning_rate(self) -> float:
+        """The rate the next ``train_step`` update uses (read-only): the base
+        ``learning_rate`` times the schedule's factor at the step counter (ONNX
+        Runtime training's ``get_learning_rate()``).  It runs the algorithm
+        graph's own nodes that compute the rate (metadata
+        ``onnxtrain.learning_rate`` names their result) on the current state,
+        the values the step reads, so it is exact for every schedule.  A model
+        without a schedule, or built before the rate was recorded: the base rate."""
+        return self._settings.current_learning_rate()
+
+    @property
+    def clip_grad_norm(self) -> float:
+        """The global-norm clipping threshold of a model built with
+        ``clip_grad_norm=c``, read from its state variable; setting it works
+        like ``learning_rate`` (the next step, nothing rebuilt, checkpointed,
+        reset by ``initialize()``)."""
+        return self._settings.value("clip_grad_norm")
+
+    @clip_grad_norm.setter
+    def clip_grad_norm(self, value: float) -> None:
+        self.load_state(self._settings.staged("clip_grad_norm", value))
+
+    @property
+    def schedule_total_steps(self) -> int | None:
+        """The updates a schedule built without a total (``build.cosine()``) runs
+        over: None until set.  ``fit`` sets it when it starts (epochs x updates
+        per epoch) unless it is set; it is state, so a checkpoint keeps it and
+        ``initialize()`` unsets it.  A model without such a schedule raises."""
+        value = self._settings.value("schedule")
+        return int(value) if value > 0 else None
+
+    @schedule_total_steps.setter
+    def schedule_total_steps(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"schedule_total_steps must be an integer >= 1, got {value!r}")
+        self.load_state(self._settings.staged("schedule", int(value)))
+
+    # ------------------------------------------------------------------ export
+    def to_model(self, training: bool = False, outputs: Sequence[str] | None = None) -> onnx.ModelProto:
+        """The model with the current state written into its initializers.
+
+        ``training=False``: a plain inference model (training_info dropped),
+        cut to ``outputs`` when given (main-graph values; the nodes they need
+        stay, inputs nothing reads any more go, as ONNX Runtime training's
+        ``export_model_for_inferencing(path, outputs)``), else to the outputs
+        the model's metadata names (``onnxtrain.export_outputs``: a model
+        imported from ONNX Runtime training artifacts exports its prediction,
+        without the loss or the labels), else whole.
+        ``training=True``: the whole training model, a complete checkpoint.
+        The result is self-contained, weights the session maps from external
+        data included, unless its tensors exceed the external-data threshold
+        (``ONNXTRAIN_EXTERNAL_DATA_THRESHOLD``, 1.5 GiB by default; protobuf
+        cannot hold 2 GiB): those then stay references to their files
+        (``onnxtrain.io.mapped``), which a ``TrainingSession`` of this process
+        accepts.  ``export`` writes any size to a file, streamed."""
+        return model_export.to_model(self, training, outputs)
+
+    def export(
+        self, path: str | os.PathLike, training: bool = False, external_data: bool | None = None,
+        outputs: Sequence[str] | None = None,
+    ) -> Path:
+        """Write the current model to ``path`` atomically (temp file, fsync, rename).
+
+        ``training`` and ``outputs``: as ``to_model`` (for example
+        ``export("model.onnx", outputs=["logits"])``).
+
+        ``external_data``: None writes tensors to a data file beside the model
+        when they exceed ``ONNXTRAIN_EXTERNAL_DATA_THRESHOLD`` (1.5 GiB by
+        default; protobuf cannot hold 2 GiB) or the session maps weights
+        from external data; True or False forces it.  Tensors are streamed: state from its buffers (pinned meanwhile, so a
+        step from another thread writes elsewhere), mapped weights file to
+        file, merged LoRA weights block by block."""
+        with self._store.snapshot() as snap:
+            pinned = _Pinned(self.model, {n: as_numpy(v) for n, v in snap.items()}, self.fit_position)
+            return model_export.write(pinned, path, training, external_data, outputs)
+
+
+@dataclass(frozen=True)
+class _Pinned:
+    """A ``SessionLike`` of a session whose state buffers are pinned while
+    it is used: its state values are views of them, not copies."""
+
+    model: onnx.ModelProto
+    state: Mapping[str, np.ndarray]
+    fit_position: dict[str, Any] | None

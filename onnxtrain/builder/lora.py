@@ -57,19 +57,18 @@ target: the adapter names, the scale, the orientation and every node and
 value it inserted; ``merge`` removes them again, renames the rewritten
 nodes' outputs back and writes the merged weight, which gives the original
 graph.  ``TrainingSession.export(path)`` writes that merged model;
-``export(path, training=True)`` the whole training model.
-``save_adapters(sess, "a.npz")`` writes only the adapters (and the
-description), ``apply_adapters(base_model, "a.npz")`` merges them into the
-base model later.
+``export(path, training=True)`` the whole training model.  The adapter
+files are a way out, in ``onnxtrain.export.adapters`` (public with this
+module as ``onnxtrain.build.lora``): ``save_adapters(sess, "a.npz")`` writes
+only the adapters (and the description), ``apply_adapters(base_model,
+"a.npz")`` merges them into the base model later.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -80,7 +79,6 @@ from ..core.graph import graph_names
 from ..core.names import NameGen
 from ..io import mapped
 from ..io.metadata import PREFIX, drop_metadata, set_metadata
-from ..io.model import ModelLike, load
 from . import qlora
 from .known_names import known_names, matches
 from .targets import Use, attribute, default_targets, eligible_targets
@@ -498,112 +496,6 @@ def merge(model: onnx.ModelProto, state: Mapping[str, np.ndarray] | None = None,
     return out
 
 
-# ------------------------------------------------------------------ adapter files
-def _source_of(obj: Any) -> tuple[onnx.ModelProto, Mapping[str, np.ndarray] | None]:
-    """(model, state) of a TrainingSession, or (model, None) of a model.
-
-    A session is recognised by its ``model`` (a ModelProto) and ``state``
-    properties, so that this module need not import the session's."""
-    if not isinstance(obj, (str, os.PathLike, bytes, bytearray, memoryview, onnx.ModelProto)):
-        model = getattr(obj, "model", None)
-        state = getattr(obj, "state", None)
-        if isinstance(model, onnx.ModelProto) and isinstance(state, Mapping):
-            return model, state
-    return load(obj)[0], None
-
-
-def save_adapters(source: Any, path: str | os.PathLike) -> Path:
-    """Write the adapters of a TrainingSession (current state) or of a LoRA
-    model (its initializers) to ``path``, an ``.npz`` file: one array per
-    adapter under its name (``W.lora_A``, ``W.lora_B``) and the description
-    under ``onnxtrain.lora`` (a JSON string), without node lists.  Its size
-    is that of the adapters: r·(in + out) values per target."""
-    model, state = _source_of(source)
-    info = info_of(model)
-    if info is None:
-        raise ValueError(f"save_adapters: the model has no {META_KEY} metadata (not built with lora=)")
-    inits = {t.name: t for t in model.graph.initializer}
-    arrays: dict[str, np.ndarray] = {}
-    targets = []
-    for e in info["targets"]:
-        for key in ("A", "B"):
-            name = e[key]
-            arrays[name] = (np.asarray(state[name]) if state is not None and name in state
-                            else mapped.to_array(inits[name]))
-        targets.append({k: e[k] for k in ("weight", "A", "B", "in", "out", "transposed", "scale",
-                                          "quantized") if k in e})
-    desc = {k: info[k] for k in ("format", "rank", "alpha", "dropout", "seed")}
-    desc["targets"] = targets
-    from ..core.files import write_atomically
-
-    # Into an open file: np.savez on a path would append ".npz".
-    return write_atomically(path, lambda f: np.savez(f, **arrays, **{META_KEY: np.asarray(json.dumps(desc))}))
-
-
-def load_adapters(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(description, adapter arrays) of a file written by ``save_adapters``."""
-    with np.load(path, allow_pickle=False) as z:
-        if META_KEY not in z.files:
-            raise ValueError(f"{path}: not a LoRA adapter file (no {META_KEY} entry)")
-        desc = json.loads(str(z[META_KEY]))
-        arrays = {k: z[k] for k in z.files if k != META_KEY}
-    if desc.get("format") != FORMAT:
-        raise ValueError(f"{path}: unsupported LoRA adapter format {desc.get('format')!r}")
-    return desc, arrays
-
-
-def apply_adapters(base_model: ModelLike, path: str | os.PathLike,
-                   output: str | os.PathLike | None = None) -> onnx.ModelProto | Path:
-    """The base inference model with the adapters of ``path`` merged into its
-    weights (``merged_weight``): the same model ``TrainingSession.export``
-    writes for the session the adapters came from.  Each target must be an
-    initializer of the base model with the recorded shape.
-
-    ``output``: write the merged model there instead (atomically, streamed:
-    each merged weight is computed block by block while it is written, so a
-    base model with external data, mapped, is never copied into memory) and
-    return the path; a base model that came with external data keeps it."""
-    desc, arrays = load_adapters(path)
-    source, _ = load(base_model)
-    out = onnx.ModelProto()
-    out.CopyFrom(source)
-    if out.training_info:
-        raise ValueError("apply_adapters: base_model must be an inference model (it has training_info)")
-    if any(e.get("quantized") for e in desc["targets"]):
-        # QLoRA: the exact side branches (in memory), the float targets merged.
-        out = merge(attach(out, desc, arrays))
-        if output is None:
-            return out
-        from ..io.storage import write_model
-
-        return write_model(out, output)
-    inits = {t.name: i for i, t in enumerate(out.graph.initializer)}
-    deferred: dict[str, mapped.Deferred] = {}
-    for e in desc["targets"]:
-        w = e["weight"]
-        if w not in inits:
-            raise ValueError(f"apply_adapters: the base model has no initializer {w!r}")
-        missing = [e[k] for k in ("A", "B") if e[k] not in arrays]
-        if missing:
-            raise ValueError(f"{path}: adapter arrays {missing} are missing")
-        t = out.graph.initializer[inits[w]]
-        expected = [e["out"], e["in"]] if e["transposed"] else [e["in"], e["out"]]
-        if list(t.dims) != expected:
-            raise ValueError(f"apply_adapters: {w!r} has shape {list(t.dims)}, the adapters "
-                             f"were trained for {expected}")
-        args = (mapped.to_array(t), arrays[e["A"]], arrays[e["B"]], e["scale"], e["transposed"])
-        if output is None:
-            t.CopyFrom(numpy_helper.from_array(merged_weight(*args), w))
-        else:
-            value = mapped.Deferred(args[0].dtype, tuple(args[0].shape), lambda args=args: merged_blocks(*args))
-            mapped.defer(t, f"lora/{w}", value, deferred)
-    if output is None:
-        return out
-    from ..io.storage import came_external, write_model
-
-    return write_model(out, output, deferred=deferred, external_data=True if came_external(source) else None)
-
-
 def attach(proto: onnx.ModelProto, desc: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
            ) -> onnx.ModelProto:
     """``proto`` (modified) rewritten by ``apply`` for the targets of an
@@ -628,32 +520,3 @@ def attach(proto: onnx.ModelProto, desc: Mapping[str, Any], arrays: Mapping[str,
             t.CopyFrom(numpy_helper.from_array(
                 value.astype(helper.tensor_dtype_to_np_dtype(t.data_type)), m[key]))
     return proto
-
-
-def export_requantized(source: Any, path: str | os.PathLike) -> dict[str, dict[str, float]]:
-    """Write the inference model of a QLoRA session (or LoRA model) to
-    ``path`` with each quantized target's merged weight ``W + s·A·B``
-    quantized again in its own format (float targets merged as usual), and
-    return per quantized target the error that adds (``update_error``: the
-    part of ||s·A·B|| lost, relative; ``max_abs_error``), also warned.
-    ``TrainingSession.export`` never does this: it keeps the exact branch."""
-    import warnings
-
-    from ..io.storage import write_model
-    from ..lower.pipeline import inference_export
-
-    to_model = getattr(source, "to_model", None)
-    model = to_model(training=True) if callable(to_model) else load(source)[0]
-    info = info_of(model)
-    if info is None:
-        raise ValueError(f"export_requantized: the model has no {META_KEY} metadata (not built with lora=)")
-    report: dict[str, dict[str, float]] = {}
-    out = inference_export(merge(model, requantize=True, report=report))
-    written = write_model(out, path)
-    if report:
-        worst = max(report.items(), key=lambda kv: kv[1]["update_error"])
-        warnings.warn(f"export_requantized: requantizing {len(report)} quantized target(s) changed the "
-                      f"merged weights; worst {worst[0]!r}: {worst[1]['update_error']:.1%} of the "
-                      f"LoRA update lost (max abs error {worst[1]['max_abs_error']:.3g})", stacklevel=2)
-    del written
-    return report

@@ -13,11 +13,13 @@ pipeline of ``onnxtrain.passes``:
 
 Feed checking lives here too: ``check_feed_names`` (every name known) and
 ``Program.check_feeds`` (dtype, rank, static sizes, shared symbolic sizes).
+``ProgramSet`` holds every program of one model, each built once, and what
+each is for (its role), for the session and its runner to share.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from ..io.combine import uses_preview_ops
 from ..io.model import TrainingModel
 from . import program_cache
 from .pipeline import combine, finish, loss_graph, lower_front, run_pipeline
@@ -326,3 +329,128 @@ def loss_program(tm: TrainingModel, index: int, loss: str, prediction: str | Non
     outputs = [n for n in (loss, prediction) if n is not None]
     graph = loss_graph(tm, index, outputs, train_prediction, prediction)
     return build_program(tm, f"evaluate(training_info[{index}])", graph, [])
+
+
+#: What a program is for (``ProgramSet.role``): the runner compiles each kind
+#: its own way (fused kernels for the training kinds, no memory pattern, ...).
+INFERENCE, ALGORITHM, FORWARD, UPDATE, INITIALIZATION, EVALUATE = (
+    "inference", "algorithm", "forward", "update", "initialization", "evaluate")
+
+
+class ProgramSet:
+    """Every program of one training model, each built once, and its role.
+
+    Built at construction, so that model errors surface there: inference,
+    every algorithm (with ``data_parallel``, its cut into a forward and an
+    update half as well) and any initialization graph with training ops.
+    The other initialization programs (only ``initialize()`` runs them; a
+    builder's holds its starting values as constants, nothing that can fail
+    to lower) and ``evaluate``'s loss programs are built on first use.
+
+    >>> import numpy as np
+    >>> from onnx import TensorProto, helper, numpy_helper
+    >>> from onnxtrain import build
+    >>> from onnxtrain.io.model import validate
+    >>> graph = helper.make_graph(
+    ...     [helper.make_node("MatMul", ["X", "W"], ["Y"])], "linear",
+    ...     [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 3])],
+    ...     [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 1])],
+    ...     [numpy_helper.from_array(np.ones((3, 1), np.float32), "W")])
+    >>> model = build.training_model(helper.make_model(graph), loss="mse", target="T")
+    >>> progs = ProgramSet(validate(model), {})
+    >>> progs.role(progs.algorithms[0]), sorted(progs.input_names)
+    ('algorithm', ['T', 'X'])
+    """
+
+    def __init__(self, tm: TrainingModel, metadata: Mapping[str, Any], data_parallel: bool = False) -> None:
+        """``metadata``: the model's onnxtrain.* metadata (``io.metadata``): where
+        it records a data-parallel cut and a training-mode prediction."""
+        self.model = tm
+        self._metadata = metadata
+        self._roles: dict[int, str] = {}
+        self.inference = self._add(inference_program(tm), INFERENCE)
+        built = [algorithm_programs(tm, i, _cut_options(tm, metadata, i) if data_parallel else None)
+                 for i in range(len(tm.training_info))]
+        self.algorithms = [self._add(program, ALGORITHM) for program, _ in built]
+        #: Data-parallel: each algorithm cut in two.
+        self.splits: list[SplitAlgorithm] = [split for _, split in built if split is not None]
+        for split in self.splits:
+            self._add(split.a, FORWARD)
+            if split.b is not None:
+                self._add(split.b, UPDATE)
+        self._initializations: list[Program | None] | None = None
+        if any(ti.HasField("initialization") and uses_preview_ops(ti.initialization)
+               for ti in tm.proto.training_info):
+            self._build_initializations()
+        self._losses: dict[tuple[int, str, str | None], Program] = {}
+        names = set(self.inference.feeds) | set(self.inference.optional_feeds)
+        for p in self.algorithms:
+            names |= set(p.feeds) | set(p.optional_feeds)
+        #: What the caller may feed: the inputs of any program, and state variables.
+        self.input_names = frozenset(names)
+        self.known_names = frozenset(names | set(tm.state))
+
+    def _add(self, program: Program, role: str) -> Program:
+        self._roles[id(program)] = role
+        return program
+
+    def _build_initializations(self) -> list[Program | None]:
+        tm = self.model
+        built = [initialization_program(tm, i) for i in range(len(tm.training_info))]
+        for program in built:
+            if program is not None:
+                self._add(program, INITIALIZATION)
+        self._initializations = built
+        return built
+
+    @property
+    def initializations(self) -> list[Program | None]:
+        """The program of each training_info's initialization graph (None where it has none)."""
+        built = self._initializations
+        return built if built is not None else self._build_initializations()
+
+    @property
+    def built_initializations(self) -> list[Program]:
+        """The initialization programs built so far (building none)."""
+        return [p for p in self._initializations or () if p is not None]
+
+    def role(self, program: Program) -> str:
+        """What ``program`` (one of this set's) is for: INFERENCE, ALGORITHM,
+        FORWARD or UPDATE (a cut algorithm's halves), INITIALIZATION or EVALUATE."""
+        return self._roles[id(program)]
+
+    def loss(self, index: int, loss: str, prediction: str | None = None) -> Program:
+        """The loss program of algorithm ``index`` (``loss_program``), built on first use and kept."""
+        key = (index, loss, prediction)
+        program = self._losses.get(key)
+        if program is None:
+            returned = self.algorithms[index].returned
+            if loss not in returned:
+                raise ValueError(f"evaluate: {loss!r} is not an output of algorithm {index} {returned}")
+            train_prediction = self._metadata.get("train_prediction", {})
+            program = loss_program(self.model, index, loss, prediction, train_prediction.get(str(index)))
+            self._losses[key] = self._add(program, EVALUATE)
+        return program
+
+    def check_names(self, feeds: Mapping[str, Any], caller: str) -> None:
+        """``check_feed_names`` against every name this model may be fed."""
+        check_feed_names(feeds, self.known_names, self.input_names, caller)
+
+    def checked(self, programs: Sequence[Program], feeds: Mapping[str, Any], caller: str
+                ) -> list[dict[str, np.ndarray]]:
+        """The names of ``feeds`` checked, then each program's feeds (``Program.check_feeds``,
+        no state variable overridden)."""
+        check_feed_names(feeds, self.known_names, self.input_names, caller)
+        return [p.check_feeds(feeds, False, caller) for p in programs]
+
+
+def _cut_options(tm: TrainingModel, metadata: Mapping[str, Any], index: int) -> dict:
+    """How ``training_info[index]`` is cut for data-parallel training: the
+    rank-local state and the values to reduce that the builder recorded
+    (metadata ``onnxtrain.data_parallel``)."""
+    info = metadata.get("data_parallel")
+    info = info if isinstance(info, dict) else {}
+    bound = {b.key for b in tm.proto.training_info[index].update_binding}
+    local = [n for n in info.get("local", []) if n in bound]
+    reduce = (info.get("reduce") or {}).get(str(index))
+    return {"local": local, "reduce": list(reduce) if reduce else None}

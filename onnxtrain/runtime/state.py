@@ -15,19 +15,23 @@ per-variable Python work: ``plan_for_current`` picks the plan whose
 expected map is current and ``install`` commits it.  Any other state change
 (``replace``, a pinned snapshot, another program) makes the plans miss.
 Only this module touches the buffer maps.
+
+``StateView`` is ``TrainingSession.state``: a read-only mapping over one
+pinned, consistent version of the store.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Container, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .executor import contiguous, empty_like, new_buffer, wrap_buffer
+from .executor import as_numpy, contiguous, empty_like, new_buffer, wrap_buffer
 
 
 @dataclass
@@ -215,3 +219,31 @@ class StateStore:
             self._current, self._spare = plan.next_current, plan.next_spare
             self.version += 1
             return True
+
+
+class StateView(Mapping):
+    """Read-only view of one consistent state version: each lookup returns a numpy copy.
+
+    Creating the view pins the current buffers (a training step never writes
+    into a pinned buffer), so ``dict(sess.state)`` taken while another thread
+    trains never mixes two steps; the pins go when the view is collected."""
+
+    def __init__(self, store: StateStore) -> None:
+        snap = store.snapshot()
+        self._values = snap.__enter__()
+        weakref.finalize(self, snap.__exit__, None, None, None)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._values:
+            raise KeyError(name)
+        return np.array(as_numpy(self._values[name]), copy=True)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        items = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in self.items())
+        return f"StateView({{{items}}})"

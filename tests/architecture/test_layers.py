@@ -136,7 +136,8 @@ def test_the_cycle_finder_sees_function_level_imports_and_package_inits():
 
 def _own_privates(tree: ast.Module) -> set[str]:
     """The private attributes the classes of a module define: methods and
-    class attributes, and ``self._x = ...`` in their methods."""
+    class attributes, and ``self._x = ...`` in their methods (unpacked
+    ``self._x, self._y = ...`` included)."""
     names = set()
     for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
         for node in ast.walk(cls):
@@ -144,6 +145,7 @@ def _own_privates(tree: ast.Module) -> set[str]:
                 names.add(node.name)
             targets = node.targets if isinstance(node, ast.Assign) else (
                 [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+            targets = [e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]
             for t in targets:
                 if isinstance(t, ast.Name) and t.id.startswith("_"):
                     names.add(t.id)
@@ -154,8 +156,9 @@ def _own_privates(tree: ast.Module) -> set[str]:
 
 
 def _private_uses(path: Path) -> list[str]:
-    """``x._name`` where ``x`` is not ``self``/``cls`` and ``_name`` is not an
-    attribute of a class of the same module, and ``from m import _name``."""
+    """``x._name`` where ``_name`` is not an attribute that a class of the same
+    module defines, ``self._name`` included (a mixin's use of its host's
+    private state counts), and ``from m import _name``."""
     found = []
     label = path.relative_to(ROOT.parent) if path.is_relative_to(ROOT.parent) else path.name
     tree = ast.parse(path.read_text())
@@ -163,8 +166,8 @@ def _private_uses(path: Path) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             owner = node.value
-            if (isinstance(owner, ast.Name) and owner.id in ("self", "cls")) or node.attr in own:
-                continue  # its own object, or an object of a class of this module
+            if node.attr in own:
+                continue  # an attribute a class of this module defines (``self._x`` included)
             if isinstance(owner, ast.Name) and owner.id in ("os", "sys"):
                 continue  # the standard library's documented os._exit, sys._getframe
             found.append(f"{label}:{node.lineno}: {ast.unparse(node)}")
@@ -195,6 +198,21 @@ def test_the_private_name_check_sees_a_planted_use(tmp_path):
     planted = tmp_path / "m.py"
     planted.write_text("from onnxtrain.core.names import NameGen\nNameGen._clean\n")
     assert [u.split(": ")[1] for u in _private_uses(planted)] == ["NameGen._clean"]
+
+
+def test_the_private_name_check_sees_a_mixin_using_its_hosts_state(tmp_path):
+    """``self._x`` counts unless a class of the module defines ``_x``: a mixin
+    reading the private state its host class (in another file) sets is caught."""
+    planted = tmp_path / "mixin.py"
+    planted.write_text(
+        "class Mixin:\n"
+        "    def step(self):\n"
+        "        return self._store, self._own()\n"
+        "    def _own(self):\n"
+        "        self._mine, self._also = 1, 2\n"
+        "        return self._mine + self._also\n"
+    )
+    assert [u.split(": ")[1] for u in _private_uses(planted)] == ["self._store"]
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

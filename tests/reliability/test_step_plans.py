@@ -1,4 +1,4 @@
-"""Step plans: the steady-state train_step path (session._planned_step).
+"""Step plans: the steady-state train_step path (``ProgramRunner.planned_step``).
 
 After a committed single-algorithm step, the session binds the two
 double-buffer configurations once and alternates them.  These tests check

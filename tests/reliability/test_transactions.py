@@ -40,10 +40,10 @@ from reliability_models import (
     snapshot,
 )
 
-import onnxtrain.engine.execution as execution_mod
-import onnxtrain.engine.parallel_step as parallel_step_mod
 import onnxtrain.lower.programs as programs_mod
+import onnxtrain.parallel.step as parallel_step_mod
 import onnxtrain.runtime.executor as executor_mod
+import onnxtrain.runtime.runner as runner_mod
 import onnxtrain.runtime.state as state_mod
 import onnxtrain.session as session_mod
 from onnxtrain import TrainingSession
@@ -53,7 +53,7 @@ from onnxtrain.runtime.executor import Executor
 #: the replacement methods).
 SOURCES = {
     os.path.abspath(session_mod.__file__),
-    os.path.abspath(execution_mod.__file__),
+    os.path.abspath(runner_mod.__file__),
     os.path.abspath(parallel_step_mod.__file__),
     os.path.abspath(executor_mod.__file__),
     os.path.abspath(programs_mod.__file__),
@@ -108,7 +108,7 @@ SCENARIOS = {
 
 class LineInterrupt:
     """A sys.settrace hook: raise KeyboardInterrupt at the ``at``-th line
-    executed in onnxtrain's session.py / executor.py (``at=None``: only count).
+    executed in onnxtrain's step files (SOURCES) (``at=None``: only count).
 
     One kind of line event is skipped: CPython reports the ``with`` line
     again when a with-block *exits*, at an instruction outside the block's
@@ -213,8 +213,8 @@ def _describe(state, old, new) -> str:
 # Phases of a train_step, each named by a function whose lines must have been
 # interrupted (any one of the names; the code may be refactored around them).
 STEP_PHASES = {
-    "feed checking": {"_check_names", "_user_feeds", "check", "_check_feed"},
-    "before the run": {"_run_and_stage", "targets", "current"},
+    "feed checking": {"checked", "check_names", "check_feeds", "check"},
+    "before the run": {"run_and_stage", "targets", "current"},
     "the run": {"run_bound"},
     "the commit": {"commit"},
 }
@@ -250,7 +250,7 @@ def test_interrupt_at_every_line_with_proposed_commit(counter_bytes, name, monke
     if name == "load_state":
         assert {"load_state", "replace"} <= result["functions"]
     if name == "initialize":
-        assert {"initialize", "_run_and_stage", "run_bound", "commit"} <= result["functions"]
+        assert {"initialize", "run_and_stage", "run_bound", "commit"} <= result["functions"]
 
 
 # --------------------------------------------- run_bound raising (1)

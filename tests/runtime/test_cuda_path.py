@@ -131,7 +131,7 @@ def test_providers_reach_every_onnxruntime_session_unchanged(monkeypatch, provid
     sess.train_step(feeds(seed=2))
     sess.run({"X": feeds()["X"]})
     sess.evaluate_batch(feeds(), "loss")
-    labels = {ex.label for ex in sess._executors.values()}
+    labels = {ex.label for ex in sess._runner.executors}
     assert labels == {"inference", "training_info[0].algorithm", "training_info[0].initialization",
                       "evaluate(training_info[0])"}
     assert len(calls) == len(labels)  # one onnxruntime session per program
@@ -195,7 +195,7 @@ def test_cuda_state_buffers_and_bound_outputs_are_on_the_device(monkeypatch):
     # inputs read from them; fetched outputs (loss) come back as numpy (CPU)
     outputs = [(name, v) for io, name, v in bound if io == "output"]
     inputs = [(name, v) for io, name, v in bound if io == "input"]
-    algorithm = sess._algorithms[0]
+    algorithm = sess._programs.algorithms[0]
     assert {name for name, _ in outputs} >= set(algorithm.bound_values)
     assert "loss" not in {name for name, _ in outputs}
     assert all(made.get(id(v)) == ("cuda", 1) for _, v in outputs + inputs)
@@ -236,7 +236,7 @@ def test_kernel_choice_keeps_the_standard_program_off_cpu():
     # fused_kernels=True off CPU is refused at construction:
     # tests/runtime/test_fused_kernels.py::test_fused_kernels_true_is_refused_off_cpu
     sess = TrainingSession(models.mlp_classifier("adam"), fused_kernels=False)
-    model = sess._algorithms[0].model
+    model = sess._programs.algorithms[0].model
     for fused in (None, True):
         choice = kernel_choice(model, fused, device_of(CUDA1)[0])
         assert choice.model is model and choice.library is None
@@ -247,7 +247,7 @@ def test_cuda_session_runs_the_standard_program(monkeypatch):
     fake_cuda(monkeypatch)
     sess = TrainingSession(models.mlp_classifier("adam"), providers=CUDA1)
     sess.train_step(feeds())
-    program = sess._algorithms[0]
+    program = sess._programs.algorithms[0]
     assert sess.programs(executed=True)[program.label] is program.model
     assert "CPU provider only" in sess.fused_kernels_note
 
@@ -262,7 +262,7 @@ def test_missing_cuda_falls_back_to_cpu_bit_for_bit(providers):
         got = [sess.train_step(feeds(seed=s)) for s in range(5)]
         pred = sess.run({"X": feeds()["X"]})
     assert any("CUDAExecutionProvider" in str(w.message) for w in caught)  # onnxruntime says so
-    real = {tuple(ex._sess.get_providers()) for ex in sess._executors.values()}
+    real = {tuple(ex._sess.get_providers()) for ex in sess._runner.executors}
     assert real == {("CPUExecutionProvider",)}
     assert {device_of(list(r)) for r in real} == {("cpu", 0)} == {sess._store.device}
     assert all(isinstance(v, ort.OrtValue) and v.device_name().lower() == "cpu" for v in buffers(sess))

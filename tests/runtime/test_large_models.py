@@ -67,7 +67,7 @@ def test_external_weights_stay_mapped_and_are_shared(external):
     sess = TrainingSession(tm)
     assert "W" not in sess.state  # frozen: a constant, not state
     sess.train_step(batch(512, 1024))
-    shared = [ex.shared for ex in sess._executors.values() if ex.shared]
+    shared = [ex.shared for ex in sess._runner.executors if ex.shared]
     assert shared and all("W" in s for s in shared)
     # One OrtValue over one map, whichever program reads it.
     assert len({id(s["W"]) for s in shared}) == 1
@@ -290,7 +290,7 @@ def test_large_inline_weights_are_spilled_and_shared(tmp_path, monkeypatch):
     for step in range(3):
         a, b = (s.train_step(batch(512, 1024, seed=step)) for s in (plain, spilled))
         assert np.array_equal(a["loss"], b["loss"])
-    assert any(ex.shared for ex in spilled._executors.values())
+    assert any(ex.shared for ex in spilled._runner.executors)
     out = spilled.export(tmp_path / "out" / "m.onnx")
     assert os.listdir(out.parent) == ["m.onnx"]
     x = batch(512, 1024)["X"]

@@ -66,11 +66,11 @@ def test_lean_equals_safe_bit_for_bit(name, fused, extra):
     for k in safe.state:
         assert np.array_equal(safe.state[k], lean.state[k]), k
     # The weights really were updated in place: no second buffer is kept.
-    keys = lean._inplace_keys(lean._splits[-1].b)
+    keys = lean._runner.inplace_keys(lean._programs.splits[-1].b)
     assert {"W", "b"} <= keys
     assert all(lean._store._spare[k] is None for k in keys)
     if name == "sgd" and not extra:  # lr·g is computed over the gradient's own buffer
-        assert len(lean._scratch[id(lean._splits[-1].b)]) == 2
+        assert len(lean._runner.scratch(lean._programs.splits[-1].b)) == 2
 
 
 def test_in_place_keeps_the_buffer_and_honours_readers():

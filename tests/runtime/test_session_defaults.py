@@ -13,7 +13,7 @@ import pytest
 from models import linear_regression
 
 from onnxtrain import TrainingSession
-from onnxtrain.engine import execution
+from onnxtrain.runtime import runner
 from onnxtrain.runtime.executor import SPINNING_ENV, default_session_options
 
 KEY = "session.intra_op.allow_spinning"
@@ -45,13 +45,13 @@ def test_spinning_bad_value_is_one_clear_error(monkeypatch):
 
 def _executors_made(monkeypatch) -> list[tuple[str, dict]]:
     made: list[tuple[str, dict]] = []
-    real = execution.Executor
+    real = runner.Executor
 
     def recording(model, providers, session_options, label, *args, **kwargs):
         made.append((label, dict(kwargs, session_options=session_options)))
         return real(model, providers, session_options, label, *args, **kwargs)
 
-    monkeypatch.setattr(execution, "Executor", recording)
+    monkeypatch.setattr(runner, "Executor", recording)
     return made
 
 

@@ -248,16 +248,16 @@ def _fast_path_passes(m) -> bool:
 
 
 def _counting_initialization_programs(monkeypatch) -> list:
-    import onnxtrain.session
+    import onnxtrain.lower.programs
 
     made = []
-    real = onnxtrain.session.initialization_program
+    real = onnxtrain.lower.programs.initialization_program
 
     def counted(tm, index):
         made.append(index)
         return real(tm, index)
 
-    monkeypatch.setattr(onnxtrain.session, "initialization_program", counted)
+    monkeypatch.setattr(onnxtrain.lower.programs, "initialization_program", counted)
     return made
 
 

@@ -248,7 +248,7 @@ def onnx_checker(program):
 
 
 def test_programs_are_compiled_once(monkeypatch):
-    import onnxtrain.engine.execution as session_module
+    import onnxtrain.runtime.runner as session_module
 
     created = []
     real = session_module.Executor

@@ -72,8 +72,8 @@ def test_unfetched_steps_prune_the_inference_forward_and_change_nothing(same_bat
         assert state_a[k].tobytes() == state_b[k].tobytes(), k
     assert (ALGORITHM, True) in made  # a pruned session was made, for b's steps
     full = b.programs(executed=True)[ALGORITHM]
-    pruned = b._executor(b._algorithms[0]).pruned_session(frozenset(
-        o.name for o in full.graph.output if o.name not in b._algorithms[0].returned))
+    pruned = b._runner.executor(b._programs.algorithms[0]).pruned_session(frozenset(
+        o.name for o in full.graph.output if o.name not in b._programs.algorithms[0].returned))
     assert pruned is not None
     ops = [n.op_type for n in full.graph.node]
     assert ops.count("BatchNormalization") == 2  # inference-mode main graph + training-mode copy
@@ -89,7 +89,7 @@ def test_what_the_pruned_program_keeps(batchnorm):
     # loss value's own nodes (the backward reads the log-probabilities).
     sess = TrainingSession(_bn_model(batchnorm))
     full = sess.programs(executed=True)[ALGORITHM]
-    program = sess._algorithms[0]
+    program = sess._programs.algorithms[0]
     state_outputs = [o.name for o in full.graph.output if o.name not in program.returned]
     kept = prune(list(full.graph.node), state_outputs)
     ops, kept_ops = [n.op_type for n in full.graph.node], [n.op_type for n in kept]
@@ -108,7 +108,7 @@ def test_what_the_pruned_program_keeps(batchnorm):
 def test_no_pruned_session_where_pruning_drops_nothing():
     # every output asked for: nothing to prune (dead Constants do not count)
     sess = TrainingSession(_bn_model(False))
-    executor = sess._executor(sess._algorithms[0])
+    executor = sess._runner.executor(sess._programs.algorithms[0])
     everything = frozenset(o.name for o in sess.programs(executed=True)[ALGORITHM].graph.output)
     assert executor.pruned_session(everything) is None
 
@@ -116,7 +116,7 @@ def test_no_pruned_session_where_pruning_drops_nothing():
 def test_lean_memory_does_not_prune():
     sess = TrainingSession(_bn_model(), memory="lean")
     sess.train_step(_feeds(0), fetch=False)
-    assert all(not getattr(ex, "_pruned", {}) for ex in sess._executors.values())
+    assert all(not getattr(ex, "_pruned", {}) for ex in sess._runner.executors)
 
 
 def test_sessions_are_freed_without_the_cycle_collector():
@@ -130,7 +130,7 @@ def test_sessions_are_freed_without_the_cycle_collector():
     for _ in range(2):
         sess.train_step(_feeds(0), fetch=False)
         sess.train_step(_feeds(0))
-    executor = weakref.ref(sess._executor(sess._algorithms[0]))
+    executor = weakref.ref(sess._runner.executor(sess._programs.algorithms[0]))
     gc.collect()
     gc.disable()
     try:

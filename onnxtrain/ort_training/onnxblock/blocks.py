@@ -25,6 +25,11 @@ from onnx import TensorProto, helper
 from . import model_accessor as accessor
 
 
+def fresh(hint: str) -> str:
+    """A name not yet used in the model being built (``model_accessor.current``)."""
+    return accessor.current().fresh(hint)
+
+
 class Block(ABC):
     """Base class of all blocks (see the module docstring)."""
 
@@ -40,13 +45,10 @@ class Block(ABC):
         return self.build(*args, **kwargs)
 
     # helpers for subclasses
-    def _fresh(self, hint: str) -> str:
-        return accessor.current().fresh(hint)
-
     def _node(self, op_type: str, inputs, hint: str, **attrs) -> str:
-        out = self._fresh(hint)
+        out = fresh(hint)
         self.base.graph.node.append(helper.make_node(op_type, list(inputs), [out],
-                                                     name=self._fresh(op_type), **attrs))
+                                                     name=fresh(op_type), **attrs))
         return out
 
 
@@ -141,7 +143,7 @@ class Constant(Block):
         self._value = value_float
 
     def build(self) -> str:
-        name = self._fresh("initializer")
+        name = fresh("initializer")
         self.base.graph.initializer.append(
             helper.make_tensor(name, TensorProto.FLOAT, [1], [float(self._value)]))
         return name
@@ -166,7 +168,7 @@ class InputLike(Block):
         if found is None:
             raise LookupError(f"Could not find input or output with name {self._like}")
         vi = copy.deepcopy(found)
-        vi.name = input_name or self._fresh("input")
+        vi.name = input_name or fresh("input")
         self.base.graph.input.append(vi)
         return vi.name
 

@@ -47,7 +47,7 @@ class _Reduced(blocks.Block):
         return blocks.InputLike(like)(target_name)
 
     def _constant(self, value, hint: str) -> str:
-        name = self._fresh(hint)
+        name = blocks.fresh(hint)
         self.base.graph.initializer.append(
             numpy_helper.from_array(np.asarray(value, np.float32), name))
         return name
@@ -118,15 +118,15 @@ class CrossEntropyLoss(blocks.Block):
             self.base.graph.input.append(labels)
         inputs = [scores_input_name, labels_name]
         if self._weight is not None:
-            weight = self._fresh("celoss.weight")
+            weight = blocks.fresh("celoss.weight")
             self.base.graph.initializer.append(
                 numpy_helper.from_array(np.asarray(self._weight, np.float32), weight))
             inputs.append(weight)
         attrs = {"reduction": self._reduction}
         if self._ignore_index is not None:
             attrs["ignore_index"] = int(self._ignore_index)
-        loss = self._fresh("loss")
+        loss = blocks.fresh("loss")
         self.base.graph.node.append(helper.make_node(
-            "SoftmaxCrossEntropyLoss", inputs, [loss, self._fresh("log_prob")],
-            name=self._fresh("SoftmaxCrossEntropyLoss"), **attrs))
+            "SoftmaxCrossEntropyLoss", inputs, [loss, blocks.fresh("log_prob")],
+            name=blocks.fresh("SoftmaxCrossEntropyLoss"), **attrs))
         return loss

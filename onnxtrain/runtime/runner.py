@@ -1,0 +1,296 @@
+"""How a session runs its programs: one compiled executor per program, run
+against the state store.
+
+``ProgramRunner`` decides, once per program, the model onnxruntime runs
+(fused kernels or standard ops: ``lower.pipeline.kernel_choice``; under
+``memory="lean"`` an update's temporaries written over its gradient
+buffers: ``lower.inplace.with_scratch_outputs``) and compiles it.  It runs a
+program with its state read from the store and its bound values written
+into spare buffers (``run_and_stage``), which the caller's transaction then
+commits, and names the culprit when such a run fails on a bound value of
+the wrong type.
+
+The steady state of a plain training loop is cheaper still: after a
+committed step ``plan_steps`` prepares the two alternating double-buffer
+configurations of its program (``StateStore.plan_cycle``), and
+``planned_step`` runs a step through one of them and installs it, with no
+per-variable Python work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+
+from ..errors import TrainingModelError
+from ..lower.inplace import inplace_keys, with_scratch_outputs
+from ..lower.pipeline import KernelChoice, kernel_choice
+from ..lower.programs import ALGORITHM, FORWARD, INITIALIZATION, UPDATE, Program, ProgramSet
+from .executor import Executor, as_numpy, copy_into, device_of, nchwc_block
+from .state import StateStore
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a session compiles and runs its programs (``TrainingSession``'s arguments).
+
+    ``lean``: memory="lean" (update programs write over gradient buffers and,
+    where the caller asks, state in place).  ``large``: weights past
+    ``LARGE_MODEL_BYTES`` (onnxruntime frees step temporaries; no
+    initialization program folds the values it fills).  ``recompute``: built
+    with activation recompute (no onnxruntime memory pattern anywhere)."""
+
+    providers: list | None = None
+    session_options: Any = None
+    fused_kernels: bool | None = None
+    lean: bool = False
+    large: bool = False
+    recompute: bool = False
+    check_finite: bool = False
+
+
+class ProgramRunner:
+    """Compiles each program of a ``ProgramSet`` once and runs it against a ``StateStore``."""
+
+    def __init__(self, programs: ProgramSet, store: StateStore, options: RunOptions) -> None:
+        self.programs = programs
+        self.store = store
+        self.options = options
+        #: Why fused kernels are not in use (empty while they are, or not yet asked).
+        self.fused_kernels_note = ""
+        self._device = device_of(options.providers)[0]
+        self._executors: dict[int, Executor] = {}
+        #: The model each training program runs (kernel choice), by id.
+        self._executed: dict[int, KernelChoice] = {}
+        #: memory="lean": the in-place variables of each update program, and its
+        #: temporaries written over gradient buffers ({value: input}), by id.
+        self._inplace: dict[int, set[str]] = {}
+        self._scratch: dict[int, dict[str, str]] = {}
+        #: The prepared steps of the last committed program: (program, cycle, executor).
+        self._plans: tuple[Program, tuple, Executor] | None = None
+
+    # ------------------------------------------------------------ compiling
+    def executed_model(self, program: Program) -> onnx.ModelProto:
+        """The model onnxruntime runs for ``program`` (it differs from
+        ``program.model`` where fused kernels replace standard ones)."""
+        return self._choice(program).model
+
+    def _choice(self, program: Program) -> KernelChoice:
+        """The model to run for ``program`` and the custom-op library it needs
+        (``kernel_choice`` decides, once per training algorithm)."""
+        if self.programs.role(program) not in (ALGORITHM, UPDATE):
+            return KernelChoice(program.model)
+        choice = self._executed.get(id(program))
+        if choice is None:
+            choice = kernel_choice(program.model, self.options.fused_kernels, self._device, nchwc_block)
+            choice = self._executed[id(program)] = self._lean_rewrite(program, choice)
+        if choice.note:
+            self.fused_kernels_note = choice.note
+        return choice
+
+    def _lean_rewrite(self, program: Program, choice: KernelChoice) -> KernelChoice:
+        """memory="lean": an update program's temporaries over its gradient
+        buffers (``inplace.with_scratch_outputs``); other programs as they are."""
+        if not self.options.lean or self.programs.role(program) != UPDATE:
+            return choice
+        model, scratch = with_scratch_outputs(choice.model, set(program.feeds))
+        self._scratch[id(program)] = scratch
+        return KernelChoice(model, choice.library, choice.note)
+
+    def executor(self, program: Program) -> Executor:
+        """``program``'s executor, compiled on first use."""
+        ex = self._executors.get(id(program))
+        if ex is None:
+            ex = self._executors[id(program)] = self._compile(program)
+        return ex
+
+    def _compile(self, program: Program) -> Executor:
+        opts = self.options
+        role = self.programs.role(program)
+        choice = self._choice(program)
+        # A large model's initialization folded would hold a copy of what it fills.
+        # MatMulNBits' backward unpacks frozen codes (initializers only): folded,
+        # every quantized weight would be held dequantized, in float (QLoRA).
+        fold = not (opts.large and role == INITIALIZATION) and not _unpacks_codes(choice.model)
+        # A step that fetches nothing may skip the outputs only fetching reads
+        # (not where lean memory's in-place writes follow the full program's order).
+        prune_unfetched = role == ALGORITHM and not (opts.lean or opts.large)
+        # A training step keeps no onnxruntime memory pattern: planned at the first
+        # run and held besides the arena's blocks, it cost L1 (docs/performance.md)
+        # 0.47 GiB of peak for no measurable speed.
+        mem_pattern = not (opts.recompute or role in (ALGORITHM, FORWARD, UPDATE))
+        try:
+            return Executor(choice.model, opts.providers, opts.session_options, program.label, choice.library,
+                            large=opts.large, fold_constants=fold,
+                            mem_pattern=mem_pattern, prune_unfetched=prune_unfetched)
+        except TrainingModelError as exc:
+            if choice.library is None or opts.fused_kernels:
+                raise
+            # The standard program always works where the fused one cannot load.
+            self.fused_kernels_note = f"onnxruntime did not load the fused kernels: {exc}"
+            choice = self._executed[id(program)] = self._lean_rewrite(program, KernelChoice(program.model))
+            return Executor(choice.model, opts.providers, opts.session_options, program.label,
+                            large=opts.large, fold_constants=fold, mem_pattern=mem_pattern)
+
+    @property
+    def executors(self) -> list[Executor]:
+        """The executors compiled so far."""
+        return list(self._executors.values())
+
+    def forget(self, programs: Iterable[Program]) -> None:
+        """Drop the executors of ``programs`` (rarely run again: their weights' maps may go)."""
+        for program in programs:
+            self._executors.pop(id(program), None)
+
+    def inplace_keys(self, program: Program) -> set[str]:
+        """The variables ``program`` (an update program) may write in place,
+        judged on the model onnxruntime actually runs (``lower.inplace``)."""
+        keys = self._inplace.get(id(program))
+        if keys is None:
+            self.executor(program)  # settles fused or standard kernels
+            keys = self._inplace[id(program)] = inplace_keys(
+                self.executed_model(program).graph, list(zip(program.bound_keys, program.bound_values)))
+        return keys
+
+    def scratch(self, program: Program) -> dict[str, str]:
+        """memory="lean": ``program``'s temporaries written over its gradient
+        buffers ({output: input}; empty unless it was rewritten so)."""
+        return self._scratch.get(id(program), {})
+
+    # -------------------------------------------------------------- running
+    def run_and_stage(
+        self,
+        program: Program,
+        feeds: dict[str, np.ndarray],
+        pending: dict[str, Any],
+        fetch: bool,
+        field: str,
+        extra_in: Mapping[str, Any] | None = None,
+        extra_out: Mapping[str, Any] | None = None,
+        inplace: Container[str] = (),
+    ) -> dict[str, np.ndarray]:
+        """Run ``program`` writing its bound values into spare state buffers.
+
+        ``pending`` holds the new (uncommitted) buffers of variables that
+        earlier programs of the same transaction wrote; it is extended with
+        this program's.  Returns the unbound outputs (numpy) if ``fetch``.
+        ``extra_in``/``extra_out``: more OrtValues to bind, by input and
+        output name (the reduced values of a data-parallel step).
+        ``inplace``: variables whose current buffer is written over (memory="lean").
+        ``field``: the binding list the run applies, for messages."""
+        store = self.store
+        state_in = store.current(program.state_inputs)
+        if pending:
+            for n in program.state_inputs:
+                if n in pending:
+                    state_in[n] = pending[n]
+        if extra_in:
+            state_in.update(extra_in)
+        targets = store.targets(program.target_keys, inplace)
+        state_out = dict(zip(program.bound_values, targets))
+        if extra_out:
+            state_out.update(extra_out)
+        executor = self.executor(program)
+        try:
+            outputs = executor.run_bound(feeds, state_in, state_out, program.returned if fetch else ())
+        except RuntimeError as exc:
+            self._diagnose(program, feeds, state_in, field)
+            raise exc
+        staged = dict(zip(program.bound_keys, targets))
+        for (key, source), buffer in zip(program.bound_copies, targets[len(program.bound_keys):]):
+            copy_into(buffer, as_numpy(staged[source]))  # one output, two variables
+            staged[key] = buffer
+        if self.options.check_finite:
+            check_finite(program, staged)
+        pending.update(staged)
+        return outputs
+
+    def _diagnose(
+        self, program: Program, feeds: dict[str, np.ndarray], state_in: dict[str, Any], field: str
+    ) -> None:
+        """After a failed bound run: rerun plainly to name a bad bound value."""
+        arrays = dict(feeds)
+        arrays.update({n: as_numpy(v) for n, v in state_in.items()})
+        try:
+            values = self.executor(program).run(arrays, program.outputs)
+        except RuntimeError:
+            return  # the original onnxruntime error says it best
+        results = dict(zip(program.outputs, values))
+        state = self.programs.model.state
+        for idx, (key, value) in enumerate(program.bindings):
+            var = state[key]
+            new = results[value]
+            if new.dtype != var.dtype or tuple(new.shape) != var.shape:
+                raise TrainingModelError(
+                    f"{program.label.rsplit('.', 1)[0]}.{field}[{idx}]: value {value!r} is "
+                    f"{new.dtype}{list(new.shape)}, but state variable {key!r} is "
+                    f"{var.dtype}{list(var.shape)}"
+                )
+
+    # ----------------------------------------------------------- step plans
+    def plan_steps(self, program: Program) -> None:
+        """Prepare the two alternating steps of ``program`` after a committed
+        one (``StateStore.plan_cycle``); the general path runs whenever they miss."""
+        self._plans = None
+        if self.options.check_finite or program.bound_copies or self.store.pinned:
+            return
+        executor = self.executor(program)
+        outputs = program.bound_values
+
+        def bind(state_in: dict, targets: list) -> Any:
+            return executor.binding(state_in, dict(zip(outputs, targets)))
+
+        cycle = self.store.plan_cycle(program.state_inputs, program.bound_keys, bind)
+        if cycle is not None:
+            self._plans = (program, cycle, executor)
+
+    def planned_step(self, program: Program, feeds: dict, fetch: bool) -> dict | None:
+        """A step through a plan, committed, or None when no plan applies (see
+        ``plan_steps``; the caller holds its transaction's lock)."""
+        plans = self._plans
+        if plans is None or plans[0] is not program:
+            return None
+        store = self.store
+        plan = store.plan_for_current(plans[1])
+        if plan is None:
+            return None
+        executor = plans[2]
+        names = program.returned if fetch else ()
+        try:
+            outputs = executor.run_binding(plan.binding, feeds, names, len(program.bound_values))
+        except RuntimeError:
+            self._diagnose(program, feeds, plan.state_in, "update_binding")
+            raise
+        if not store.install(plan):  # pragma: no cover
+            return None  # (cannot happen: the store only changes under the caller's lock)
+        return outputs
+
+
+def check_finite_arrays(label: str, arrays: Mapping[str, np.ndarray], what: str) -> None:
+    """Refuse non-finite ``what`` (numpy arrays) before they reach the state."""
+    bad = [k for k, a in arrays.items() if a.dtype.kind in "fc" and not np.isfinite(a).all()]
+    if bad:
+        raise FloatingPointError(f"{label}: non-finite {what} {bad}; nothing was committed")
+
+
+def check_finite(program: Program, targets: Mapping[str, Any]) -> None:
+    """Refuse to commit NaN or Inf into state (``check_finite=True``)."""
+    bad = []
+    for key, value in targets.items():
+        arr = as_numpy(value)
+        if arr.dtype.kind in "fc" and not np.isfinite(arr).all():
+            bad.append(key)
+    if bad:
+        raise FloatingPointError(
+            f"{program.label}: the step would write non-finite values into state "
+            f"variable(s) {bad}; nothing was committed"
+        )
+
+
+def _unpacks_codes(model: onnx.ModelProto) -> bool:
+    """Whether a program holds a com.microsoft MatMulNBits node (4/8-bit codes)."""
+    return any(n.op_type == "MatMulNBits" and n.domain == "com.microsoft" for n in model.graph.node)
