@@ -70,9 +70,7 @@ class Case:
     def step(self, batch: dict[str, np.ndarray], algorithm: int | None = None,
              learning_rate: float | None = None) -> None:
         if learning_rate is not None:
-            name = self.sess._metadata["learning_rate"]["state"]
-            var = self.sess.state_info[name]
-            self.sess.load_state({name: np.full(var.shape, learning_rate, var.dtype)})
+            self.sess.learning_rate = learning_rate
         out = self.sess.train_step(batch, algorithm=algorithm)
         entry = {"feeds": self.feeds(f"step{len(self.steps)}", batch), "algorithm": algorithm,
                  "outputs": {k: self.array(f"step{len(self.steps)}.out.{k}", v) for k, v in out.items()}}
