@@ -217,6 +217,14 @@ CASES = [
         opsets=(11, 13, 18),
     ),
     Case(
+        "Slice-past-the-end",
+        "Slice",
+        ins(x=normal(4, 5)),
+        node_inputs=["x", "s", "e", "a", "k"],
+        extra=consts(s=[1, 7], e=[3, 9], a=[0, 1], k=[1, 1]),
+        opsets=(11, 18),
+    ),
+    Case(
         "Slice-runtime",
         "Slice",
         ins(x=normal(7, 6), s=i64(-6, 10), e=i64(1000, 0), k=i64(3, -1)),

@@ -282,6 +282,9 @@ def _slice_pad(ctx: VJPContext, dy: str, spec: list, rank: int) -> str:
     n - s' - len(y) after each sliced axis (s' clamped to [0, n] as Slice does)."""
     e = ctx.emit
     x = ctx.inputs[0]
+    pads = _static_slice_pads(ctx, [axis for axis, _, _, _ in spec], rank)
+    if pads is not None:  # (constants: no shape arithmetic left for the runtime)
+        return e.Pad(dy, e.ints(pads), mode="constant")
     zero = e.ints([0])
     before, after = [zero] * rank, [zero] * rank
     for axis, start, _, _ in spec:
@@ -290,6 +293,22 @@ def _slice_pad(ctx: VJPContext, dy: str, spec: list, rank: int) -> str:
         before[axis] = begin
         after[axis] = e.Sub(e.Sub(n, begin), e.dim(dy, axis))
     return e.Pad(dy, e.Concat(*before, *after, axis=0), mode="constant")
+
+
+def _static_slice_pads(ctx: VJPContext, axes: list[int], rank: int) -> list[int] | None:
+    """The pads of ``_slice_pad`` where the starts are constants and the sliced
+    dims of x and y static, else None."""
+    starts = constant_value(ctx, ctx.inputs[1])
+    if starts is None or starts.size != len(axes):
+        return None
+    before, after = [0] * rank, [0] * rank
+    for axis, start in zip(axes, starts.reshape(-1)):
+        n, m = _static_dim(ctx, ctx.inputs[0], axis), _static_dim(ctx, ctx.outputs[0], axis)
+        if n is None or m is None:
+            return None
+        begin = min(max(int(start) + n if start < 0 else int(start), 0), n)
+        before[axis], after[axis] = begin, n - begin - m
+    return before + after
 
 
 def _slice_pads_before_10(ctx: VJPContext, rank: int) -> list[int] | None:
