@@ -17,6 +17,7 @@ and backward, by one kernel each, only in the program onnxruntime runs
 | ``RopeF32`` / ``RopeGradF32`` | ``attention``: rotate-half RoPE and its gradient | yes |
 | ``SoftmaxGuardF32`` / ``SoftmaxGradF32`` | ``attention``: Where(IsNaN(p), 0, p) and the guarded softmax's gradient | yes / no (row sum) |
 | ``CrossEntropyF32`` / ``CrossEntropyGradF32`` | ``xent``: SoftmaxCrossEntropyLoss and its gradient | no: double sums, the library's exp |
+| ``DequantizeNBitsF32`` | ``nbits``: MatMulNBits' weight unpacked for its gradient dA = dY W | yes |
 
 Each match is the exact chain the exporter and the rules write, in either
 operand order of Add and Mul, on float32 values of static shape; anything
@@ -40,21 +41,22 @@ from .graphmatch import Fusion, Index, apply, same_constant
 from .layers import drop_unread
 
 #: The op types a program must have for any rewrite here to apply.
-ANCHORS = frozenset({"Pow", "Sigmoid", "Softmax", "SoftmaxCrossEntropyLoss", "Concat"})
+ANCHORS = frozenset({"Pow", "Sigmoid", "Softmax", "SoftmaxCrossEntropyLoss", "Concat", "MatMulNBits"})
 
 
 def rewrite(graph: onnx.GraphProto, opset_imports: Sequence[onnx.OperatorSetIdProto], domain: str,
             inferred: Callable | None = None) -> int:
     """Replace the chains of the module's table by ``domain`` kernels, in
     place; how many fusions were made."""
-    from . import attention, xent  # (they use this module's helpers)
+    from . import attention, nbits, xent  # (they use this module's helpers)
 
     if not ANCHORS & {n.op_type for n in graph.node}:
         return 0
     ix = Index(graph, opset_imports, inferred)
     names = NameGen.from_graph(graph)
     fusions = (rms_norms(ix, names, domain) + silu_muls(ix, domain) + attention.ropes(ix, names, domain)
-               + attention.softmaxes(ix, domain) + xent.cross_entropies(ix, names, domain))
+               + attention.softmaxes(ix, domain) + xent.cross_entropies(ix, names, domain)
+               + nbits.dequantizations(ix, names, domain))
     count = apply(graph, fusions)
     if count:
         _drop_dead(graph, domain)

@@ -39,6 +39,14 @@
  *       d[n, c] = (c == target[n] ? v[n] : 0) - exp(scores[n, c] - lse[n]) * v[n]:
  *       the rule's ScatterElements, ReduceSum, Exp, Mul and Sub over the
  *       log-probabilities, from the scores without storing them.
+ *   DequantizeNBitsF32  B (uint8 [N, blocks, blob]), scales [N * blocks], G (int64: K, N,
+ *                       bits, block_size), zp (uint8, packed per row; opt), zpf (float; opt)
+ *                       -> W [N, K]
+ *       W[n, k] = (q[n, k] - z[n, j]) * scales[n, j], j = k / block_size: q the
+ *       bits-bit codes of B, low bits of a byte first; z the codes of zp, or
+ *       zpf, or 2^(bits - 1): what MatMulNBits multiplies by (Y = A W^T), from
+ *       the codes in one pass, with the rule's Sub and Mul: bit for bit the
+ *       rule's unpacking (kernels/nbits.py).
  *
  * Where a kernel is not bit for bit its chain, the difference is the row
  * sums: run in double in one order, they are closer to float64 than the
@@ -49,6 +57,15 @@
  */
 
 #include "ort_api.h"
+
+#include <stdlib.h>
+
+/* Comparisons do not trap here (no kernel reads the floating-point exception
+ * flags), so the selections below (NaN and range checks) vectorize.  No value
+ * changes: -ffp-contract=off and IEEE rounding hold. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+#endif
 
 #define MAX_IO 8
 
@@ -129,7 +146,16 @@ static OrtStatus *llm_compute(void *kernel, OrtKernelContext *ctx) {
 #define SUM8(OUT, N, I, EXPR)                                                               \
     do {                                                                                    \
         double p_[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                            \
-        for (int64_t I = 0; I < (N); ++I) p_[I & 7] += (EXPR);                              \
+        int64_t b_ = 0;                                                                     \
+        for (; b_ + 8 <= (N); b_ += 8)                                                      \
+            for (int k_ = 0; k_ < 8; ++k_) {                                                \
+                const int64_t I = b_ + k_;                                                  \
+                p_[k_] += (EXPR);                                                           \
+            }                                                                               \
+        for (int k_ = 0; b_ + k_ < (N); ++k_) {                                             \
+            const int64_t I = b_ + k_;                                                      \
+            p_[k_] += (EXPR);                                                               \
+        }                                                                                   \
         OUT = ((p_[0] + p_[4]) + (p_[2] + p_[6])) + ((p_[1] + p_[5]) + (p_[3] + p_[7]));    \
     } while (0)
 
@@ -141,7 +167,7 @@ typedef struct {
     int64_t d;
 } NormJob;
 
-static void rms_norm_rows(void *arg, int64_t b, int64_t e) {
+CLONES static void rms_norm_rows(void *arg, int64_t b, int64_t e) {
     const NormJob *j = (const NormJob *)arg;
     const int64_t d = j->d;
     for (int64_t row = b; row < e; ++row) {
@@ -183,7 +209,7 @@ static OrtStatus *rms_norm(const LlmOp *op, Args *a) {
     return NULL;
 }
 
-static void rms_norm_grad_rows(void *arg, int64_t b, int64_t e) {
+CLONES static void rms_norm_grad_rows(void *arg, int64_t b, int64_t e) {
     const NormJob *j = (const NormJob *)arg;
     const int64_t d = j->d;
     for (int64_t row = b; row < e; ++row) {
@@ -225,7 +251,7 @@ typedef struct {
     float *h, *silu, *da, *db;
 } SiluJob;
 
-static void silu_mul_part(void *arg, int64_t b, int64_t e) {
+CLONES static void silu_mul_part(void *arg, int64_t b, int64_t e) {
     const SiluJob *j = (const SiluJob *)arg;
     for (int64_t i = b; i < e; ++i) {
         const float silu = j->a[i] * j->s[i];
@@ -234,7 +260,7 @@ static void silu_mul_part(void *arg, int64_t b, int64_t e) {
     }
 }
 
-static void silu_mul_grad_part(void *arg, int64_t b, int64_t e) {
+CLONES static void silu_mul_grad_part(void *arg, int64_t b, int64_t e) {
     const SiluJob *j = (const SiluJob *)arg;
     for (int64_t i = b; i < e; ++i) {
         const float dh = j->dh2 ? j->dh[i] + j->dh2[i] : j->dh[i];
@@ -274,7 +300,7 @@ typedef struct {
     int64_t d, s;
 } RopeJob;
 
-static void rope_rows(void *arg, int64_t b, int64_t e) {
+CLONES static void rope_rows(void *arg, int64_t b, int64_t e) {
     const RopeJob *j = (const RopeJob *)arg;
     const int64_t d = j->d, h = d / 2;
     for (int64_t row = b; row < e; ++row) {
@@ -287,7 +313,7 @@ static void rope_rows(void *arg, int64_t b, int64_t e) {
 
 /* dx = Sum(t0, t1, dy * cos) with t0 the Pad of -(dy * sin)[:h] at [h:] and t1
  * the Pad of (dy * sin)[h:] at [:h] (+0 elsewhere). */
-static void rope_grad_rows(void *arg, int64_t b, int64_t e) {
+CLONES static void rope_grad_rows(void *arg, int64_t b, int64_t e) {
     const RopeJob *j = (const RopeJob *)arg;
     const int64_t d = j->d, h = d / 2;
     for (int64_t row = b; row < e; ++row) {
@@ -342,12 +368,12 @@ typedef struct {
  * those of the second copied; tests/kernels/ checks it on the onnxruntime in use). */
 static inline float where_zero(int c, float v) { return c ? 0.0f : v; }
 
-static void guard_part(void *arg, int64_t b, int64_t e) {
+CLONES static void guard_part(void *arg, int64_t b, int64_t e) {
     const SoftmaxJob *j = (const SoftmaxJob *)arg;
     for (int64_t i = b; i < e; ++i) j->out[i] = where_zero(j->y[i] != j->y[i], j->y[i]);
 }
 
-static void softmax_grad_rows(void *arg, int64_t b, int64_t e) {
+CLONES static void softmax_grad_rows(void *arg, int64_t b, int64_t e) {
     const SoftmaxJob *j = (const SoftmaxJob *)arg;
     const int64_t d = j->d;
     for (int64_t row = b; row < e; ++row) {
@@ -383,15 +409,15 @@ static OrtStatus *softmax_grad(const LlmOp *op, Args *a) {
 }
 
 /* ------------------------------------------------------------ cross-entropy */
-/* e^a to about a float ulp: a = n ln2 + r with |r| <= ln2 / 2 found in double,
- * e^r by its Taylor polynomial of degree 7 in float (truncation below 6e-9),
- * times 2^n from the exponent bits.  0 below -87.3 (under FLT_MIN), NaN kept.
- * No branches: the loops that call it vectorize. */
-static inline float exp_of(double a) {
-    const double x = a < -87.3 ? -87.3 : (a > 88.0 ? 88.0 : a);
-    const double shift = 6755399441055744.0; /* 1.5 * 2^52: adding it rounds to an integer */
-    const double n = (x * 1.4426950408889634 + shift) - shift;
-    const float r = (float)(x - n * 0.6931471805599453);
+/* e^a to about a float ulp: a = n ln2 + r, |r| <= ln2 / 2 (ln2 in two parts, so
+ * n * ln2's high part is exact), e^r by its Taylor polynomial of degree 7
+ * (truncation below 6e-9), times 2^n from the exponent bits.  0 below -87.3
+ * (under FLT_MIN), NaN stays NaN.  No branches: the loops calling it vectorize. */
+static inline float exp_of(float a) {
+    const float x = a < -87.3f ? -87.3f : (a > 88.0f ? 88.0f : a);
+    const float shift = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    const float n = (x * 1.44269504f + shift) - shift;
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
     float p = 1.0f / 5040.0f;
     p = p * r + 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
@@ -404,7 +430,7 @@ static inline float exp_of(double a) {
     float scale;
     memcpy(&scale, &bits, sizeof(scale));
     const float v = p * scale;
-    return a != a ? (float)a : (a < -87.3 ? 0.0f : v);
+    return a != a ? a : (a < -87.3f ? 0.0f : v);
 }
 
 typedef struct {
@@ -416,25 +442,32 @@ typedef struct {
     int64_t c;
 } XentJob;
 
-static void xent_rows(void *arg, int64_t b, int64_t e) {
+/* Each row: its max (eight running maxima), e^(x - max) into a row buffer,
+ * its sum in double: lse = max + log(sum).  A NaN anywhere makes the sum NaN. */
+CLONES static void xent_rows(void *arg, int64_t b, int64_t e) {
     const XentJob *j = (const XentJob *)arg;
     const int64_t c = j->c;
+    float *buf = malloc((size_t)c * sizeof(float));
     for (int64_t row = b; row < e; ++row) {
         const float *x = j->x + row * c;
-        float mx = x[0];
-        int nan = 0;
-        for (int64_t i = 0; i < c; ++i) {
-            mx = x[i] > mx ? x[i] : mx;
-            nan |= x[i] != x[i];
-        }
-        if (nan) {
-            j->lse[row] = NAN;
+        if (!buf) {
+            j->lse[row] = NAN; /* (no memory: xent() reports it) */
             continue;
         }
+        float m[8];
+        for (int k = 0; k < 8; ++k) m[k] = x[0];
+        int64_t i = 0;
+        for (; i + 8 <= c; i += 8)
+            for (int k = 0; k < 8; ++k) m[k] = x[i + k] > m[k] ? x[i + k] : m[k];
+        for (; i < c; ++i) m[0] = x[i] > m[0] ? x[i] : m[0];
+        float mx = m[0];
+        for (int k = 1; k < 8; ++k) mx = m[k] > mx ? m[k] : mx;
+        for (i = 0; i < c; ++i) buf[i] = exp_of(x[i] - mx);
         double sum;
-        SUM8(sum, c, i, (double)exp_of((double)x[i] - (double)mx));
+        SUM8(sum, c, t, (double)buf[t]);
         j->lse[row] = (double)mx + log(sum);
     }
+    free(buf);
 }
 
 static OrtStatus *xent(const LlmOp *op, Args *a) {
@@ -454,6 +487,11 @@ static OrtStatus *xent(const LlmOp *op, Args *a) {
     double total = 0.0, kept = 0.0; /* in row order, whatever the split */
     for (int64_t row = 0; row < n; ++row)
         if (t[row] != ignore) {
+            if (j.lse[row] != j.lse[row] && !(j.x[row * c] != j.x[row * c])) {
+                int nan = 0; /* a NaN lse without a NaN score: the row buffer was not to be had */
+                for (int64_t i = 0; i < c; ++i) nan |= j.x[row * c + i] != j.x[row * c + i];
+                if (!nan) return llm_fail(op, "out of memory");
+            }
             total += j.lse[row] - (double)j.x[row * c + t[row]];
             kept += 1.0;
         }
@@ -461,7 +499,7 @@ static OrtStatus *xent(const LlmOp *op, Args *a) {
     return NULL;
 }
 
-static void xent_grad_rows(void *arg, int64_t b, int64_t e) {
+CLONES static void xent_grad_rows(void *arg, int64_t b, int64_t e) {
     const XentJob *j = (const XentJob *)arg;
     const int64_t c = j->c;
     for (int64_t row = b; row < e; ++row) {
@@ -469,9 +507,9 @@ static void xent_grad_rows(void *arg, int64_t b, int64_t e) {
         float *d = j->out + row * c;
         const double lse = j->lse_in[row];
         const float v = j->v[row];
-        for (int64_t i = 0; i < c; ++i) d[i] = 0.0f - exp_of((double)x[i] - lse) * v;
+        for (int64_t i = 0; i < c; ++i) d[i] = 0.0f - exp_of((float)((double)x[i] - lse)) * v;
         const int64_t t = j->t[row];
-        d[t] = v - exp_of((double)x[t] - lse) * v;
+        d[t] = v - exp_of((float)((double)x[t] - lse)) * v;
     }
 }
 
@@ -487,6 +525,69 @@ static OrtStatus *xent_grad(const LlmOp *op, Args *a) {
     OrtStatus *st = llm_output(op, a, 0, a->dims[0], 2, (void **)&j.out);
     if (st) return st;
     split_work(xent_grad_rows, &j, n, (int64_t)a->count[0] * 8);
+    return NULL;
+}
+
+/* ------------------------------------------------------------ n-bit weights */
+typedef struct {
+    const uint8_t *b, *zp;
+    const float *scales, *zpf;
+    float *w;
+    int64_t k, blocks, block, bits, blob, zp_row;
+} NBitsJob;
+
+/* Code i of a row of bytes packed ``bits`` at a time, low bits first. */
+static inline int code_at(const uint8_t *row, int64_t i, int64_t bits) {
+    const int64_t bit = i * bits;
+    return (row[bit >> 3] >> (bit & 7)) & ((1 << bits) - 1);
+}
+
+CLONES static void dequantize_rows(void *arg, int64_t b, int64_t e) {
+    const NBitsJob *j = (const NBitsJob *)arg;
+    const float center = (float)(1 << (j->bits - 1));
+    for (int64_t n = b; n < e; ++n) {
+        const uint8_t *row = j->b + n * j->blocks * j->blob;
+        float *w = j->w + n * j->k;
+        for (int64_t blk = 0; blk < j->blocks; ++blk) {
+            const int64_t at = n * j->blocks + blk;
+            const float z = j->zp ? (float)code_at(j->zp + n * j->zp_row, blk, j->bits) : j->zpf ? j->zpf[at] : center;
+            const float scale = j->scales[at];
+            const int64_t first = blk * j->block, stop = first + j->block < j->k ? first + j->block : j->k;
+            const uint8_t *bytes = row + blk * j->blob;
+            if (j->bits == 4) {
+                for (int64_t i = first; i + 1 < stop; i += 2) {
+                    const uint8_t v = bytes[(i - first) >> 1];
+                    w[i] = ((float)(v & 15) - z) * scale;
+                    w[i + 1] = ((float)(v >> 4) - z) * scale;
+                }
+                if ((stop - first) & 1) w[stop - 1] = ((float)(bytes[(stop - 1 - first) >> 1] & 15) - z) * scale;
+            } else {
+                for (int64_t i = first; i < stop; ++i) w[i] = ((float)code_at(bytes, i - first, j->bits) - z) * scale;
+            }
+        }
+    }
+}
+
+static OrtStatus *dequantize_nbits(const LlmOp *op, Args *a) {
+    if (a->count[2] != 4) return llm_fail(op, "G must hold K, N, bits and block_size");
+    const int64_t *g = a->data[2];
+    const int64_t k = g[0], n = g[1], bits = g[2], block = g[3];
+    if (k <= 0 || n <= 0 || !(bits == 2 || bits == 4 || bits == 8) || block < 1 || (block * bits) % 8)
+        return llm_fail(op, "bad geometry: K, N > 0, bits 2, 4 or 8, block_size a whole number of bytes");
+    const int64_t blocks = (k + block - 1) / block, blob = block * bits / 8;
+    if ((int64_t)a->count[0] != n * blocks * blob) return llm_fail(op, "B must hold N x blocks x blob bytes");
+    if ((int64_t)a->count[1] != n * blocks) return llm_fail(op, "scales must hold N x blocks values");
+    NBitsJob j = {a->data[0], a->data[3], a->data[1], a->data[4], NULL, k, blocks, block, bits, blob, 0};
+    if (j.zp) {
+        j.zp_row = (int64_t)a->count[3] / n;
+        if (j.zp_row * n != (int64_t)a->count[3] || j.zp_row * 8 < blocks * bits)
+            return llm_fail(op, "packed zero points must hold a row of codes for each of N");
+    }
+    if (j.zpf && (int64_t)a->count[4] != n * blocks) return llm_fail(op, "float zero points must be N x blocks");
+    const int64_t dims[2] = {n, k};
+    OrtStatus *st = llm_output(op, a, 0, dims, 2, (void **)&j.w);
+    if (st) return st;
+    split_work(dequantize_rows, &j, n, n * k * 4);
     return NULL;
 }
 
@@ -529,6 +630,7 @@ static LlmOp g_llm_ops[] = {
     LLM_OP("SoftmaxGradF32", 2, L(F, F), 0, 1, L(F), 0, softmax_grad),
     LLM_OP("CrossEntropyF32", 3, L(F, I, I), 0, 2, L(F, D), 0, xent),
     LLM_OP("CrossEntropyGradF32", 4, L(F, D, I, F), 0, 1, L(F), 0, xent_grad),
+    LLM_OP("DequantizeNBitsF32", 5, L(ELEM_UINT8, F, I, ELEM_UINT8, F), 0x18u, 1, L(F), 0, dequantize_nbits),
 };
 
 OrtStatus *onnxtrain_add_llm_ops(OrtCustomOpDomain *domain) {

@@ -30,7 +30,7 @@ typedef struct OrtApiBase {
     const char *(*GetVersionString)(void);
 } OrtApiBase;
 
-enum { ELEM_FLOAT = 1, ELEM_INT64 = 7, ELEM_DOUBLE = 11 };
+enum { ELEM_FLOAT = 1, ELEM_UINT8 = 2, ELEM_INT64 = 7, ELEM_DOUBLE = 11 };
 enum { STATUS_FAIL = 1, STATUS_INVALID_ARGUMENT = 2 };
 
 /* Indices into the OrtApi table (all in the version-1 part). */

@@ -42,16 +42,20 @@ class Chain:
         return m, count
 
 
-def session(model: onnx.ModelProto, threads: int | None = None) -> ort.InferenceSession:
+def session(model: onnx.ModelProto, threads: int | None = None, fold: bool = True) -> ort.InferenceSession:
+    """onnxtrain's session options; ``fold=False``: without constant folding, as
+    the session runs a program with MatMulNBits (its unpacked weights would be
+    folded into float copies, and multiplied as constants)."""
     so = default_session_options(threads)
     lib = library.library()
     if lib and any(o.domain == KERNEL_DOMAIN for o in model.opset_import):
         so.register_custom_ops_library(lib)
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"],
+                                disabled_optimizers=None if fold else ["ConstantFolding"])
 
 
-def run(model: onnx.ModelProto, chain: Chain) -> dict[str, np.ndarray]:
-    return dict(zip(chain.outputs, session(model).run(chain.outputs, chain.feeds)))
+def run(model: onnx.ModelProto, chain: Chain, fold: bool = True) -> dict[str, np.ndarray]:
+    return dict(zip(chain.outputs, session(model, fold=fold).run(chain.outputs, chain.feeds)))
 
 
 def _const(name: str, value, dtype=np.float32) -> onnx.NodeProto:
@@ -236,3 +240,67 @@ def cross_entropy(n: int = 12, c: int = 300, ignored: int = 3, seed: int = 0, sc
         grad = (p - onehot) * kept[:, None] / kept.sum()
         return {"loss": np.asarray(loss), "grad_scores": grad}
     return Chain(model, feeds, ["loss", "grad_scores"], reference)
+
+
+# ------------------------------------------------------------ int4 weights
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """[rows, count] codes < 2^bits -> uint8 [rows, ceil(count bits / 8)], low bits first."""
+    per = 8 // bits
+    rows, count = codes.shape
+    padded = np.zeros((rows, -(-count // per) * per), dtype=np.int64)
+    padded[:, :count] = codes
+    grouped = padded.reshape(rows, -1, per)
+    return sum(grouped[:, :, i] << (i * bits) for i in range(per)).astype(np.uint8)
+
+
+def nbits(k: int = 40, n: int = 24, block: int = 16, bits: int = 4, zp: str = "none", m: int = 6,
+          opset: int = OPSET, seed: int = 0, train_scales: bool = False) -> Chain:
+    """Y = MatMulNBits(A, B, scales[, zero points]) (com.microsoft), its dA (and
+    with ``train_scales`` its dscales, the scales a feed); ``zp``: "none"
+    (2^(bits-1)), "packed" (uint8, as B) or "float"."""
+    rng = np.random.default_rng(seed)
+    blocks = -(-k // block)
+    codes = rng.integers(0, 2 ** bits, size=(n, blocks * block))
+    b = pack_codes(codes, bits).reshape(n, blocks, block * bits // 8)
+    scales = rng.uniform(0.05, 0.2, size=(n, blocks)).astype(np.float32)
+    if zp == "packed":
+        zcodes = rng.integers(0, 2 ** bits, size=(n, blocks))
+        zvalue, zinit = zcodes.astype(np.float32), pack_codes(zcodes, bits).reshape(-1)
+    elif zp == "float":
+        zvalue = zinit = rng.uniform(0, 2 ** bits - 1, size=(n, blocks)).astype(np.float32)
+    else:
+        zvalue, zinit = np.full((n, blocks), 2.0 ** (bits - 1), np.float32), None
+    feeds = {"A": rng.standard_normal((m, k)).astype(np.float32), "t": rng.standard_normal((m, n)).astype(np.float32)}
+    inits = [numpy_helper.from_array(b, "B")]
+    if train_scales:
+        feeds["scales"] = scales.reshape(-1)
+    else:
+        inits.append(numpy_helper.from_array(scales.reshape(-1), "scales"))
+    xs = ["A", "scales"] if train_scales else ["A"]
+    inputs = ["A", "B", "scales"]
+    if zinit is not None:
+        inits.append(numpy_helper.from_array(zinit, "zp"))
+        inputs.append("zp")
+    nodes = [helper.make_node("MatMulNBits", inputs, ["Y"], domain="com.microsoft", K=k, N=n, bits=bits,
+                              block_size=block),
+             helper.make_node("Mul", ["Y", "t"], ["Yt"]),
+             helper.make_node("ReduceSum", ["Yt"], ["loss"], keepdims=0),
+             helper.make_node("Gradient", xs, [f"grad_{x}" for x in xs], domain=PREVIEW_DOMAIN, xs=xs, y="loss")]
+    outputs = ["Y"] + [f"grad_{x}" for x in xs]
+    graph = helper.make_graph(
+        nodes, "nbits", [helper.make_tensor_value_info(x, TensorProto.FLOAT, list(feeds[x].shape)) for x in feeds],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs], inits)
+    imports = [helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1),
+               helper.make_opsetid(PREVIEW_DOMAIN, 1)]
+    expand_gradients(graph, imports, NameGen.from_graph(graph), list(feeds) + [t.name for t in inits])
+    model = helper.make_model(graph, opset_imports=imports[:2])
+    model.ir_version = 8
+    w64 = ((codes.reshape(n, blocks, block) - zvalue[:, :, None].astype(np.float64))
+           * scales[:, :, None].astype(np.float64)).reshape(n, -1)[:, :k]
+
+    def reference(f):
+        a, t = f["A"].astype(np.float64), f["t"].astype(np.float64)
+        return {"Y": a @ w64.T, "grad_A": t @ w64}
+    chain = Chain(model, feeds, outputs, reference)
+    chain.weight = w64  # (the float64 dequantized weight, for the kernel's own test)
+    return chain
