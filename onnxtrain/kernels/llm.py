@@ -11,7 +11,7 @@ and backward, by one kernel each, only in the program onnxruntime runs
 | kernel | replaces | same bits? |
 |---|---|---|
 | ``RmsNormF32`` | x^2, its row mean, + eps, sqrt, 1/s, x * r, w * n | no: the row sum runs in double |
-| ``RmsNormGradF32`` | the rule's 14 kernels from dy to dx (and the Sum with the residual's gradient) | no: the row sum runs in double |
+| ``RmsNormGradF32`` | the rule's 14 kernels from dy to dx, the Sum of dy's terms (q, k, v's input gradients) and the Sum with the residual's gradient | no: the row sum runs in double |
 | ``SiluMulF32`` | silu = a * sigmoid(a), h = silu * b (the Sigmoid stays) | yes |
 | ``SiluMulGradF32`` | the rule's 8 kernels (and the Add of dh's two parts) | yes |
 | ``RopeF32`` / ``RopeGradF32`` | ``attention``: rotate-half RoPE and its gradient | yes |
@@ -40,6 +40,8 @@ from ..core.names import NameGen
 from .graphmatch import Fusion, Index, apply, same_constant
 from .layers import drop_unread
 
+#: Most dy terms RmsNormGradF32 sums itself (its inputs: 6, then the terms; 16 in all).
+MAX_TERMS = 10
 #: The op types a program must have for any rewrite here to apply.
 ANCHORS = frozenset({"Pow", "Sigmoid", "Softmax", "SoftmaxCrossEntropyLoss", "Concat", "MatMulNBits"})
 
@@ -158,7 +160,13 @@ def _rms_backward(ix: Index, f: dict) -> dict | None:
             removed = [mul2, mul3, mul4, red, *chain, mul8, expand, mul9, mul10, root[0]]
             if _only_reader(ix, shape_node.output[0], expand):
                 removed.append(shape_node)
-            return {"dy": dy, "inv_d": inv_d, "root": root[0], "others": root[1], "removed": removed}
+            terms = [dy]
+            total = ix.node(dy, "Sum")  # (dy's terms, summed in the kernel in the Sum's order)
+            if total is not None and _only_reader(ix, dy, mul2) and len(total.input) <= MAX_TERMS and all(
+                    ix.shape(t) == ix.shape(x) for t in total.input):
+                terms = list(total.input)
+                removed.append(total)
+            return {"dy": terms, "inv_d": inv_d, "root": root[0], "others": root[1], "removed": removed}
     return None
 
 
@@ -213,7 +221,7 @@ def rms_norms(ix: Index, names: NameGen, domain: str) -> list[Fusion]:
             total = names.fresh(b["root"].output[0] + "_rest")
             added.append(helper.make_node("Sum", acc, [total], name=names.fresh("rms_norm_grad_rest")))
             acc = [total]
-        added.append(kernel_node("RmsNormGradF32", [b["dy"], f["x"], f["w"], r, s, b["inv_d"], *acc],
+        added.append(kernel_node("RmsNormGradF32", [f["x"], f["w"], r, s, b["inv_d"], acc[0] if acc else "", *b["dy"]],
                                  [b["root"].output[0]], names.fresh("rms_norm_grad"), domain))
         fusions.append(Fusion(b["removed"], added))
     return fusions

@@ -8,7 +8,8 @@
  *       s = sqrt(m + eps), r = 1 / s, n = x * r, y = w * n: the standard
  *       chain's float operations (Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul,
  *       Mul) but for the row sum, whose order no kernel shares with another.
- *   RmsNormGradF32  dy, x, w, r, s, inv_d [1], acc (opt) -> dx
+ *   RmsNormGradF32  x, w, r, s, inv_d [1], acc (opt), dy_0, dy_1, ... (one or more) -> dx
+ *       dy = ((dy_0 + dy_1) + dy_2) + ... (onnxruntime's Sum of the terms);
  *       g = dy * w; t = sum(g * x) over the row (double, rounded once);
  *       dx = g * r + ((-(t * (r * r))) / (2 s)) * inv_d * (2 x)  [+ acc]
  *       the rule's float operations in their order (Mul, ReduceSum, Mul, Neg,
@@ -67,7 +68,7 @@
 #pragma GCC optimize("no-trapping-math")
 #endif
 
-#define MAX_IO 8
+#define MAX_IO 16
 
 typedef struct Args {
     size_t n_in, n_out;
@@ -88,6 +89,7 @@ typedef struct LlmOp {
     int in_type[MAX_IO], out_type[MAX_IO];
     unsigned opt_in, opt_out; /* bit i: input / output i may be absent */
     LlmCompute compute;
+    int variadic; /* the last input takes any number (one or more) of tensors of its type */
 } LlmOp;
 
 static OrtStatus *llm_fail(const LlmOp *op, const char *what) { return named_fail(op->name, what); }
@@ -117,21 +119,23 @@ static OrtStatus *llm_compute(void *kernel, OrtKernelContext *ctx) {
     OrtStatus *st = API(API_KernelContext_GetInputCount, InputCountFn)(ctx, &a.n_in);
     if (!st) st = API(API_KernelContext_GetOutputCount, InputCountFn)(ctx, &a.n_out);
     if (st) return st;
-    if (a.n_in > (size_t)op->n_in || a.n_out > (size_t)op->n_out) return llm_fail(op, "too many inputs or outputs");
-    for (size_t i = 0; i < (size_t)op->n_in; ++i) {
+    const size_t n_in = op->variadic && a.n_in > (size_t)op->n_in ? a.n_in : (size_t)op->n_in;
+    if (n_in > MAX_IO || a.n_out > (size_t)op->n_out) return llm_fail(op, "too many inputs or outputs");
+    for (size_t i = 0; i < n_in; ++i) {
+        const size_t spec = i < (size_t)op->n_in ? i : (size_t)op->n_in - 1;
         const OrtValue *v = NULL;
         if (i < a.n_in) {
             st = API(API_KernelContext_GetInput, GetInputFn)(ctx, i, &v);
             if (st) return st;
         }
         if (!v) {
-            if (op->opt_in & (1u << i)) continue;
+            if (op->opt_in & (1u << spec)) continue;
             return llm_fail(op, "a required input is missing");
         }
         int elem = 0;
         st = describe(v, &elem, &a.count[i], a.dims[i], &a.rank[i]);
         if (st) return st;
-        if (elem != op->in_type[i]) return llm_fail(op, "an input has the wrong element type");
+        if (elem != op->in_type[spec]) return llm_fail(op, "an input has the wrong element type");
         st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)v, &a.data[i]);
         if (st) return st;
         a.value[i] = v;
@@ -165,6 +169,8 @@ typedef struct {
     float eps, inv_d;
     float *y, *ro, *so, *n, *dx;
     int64_t d;
+    int terms;
+    const float *dys[MAX_IO];
 } NormJob;
 
 CLONES static void rms_norm_rows(void *arg, int64_t b, int64_t e) {
@@ -198,7 +204,7 @@ static OrtStatus *rms_norm(const LlmOp *op, Args *a) {
     memcpy(rdims, a->dims[0], sizeof(rdims));
     rdims[rank - 1] = 1;
     NormJob j = {a->data[0], a->data[1], NULL, NULL, NULL, NULL, *(const float *)a->data[2], 0.0f,
-                 NULL, NULL, NULL, NULL, NULL, d};
+                 NULL, NULL, NULL, NULL, NULL, d, 0, {0}};
     OrtStatus *st = llm_output(op, a, 0, a->dims[0], rank, (void **)&j.y);
     if (!st) st = llm_output(op, a, 1, rdims, rank, (void **)&j.ro);
     if (!st) st = llm_output(op, a, 2, rdims, rank, (void **)&j.so);
@@ -209,39 +215,62 @@ static OrtStatus *rms_norm(const LlmOp *op, Args *a) {
     return NULL;
 }
 
+/* dy[i] of a row: ((dy_0 + dy_1) + dy_2) + ..., the order of onnxruntime's Sum. */
+static inline float dy_at(const NormJob *j, int64_t at) {
+    float v = j->dys[0][at];
+    for (int t = 1; t < j->terms; ++t) v = v + j->dys[t][at];
+    return v;
+}
+
+/* With several dy terms their sum goes into a row buffer first (without one,
+ * it is summed again where it is read: the same values). */
 CLONES static void rms_norm_grad_rows(void *arg, int64_t b, int64_t e) {
     const NormJob *j = (const NormJob *)arg;
     const int64_t d = j->d;
+    float *buf = j->terms > 1 ? malloc((size_t)d * sizeof(float)) : NULL;
     for (int64_t row = b; row < e; ++row) {
-        const float *x = j->x + row * d, *dy = j->dy + row * d;
+        const float *x = j->x + row * d;
         const float *acc = j->acc ? j->acc + row * d : NULL;
         float *dx = j->dx + row * d;
         const float r = j->r[row], s = j->s[row];
+        const float *dy = j->dys[0] + row * d;
+        if (buf) {
+            for (int64_t i = 0; i < d; ++i) buf[i] = j->dys[0][row * d + i] + j->dys[1][row * d + i];
+            for (int t = 2; t < j->terms; ++t)
+                for (int64_t i = 0; i < d; ++i) buf[i] = buf[i] + j->dys[t][row * d + i];
+            dy = buf;
+        }
+        const int direct = buf || j->terms == 1;
         double t;
-        SUM8(t, d, i, (double)(dy[i] * j->w[i]) * (double)x[i]);
+        SUM8(t, d, i, (double)((direct ? dy[i] : dy_at(j, row * d + i)) * j->w[i]) * (double)x[i]);
         /* d/dr, d/ds, d/d(mean): one float operation per standard kernel */
         const float dm = ((-((float)t * (r * r))) / (2.0f * s)) * j->inv_d;
         for (int64_t i = 0; i < d; ++i) {
-            const float g = dy[i] * j->w[i];
+            const float g = (direct ? dy[i] : dy_at(j, row * d + i)) * j->w[i];
             const float v = g * r + dm * (2.0f * x[i]);
             dx[i] = acc ? acc[i] + v : v;
         }
     }
+    free(buf);
 }
 
 static OrtStatus *rms_norm_grad(const LlmOp *op, Args *a) {
-    const size_t rank = a->rank[1];
+    /* x, w, r, s, inv_d, acc (opt), dy terms... */
+    const size_t rank = a->rank[0];
     if (rank < 1) return llm_fail(op, "x must have a last axis");
-    const int64_t d = a->dims[1][rank - 1];
-    const int64_t rows = d > 0 ? (int64_t)a->count[1] / d : 0;
-    if (d <= 0 || a->count[0] != a->count[1] || (int64_t)a->count[2] != d || (int64_t)a->count[3] != rows ||
-        (int64_t)a->count[4] != rows || a->count[5] != 1 || (a->data[6] && a->count[6] != a->count[1]))
-        return llm_fail(op, "expects dy, x (and acc) of one size, w of x's last dimension, r and s per row");
-    NormJob j = {a->data[1], a->data[2], a->data[0], a->data[3], a->data[4], a->data[6], 0.0f,
-                 *(const float *)a->data[5], NULL, NULL, NULL, NULL, NULL, d};
-    OrtStatus *st = llm_output(op, a, 0, a->dims[1], rank, (void **)&j.dx);
+    const int64_t d = a->dims[0][rank - 1];
+    const int64_t rows = d > 0 ? (int64_t)a->count[0] / d : 0;
+    const int terms = (int)a->n_in - 6;
+    int ok = d > 0 && terms >= 1 && (int64_t)a->count[1] == d && (int64_t)a->count[2] == rows &&
+             (int64_t)a->count[3] == rows && a->count[4] == 1 && (!a->data[5] || a->count[5] == a->count[0]);
+    for (int t = 0; ok && t < terms; ++t) ok = a->data[6 + t] && a->count[6 + t] == a->count[0];
+    if (!ok) return llm_fail(op, "expects x, acc and the dy terms of one size, w of x's last dimension, r and s per row");
+    NormJob j = {a->data[0], a->data[1], NULL, a->data[2], a->data[3], a->data[5], 0.0f,
+                 *(const float *)a->data[4], NULL, NULL, NULL, NULL, NULL, d, terms, {0}};
+    for (int t = 0; t < terms; ++t) j.dys[t] = a->data[6 + t];
+    OrtStatus *st = llm_output(op, a, 0, a->dims[0], rank, (void **)&j.dx);
     if (st) return st;
-    split_work(rms_norm_grad_rows, &j, rows, (int64_t)a->count[1] * 16);
+    split_work(rms_norm_grad_rows, &j, rows, (int64_t)a->count[0] * (12 + 4 * terms));
     return NULL;
 }
 
@@ -603,6 +632,7 @@ static size_t llm_in_count(const CustomOp *op) { return (size_t)as_llm(op)->n_in
 static int llm_out_type(const CustomOp *op, size_t i) { return as_llm(op)->out_type[i]; }
 static size_t llm_out_count(const CustomOp *op) { return (size_t)as_llm(op)->n_out; }
 static int llm_in_char(const CustomOp *op, size_t i) {
+    if (as_llm(op)->variadic && i + 1 == (size_t)as_llm(op)->n_in) return INPUT_OUTPUT_VARIADIC;
     return as_llm(op)->opt_in & (1u << i) ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
 }
 static int llm_out_char(const CustomOp *op, size_t i) {
@@ -612,16 +642,18 @@ static int llm_out_char(const CustomOp *op, size_t i) {
 #define F ELEM_FLOAT
 #define I ELEM_INT64
 #define D ELEM_DOUBLE
-#define L(...) {__VA_ARGS__}
-#define LLM_OP(NAME, NI, IN, OPT_IN, NO, OUT, OPT_OUT, FN)                                            \
+#define L(...) (__VA_ARGS__)
+#define ARRAY(...) {__VA_ARGS__}
+#define LLM_OP(NAME, NI, IN, OPT_IN, NO, OUT, OPT_OUT, FN) LLM_OPV(NAME, NI, IN, OPT_IN, NO, OUT, OPT_OUT, FN, 0)
+#define LLM_OPV(NAME, NI, IN, OPT_IN, NO, OUT, OPT_OUT, FN, VARIADIC)                                \
     {{16, op_create_kernel, llm_name, op_provider, llm_in_type, llm_in_count, llm_out_type, llm_out_count, \
       llm_compute_v1, op_destroy_kernel, llm_in_char, llm_out_char, op_default_memory, op_one, op_one,     \
       op_one, op_one, op_create_kernel_v2, llm_compute, NULL, NULL, NULL, NULL, NULL, NULL, NULL},         \
-     NAME, NI, NO, IN, OUT, OPT_IN, OPT_OUT, FN}
+     NAME, NI, NO, ARRAY IN, ARRAY OUT, OPT_IN, OPT_OUT, FN, VARIADIC}
 
 static LlmOp g_llm_ops[] = {
     LLM_OP("RmsNormF32", 3, L(F, F, F), 0, 4, L(F, F, F, F), 0xCu, rms_norm),
-    LLM_OP("RmsNormGradF32", 7, L(F, F, F, F, F, F, F), 0x40u, 1, L(F), 0, rms_norm_grad),
+    LLM_OPV("RmsNormGradF32", 7, L(F, F, F, F, F, F, F), 0x20u, 1, L(F), 0, rms_norm_grad, 1),
     LLM_OP("SiluMulF32", 3, L(F, F, F), 0, 2, L(F, F), 0x2u, silu_mul),
     LLM_OP("SiluMulGradF32", 5, L(F, F, F, F, F), 0x10u, 2, L(F, F), 0x2u, silu_mul_grad),
     LLM_OP("RopeF32", 3, L(F, F, F), 0, 1, L(F), 0, rope),

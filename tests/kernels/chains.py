@@ -89,14 +89,19 @@ def _program(nodes, feeds: dict[str, np.ndarray], y: list[str], xs: list[str], c
 
 
 # ------------------------------------------------------------ RMSNorm
-def rms_norm(shape=(2, 5, 64), residual: bool = False, seed: int = 0, eps: float = 1e-6) -> Chain:
+def rms_norm(shape=(2, 5, 64), residual: bool = False, seed: int = 0, eps: float = 1e-6, readers: int = 1,
+             train_w: bool = True) -> Chain:
     """y = w * (x * 1 / sqrt(mean(x^2) + eps)); with ``residual`` the loss reads
-    x + y, so dx is a Sum of the residual's gradient and the norm's terms."""
+    x + y, so dx is a Sum of the residual's gradient and the norm's terms;
+    ``readers`` > 1: y read that many times (as q, k and v read a norm), so dy
+    is a Sum of as many terms."""
     rng = np.random.default_rng(seed)
     d = shape[-1]
     feeds = {"x": rng.standard_normal(shape).astype(np.float32),
              "w": rng.uniform(0.8, 1.2, d).astype(np.float32),
              "t": rng.standard_normal(shape).astype(np.float32)}
+    for k in range(1, readers):
+        feeds[f"t{k}"] = rng.standard_normal(shape).astype(np.float32)
     nodes = [_const("two", 2.0), _const("axes", [-1], np.int64), _const("eps", eps),
              helper.make_node("Pow", ["x", "two"], ["pow"]),
              helper.make_node("ReduceMean", ["pow", "axes"], ["mean"], keepdims=1),
@@ -109,16 +114,21 @@ def rms_norm(shape=(2, 5, 64), residual: bool = False, seed: int = 0, eps: float
     if residual:
         nodes.append(helper.make_node("Add", ["x", "y"], ["z"]))
         out = "z"
-    model, outputs = _program(nodes, feeds, [out], ["x", "w"], {out: "t"})
+    cotangents = {out: "t"}
+    for k in range(1, readers):
+        nodes.append(helper.make_node("Identity", [out], [f"{out}{k}"]))
+        cotangents[f"{out}{k}"] = f"t{k}"
+    model, outputs = _program(nodes, feeds, [out], ["x", "w"] if train_w else ["x"], cotangents)
 
     def reference(f):
-        x, w, t = (f[k].astype(np.float64) for k in ("x", "w", "t"))
+        x, w = (f[k].astype(np.float64) for k in ("x", "w"))
+        t = f["t"].astype(np.float64) + sum(f[f"t{k}"].astype(np.float64) for k in range(1, readers))
         r = 1 / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(eps).astype(np.float64))
         n = x * r
         g = t * w
         dx = r * (g - n * (g * n).mean(-1, keepdims=True))
         return {out: w * n + (x if residual else 0), "grad_x": dx + (t if residual else 0),
-                "grad_w": (t * n).reshape(-1, d).sum(0)}
+                **({"grad_w": (t * n).reshape(-1, d).sum(0)} if train_w else {})}
     return Chain(model, feeds, outputs, reference)
 
 

@@ -135,6 +135,8 @@ ROW_SUMS = [
     ("rms norm, residual", lambda: rms_norm(residual=True), ["RmsNormF32", "RmsNormGradF32"]),
     ("rms norm, large rows, split", lambda: rms_norm((4, 128, 1280), seed=3), ["RmsNormF32", "RmsNormGradF32"]),
     ("rms norm, odd rows", lambda: rms_norm((3, 7, 13), seed=4), ["RmsNormF32", "RmsNormGradF32"]),
+    ("rms norm, dy a Sum of 6 terms", lambda: rms_norm((2, 16, 96), seed=9, readers=6, train_w=False),
+     ["RmsNormF32", "RmsNormGradF32"]),
     ("softmax", lambda: guarded_softmax(), ["SoftmaxGradF32", "SoftmaxGuardF32"]),
     ("softmax, split", lambda: guarded_softmax((2, 8, 128, 256), masked_rows=5, seed=5),
      ["SoftmaxGradF32", "SoftmaxGuardF32"]),
@@ -159,6 +161,17 @@ def test_row_sum_kernels_are_as_close_to_float64_as_their_chains(label, make, ki
         err_ours = float(np.abs(ours[out] - ref[out]).max())
         assert np.isfinite(ours[out]).all(), out
         assert err_ours <= max(2 * err_std, ULPS * scale), (out, err_ours / scale, err_std / scale)
+
+
+def test_the_gradients_terms_are_summed_in_the_kernel():
+    """dy's Sum (y read by q, k and v) goes into the kernel where only the
+    norm's gradient reads it; with w trained, dw reads dy too and the Sum stays."""
+    for train_w, terms in ((False, 3), (True, 1)):
+        fused, _ = rms_norm(readers=3, train_w=train_w).fused()
+        grad = next(n for n in fused.graph.node if n.op_type == "RmsNormGradF32")
+        assert len(grad.input) == 6 + terms, list(grad.input)
+        # (the loss's own Sum stays; dy's goes into the kernel unless dw reads it)
+        assert sum(n.op_type == "Sum" for n in fused.graph.node) == 1 + (terms == 1)
 
 
 def test_fully_masked_rows_get_zero_gradient():
