@@ -258,3 +258,31 @@ def test_kernels_report_bad_inputs():
     chain.feeds["labels"] = np.array([0, 1, 300, 2], np.int64)
     with pytest.raises(Exception, match="CrossEntropyF32: a target is out of range"):
         run(fused, chain)
+
+
+# ------------------------------------------------------------ in a session
+def test_a_decoder_trains_with_the_kernels_only_in_the_executed_program():
+    """The tiny dynamo Llama of tests/data/llm: ``programs()`` stays standard
+    ops, the program onnxruntime runs has the kernels, and 4 steps with them
+    give the losses and weights of 4 steps without, to float32 rounding."""
+    from test_llm_exports import feeds_of, load
+
+    from onnxtrain import TrainingSession, build
+
+    case, model, arrays = load("llama__dynamo")
+    tm = build.training_model(model, loss=case["loss"], optimizer=build.AdamW(lr=1e-3))
+    feeds, _ = feeds_of(arrays, tm)
+    runs = {}
+    for fused in (None, False):
+        sess = TrainingSession(tm, fused_kernels=fused)
+        standard = sess.programs()["training_info[0].algorithm"]
+        executed = sess.programs(executed=True)["training_info[0].algorithm"]
+        assert not any(n.domain == KERNEL_DOMAIN for n in standard.graph.node)
+        kinds = {n.op_type for n in executed.graph.node if n.domain == KERNEL_DOMAIN}
+        assert (kinds >= {"RmsNormF32", "RmsNormGradF32", "SiluMulGradF32", "RopeGradF32", "SoftmaxGradF32"}) == (
+            fused is None), kinds
+        losses = [float(sess.train_step(feeds)["loss"]) for _ in range(4)]
+        runs[fused] = losses, {k: np.asarray(v) for k, v in sess.state.items()}
+    np.testing.assert_allclose(runs[None][0], runs[False][0], rtol=2e-6)
+    for k, v in runs[False][1].items():
+        np.testing.assert_allclose(runs[None][1][k], v, rtol=1e-4, atol=1e-6, err_msg=k)
