@@ -12,7 +12,9 @@ median over rounds of standard / kernels within a round), with the load
 average: this machine is shared, and the paired ratio is what cancels it.
 ``--cpu --threads 1`` counts the process's CPU time instead: the work each
 program does, which other processes on the machine change much less than
-the wall time.
+the wall time.  ``--profile`` compares onnxruntime's kernel times of only
+the nodes that differ (the replaced chain against its kernels), runs
+alternating, medians over rounds.
 """
 
 from __future__ import annotations
@@ -64,6 +66,48 @@ def measure(key: str, rounds: int, runs: int, threads: int | None, clock=time.pe
             "nodes": (len(chain.model.graph.node), len(fused.graph.node))}
 
 
+def profile(key: str, rounds: int, threads: int | None) -> dict:
+    """onnxruntime's profile of both programs: the kernel time of the nodes
+    only the standard program has against that of the nodes only the
+    kernels' program has (the chain's shared nodes left out), medians over
+    ``rounds`` runs of each, alternating."""
+    import json
+
+    chain = CASES[key][1]()
+    fused, _ = chain.fused()
+    models = {"standard": chain.model, "kernels": fused}
+    sessions = {}
+    for k, m in models.items():
+        so = chains.default_session_options(threads)
+        so.enable_profiling = True
+        so.profile_file_prefix = f"/tmp/onnxtrain-llm-kernels-{os.getpid()}-{k}"
+        lib = chains.library.library()
+        if lib:
+            so.register_custom_ops_library(lib)
+        sessions[k] = chains.ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    for r in range(rounds + 2):
+        for k in (("standard", "kernels") if r % 2 == 0 else ("kernels", "standard")):
+            sessions[k].run(chain.outputs, chain.feeds)
+    events, names = {}, {}
+    for k, sess in sessions.items():  # (node names as onnxruntime runs them: functions inlined)
+        path = sess.end_profiling()
+        events[k] = json.loads(Path(path).read_text())
+        os.unlink(path)
+        names[k] = {e["name"][:-12] for e in events[k] if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")}
+    own = {"standard": names["standard"] - names["kernels"], "kernels": names["kernels"] - names["standard"]}
+    out = {}
+    for k in sessions:
+        runs = sorted(e["ts"] for e in events[k] if e.get("cat") == "Session" and e.get("name") == "model_run")[2:]
+        per_run = [0.0] * len(runs)
+        for e in events[k]:
+            if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["name"][:-12] in own[k]:
+                i = max((j for j, t in enumerate(runs) if t <= e["ts"]), default=None)
+                if i is not None:
+                    per_run[i] += e["dur"] / 1e3
+        out[k] = statistics.median(per_run)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=9)
@@ -73,7 +117,19 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true",
                     help="the process's CPU time per run instead of wall time (with --threads 1: the work, "
                          "whatever else the machine runs)")
+    ap.add_argument("--profile", action="store_true",
+                    help="onnxruntime's kernel times of the nodes each program has and the other does not")
     args = ap.parse_args(argv)
+    if args.profile:
+        print(f"load average before: {os.getloadavg()[0]:.2f}; {args.threads} intra-op threads", flush=True)
+        print("| chain | replaced standard nodes, ms | kernels, ms | ratio |")
+        print("|---|---|---|---|")
+        for key in args.only.split(","):
+            r = profile(key, args.rounds, args.threads)
+            print(f"| {CASES[key][0]} | {r['standard']:.2f} | {r['kernels']:.2f} | "
+                  f"**{r['standard'] / r['kernels']:.2f}x** |", flush=True)
+        print(f"load average after: {os.getloadavg()[0]:.2f}")
+        return 0
     print(f"load average before: {os.getloadavg()[0]:.2f}; {'CPU' if args.cpu else 'wall'} time, "
           f"{args.threads} intra-op threads", flush=True)
     print("| chain | standard ms | kernels ms | paired standard / kernels | nodes standard / kernels |")

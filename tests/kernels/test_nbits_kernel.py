@@ -60,7 +60,7 @@ def test_the_dequantized_weight_is_float64s_rounded(bits, block, k, zp):
 
 
 def test_large_weights_split_over_threads_the_same():
-    chain = nbits(k=1408, n=1024, block=32, bits=4, zp="packed", m=8, seed=5)
+    chain = nbits(k=1408, n=2816, block=32, bits=4, zp="packed", m=8, seed=5)  # (16 MB of W: two threads)
     fused, _ = chain.fused()
     standard, ours = run(chain.model, chain, fold=False), run(fused, chain, fold=False)
     assert np.array_equal(standard["grad_A"].view(np.uint32), ours["grad_A"].view(np.uint32))
