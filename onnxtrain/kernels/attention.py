@@ -27,8 +27,7 @@ from __future__ import annotations
 import onnx
 
 from ..core.names import NameGen
-from .graphmatch import Fusion, Index
-from .llm import kernel_node
+from .graphmatch import Fusion, Index, kernel_node
 
 
 def _last(ix: Index, node: onnx.NodeProto, axis_name: str, rank: int) -> bool:

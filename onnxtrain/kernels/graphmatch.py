@@ -34,9 +34,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import TensorProto
+from onnx import TensorProto, helper, numpy_helper
 
 from ..core.graph import constant_values, infer_types, node_inputs, toposort
+from ..core.names import NameGen
 
 
 def _default(node: onnx.NodeProto) -> bool:
@@ -104,7 +105,7 @@ class Index:
     def attr(self, node: onnx.NodeProto, name: str, default=None):
         for a in node.attribute:
             if a.name == name:
-                return onnx.helper.get_attribute_value(a)
+                return helper.get_attribute_value(a)
         return default
 
     # ------------------------------------------------------------ values
@@ -224,6 +225,16 @@ def _stands(f: Fusion, read_outside: set[str], available: set[str]) -> bool:
     dropped = {o for n in f.removed for o in n.output if o}
     reads = {i for n in f.added for i in node_inputs(n)}
     return all(o in written for o in dropped if o in read_outside) and reads <= available
+
+
+def kernel_node(op: str, inputs: list[str], outputs: list[str], name: str, domain: str) -> onnx.NodeProto:
+    """A node of the kernel library's ``domain``."""
+    return helper.make_node(op, inputs, outputs, name=name, domain=domain)
+
+
+def constant(names: NameGen, hint: str, value: np.ndarray) -> onnx.TensorProto:
+    """An initializer holding ``value`` under a fresh name, for ``Fusion.initializers``."""
+    return numpy_helper.from_array(value, names.fresh(hint))
 
 
 def same_constant(values: dict[str, np.ndarray], name: str, value: float) -> bool:

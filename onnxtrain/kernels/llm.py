@@ -33,11 +33,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from ..core.graph import node_inputs
 from ..core.names import NameGen
-from .graphmatch import Fusion, Index, apply, same_constant
+from . import attention, nbits, xent
+from .graphmatch import Fusion, Index, apply, kernel_node, same_constant
 from .layers import drop_unread
 
 #: Most dy terms RmsNormGradF32 sums itself (its inputs: 6, then the terms; 16 in all).
@@ -50,8 +51,6 @@ def rewrite(graph: onnx.GraphProto, opset_imports: Sequence[onnx.OperatorSetIdPr
             inferred: Callable | None = None) -> int:
     """Replace the chains of the module's table by ``domain`` kernels, in
     place; how many fusions were made."""
-    from . import attention, nbits, xent  # (they use this module's helpers)
-
     if not ANCHORS & {n.op_type for n in graph.node}:
         return 0
     ix = Index(graph, opset_imports, inferred)
@@ -77,15 +76,6 @@ def _drop_dead(graph: onnx.GraphProto, domain: str) -> None:
         del graph.node[:]
         graph.node.extend(kept)
     drop_unread(graph, {"Constant", "Shape", "IsNaN", "Where"})
-
-
-def kernel_node(op: str, inputs: list[str], outputs: list[str], name: str, domain: str) -> onnx.NodeProto:
-    return helper.make_node(op, inputs, outputs, name=name, domain=domain)
-
-
-def constant(names: NameGen, hint: str, value: np.ndarray) -> onnx.TensorProto:
-    """An initializer holding ``value``, under a fresh name (for ``Fusion.initializers``)."""
-    return numpy_helper.from_array(value, names.fresh(hint))
 
 
 # ------------------------------------------------------------ RMSNorm

@@ -23,8 +23,7 @@ import onnx
 from onnx import TensorProto
 
 from ..core.names import NameGen
-from .graphmatch import Fusion, Index, same_constant
-from .llm import constant, kernel_node
+from .graphmatch import Fusion, Index, constant, kernel_node, same_constant
 
 #: Ops of the rule's code unpacking (``contrib_quant._codes``: the integer
 #: form from opset 18, the float form before).

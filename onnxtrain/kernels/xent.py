@@ -26,8 +26,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from ..core.names import NameGen
-from .graphmatch import Fusion, Index
-from .llm import constant, kernel_node
+from .graphmatch import Fusion, Index, constant, kernel_node
 
 #: The ignore index given to the kernel when the node has none (no int64 target is it).
 NO_IGNORE = np.iinfo(np.int64).min
