@@ -19,8 +19,10 @@ the *combination* M ⊕ A_i of the main graph and an algorithm (``combine``;
 
 and ``to_model`` wraps the result without the preview import, its IR version
 capped to what this onnxruntime loads.  ``kernel_choice`` is the last,
-optional step: Adam updates fused into one custom kernel each where the
-kernel library is available (``onnxtrain.kernels``).
+optional step: Adam updates fused into one custom kernel each, and a
+decoder's elementwise chains and int4 unpacking into library kernels
+(``onnxtrain.kernels.llm``), where the kernel library is available
+(``onnxtrain.kernels``), in the program onnxruntime runs only.
 """
 
 from __future__ import annotations
@@ -57,9 +59,10 @@ DEFAULT_OPSET = 17
 
 
 def with_fused_kernels(model: onnx.ModelProto, nchwc_block: int = 0) -> tuple[onnx.ModelProto, int]:
-    """``fuse.with_fused_kernels``, then with ``nchwc_block`` (0: none) the
-    NCHWc rewrite (``nchwc.rewrite``), answered from the program cache for
-    the program models it handed out (``program_cache.fused_for``)."""
+    """``fuse.with_fused_kernels``, a decoder's chains (``llm.rewrite``), then
+    with ``nchwc_block`` (0: none) the NCHWc rewrite (``nchwc.rewrite``),
+    answered from the program cache for the program models it handed out
+    (``program_cache.fused_for``)."""
 
     def compute(m: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         fused, count = _with_fused_kernels(m)
