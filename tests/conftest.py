@@ -1,6 +1,6 @@
-"""The tests are grouped by area (autodiff/, builder/, runtime/, fit/, docs/, distributed/,
-reliability/, export/, js/).  Their shared helpers are plain modules imported by name:
-models.py here, gradcheck.py and grad_cases.py in autodiff/, bundle_runner.py
+"""The tests are grouped by area (autodiff/, builder/, runtime/, kernels/, fit/, docs/,
+distributed/, reliability/, export/, js/).  Their shared helpers are plain modules imported
+by name: models.py here, gradcheck.py and grad_cases.py in autodiff/, bundle_runner.py
 in export/, and a few test modules that others reuse (builder/test_build.py),
 so every area folder goes on sys.path."""
 
@@ -8,7 +8,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-for folder in ("", "autodiff", "builder", "runtime", "fit", "docs", "reliability", "distributed", "export", "js"):
+for folder in ("", "autodiff", "builder", "runtime", "kernels", "fit", "docs", "reliability", "distributed",
+               "export", "js"):
     path = os.path.join(HERE, folder)
     if path not in sys.path:
         sys.path.insert(0, path)

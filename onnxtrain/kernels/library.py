@@ -13,8 +13,11 @@ It also holds layer kernels that onnxruntime's standard ops run slowly
 (``fuse_layers``: MaxPool with Indices, Relu's and BatchNormalization's
 gradients, a convolution's column matrices, MaxPool's scatter) and the
 filter reorder that puts convolutions on onnxruntime's NCHWc kernels
-(``nchwc``).  Where one pass over memory is the whole cost, large tensors
-are split over two threads.
+(``nchwc``).  ``llm_kernels.c``, compiled into the same library, has a
+decoder's non-product kernels (RMSNorm, SiLU times a gate, RoPE, the
+guarded softmax's gradient, the vocabulary cross-entropy: ``llm``,
+``attention``, ``xent``).  Where one pass over memory is the whole cost,
+large tensors are split over two threads.
 
 The library is compiled on first use with the system C compiler (``$CC``,
 else ``cc``) and cached by the hash of its source and flags, in
@@ -45,7 +48,11 @@ from ..core.files import replacing
 #: Module state that changes at run time: not part of any cache key.
 __fingerprint__ = False
 
-_SOURCE = Path(__file__).with_name("optim_kernels.c")
+_HERE = Path(__file__).parent
+#: The library's C sources, compiled together into one shared object (ort_api.h:
+#: the onnxruntime C API they share, part of the cache key).
+_SOURCES = (_HERE / "optim_kernels.c", _HERE / "llm_kernels.c")
+_HEADERS = (_HERE / "ort_api.h",)
 #: -ffp-contract=off: no fused multiply-adds, so results match the standard
 #: kernels bit for bit; -fno-math-errno lets sqrt vectorize (errno only).
 _FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden"]
@@ -73,7 +80,7 @@ def _compile(cc: str, flags: list[str], target: Path) -> str | None:
     try:
         with replacing(target) as tmp:
             # (libm after the source: powf/pow of AdamStepSize)
-            proc = subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True,
+            proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, _SOURCES), "-lm"], capture_output=True,
                                   text=True, timeout=120)
             if proc.returncode != 0:
                 raise _CompileError((proc.stderr or proc.stdout).strip()[-2000:] or f"{cc} exited {proc.returncode}")
@@ -90,7 +97,7 @@ def _build() -> tuple[str | None, str]:
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         return None, f"no C compiler ({cc!r} is not on PATH)"
-    source = _SOURCE.read_bytes()
+    source = b"".join(f.name.encode() + b"\0" + f.read_bytes() for f in (*_SOURCES, *_HEADERS))
     errors = []
     for flags in (_FLAGS, _FALLBACK_FLAGS):
         key = hashlib.sha256(

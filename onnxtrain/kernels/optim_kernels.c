@@ -92,113 +92,17 @@
  * (no fused multiply-adds), so the results are bitwise those of the standard
  * kernels: one pass over memory instead of one per operation.
  *
- * The library needs no onnxruntime headers.  The onnxruntime C API is a table
- * of function pointers that only ever grows at its end (its ABI contract); the
- * few entries used here sit in the part frozen since API version 1, so they
- * are addressed by index.  The OrtCustomOp struct below is declared in the
- * layout of API version 16, the first with status-returning kernels.
+ * The library needs no onnxruntime headers: ort_api.h declares the part of
+ * the C API it uses.  llm_kernels.c, compiled into the same library, adds the
+ * LLM training kernels to the domain (onnxtrain_add_llm_ops).
  */
 
-#include <math.h>
-#include <pthread.h>
-#include <stddef.h>
-#include <stdint.h>
-#include <string.h>
+#include "ort_api.h"
 
-typedef struct OrtStatus OrtStatus;
-typedef struct OrtValue OrtValue;
-typedef struct OrtKernelInfo OrtKernelInfo;
-typedef struct OrtKernelContext OrtKernelContext;
-typedef struct OrtSessionOptions OrtSessionOptions;
-typedef struct OrtCustomOpDomain OrtCustomOpDomain;
-typedef struct OrtTensorTypeAndShapeInfo OrtTensorTypeAndShapeInfo;
-typedef void OrtApi; /* used only as a table of function pointers */
-
-typedef struct OrtApiBase {
-    const OrtApi *(*GetApi)(uint32_t version);
-    const char *(*GetVersionString)(void);
-} OrtApiBase;
-
-enum { ELEM_FLOAT = 1, ELEM_INT64 = 7, ELEM_DOUBLE = 11 };
-enum { STATUS_FAIL = 1, STATUS_INVALID_ARGUMENT = 2 };
-
-/* Indices into the OrtApi table (all in the version-1 part). */
-enum {
-    API_CreateStatus = 0,
-    API_GetErrorCode = 1,
-    API_GetErrorMessage = 2,
-    API_CreateCustomOpDomain = 26,
-    API_CustomOpDomain_Add = 27,
-    API_AddCustomOpDomain = 28,
-    API_GetTensorMutableData = 51,
-    API_GetTensorElementType = 60,
-    API_GetDimensionsCount = 61,
-    API_GetDimensions = 62,
-    API_GetTensorShapeElementCount = 64,
-    API_GetTensorTypeAndShape = 65,
-    API_KernelContext_GetInputCount = 88,
-    API_KernelContext_GetOutputCount = 89,
-    API_KernelContext_GetInput = 90,
-    API_KernelContext_GetOutput = 91,
-    API_ReleaseStatus = 93,
-    API_ReleaseTensorTypeAndShapeInfo = 99,
-};
-
-static const OrtApi *g_api = NULL;
-#define API(index, type) ((type)(((void *const *)g_api)[index]))
-
-typedef OrtStatus *(*CreateStatusFn)(int, const char *);
-typedef int (*GetErrorCodeFn)(const OrtStatus *);
-typedef const char *(*GetErrorMessageFn)(const OrtStatus *);
-typedef void (*ReleaseStatusFn)(OrtStatus *);
-typedef OrtStatus *(*CreateDomainFn)(const char *, OrtCustomOpDomain **);
-typedef OrtStatus *(*DomainAddFn)(OrtCustomOpDomain *, void *);
-typedef OrtStatus *(*AddDomainFn)(OrtSessionOptions *, OrtCustomOpDomain *);
-typedef OrtStatus *(*MutableDataFn)(OrtValue *, void **);
-typedef OrtStatus *(*ElementTypeFn)(const OrtTensorTypeAndShapeInfo *, int *);
-typedef OrtStatus *(*DimsCountFn)(const OrtTensorTypeAndShapeInfo *, size_t *);
-typedef OrtStatus *(*DimsFn)(const OrtTensorTypeAndShapeInfo *, int64_t *, size_t);
-typedef OrtStatus *(*ElementCountFn)(const OrtTensorTypeAndShapeInfo *, size_t *);
-typedef OrtStatus *(*TypeAndShapeFn)(const OrtValue *, OrtTensorTypeAndShapeInfo **);
-typedef OrtStatus *(*InputCountFn)(const OrtKernelContext *, size_t *);
-typedef OrtStatus *(*GetInputFn)(const OrtKernelContext *, size_t, const OrtValue **);
-typedef OrtStatus *(*GetOutputFn)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **);
-typedef void (*ReleaseInfoFn)(OrtTensorTypeAndShapeInfo *);
-
-/* OrtCustomOp, layout of API version 16 onwards (later fields unused). */
-typedef struct CustomOp {
-    uint32_t version;
-    void *(*CreateKernel)(const struct CustomOp *, const OrtApi *, const OrtKernelInfo *);
-    const char *(*GetName)(const struct CustomOp *);
-    const char *(*GetExecutionProviderType)(const struct CustomOp *);
-    int (*GetInputType)(const struct CustomOp *, size_t);
-    size_t (*GetInputTypeCount)(const struct CustomOp *);
-    int (*GetOutputType)(const struct CustomOp *, size_t);
-    size_t (*GetOutputTypeCount)(const struct CustomOp *);
-    void (*KernelCompute)(void *, OrtKernelContext *);
-    void (*KernelDestroy)(void *);
-    int (*GetInputCharacteristic)(const struct CustomOp *, size_t);
-    int (*GetOutputCharacteristic)(const struct CustomOp *, size_t);
-    int (*GetInputMemoryType)(const struct CustomOp *, size_t);
-    int (*GetVariadicInputMinArity)(const struct CustomOp *);
-    int (*GetVariadicInputHomogeneity)(const struct CustomOp *);
-    int (*GetVariadicOutputMinArity)(const struct CustomOp *);
-    int (*GetVariadicOutputHomogeneity)(const struct CustomOp *);
-    OrtStatus *(*CreateKernelV2)(const struct CustomOp *, const OrtApi *, const OrtKernelInfo *, void **);
-    OrtStatus *(*KernelComputeV2)(void *, OrtKernelContext *);
-    /* Declared so the struct has its full size; version 16 leaves them unread. */
-    void *InferOutputShapeFn;
-    void *GetStartVersion;
-    void *GetEndVersion;
-    void *GetMayInplace;
-    void *ReleaseMayInplace;
-    void *GetAliasMap;
-    void *ReleaseAliasMap;
-} CustomOp;
+const OrtApi *g_api = NULL;
 
 enum { KIND_ADAM_UPDATE, KIND_SPEC_ADAM, KIND_MOMENTUM, KIND_NESTEROV, KIND_ADAGRAD, KIND_MAX_POOL, KIND_RELU_GRAD,
        KIND_IM2COL, KIND_REORDER_FILTER, KIND_BN_GRAD, KIND_SCATTER_ADD, KIND_COL2IM, KIND_STEP_SIZE };
-enum { INPUT_OUTPUT_REQUIRED = 0, INPUT_OUTPUT_OPTIONAL = 1, INPUT_OUTPUT_VARIADIC = 2 };
 
 typedef struct OpDef {
     CustomOp op;          /* first member: ORT hands back &op */
@@ -215,98 +119,6 @@ typedef struct OpDef {
 #define N_OUTPUTS 3
 #define N_TENSORS 4
 #define MAX_SCALARS 8
-
-static OrtStatus *fail(const char *msg) {
-    return API(API_CreateStatus, CreateStatusFn)(STATUS_INVALID_ARGUMENT, msg);
-}
-
-/* Element type, element count and (optionally) dims of a value. */
-static OrtStatus *describe(const OrtValue *value, int *elem, size_t *count, int64_t *dims, size_t *rank) {
-    OrtTensorTypeAndShapeInfo *info = NULL;
-    OrtStatus *st = API(API_GetTensorTypeAndShape, TypeAndShapeFn)(value, &info);
-    if (st) return st;
-    st = API(API_GetTensorElementType, ElementTypeFn)(info, elem);
-    if (!st) st = API(API_GetTensorShapeElementCount, ElementCountFn)(info, count);
-    if (!st && dims) {
-        st = API(API_GetDimensionsCount, DimsCountFn)(info, rank);
-        if (!st && *rank > 8) st = fail("AdamUpdate: tensors of rank > 8 are not supported");
-        if (!st) st = API(API_GetDimensions, DimsFn)(info, dims, *rank);
-    }
-    API(API_ReleaseTensorTypeAndShapeInfo, ReleaseInfoFn)(info);
-    return st;
-}
-
-/* Output ``index`` of shape dims (rank values), and its data. */
-static OrtStatus *output_data(OrtKernelContext *ctx, size_t index, const int64_t *dims, size_t rank, void **data) {
-    OrtValue *value = NULL;
-    OrtStatus *st = API(API_KernelContext_GetOutput, GetOutputFn)(ctx, index, dims, rank, &value);
-    return st ? st : API(API_GetTensorMutableData, MutableDataFn)(value, data);
-}
-
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(ONNXTRAIN_NO_CLONES)
-#define CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define CLONES
-#endif
-
-/* ------------------------------------------------------------ threads */
-/* The optimizer updates and the layer kernels are bound by memory traffic,
- * which one core does not saturate.  A large one is split into contiguous
- * ranges of items, run by this thread and SPLIT_THREADS - 1 short-lived
- * helpers (a few tens of microseconds to start, paid only above
- * SPLIT_MIN_BYTES).  Each output element is written by one thread, in the
- * order one thread would: the results do not depend on the split.  (An
- * update in place, whose outputs share its inputs' buffers, runs in one
- * pass on this thread.) */
-#ifndef SPLIT_THREADS
-#define SPLIT_THREADS 2
-#endif
-#define SPLIT_MIN_BYTES (1 << 20)
-/* An optimizer update splits from more traffic than that: it is short, and
- * below this a helper's start costs about what the second core saves (W1's
- * 784x512 AdamW update, 11 MB, ran 1-2% slower split). */
-#define OPT_SPLIT_MIN_BYTES (16 << 20)
-
-typedef void (*PartFn)(void *, int64_t, int64_t);
-typedef struct {
-    PartFn fn;
-    void *arg;
-    int64_t begin, end;
-} Part;
-
-static void *run_part(void *p) {
-    Part *part = (Part *)p;
-    part->fn(part->arg, part->begin, part->end);
-    return NULL;
-}
-
-static void split_work_from(PartFn fn, void *arg, int64_t items, int64_t bytes, int64_t min_bytes) {
-    int parts = bytes >= min_bytes ? SPLIT_THREADS : 1;
-    if (parts > items) parts = (int)items;
-    if (parts <= 1) {
-        fn(arg, 0, items);
-        return;
-    }
-    Part work[SPLIT_THREADS];
-    pthread_t threads[SPLIT_THREADS];
-    int started[SPLIT_THREADS] = {0};
-    for (int k = 0; k < parts; ++k) {
-        work[k].fn = fn;
-        work[k].arg = arg;
-        work[k].begin = items * k / parts;
-        work[k].end = items * (k + 1) / parts;
-    }
-    for (int k = 1; k < parts; ++k) started[k] = pthread_create(&threads[k], NULL, run_part, &work[k]) == 0;
-    run_part(&work[0]);
-    for (int k = 1; k < parts; ++k) {
-        if (started[k]) pthread_join(threads[k], NULL);
-        else run_part(&work[k]); /* no thread to be had: this one does it */
-    }
-}
-
-static void split_work(PartFn fn, void *arg, int64_t items, int64_t bytes) {
-    split_work_from(fn, arg, items, bytes, SPLIT_MIN_BYTES);
-}
 
 /* One element of the update: every operation rounds as the standard kernels do. */
 #define ADAM_LOOP(T, SQRT)                                                                 \
@@ -536,17 +348,7 @@ static void spec_part(void *arg, int64_t b, int64_t e) {
 #undef AT
 }
 
-/* A status naming the op: "<op>: <what>". */
-static OrtStatus *op_fail(const OpDef *def, const char *what) {
-    char msg[200];
-    size_t k = strlen(def->name);
-    if (k > 60) k = 60;
-    memcpy(msg, def->name, k);
-    memcpy(msg + k, ": ", 2);
-    strncpy(msg + k + 2, what, sizeof(msg) - k - 3);
-    msg[sizeof(msg) - 1] = '\0';
-    return fail(msg);
-}
+static OrtStatus *op_fail(const OpDef *def, const char *what) { return named_fail(def->name, what); }
 
 static OrtStatus *spec_compute(const OpDef *def, OrtKernelContext *ctx) {
     size_t n_in = 0, n_out = 0;
@@ -1307,23 +1109,11 @@ static int is_spec(const CustomOp *op) {
     return as_def(op)->kind != KIND_ADAM_UPDATE && !is_pool(op) && !is_relu(op) && !is_im2col(op) &&
            !is_bn(op) && !is_scatter(op) && !is_step(op);
 }
-static void *create_kernel(const CustomOp *op, const OrtApi *api, const OrtKernelInfo *info) {
-    (void)api; (void)info;
-    return (void *)op;
-}
-static OrtStatus *create_kernel_v2(const CustomOp *op, const OrtApi *api, const OrtKernelInfo *info,
-                                   void **kernel) {
-    (void)api; (void)info;
-    *kernel = (void *)op;
-    return NULL;
-}
 static void compute_v1(void *kernel, OrtKernelContext *ctx) {
     OrtStatus *st = compute(kernel, ctx);
     if (st) API(API_ReleaseStatus, ReleaseStatusFn)(st);
 }
-static void destroy_kernel(void *kernel) { (void)kernel; }
 static const char *get_name(const CustomOp *op) { return as_def(op)->name; }
-static const char *get_provider(const CustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const CustomOp *op, size_t i) {
     if (is_scatter(op)) return i < 2 ? ELEM_INT64 : ELEM_FLOAT;
     if (is_step(op)) return (i == 1 || i == 6) ? ELEM_INT64 : as_def(op)->elem_type;
@@ -1356,15 +1146,13 @@ static int output_characteristic(const CustomOp *op, size_t i) {
     (void)i;
     return is_spec(op) ? INPUT_OUTPUT_VARIADIC : INPUT_OUTPUT_REQUIRED;
 }
-static int default_memory(const CustomOp *op, size_t i) { (void)op; (void)i; return 0; }
-static int one(const CustomOp *op) { (void)op; return 1; }
 static int input_min_arity(const CustomOp *op) { return is_spec(op) ? as_def(op)->per_in : 1; }
 static int output_min_arity(const CustomOp *op) { return is_spec(op) ? as_def(op)->per_out : 1; }
 
 #define OP_DEF(NAME, ELEM, KIND, NS, NC, POST, PI, PO)                                      \
-    {{16, create_kernel, get_name, get_provider, input_type, input_count, output_type,      \
-      output_count, compute_v1, destroy_kernel, input_characteristic, output_characteristic, \
-      default_memory, input_min_arity, one, output_min_arity, one, create_kernel_v2, compute, \
+    {{16, op_create_kernel, get_name, op_provider, input_type, input_count, output_type,    \
+      output_count, compute_v1, op_destroy_kernel, input_characteristic, output_characteristic, \
+      op_default_memory, input_min_arity, op_one, output_min_arity, op_one, op_create_kernel_v2, compute, \
       NULL, NULL, NULL, NULL, NULL, NULL, NULL},                                            \
      NAME, ELEM, KIND, NS, NC, POST, PI, PO}
 
@@ -1418,6 +1206,8 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
         st = API(API_CustomOpDomain_Add, DomainAddFn)(domain, &g_ops[i].op);
         if (st) return st;
     }
+    st = onnxtrain_add_llm_ops(domain);
+    if (st) return st;
     /* The domain lives as long as the process: sessions may outlive any owner. */
     return API(API_AddCustomOpDomain, AddDomainFn)(options, domain);
 }

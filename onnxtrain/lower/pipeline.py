@@ -20,8 +20,10 @@ the *combination* M ⊕ A_i of the main graph and an algorithm (``combine``;
 
 and ``to_model`` wraps the result without the preview import, its IR version
 capped to what this onnxruntime loads.  ``kernel_choice`` is the last,
-optional step: Adam updates fused into one custom kernel each where the
-kernel library is available (``onnxtrain.kernels``).
+optional step: Adam updates fused into one custom kernel each, and a
+decoder's elementwise chains and int4 unpacking into library kernels
+(``onnxtrain.kernels.llm``), where the kernel library is available
+(``onnxtrain.kernels``), in the program onnxruntime runs only.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from ..core.names import NameGen
 from ..errors import TrainingModelError
 from ..io.model import TrainingModel, combined_graph, copy_graph, uses_preview_ops
 from ..kernels import library as kernels
-from ..kernels import nchwc
+from ..kernels import llm, nchwc
 from ..kernels.fuse import KERNEL_DOMAIN
 from ..kernels.fuse import fuse_gemm_updates as _fuse_gemm
 from ..kernels.fuse import with_fused_kernels as _with_fused_kernels
@@ -61,16 +63,36 @@ DEFAULT_OPSET = 17
 
 
 def with_fused_kernels(model: onnx.ModelProto, nchwc_block: int = 0) -> tuple[onnx.ModelProto, int]:
-    """``fuse.with_fused_kernels``, then with ``nchwc_block`` (0: none) the
-    NCHWc rewrite (``nchwc.rewrite``), answered from the program cache for
-    the program models it handed out (``program_cache.fused_for``)."""
+    """``fuse.with_fused_kernels``, a decoder's chains (``llm.rewrite``), then
+    with ``nchwc_block`` (0: none) the NCHWc rewrite (``nchwc.rewrite``),
+    answered from the program cache for the program models it handed out
+    (``program_cache.fused_for``)."""
 
     def compute(m: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         fused, count = _with_fused_kernels(m)
+        fused, decoder = _with_llm_kernels(fused, fused is not m)
         laid, convs = nchwc.rewrite(fused, nchwc_block, KERNEL_DOMAIN)
-        return laid, count + convs
+        return laid, count + decoder + convs
 
     return program_cache.fused_for(model, compute, variant=nchwc_block)
+
+
+def _with_llm_kernels(model: onnx.ModelProto, owned: bool) -> tuple[onnx.ModelProto, int]:
+    """A decoder's non-product chains as library kernels (``kernels.llm``): in
+    place where ``owned`` (a copy made for the kernels), else in a copy made
+    only when a chain is there; and how many."""
+    if not llm.ANCHORS & {n.op_type for n in model.graph.node}:
+        return model, 0
+    fused = model
+    if not owned:
+        fused = onnx.ModelProto()
+        fused.CopyFrom(model)
+    count = llm.rewrite(fused.graph, list(fused.opset_import), KERNEL_DOMAIN)
+    if not count:
+        return model, 0
+    if not any(o.domain == KERNEL_DOMAIN for o in fused.opset_import):
+        fused.opset_import.append(helper.make_opsetid(KERNEL_DOMAIN, 1))
+    return fused, count
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from chains import pack_codes as pack
 from contrib_check import MS, check_forward, check_grad
 
 RNG = np.random.default_rng(7)
@@ -85,16 +86,6 @@ def test_skip_layer_norm(with_beta, with_bias):
 
 
 # ------------------------------------------------------------ MatMulNBits
-def pack(codes: np.ndarray, bits: int) -> np.ndarray:
-    """[rows, count] codes < 2^bits -> uint8 [rows, ceil(count bits / 8)], low bits first."""
-    per = 8 // bits
-    rows, count = codes.shape
-    padded = np.zeros((rows, -(-count // per) * per), dtype=np.int64)
-    padded[:, :count] = codes
-    grouped = padded.reshape(rows, -1, per)
-    return sum(grouped[:, :, i] << (i * bits) for i in range(per)).astype(np.uint8)
-
-
 def nbits_case(k, n, block, bits, zp_kind, bias=False, batch=(2, 3)):
     blocks = -(-k // block)
     codes = RNG.integers(0, 2**bits, size=(n, blocks * block))

@@ -58,6 +58,14 @@ CASES = [
         node_inputs=["a", "three"],
         extra=lambda opset: [const_node("three", 3.0, np.float64)],
     ),
+    # RMSNorm's square: a constant exponent 2 differentiates without Pow.
+    Case(
+        "Pow-square",
+        "Pow",
+        ins(a=normal(2, 3)),
+        node_inputs=["a", "two"],
+        extra=lambda opset: [const_node("two", 2.0, np.float64)],
+    ),
     Case(
         "Pow-int-exponent",
         "Pow",
@@ -277,6 +285,62 @@ def test_sigmoid_tanh_exp_reuse_forward_output():
         expand_gradients(g, opsets, NameGen(["x", "y", "loss", "dx"]), ["x"])
         ops = [n.op_type for n in g.node]
         assert ops.count(op) == 1, (op, ops)
+
+
+def test_constant_square_and_cube_differentiate_without_pow():
+    """Pow(a, 2) and Pow(a, 3): the slope is 2 * a and 3 * (a * a), no Pow kernel
+    (a libm pow per element); any other exponent keeps Pow(a, b - 1)."""
+    from onnxtrain.autodiff import expand_gradients
+    from onnxtrain.core.graph import PREVIEW_DOMAIN
+    from onnxtrain.core.names import NameGen
+
+    for p, pows in ((2.0, 0), (3.0, 0), (2.5, 1)):
+        g = helper.make_graph(
+            [
+                const_node("b", p, np.float32),
+                helper.make_node("Pow", ["a", "b"], ["y"]),
+                helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0),
+                helper.make_node("Gradient", ["a"], ["da"], domain=PREVIEW_DOMAIN, xs=["a"], y="loss"),
+            ],
+            "g",
+            [helper.make_tensor_value_info("a", TensorProto.FLOAT, [2, 3])],
+            [helper.make_tensor_value_info("da", TensorProto.FLOAT, [2, 3])],
+        )
+        opsets = [helper.make_opsetid("", 17), helper.make_opsetid(PREVIEW_DOMAIN, 1)]
+        expand_gradients(g, opsets, NameGen(["a", "b", "y", "loss", "da"]), ["a"])
+        ops = [n.op_type for n in g.node]
+        assert ops.count("Pow") == 1 + pows, (p, ops)
+
+
+def test_onnxruntime_pow_of_one_and_two_are_exact():
+    """What makes the Pow-free slope the same numbers: onnxruntime's Pow(a, 1)
+    is a and Pow(a, 2) is a * a, bit for bit (float and double, every class of
+    value: subnormals, huge, negative, +-0, +-inf; NaN stays NaN)."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    for dtype, tt in ((np.float32, TensorProto.FLOAT), (np.float64, TensorProto.DOUBLE)):
+        info = np.finfo(dtype)
+        special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, info.tiny, info.tiny / 8, -info.tiny / 3,
+                            info.max, -info.max, 1.0, -1.0], dtype)
+        bits = rng.integers(0, 2 ** 31 if dtype == np.float32 else 2 ** 62, 200_000)
+        raw = bits.astype(np.uint32 if dtype == np.float32 else np.uint64).view(dtype)
+        a = np.concatenate([special, raw, -raw]).astype(dtype)
+        for p in (1.0, 2.0):
+            g = helper.make_graph(
+                [helper.make_node("Pow", ["a", "p"], ["y"])], "pow",
+                [helper.make_tensor_value_info("a", tt, [a.size])],
+                [helper.make_tensor_value_info("y", tt, [a.size])],
+                [helper.make_tensor("p", tt, [], [p])],
+            )
+            m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+            m.ir_version = 8
+            y = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"a": a})[0]
+            with np.errstate(over="ignore", invalid="ignore"):  # (inf and NaN squared, on purpose)
+                want = a if p == 1.0 else a * a
+            nan = np.isnan(want)  # (NaN payloads may be quieted: any NaN is a NaN)
+            assert np.array_equal(np.isnan(y), nan), (dtype, p)
+            assert y[~nan].tobytes() == want[~nan].tobytes(), (dtype, p)
 
 
 def test_mod_without_fmod_is_an_error():

@@ -207,6 +207,23 @@ CASES = [
         extra=consts(s=[1, -1], e=[7, -100], a=[0, 1], k=[2, -2]),
         opsets=(10, 13, 18),
     ),
+    # Unit steps given: dx is dy padded (opset >= 11); starts clamped at both ends.
+    Case(
+        "Slice-unit-steps",
+        "Slice",
+        ins(x=normal(4, 5, 6)),
+        node_inputs=["x", "s", "e", "a", "k"],
+        extra=consts(s=[-100, 2, -2], e=[3, 1000, 100], a=[0, 2, 1], k=[1, 1, 1]),
+        opsets=(11, 13, 18),
+    ),
+    Case(
+        "Slice-past-the-end",
+        "Slice",
+        ins(x=normal(4, 5)),
+        node_inputs=["x", "s", "e", "a", "k"],
+        extra=consts(s=[1, 7], e=[3, 9], a=[0, 1], k=[1, 1]),
+        opsets=(11, 18),
+    ),
     Case(
         "Slice-runtime",
         "Slice",
@@ -447,6 +464,31 @@ def test_gather_duplicates_add_up():
     for opset in (11, 18):  # one-hot contraction / ScatterElements(add)
         g = check_vjp("Gather", {"x": x, "i": i64(0, 0, 0)}, opset=opset, directions=1)["x"]
         assert np.all(g[1:] == 0) and np.all(g[0] != 0)
+
+
+def test_slice_with_unit_steps_pads():
+    """From opset 11 a step-1 Slice's gradient is one Pad: no zero fill, no
+    ScatterElements; other steps keep the scatter."""
+    from onnx import TensorProto
+
+    from onnxtrain.autodiff import expand_gradients
+    from onnxtrain.core.graph import PREVIEW_DOMAIN
+    from onnxtrain.core.names import NameGen
+
+    for steps, scatters in (([1, 1], 0), ([1, 2], 2)):
+        g = helper.make_graph(
+            [const_node("s", [1, 0]), const_node("e", [3, 5]), const_node("a", [0, 1]), const_node("k", steps),
+             helper.make_node("Slice", ["x", "s", "e", "a", "k"], ["y"]),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0),
+             helper.make_node("Gradient", ["x"], ["dx"], domain=PREVIEW_DOMAIN, xs=["x"], y="loss")],
+            "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 6])],
+            [helper.make_tensor_value_info("dx", TensorProto.FLOAT, [4, 6])],
+        )
+        opsets = [helper.make_opsetid("", 13), helper.make_opsetid(PREVIEW_DOMAIN, 1)]
+        expand_gradients(g, opsets, NameGen(["x", "s", "e", "a", "k", "y", "loss", "dx"]), ["x"])
+        ops = [n.op_type for n in g.node]
+        assert ops.count("ScatterElements") == scatters and ops.count("Pad") == (scatters == 0), (steps, ops)
 
 
 def test_slice_runtime_axes_is_an_error():

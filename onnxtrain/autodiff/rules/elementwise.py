@@ -103,14 +103,21 @@ def pow_vjp(ctx, dy):
 
     b may have another element type than a (opset >= 12).  Real a^b is not
     differentiable in b where a <= 0: db is taken as 0 there (log(a) is
-    replaced by 0), which also keeps 0 * log(0) from producing NaN."""
+    replaced by 0), which also keeps 0 * log(0) from producing NaN.
+
+    A constant b of 2 or 3 (RMSNorm's x^2) needs no Pow: a^1 is a and a^2 is
+    a * a, the same numbers (pow(a, 1) = a exactly, and onnxruntime computes
+    Pow(a, 2) as a * a), at the cost of a Mul instead of a libm pow per element."""
     a, b = ctx.inputs
     (y,) = ctx.outputs
     e = ctx.emit
     da = db = None
     if ctx.needs(0):
         bf = e.cast_to(b, ctx.dtype(a))
-        slope = e.Mul(bf, e.Pow(a, e.Sub(bf, ctx.const(1.0, like=a))))
+        power = _power_less_one(ctx, a, b)
+        if power is None:
+            power = e.Pow(a, e.Sub(bf, ctx.const(1.0, like=a)))
+        slope = e.Mul(bf, power)
         da = ctx.unbroadcast(e.Mul(dy, slope), like=a)
     if ctx.needs(1) and is_float(ctx, b):
         positive = e.Greater(a, ctx.const(0.0, like=a))
@@ -118,6 +125,19 @@ def pow_vjp(ctx, dy):
         grad = e.cast_to(e.Mul(e.Mul(dy, y), log_a), ctx.dtype(b))
         db = ctx.unbroadcast(grad, like=b)
     return da, db
+
+
+def _power_less_one(ctx: VJPContext, a: str, b: str) -> str | None:
+    """a^(b-1) without Pow where b is a constant 2 or 3 (every element), else None."""
+    known = ctx.emit.constants.get(b)
+    if known is None or known.size == 0 or not (known == known.reshape(-1)[0]).all():
+        return None
+    p = float(known.reshape(-1)[0])
+    if p == 2.0:
+        return a
+    if p == 3.0:
+        return ctx.emit.Mul(a, a)
+    return None
 
 
 @vjp("Identity")

@@ -231,7 +231,10 @@ def slice_vjp(ctx, dy):
     Before opset 10 (attribute bounds, step 1), where the sliced dims of x are
     known statically, dx = Pad(dy) with pads s' and n - e' (e' = clamp(e, s', n)
     after the same wrapping): Pad-2 needs no Scatter (opset 9) or
-    ConstantOfShape (opset 9)."""
+    ConstantOfShape (opset 9).  From opset 11, where every step is a constant
+    1, dx = Pad(dy) with pads s' and n - s' - len(y) computed at run time:
+    the same numbers as the scatter (dy copied, +0 elsewhere) in one copy, not
+    a zero fill, index tensors and a ScatterElements per axis."""
     x = ctx.inputs[0]
     e = ctx.emit
     if not ctx.needs(0):
@@ -246,8 +249,11 @@ def slice_vjp(ctx, dy):
                 f"gradient of Slice node {ctx.node.name!r}: at opset {ctx.opset} it needs the "
                 f"sliced dims of {x!r} statically"
             )
+    spec = _slice_spec(ctx, rank)
+    if ctx.opset >= 11 and _unit_steps(ctx):
+        return _no_grad_rest(ctx, _slice_pad(ctx, dy, spec, rank))
     grad = dy
-    for axis, start, step, sign in _slice_spec(ctx, rank):
+    for axis, start, step, sign in spec:
         n = e.dim(x, axis)
         begin = wrap_negative(e, start, n)
         if sign is None:
@@ -260,6 +266,49 @@ def slice_vjp(ctx, dy):
         target = with_dim(e, e.Shape(grad), axis, rank, e.Shape(x))
         grad = e.scatter_elements(zeros_of_shape(e, target, ctx.dtype(dy)), where, grad, axis)
     return _no_grad_rest(ctx, grad)
+
+
+def _unit_steps(ctx: VJPContext) -> bool:
+    """Whether every step of a Slice (opset >= 10) is statically 1."""
+    steps = ctx.input(4)
+    if steps is None:
+        return True
+    known = constant_value(ctx, steps)
+    return known is not None and bool((known == 1).all())
+
+
+def _slice_pad(ctx: VJPContext, dy: str, spec: list, rank: int) -> str:
+    """dx of a step-1 Slice (opset >= 11): dy padded with s' before and
+    n - s' - len(y) after each sliced axis (s' clamped to [0, n] as Slice does)."""
+    e = ctx.emit
+    x = ctx.inputs[0]
+    pads = _static_slice_pads(ctx, [axis for axis, _, _, _ in spec], rank)
+    if pads is not None:  # (constants: no shape arithmetic left for the runtime)
+        return e.Pad(dy, e.ints(pads), mode="constant")
+    zero = e.ints([0])
+    before, after = [zero] * rank, [zero] * rank
+    for axis, start, _, _ in spec:
+        n = e.dim(x, axis)
+        begin = clamp(e, wrap_negative(e, start, n), zero, n)
+        before[axis] = begin
+        after[axis] = e.Sub(e.Sub(n, begin), e.dim(dy, axis))
+    return e.Pad(dy, e.Concat(*before, *after, axis=0), mode="constant")
+
+
+def _static_slice_pads(ctx: VJPContext, axes: list[int], rank: int) -> list[int] | None:
+    """The pads of ``_slice_pad`` where the starts are constants and the sliced
+    dims of x and y static, else None."""
+    starts = constant_value(ctx, ctx.inputs[1])
+    if starts is None or starts.size != len(axes):
+        return None
+    before, after = [0] * rank, [0] * rank
+    for axis, start in zip(axes, starts.reshape(-1)):
+        n, m = _static_dim(ctx, ctx.inputs[0], axis), _static_dim(ctx, ctx.outputs[0], axis)
+        if n is None or m is None:
+            return None
+        begin = min(max(int(start) + n if start < 0 else int(start), 0), n)
+        before[axis], after[axis] = begin, n - begin - m
+    return before + after
 
 
 def _slice_pads_before_10(ctx: VJPContext, rank: int) -> list[int] | None:

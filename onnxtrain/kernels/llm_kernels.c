@@ -1,0 +1,680 @@
+/* onnxtrain's LLM training kernels: the non-product work of a decoder's step
+ * (kernels/llm.py, kernels/attention.py and kernels/xent.py write the nodes).
+ * Compiled into the same custom-op library as optim_kernels.c, in the domain
+ * "ai.onnxtrain.kernels"; float32 tensors, int64 targets.
+ *
+ *   RmsNormF32      x [.., D], w [D], eps [1] -> y, r [.., 1], s [.., 1] (opt), n (opt)
+ *       m = mean(x * x) over the last axis (summed in double, rounded once),
+ *       s = sqrt(m + eps), r = 1 / s, n = x * r, y = w * n: the standard
+ *       chain's float operations (Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul,
+ *       Mul) but for the row sum, whose order no kernel shares with another.
+ *   RmsNormGradF32  x, w, r, s, inv_d [1], acc (opt), dy_0, dy_1, ... (one or more) -> dx
+ *       dy = ((dy_0 + dy_1) + dy_2) + ... (onnxruntime's Sum of the terms);
+ *       g = dy * w; t = sum(g * x) over the row (double, rounded once);
+ *       dx = g * r + ((-(t * (r * r))) / (2 s)) * inv_d * (2 x)  [+ acc]
+ *       the rule's float operations in their order (Mul, ReduceSum, Mul, Neg,
+ *       Div, Mul, Mul, Add) but for the row sum.
+ *   SiluMulF32      a, s, b -> h, silu (opt)    silu = a * s, h = silu * b
+ *   SiluMulGradF32  dh, a, b, s, dh2 (opt) -> da, db (opt)
+ *       (dh += dh2 first) e = dh * b; db = dh * (a * s);
+ *       da = e * s + (e * a) * (s * (1 - s)): the rule's operations, bit for bit.
+ *   RopeF32         x [.., S, D], cos, sin [S * D elements] -> y
+ *       y[i] = x[i] * cos[i] + rot[i] * sin[i], rot = (-x[h:], x[:h]), h = D / 2
+ *       (Mul, Slice, Slice, Neg, Concat, Mul, Add: bit for bit).
+ *   RopeGradF32     dy, cos, sin -> dx
+ *       the rule's Mul, Mul, Split, Neg, two Pads and their three-input Sum
+ *       with dy * cos: bit for bit.  At each element one of the Sum's terms
+ *       is a Pad's +0, so any order of its two additions gives the same bits
+ *       (a zero total is +0 in every order).
+ *   SoftmaxGuardF32 y -> isnan(y) ? 0 : y      (IsNaN + Where, bit for bit)
+ *   SoftmaxGradF32  dq, y -> dx   (the last axis)
+ *       q = guard(y), e = isnan(y) ? 0 : dq, t = sum(e * q) over the row
+ *       (double, rounded once), dx = q * (e - t): the rule's Where, Where,
+ *       Mul, ReduceSum, Sub, Mul but for the row sum.
+ *   CrossEntropyF32     scores [N, C], target (int64 [N]), ignore (int64 [1])
+ *                       -> loss [], lse (double [N])
+ *       lse = log sum exp over each row; loss = mean over the rows whose
+ *       target is not ignored of lse - scores[target], all in double: the
+ *       reduction="mean" SoftmaxCrossEntropyLoss without weights.
+ *   CrossEntropyGradF32 scores, lse, target (int64 [N], in range), v [N] -> d
+ *       d[n, c] = (c == target[n] ? v[n] : 0) - exp(scores[n, c] - lse[n]) * v[n]:
+ *       the rule's ScatterElements, ReduceSum, Exp, Mul and Sub over the
+ *       log-probabilities, from the scores without storing them.
+ *   DequantizeNBitsF32  B (uint8 [N, blocks, blob]), scales [N * blocks], G (int64: K, N,
+ *                       bits, block_size), zp (uint8, packed per row; opt), zpf (float; opt)
+ *                       -> W [N, K]
+ *       W[n, k] = (q[n, k] - z[n, j]) * scales[n, j], j = k / block_size: q the
+ *       bits-bit codes of B, low bits of a byte first; z the codes of zp, or
+ *       zpf, or 2^(bits - 1): what MatMulNBits multiplies by (Y = A W^T), from
+ *       the codes in one pass, with the rule's Sub and Mul: bit for bit the
+ *       rule's unpacking (kernels/nbits.py).
+ *
+ * Where a kernel is not bit for bit its chain, the difference is the row
+ * sums: run in double in one order, they are as close to float64 as the
+ * float sums they replace (tests/kernels/ checks both claims).  The library
+ * is compiled with -ffp-contract=off, so no fused multiply-add changes a
+ * rounding.  Kernels over LLM_SPLIT_MIN_BYTES of traffic split their rows
+ * over two threads; a row is computed by one thread, so the split changes
+ * nothing.
+ */
+
+#include "ort_api.h"
+
+#include <stdlib.h>
+
+/* Comparisons do not trap here (no kernel reads the floating-point exception
+ * flags), so the selections below (NaN and range checks) vectorize.  No value
+ * changes: -ffp-contract=off and IEEE rounding hold. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+#endif
+
+#define MAX_IO 16
+/* A kernel splits its rows over two threads from this much memory traffic:
+ * below it (RMSNorm and RoPE at L1's sizes, a few milliseconds) a helper
+ * thread's start, and on a loaded machine its wait for a core, cost more
+ * than the second core saves (benchmarks/llm_kernels.py, docs/fused-kernels.md). */
+#define LLM_SPLIT_MIN_BYTES (16 << 20)
+
+typedef struct Args {
+    size_t n_in, n_out;
+    const OrtValue *value[MAX_IO];
+    void *data[MAX_IO];
+    int64_t dims[MAX_IO][8];
+    size_t rank[MAX_IO], count[MAX_IO];
+    OrtKernelContext *ctx;
+} Args;
+
+struct LlmOp;
+typedef OrtStatus *(*LlmCompute)(const struct LlmOp *op, Args *a);
+
+typedef struct LlmOp {
+    CustomOp op; /* first member: ORT hands back &op */
+    const char *name;
+    int n_in, n_out;
+    int in_type[MAX_IO], out_type[MAX_IO];
+    unsigned opt_in, opt_out; /* bit i: input / output i may be absent */
+    LlmCompute compute;
+    int variadic; /* the last input takes any number (one or more) of tensors of its type */
+} LlmOp;
+
+static OrtStatus *llm_fail(const LlmOp *op, const char *what) { return named_fail(op->name, what); }
+
+/* Output k of shape dims, its data in *out (NULL: an absent optional output). */
+static OrtStatus *llm_output(const LlmOp *op, Args *a, size_t k, const int64_t *dims, size_t rank, void **out) {
+    *out = NULL;
+    if (k >= a->n_out) {
+        if (op->opt_out & (1u << k)) return NULL;
+        return llm_fail(op, "a required output is missing");
+    }
+    OrtValue *value = NULL;
+    OrtStatus *st = API(API_KernelContext_GetOutput, GetOutputFn)(a->ctx, k, dims, rank, &value);
+    if (st) return st;
+    if (!value) {
+        if (op->opt_out & (1u << k)) return NULL;
+        return llm_fail(op, "a required output is missing");
+    }
+    return API(API_GetTensorMutableData, MutableDataFn)(value, out);
+}
+
+static OrtStatus *llm_compute(void *kernel, OrtKernelContext *ctx) {
+    const LlmOp *op = (const LlmOp *)kernel;
+    Args a;
+    memset(&a, 0, sizeof(a));
+    a.ctx = ctx;
+    OrtStatus *st = API(API_KernelContext_GetInputCount, InputCountFn)(ctx, &a.n_in);
+    if (!st) st = API(API_KernelContext_GetOutputCount, InputCountFn)(ctx, &a.n_out);
+    if (st) return st;
+    const size_t n_in = op->variadic && a.n_in > (size_t)op->n_in ? a.n_in : (size_t)op->n_in;
+    if (n_in > MAX_IO || a.n_out > (size_t)op->n_out) return llm_fail(op, "too many inputs or outputs");
+    for (size_t i = 0; i < n_in; ++i) {
+        const size_t spec = i < (size_t)op->n_in ? i : (size_t)op->n_in - 1;
+        const OrtValue *v = NULL;
+        if (i < a.n_in) {
+            st = API(API_KernelContext_GetInput, GetInputFn)(ctx, i, &v);
+            if (st) return st;
+        }
+        if (!v) {
+            if (op->opt_in & (1u << spec)) continue;
+            return llm_fail(op, "a required input is missing");
+        }
+        int elem = 0;
+        st = describe(v, &elem, &a.count[i], a.dims[i], &a.rank[i]);
+        if (st) return st;
+        if (elem != op->in_type[spec]) return llm_fail(op, "an input has the wrong element type");
+        st = API(API_GetTensorMutableData, MutableDataFn)((OrtValue *)v, &a.data[i]);
+        if (st) return st;
+        a.value[i] = v;
+    }
+    return op->compute(op, &a);
+}
+
+/* ------------------------------------------------------------ row sums */
+/* OUT = the sum over I in [0, N) of EXPR (a double), in one fixed order: eight
+ * partial sums over I mod 8, then added pairwise.  Products of floats are
+ * exact in double. */
+#define SUM8(OUT, N, I, EXPR)                                                               \
+    do {                                                                                    \
+        double p_[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                            \
+        int64_t b_ = 0;                                                                     \
+        for (; b_ + 8 <= (N); b_ += 8)                                                      \
+            for (int k_ = 0; k_ < 8; ++k_) {                                                \
+                const int64_t I = b_ + k_;                                                  \
+                p_[k_] += (EXPR);                                                           \
+            }                                                                               \
+        for (int k_ = 0; b_ + k_ < (N); ++k_) {                                             \
+            const int64_t I = b_ + k_;                                                      \
+            p_[k_] += (EXPR);                                                               \
+        }                                                                                   \
+        OUT = ((p_[0] + p_[4]) + (p_[2] + p_[6])) + ((p_[1] + p_[5]) + (p_[3] + p_[7]));    \
+    } while (0)
+
+/* ------------------------------------------------------------ RMSNorm */
+typedef struct {
+    const float *x, *w, *dy, *r, *s, *acc;
+    float eps, inv_d;
+    float *y, *ro, *so, *n, *dx;
+    int64_t d;
+    int terms;
+    const float *dys[MAX_IO];
+} NormJob;
+
+CLONES static void rms_norm_rows(void *arg, int64_t b, int64_t e) {
+    const NormJob *j = (const NormJob *)arg;
+    const int64_t d = j->d;
+    for (int64_t row = b; row < e; ++row) {
+        const float *x = j->x + row * d;
+        double sq;
+        SUM8(sq, d, i, (double)x[i] * (double)x[i]);
+        const float m = (float)(sq / (double)d);
+        const float s = sqrtf(m + j->eps);
+        const float r = 1.0f / s;
+        j->ro[row] = r;
+        if (j->so) j->so[row] = s;
+        float *y = j->y + row * d, *n = j->n ? j->n + row * d : NULL;
+        for (int64_t i = 0; i < d; ++i) {
+            const float ni = x[i] * r;
+            y[i] = j->w[i] * ni;
+            if (n) n[i] = ni;
+        }
+    }
+}
+
+static OrtStatus *rms_norm(const LlmOp *op, Args *a) {
+    const size_t rank = a->rank[0];
+    if (rank < 1) return llm_fail(op, "x must have a last axis");
+    const int64_t d = a->dims[0][rank - 1];
+    if (d <= 0 || (int64_t)a->count[1] != d || a->count[2] != 1)
+        return llm_fail(op, "w must hold x's last dimension and eps one element");
+    int64_t rdims[8];
+    memcpy(rdims, a->dims[0], sizeof(rdims));
+    rdims[rank - 1] = 1;
+    NormJob j = {a->data[0], a->data[1], NULL, NULL, NULL, NULL, *(const float *)a->data[2], 0.0f,
+                 NULL, NULL, NULL, NULL, NULL, d, 0, {0}};
+    OrtStatus *st = llm_output(op, a, 0, a->dims[0], rank, (void **)&j.y);
+    if (!st) st = llm_output(op, a, 1, rdims, rank, (void **)&j.ro);
+    if (!st) st = llm_output(op, a, 2, rdims, rank, (void **)&j.so);
+    if (!st) st = llm_output(op, a, 3, a->dims[0], rank, (void **)&j.n);
+    if (st) return st;
+    const int64_t rows = (int64_t)a->count[0] / d;
+    split_work_from(rms_norm_rows, &j, rows, (int64_t)a->count[0] * 12, LLM_SPLIT_MIN_BYTES);
+    return NULL;
+}
+
+/* dy[i] of a row: ((dy_0 + dy_1) + dy_2) + ..., the order of onnxruntime's Sum. */
+static inline float dy_at(const NormJob *j, int64_t at) {
+    float v = j->dys[0][at];
+    for (int t = 1; t < j->terms; ++t) v = v + j->dys[t][at];
+    return v;
+}
+
+/* With several dy terms their sum goes into a row buffer first (without one,
+ * it is summed again where it is read: the same values). */
+CLONES static void rms_norm_grad_rows(void *arg, int64_t b, int64_t e) {
+    const NormJob *j = (const NormJob *)arg;
+    const int64_t d = j->d;
+    float *buf = j->terms > 1 ? malloc((size_t)d * sizeof(float)) : NULL;
+    for (int64_t row = b; row < e; ++row) {
+        const float *x = j->x + row * d;
+        const float *acc = j->acc ? j->acc + row * d : NULL;
+        float *dx = j->dx + row * d;
+        const float r = j->r[row], s = j->s[row];
+        const float *dy = j->dys[0] + row * d;
+        if (buf) {
+            for (int64_t i = 0; i < d; ++i) buf[i] = j->dys[0][row * d + i] + j->dys[1][row * d + i];
+            for (int t = 2; t < j->terms; ++t)
+                for (int64_t i = 0; i < d; ++i) buf[i] = buf[i] + j->dys[t][row * d + i];
+            dy = buf;
+        }
+        const int direct = buf || j->terms == 1;
+        double t;
+        SUM8(t, d, i, (double)((direct ? dy[i] : dy_at(j, row * d + i)) * j->w[i]) * (double)x[i]);
+        /* d/dr, d/ds, d/d(mean): one float operation per standard kernel */
+        const float dm = ((-((float)t * (r * r))) / (2.0f * s)) * j->inv_d;
+        for (int64_t i = 0; i < d; ++i) {
+            const float g = (direct ? dy[i] : dy_at(j, row * d + i)) * j->w[i];
+            const float v = g * r + dm * (2.0f * x[i]);
+            dx[i] = acc ? acc[i] + v : v;
+        }
+    }
+    free(buf);
+}
+
+static OrtStatus *rms_norm_grad(const LlmOp *op, Args *a) {
+    /* x, w, r, s, inv_d, acc (opt), dy terms... */
+    const size_t rank = a->rank[0];
+    if (rank < 1) return llm_fail(op, "x must have a last axis");
+    const int64_t d = a->dims[0][rank - 1];
+    const int64_t rows = d > 0 ? (int64_t)a->count[0] / d : 0;
+    const int terms = (int)a->n_in - 6;
+    int ok = d > 0 && terms >= 1 && (int64_t)a->count[1] == d && (int64_t)a->count[2] == rows &&
+             (int64_t)a->count[3] == rows && a->count[4] == 1 && (!a->data[5] || a->count[5] == a->count[0]);
+    for (int t = 0; ok && t < terms; ++t) ok = a->data[6 + t] && a->count[6 + t] == a->count[0];
+    if (!ok) return llm_fail(op, "expects x, acc and the dy terms of one size, w of x's last dimension, r and s per row");
+    NormJob j = {a->data[0], a->data[1], NULL, a->data[2], a->data[3], a->data[5], 0.0f,
+                 *(const float *)a->data[4], NULL, NULL, NULL, NULL, NULL, d, terms, {0}};
+    for (int t = 0; t < terms; ++t) j.dys[t] = a->data[6 + t];
+    OrtStatus *st = llm_output(op, a, 0, a->dims[0], rank, (void **)&j.dx);
+    if (st) return st;
+    split_work_from(rms_norm_grad_rows, &j, rows, (int64_t)a->count[0] * (12 + 4 * terms), LLM_SPLIT_MIN_BYTES);
+    return NULL;
+}
+
+/* ------------------------------------------------------------ SiLU * mul */
+typedef struct {
+    const float *a, *s, *b, *dh, *dh2;
+    float *h, *silu, *da, *db;
+} SiluJob;
+
+CLONES static void silu_mul_part(void *arg, int64_t b, int64_t e) {
+    const SiluJob *j = (const SiluJob *)arg;
+    for (int64_t i = b; i < e; ++i) {
+        const float silu = j->a[i] * j->s[i];
+        j->h[i] = silu * j->b[i];
+        if (j->silu) j->silu[i] = silu;
+    }
+}
+
+CLONES static void silu_mul_grad_part(void *arg, int64_t b, int64_t e) {
+    const SiluJob *j = (const SiluJob *)arg;
+    for (int64_t i = b; i < e; ++i) {
+        const float dh = j->dh2 ? j->dh[i] + j->dh2[i] : j->dh[i];
+        const float a = j->a[i], s = j->s[i];
+        const float ds = dh * j->b[i];
+        if (j->db) j->db[i] = dh * (a * s);
+        j->da[i] = ds * s + (ds * a) * (s * (1.0f - s));
+    }
+}
+
+static OrtStatus *silu_mul(const LlmOp *op, Args *a) {
+    if (a->count[1] != a->count[0] || a->count[2] != a->count[0]) return llm_fail(op, "a, s and b must have one size");
+    SiluJob j = {a->data[0], a->data[1], a->data[2], NULL, NULL, NULL, NULL, NULL, NULL};
+    OrtStatus *st = llm_output(op, a, 0, a->dims[0], a->rank[0], (void **)&j.h);
+    if (!st) st = llm_output(op, a, 1, a->dims[0], a->rank[0], (void **)&j.silu);
+    if (st) return st;
+    split_work_from(silu_mul_part, &j, (int64_t)a->count[0], (int64_t)a->count[0] * 20, LLM_SPLIT_MIN_BYTES);
+    return NULL;
+}
+
+static OrtStatus *silu_mul_grad(const LlmOp *op, Args *a) {
+    const size_t n = a->count[0];
+    if (a->count[1] != n || a->count[2] != n || a->count[3] != n || (a->data[4] && a->count[4] != n))
+        return llm_fail(op, "dh, a, b, s (and dh2) must have one size");
+    SiluJob j = {a->data[1], a->data[3], a->data[2], a->data[0], a->data[4], NULL, NULL, NULL, NULL};
+    OrtStatus *st = llm_output(op, a, 0, a->dims[1], a->rank[1], (void **)&j.da);
+    if (!st) st = llm_output(op, a, 1, a->dims[2], a->rank[2], (void **)&j.db);
+    if (st) return st;
+    split_work_from(silu_mul_grad_part, &j, (int64_t)n, (int64_t)n * 28, LLM_SPLIT_MIN_BYTES);
+    return NULL;
+}
+
+/* ------------------------------------------------------------ RoPE */
+typedef struct {
+    const float *x, *cos, *sin;
+    float *y;
+    int64_t d, s;
+} RopeJob;
+
+CLONES static void rope_rows(void *arg, int64_t b, int64_t e) {
+    const RopeJob *j = (const RopeJob *)arg;
+    const int64_t d = j->d, h = d / 2;
+    for (int64_t row = b; row < e; ++row) {
+        const float *x = j->x + row * d, *c = j->cos + (row % j->s) * d, *sn = j->sin + (row % j->s) * d;
+        float *y = j->y + row * d;
+        for (int64_t i = 0; i < h; ++i) y[i] = x[i] * c[i] + (-x[i + h]) * sn[i];
+        for (int64_t i = h; i < d; ++i) y[i] = x[i] * c[i] + x[i - h] * sn[i];
+    }
+}
+
+/* dx = Sum(t0, t1, dy * cos) with t0 the Pad of -(dy * sin)[:h] at [h:] and t1
+ * the Pad of (dy * sin)[h:] at [:h] (+0 elsewhere). */
+CLONES static void rope_grad_rows(void *arg, int64_t b, int64_t e) {
+    const RopeJob *j = (const RopeJob *)arg;
+    const int64_t d = j->d, h = d / 2;
+    for (int64_t row = b; row < e; ++row) {
+        const float *dy = j->x + row * d, *c = j->cos + (row % j->s) * d, *sn = j->sin + (row % j->s) * d;
+        float *dx = j->y + row * d;
+        for (int64_t i = 0; i < h; ++i) dx[i] = (0.0f + dy[i + h] * sn[i + h]) + dy[i] * c[i];
+        for (int64_t i = h; i < d; ++i) dx[i] = (-(dy[i - h] * sn[i - h]) + 0.0f) + dy[i] * c[i];
+    }
+}
+
+static OrtStatus *rope_common(const LlmOp *op, Args *a, RopeJob *j) {
+    const size_t rank = a->rank[0];
+    if (rank < 2) return llm_fail(op, "x must have rank 2 or more");
+    j->d = a->dims[0][rank - 1];
+    j->s = a->dims[0][rank - 2];
+    if (j->d <= 0 || j->d % 2 || j->s <= 0 || (int64_t)a->count[1] != j->s * j->d ||
+        (int64_t)a->count[2] != j->s * j->d)
+        return llm_fail(op, "expects an even last axis D and cos, sin of S x D elements");
+    j->x = a->data[0];
+    j->cos = a->data[1];
+    j->sin = a->data[2];
+    return llm_output(op, a, 0, a->dims[0], rank, (void **)&j->y);
+}
+
+static OrtStatus *rope(const LlmOp *op, Args *a) {
+    RopeJob j;
+    memset(&j, 0, sizeof(j));
+    OrtStatus *st = rope_common(op, a, &j);
+    if (st) return st;
+    split_work_from(rope_rows, &j, (int64_t)a->count[0] / j.d, (int64_t)a->count[0] * 8, LLM_SPLIT_MIN_BYTES);
+    return NULL;
+}
+
+static OrtStatus *rope_grad(const LlmOp *op, Args *a) {
+    RopeJob j;
+    memset(&j, 0, sizeof(j));
+    OrtStatus *st = rope_common(op, a, &j);
+    if (st) return st;
+    split_work_from(rope_grad_rows, &j, (int64_t)a->count[0] / j.d, (int64_t)a->count[0] * 8, LLM_SPLIT_MIN_BYTES);
+    return NULL;
+}
+
+/* ------------------------------------------------------------ softmax */
+typedef struct {
+    const float *y, *dq;
+    float *out;
+    int64_t d;
+} SoftmaxJob;
+
+/* onnxruntime's Where(c, 0, v): v as it is (-0 stays -0) where c is false, +0
+ * where it is true (its selections of the first operand are added to zeros,
+ * those of the second copied; tests/kernels/ checks it on the onnxruntime in use). */
+static inline float where_zero(int c, float v) { return c ? 0.0f : v; }
+
+CLONES static void guard_part(void *arg, int64_t b, int64_t e) {
+    const SoftmaxJob *j = (const SoftmaxJob *)arg;
+    for (int64_t i = b; i < e; ++i) j->out[i] = where_zero(j->y[i] != j->y[i], j->y[i]);
+}
+
+CLONES static void softmax_grad_rows(void *arg, int64_t b, int64_t e) {
+    const SoftmaxJob *j = (const SoftmaxJob *)arg;
+    const int64_t d = j->d;
+    for (int64_t row = b; row < e; ++row) {
+        const float *y = j->y + row * d, *dq = j->dq + row * d;
+        float *dx = j->out + row * d;
+        double sum;
+        SUM8(sum, d, i, (double)(where_zero(y[i] != y[i], dq[i]) * where_zero(y[i] != y[i], y[i])));
+        const float t = (float)sum;
+        for (int64_t i = 0; i < d; ++i) {
+            const int c = y[i] != y[i];
+            dx[i] = where_zero(c, y[i]) * (where_zero(c, dq[i]) - t);
+        }
+    }
+}
+
+static OrtStatus *softmax_guard(const LlmOp *op, Args *a) {
+    SoftmaxJob j = {a->data[0], NULL, NULL, 0};
+    OrtStatus *st = llm_output(op, a, 0, a->dims[0], a->rank[0], (void **)&j.out);
+    if (st) return st;
+    split_work_from(guard_part, &j, (int64_t)a->count[0], (int64_t)a->count[0] * 8, LLM_SPLIT_MIN_BYTES);
+    return NULL;
+}
+
+static OrtStatus *softmax_grad(const LlmOp *op, Args *a) {
+    const size_t rank = a->rank[1];
+    if (rank < 1 || a->count[0] != a->count[1]) return llm_fail(op, "dq and y must have one size");
+    SoftmaxJob j = {a->data[1], a->data[0], NULL, a->dims[1][rank - 1]};
+    if (j.d <= 0) return llm_fail(op, "y must have a non-empty last axis");
+    OrtStatus *st = llm_output(op, a, 0, a->dims[1], rank, (void **)&j.out);
+    if (st) return st;
+    split_work_from(softmax_grad_rows, &j, (int64_t)a->count[1] / j.d, (int64_t)a->count[1] * 12, LLM_SPLIT_MIN_BYTES);
+    return NULL;
+}
+
+/* ------------------------------------------------------------ cross-entropy */
+/* e^a to about a float ulp: a = n ln2 + r, |r| <= ln2 / 2 (ln2 in two parts, so
+ * n * ln2's high part is exact), e^r by its Taylor polynomial of degree 7
+ * (truncation below 6e-9), times 2^n from the exponent bits.  0 below -87.3
+ * (under FLT_MIN), NaN stays NaN.  No branches: the loops calling it vectorize. */
+static inline float exp_of(float a) {
+    const float x = a < -87.3f ? -87.3f : (a > 88.0f ? 88.0f : a);
+    const float shift = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    const float n = (x * 1.44269504f + shift) - shift;
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof(scale));
+    const float v = p * scale;
+    return a != a ? a : (a < -87.3f ? 0.0f : v);
+}
+
+typedef struct {
+    const float *x, *v;
+    const int64_t *t;
+    double *lse;
+    const double *lse_in;
+    float *out;
+    int64_t c;
+} XentJob;
+
+/* Each row: its max (eight running maxima), e^(x - max) into a row buffer,
+ * its sum in double: lse = max + log(sum).  A NaN anywhere makes the sum NaN. */
+CLONES static void xent_rows(void *arg, int64_t b, int64_t e) {
+    const XentJob *j = (const XentJob *)arg;
+    const int64_t c = j->c;
+    float *buf = malloc((size_t)c * sizeof(float));
+    for (int64_t row = b; row < e; ++row) {
+        const float *x = j->x + row * c;
+        if (!buf) {
+            j->lse[row] = NAN; /* (no memory: xent() reports it) */
+            continue;
+        }
+        float m[8];
+        for (int k = 0; k < 8; ++k) m[k] = x[0];
+        int64_t i = 0;
+        for (; i + 8 <= c; i += 8)
+            for (int k = 0; k < 8; ++k) m[k] = x[i + k] > m[k] ? x[i + k] : m[k];
+        for (; i < c; ++i) m[0] = x[i] > m[0] ? x[i] : m[0];
+        float mx = m[0];
+        for (int k = 1; k < 8; ++k) mx = m[k] > mx ? m[k] : mx;
+        for (i = 0; i < c; ++i) buf[i] = exp_of(x[i] - mx);
+        double sum;
+        SUM8(sum, c, t, (double)buf[t]);
+        j->lse[row] = (double)mx + log(sum);
+    }
+    free(buf);
+}
+
+static OrtStatus *xent(const LlmOp *op, Args *a) {
+    if (a->rank[0] != 2 || a->count[1] != (size_t)a->dims[0][0] || a->count[2] != 1)
+        return llm_fail(op, "expects scores [N, C], target [N] and one ignore index");
+    const int64_t n = a->dims[0][0], c = a->dims[0][1];
+    const int64_t *t = a->data[1], ignore = *(const int64_t *)a->data[2];
+    if (c <= 0) return llm_fail(op, "expects at least one class");
+    for (int64_t row = 0; row < n; ++row)
+        if (t[row] != ignore && (t[row] < 0 || t[row] >= c)) return llm_fail(op, "a target is out of range");
+    XentJob j = {a->data[0], NULL, t, NULL, NULL, NULL, c};
+    float *loss = NULL;
+    OrtStatus *st = llm_output(op, a, 0, NULL, 0, (void **)&loss);
+    if (!st) st = llm_output(op, a, 1, a->dims[1], 1, (void **)&j.lse);
+    if (st) return st;
+    split_work_from(xent_rows, &j, n, (int64_t)a->count[0] * 4, LLM_SPLIT_MIN_BYTES);
+    double total = 0.0, kept = 0.0; /* in row order, whatever the split */
+    for (int64_t row = 0; row < n; ++row)
+        if (t[row] != ignore) {
+            if (j.lse[row] != j.lse[row] && !(j.x[row * c] != j.x[row * c])) {
+                int nan = 0; /* a NaN lse without a NaN score: the row buffer was not to be had */
+                for (int64_t i = 0; i < c; ++i) nan |= j.x[row * c + i] != j.x[row * c + i];
+                if (!nan) return llm_fail(op, "out of memory");
+            }
+            total += j.lse[row] - (double)j.x[row * c + t[row]];
+            kept += 1.0;
+        }
+    *loss = (float)(total / kept); /* no kept row: 0 / 0, NaN, as the standard mean */
+    return NULL;
+}
+
+CLONES static void xent_grad_rows(void *arg, int64_t b, int64_t e) {
+    const XentJob *j = (const XentJob *)arg;
+    const int64_t c = j->c;
+    for (int64_t row = b; row < e; ++row) {
+        const float *x = j->x + row * c;
+        float *d = j->out + row * c;
+        const double lse = j->lse_in[row];
+        const float v = j->v[row];
+        for (int64_t i = 0; i < c; ++i) d[i] = 0.0f - exp_of((float)((double)x[i] - lse)) * v;
+        const int64_t t = j->t[row];
+        d[t] = v - exp_of((float)((double)x[t] - lse)) * v;
+    }
+}
+
+static OrtStatus *xent_grad(const LlmOp *op, Args *a) {
+    if (a->rank[0] != 2) return llm_fail(op, "expects scores [N, C]");
+    const int64_t n = a->dims[0][0], c = a->dims[0][1];
+    if ((int64_t)a->count[1] != n || (int64_t)a->count[2] != n || (int64_t)a->count[3] != n)
+        return llm_fail(op, "expects lse, target and v with one value per row of scores");
+    const int64_t *t = a->data[2];
+    for (int64_t row = 0; row < n; ++row)
+        if (t[row] < 0 || t[row] >= c) return llm_fail(op, "a target is out of range");
+    XentJob j = {a->data[0], a->data[3], t, NULL, a->data[1], NULL, c};
+    OrtStatus *st = llm_output(op, a, 0, a->dims[0], 2, (void **)&j.out);
+    if (st) return st;
+    split_work_from(xent_grad_rows, &j, n, (int64_t)a->count[0] * 8, LLM_SPLIT_MIN_BYTES);
+    return NULL;
+}
+
+/* ------------------------------------------------------------ n-bit weights */
+typedef struct {
+    const uint8_t *b, *zp;
+    const float *scales, *zpf;
+    float *w;
+    int64_t k, blocks, block, bits, blob, zp_row;
+} NBitsJob;
+
+/* Code i of a row of bytes packed ``bits`` at a time, low bits first. */
+static inline int code_at(const uint8_t *row, int64_t i, int64_t bits) {
+    const int64_t bit = i * bits;
+    return (row[bit >> 3] >> (bit & 7)) & ((1 << bits) - 1);
+}
+
+CLONES static void dequantize_rows(void *arg, int64_t b, int64_t e) {
+    const NBitsJob *j = (const NBitsJob *)arg;
+    const float center = (float)(1 << (j->bits - 1));
+    for (int64_t n = b; n < e; ++n) {
+        const uint8_t *row = j->b + n * j->blocks * j->blob;
+        float *w = j->w + n * j->k;
+        for (int64_t blk = 0; blk < j->blocks; ++blk) {
+            const int64_t at = n * j->blocks + blk;
+            const float z = j->zp ? (float)code_at(j->zp + n * j->zp_row, blk, j->bits) : j->zpf ? j->zpf[at] : center;
+            const float scale = j->scales[at];
+            const int64_t first = blk * j->block, stop = first + j->block < j->k ? first + j->block : j->k;
+            const uint8_t *bytes = row + blk * j->blob;
+            if (j->bits == 4) {
+                for (int64_t i = first; i + 1 < stop; i += 2) {
+                    const uint8_t v = bytes[(i - first) >> 1];
+                    w[i] = ((float)(v & 15) - z) * scale;
+                    w[i + 1] = ((float)(v >> 4) - z) * scale;
+                }
+                if ((stop - first) & 1) w[stop - 1] = ((float)(bytes[(stop - 1 - first) >> 1] & 15) - z) * scale;
+            } else {
+                for (int64_t i = first; i < stop; ++i) w[i] = ((float)code_at(bytes, i - first, j->bits) - z) * scale;
+            }
+        }
+    }
+}
+
+static OrtStatus *dequantize_nbits(const LlmOp *op, Args *a) {
+    if (a->count[2] != 4) return llm_fail(op, "G must hold K, N, bits and block_size");
+    const int64_t *g = a->data[2];
+    const int64_t k = g[0], n = g[1], bits = g[2], block = g[3];
+    if (k <= 0 || n <= 0 || !(bits == 2 || bits == 4 || bits == 8) || block < 1 || (block * bits) % 8)
+        return llm_fail(op, "bad geometry: K, N > 0, bits 2, 4 or 8, block_size a whole number of bytes");
+    const int64_t blocks = (k + block - 1) / block, blob = block * bits / 8;
+    if ((int64_t)a->count[0] != n * blocks * blob) return llm_fail(op, "B must hold N x blocks x blob bytes");
+    if ((int64_t)a->count[1] != n * blocks) return llm_fail(op, "scales must hold N x blocks values");
+    NBitsJob j = {a->data[0], a->data[3], a->data[1], a->data[4], NULL, k, blocks, block, bits, blob, 0};
+    if (j.zp) {
+        j.zp_row = (int64_t)a->count[3] / n;
+        if (j.zp_row * n != (int64_t)a->count[3] || j.zp_row * 8 < blocks * bits)
+            return llm_fail(op, "packed zero points must hold a row of codes for each of N");
+    }
+    if (j.zpf && (int64_t)a->count[4] != n * blocks) return llm_fail(op, "float zero points must be N x blocks");
+    const int64_t dims[2] = {n, k};
+    OrtStatus *st = llm_output(op, a, 0, dims, 2, (void **)&j.w);
+    if (st) return st;
+    split_work_from(dequantize_rows, &j, n, n * k * 4, LLM_SPLIT_MIN_BYTES);
+    return NULL;
+}
+
+/* ------------------------------------------------------------ op table */
+static const LlmOp *as_llm(const CustomOp *op) { return (const LlmOp *)op; }
+static void llm_compute_v1(void *kernel, OrtKernelContext *ctx) {
+    OrtStatus *st = llm_compute(kernel, ctx);
+    if (st) API(API_ReleaseStatus, ReleaseStatusFn)(st);
+}
+static const char *llm_name(const CustomOp *op) { return as_llm(op)->name; }
+static int llm_in_type(const CustomOp *op, size_t i) { return as_llm(op)->in_type[i]; }
+static size_t llm_in_count(const CustomOp *op) { return (size_t)as_llm(op)->n_in; }
+static int llm_out_type(const CustomOp *op, size_t i) { return as_llm(op)->out_type[i]; }
+static size_t llm_out_count(const CustomOp *op) { return (size_t)as_llm(op)->n_out; }
+static int llm_in_char(const CustomOp *op, size_t i) {
+    if (as_llm(op)->variadic && i + 1 == (size_t)as_llm(op)->n_in) return INPUT_OUTPUT_VARIADIC;
+    return as_llm(op)->opt_in & (1u << i) ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+}
+static int llm_out_char(const CustomOp *op, size_t i) {
+    return as_llm(op)->opt_out & (1u << i) ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+}
+
+#define F ELEM_FLOAT
+#define I ELEM_INT64
+#define D ELEM_DOUBLE
+#define L(...) (__VA_ARGS__)
+#define ARRAY(...) {__VA_ARGS__}
+#define LLM_OP(NAME, NI, IN, OPT_IN, NO, OUT, OPT_OUT, FN) LLM_OPV(NAME, NI, IN, OPT_IN, NO, OUT, OPT_OUT, FN, 0)
+#define LLM_OPV(NAME, NI, IN, OPT_IN, NO, OUT, OPT_OUT, FN, VARIADIC)                                \
+    {{16, op_create_kernel, llm_name, op_provider, llm_in_type, llm_in_count, llm_out_type, llm_out_count, \
+      llm_compute_v1, op_destroy_kernel, llm_in_char, llm_out_char, op_default_memory, op_one, op_one,     \
+      op_one, op_one, op_create_kernel_v2, llm_compute, NULL, NULL, NULL, NULL, NULL, NULL, NULL},         \
+     NAME, NI, NO, ARRAY IN, ARRAY OUT, OPT_IN, OPT_OUT, FN, VARIADIC}
+
+static LlmOp g_llm_ops[] = {
+    LLM_OP("RmsNormF32", 3, L(F, F, F), 0, 4, L(F, F, F, F), 0xCu, rms_norm),
+    LLM_OPV("RmsNormGradF32", 7, L(F, F, F, F, F, F, F), 0x20u, 1, L(F), 0, rms_norm_grad, 1),
+    LLM_OP("SiluMulF32", 3, L(F, F, F), 0, 2, L(F, F), 0x2u, silu_mul),
+    LLM_OP("SiluMulGradF32", 5, L(F, F, F, F, F), 0x10u, 2, L(F, F), 0x2u, silu_mul_grad),
+    LLM_OP("RopeF32", 3, L(F, F, F), 0, 1, L(F), 0, rope),
+    LLM_OP("RopeGradF32", 3, L(F, F, F), 0, 1, L(F), 0, rope_grad),
+    LLM_OP("SoftmaxGuardF32", 1, L(F), 0, 1, L(F), 0, softmax_guard),
+    LLM_OP("SoftmaxGradF32", 2, L(F, F), 0, 1, L(F), 0, softmax_grad),
+    LLM_OP("CrossEntropyF32", 3, L(F, I, I), 0, 2, L(F, D), 0, xent),
+    LLM_OP("CrossEntropyGradF32", 4, L(F, D, I, F), 0, 1, L(F), 0, xent_grad),
+    LLM_OP("DequantizeNBitsF32", 5, L(ELEM_UINT8, F, I, ELEM_UINT8, F), 0x18u, 1, L(F), 0, dequantize_nbits),
+};
+
+OrtStatus *onnxtrain_add_llm_ops(OrtCustomOpDomain *domain) {
+    for (size_t i = 0; i < sizeof(g_llm_ops) / sizeof(g_llm_ops[0]); ++i) {
+        OrtStatus *st = API(API_CustomOpDomain_Add, DomainAddFn)(domain, &g_llm_ops[i].op);
+        if (st) return st;
+    }
+    return NULL;
+}
