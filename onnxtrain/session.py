@@ -71,9 +71,13 @@ class TrainingSession:
         memory: str = "safe",
     ) -> None:
         """``fused_kernels``: run each optimizer update (the builder's Adam/AdamW,
-        the spec's Adam, Momentum and Adagrad) as one fused kernel
-        (``onnxtrain.kernels``, a custom-op library built on first use) instead
-        of a chain of standard ones; same results, bit for bit (docs/fused-kernels.md).  None (the
+        the spec's Adam, Momentum and Adagrad), some layers' gradients and a
+        decoder's elementwise chains as fused kernels (``onnxtrain.kernels``, a
+        custom-op library built on first use) instead of chains of standard
+        ones.  The optimizer and layer kernels give the same results bit for
+        bit; the row sums of RMSNorm, softmax's gradient and the vocabulary
+        cross-entropy run in double, as close to float64 as the standard chain
+        or closer, not bit for bit (docs/fused-kernels.md).  None (the
         default) uses it where it can (CPU, a C compiler, not turned off with
         ``ONNXTRAIN_FUSED_KERNELS=0``); True requires it; False never uses it.
 
