@@ -70,14 +70,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..core.graph import PREVIEW_DOMAIN, graph_names, infer_types, opset_version
+from ..core.graph import PREVIEW_DOMAIN, graph_names, infer_types, opset_version, upstream_values
 from ..core.names import NameGen
 from ..core.protos import all_tensors
 from ..io import storage
-from ..io.metadata import replace_metadata, set_metadata
+from ..io.metadata import recompute_option, replace_metadata, set_metadata
 from ..io.model import ModelLike, load
 from ..io.storage import tensor_bytes
-from ..lower import recompute as _recompute
 from . import adapt as _adapt
 from . import lora as _lora
 from . import losses as _losses
@@ -214,7 +213,7 @@ def training_model(
 def _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad_norm,
           accumulate, train_mode, batchnorm_var="auto", lora=None, recompute=None) -> Plan:
     """Check every argument and decide the names and the state variables."""
-    recompute_spec = _recompute.normalize(recompute)
+    recompute_spec = recompute_option(recompute)
     source = _inference_copy(model)
     warn_if_folded(source, stacklevel=3)  # at the caller of training_model
     proto = _adapt.adapt(source)
@@ -240,7 +239,7 @@ def _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad
     dtypes, shapes = infer_types(main, proto.opset_import)
     taken = graph_names(main)
     prediction = _adapt.loss_output(proto, output, loss_obj)
-    _recompute.check_checkpoints(recompute_spec, main, prediction)
+    _check_checkpoints(recompute_spec, main, prediction)
     pred_type = dtypes.get(prediction)
     _losses.check_prediction_type(pred_type, prediction)
     if pred_type is None:
@@ -267,6 +266,21 @@ def _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad
     plan.loss_name = plan.fresh("loss")  # the same name in every algorithm graph
     _plan_state(plan)
     return plan
+
+
+def _check_checkpoints(spec: Any, graph: onnx.GraphProto, prediction: str) -> None:
+    """Refuse recompute checkpoint names that are not values on the path to ``prediction``."""
+    if not isinstance(spec, dict) or "checkpoints" not in spec:
+        return
+    producer = {o: n for n in graph.node for o in n.output if o}
+    upstream = upstream_values(producer, [prediction])
+    for name in spec["checkpoints"]:
+        if name not in producer:
+            raise ValueError(
+                f"recompute: checkpoint {name!r} is not a value computed by the main graph")
+        if name not in upstream:
+            raise ValueError(
+                f"recompute: checkpoint {name!r} is not on the path to the output {prediction!r}")
 
 
 def _declared_types(main: onnx.GraphProto) -> dict[str, onnx.ValueInfoProto]:
