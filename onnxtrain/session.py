@@ -30,7 +30,8 @@ from .export import model as model_export
 from .io import mapped
 from .io.metadata import model_metadata, read_position
 from .io.model import ModelLike, load, validate
-from .lower.pipeline import check_fused_kernels, note_exact_quantized_products
+from .lower.executed import check_fused_kernels
+from .lower.pipeline import note_exact_quantized_products
 from .lower.programs import ProgramSet
 from .parallel.comm import Communicator, SingleProcess, as_communicator
 from .parallel.data_parallel import BUCKET_BYTES, DataParallel, threads_per_rank

@@ -208,3 +208,27 @@ def gemm_inference(n_in: int = 4, n_out: int = 3, seed: int = 0) -> onnx.ModelPr
         [tensor("W", rng.standard_normal((n_in, n_out)).astype(np.float32)),
          tensor("b", np.zeros(n_out, np.float32))])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def inference_mlp(batch_norm: bool = False, dropout: bool = False, opset: int = 17) -> onnx.ModelProto:
+    """X [N, 6] -> MatMul, [BatchNormalization], Relu, [Dropout], MatMul -> Y [N, 3]."""
+    rng = np.random.default_rng(0)
+    w1 = onnx.numpy_helper.from_array(rng.standard_normal((6, 8)).astype(np.float32), "W1")
+    w2 = onnx.numpy_helper.from_array(rng.standard_normal((8, 3)).astype(np.float32), "W2")
+    inits = [w1, w2]
+    nodes = [helper.make_node("MatMul", ["X", "W1"], ["h0"])]
+    h = "h0"
+    if batch_norm:
+        for name, value in (("g", 1.0), ("b", 0.0), ("mean", 0.0), ("var", 1.0)):
+            inits.append(onnx.numpy_helper.from_array(np.full(8, value, np.float32), name))
+        nodes.append(helper.make_node("BatchNormalization", [h, "g", "b", "mean", "var"], ["hb"]))
+        h = "hb"
+    nodes.append(helper.make_node("Relu", [h], ["h1"]))
+    h = "h1"
+    if dropout:
+        nodes.append(helper.make_node("Dropout", [h], ["hd"]))
+        h = "hd"
+    nodes.append(helper.make_node("MatMul", [h, "W2"], ["Y"]))
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 6])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 3])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])

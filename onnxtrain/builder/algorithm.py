@@ -6,6 +6,7 @@ accumulation, clipping, the rate and its schedule, the optimizer update)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -14,36 +15,41 @@ from onnx import helper, numpy_helper
 from ..core.emitter import Emitter, np_dtype
 from ..core.graph import PREVIEW_DOMAIN
 from ..core.names import NameGen
-from .plan import F64, Plan, StateSpec
+from .plan import F64, Learned, Plan, StateSpec
 from .train_forward import training_forward
 from .transforms import Step
 
 
 # ------------------------------------------------------------------ algorithm
 class Algorithm:
-    """The algorithm graph and update_binding of training_info[index]."""
+    """The algorithm graph and update_binding of training_info[index]; ``earlier``:
+    what the algorithms before it learned (their settings' names are taken)."""
 
-    def __init__(self, plan: Plan, index: int) -> None:
+    def __init__(self, plan: Plan, index: int, earlier: Sequence[Learned] = ()) -> None:
         self.plan = plan
         self.index = index
-        self.e = Emitter(plan.opset, NameGen(plan.taken), dict(plan.dtypes))
-        for var in plan.state.values():
+        settings = [h for learned in earlier for h in learned.hyperparameters]
+        self.e = Emitter(plan.opset, NameGen(plan.taken | {h.name for h in settings}), dict(plan.dtypes))
+        for var in [*plan.state.values(), *settings]:
             self.e.dtypes[var.name] = var.elem_type
+        #: What emitting learns (``build`` returns it).
+        self.learned = Learned(index)
         self.outputs: list[onnx.ValueInfoProto] = []
         #: Types of values shape inference cannot derive (Gradient's outputs).
         self.value_info: list[onnx.ValueInfoProto] = []
         self.bindings: list[tuple[str, str]] = []
         self.loss_type = plan.dtypes[plan.prediction]
 
-    def build(self, ti: onnx.TrainingInfoProto) -> None:
+    def build(self, ti: onnx.TrainingInfoProto) -> Learned:
+        """Emit the algorithm graph into ``ti``; what it learned doing so."""
         plan = self.plan
         prediction, running_stats = self.forward()
         if prediction != plan.prediction:
-            plan.train_predictions[self.index] = prediction
+            self.learn(train_prediction=prediction)
         loss = self.loss(prediction)
         grads = self.gradients(loss)
         if self.index == 0:
-            plan.running_stats = plan.running_stats or bool(running_stats)
+            self.learn(running_stats=bool(running_stats))
             for key, value in running_stats:
                 self.bind(key, value)
         step: Step | None = Step(grads)
@@ -54,8 +60,13 @@ class Algorithm:
         self.graph(ti.algorithm)
         for key, value in self.bindings:
             ti.update_binding.add(key=key, value=value)
+        return self.learned
 
     # -- bookkeeping
+    def learn(self, **learned: object) -> None:
+        """Record what emitting learned (fields of ``Learned``)."""
+        self.learned = replace(self.learned, **learned)
+
     def bind(self, key: str, value: str) -> None:
         """Bind state variable ``key`` to ``value`` (declared as an algorithm output)."""
         plan = self.plan
@@ -76,7 +87,7 @@ class Algorithm:
             graph, self.e.nodes, f"training_info[{self.index}].algorithm", [plan.target],
             [loss_vi] + self.outputs, value_info=self.value_info,
         )
-        for var in plan.state.values():
+        for var in [*plan.state.values(), *self.learned.hyperparameters]:
             if var.home == self.index:
                 var.add_initializer(graph)
 
@@ -141,18 +152,20 @@ class Algorithm:
         what makes it state per IR.md) and bound by no update: a setting the
         session can change between steps without rebuilding anything, saved
         with a checkpoint and read by the step like any other state."""
-        plan, e = self.plan, self.e
+        e = self.e
         name = e.names.fresh(hint)
-        plan.taken.add(name)
-        plan.state[name] = StateSpec(name, F64, (), self.index, self.index, fill=float(value))
+        setting = StateSpec(name, F64, (), self.index, self.index, fill=float(value))
+        self.learn(hyperparameters=self.learned.hyperparameters + (setting,))
         e.dtypes[name] = F64
         return name
 
 
 # ------------------------------------------------------------------ initialization
-def initialization_graph(plan: Plan, index: int, ti: onnx.TrainingInfoProto) -> None:
-    """The graph that resets the state variables training_info[index] owns."""
-    owned = [var for var in plan.state.values() if var.reset_by == index]
+def initialization_graph(plan: Plan, learned: Learned, ti: onnx.TrainingInfoProto) -> None:
+    """The graph that resets the state variables training_info[index] owns
+    (``learned``: what its algorithm learned, the settings it keeps included)."""
+    index = learned.index
+    owned = [var for var in [*plan.state.values(), *learned.hyperparameters] if var.reset_by == index]
     if index == 0:
         owned += running_stat_vars(plan, ti)
     names = NameGen(v.name for v in owned)

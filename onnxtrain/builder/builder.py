@@ -70,14 +70,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..core.graph import PREVIEW_DOMAIN, graph_names, infer_types, opset_version
-from ..core.names import NameGen
+from ..core.graph import PREVIEW_DOMAIN, graph_names, infer_types, opset_version, upstream_values
 from ..core.protos import all_tensors
 from ..io import storage
-from ..io.metadata import replace_metadata, set_metadata
+from ..io.metadata import recompute_option, replace_metadata, set_metadata
 from ..io.model import ModelLike, load
 from ..io.storage import tensor_bytes
-from ..lower import recompute as _recompute
 from . import adapt as _adapt
 from . import lora as _lora
 from . import losses as _losses
@@ -88,7 +86,7 @@ from .lora import LoRA
 from .losses import Loss
 from .optimizers import Adam, Optimizer
 from .parameters import choose_trainable
-from .plan import Plan, StateSpec
+from .plan import Layout, Learned, Plan, StateSpec
 from .schedules import Schedule
 from .ties import untie_shared_initializers
 from .train_forward import resolve_batchnorm_var
@@ -189,12 +187,13 @@ def training_model(
                  accumulate, train_mode, batchnorm_var, lora, recompute)
     proto = plan.proto
     _add_main_state(plan)
+    learned: list[Learned] = []
     for index in range(plan.accumulate if plan.accumulate == 1 else 2):
         ti = proto.training_info.add()
-        Algorithm(plan, index).build(ti)
-        initialization_graph(plan, index, ti)
+        learned.append(Algorithm(plan, index, learned).build(ti))
+        initialization_graph(plan, learned[-1], ti)
     _set_imports(proto)
-    _set_metadata(plan)
+    _set_metadata(plan, learned)
     if isinstance(model, (str, os.PathLike)):
         # The file it was built from (genai.export names it when it is not the base's).
         set_metadata(proto, "source", os.path.abspath(os.fspath(model)))
@@ -214,7 +213,7 @@ def training_model(
 def _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad_norm,
           accumulate, train_mode, batchnorm_var="auto", lora=None, recompute=None) -> Plan:
     """Check every argument and decide the names and the state variables."""
-    recompute_spec = _recompute.normalize(recompute)
+    recompute_spec = recompute_option(recompute)
     source = _inference_copy(model)
     warn_if_folded(source, stacklevel=3)  # at the caller of training_model
     proto = _adapt.adapt(source)
@@ -240,7 +239,7 @@ def _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad
     dtypes, shapes = infer_types(main, proto.opset_import)
     taken = graph_names(main)
     prediction = _adapt.loss_output(proto, output, loss_obj)
-    _recompute.check_checkpoints(recompute_spec, main, prediction)
+    _check_checkpoints(recompute_spec, main, prediction)
     pred_type = dtypes.get(prediction)
     _losses.check_prediction_type(pred_type, prediction)
     if pred_type is None:
@@ -254,19 +253,34 @@ def _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad
     else:
         params = _lora.trainable_params(main, lora_info, trainable)
     bn_var = resolve_batchnorm_var(batchnorm_var, proto)
-    plan = Plan(
+    layout = Layout(params, 0 if accumulate == 1 else 1, taken)
+    loss_name = layout.fresh("loss")  # the same name in every algorithm graph
+    chain = chain_for(optimizer, schedule, clip_grad_norm, accumulate)
+    _plan_state(layout, main, chain)
+    return Plan(
         proto=proto, opset=opset, dtypes=dtypes, shapes=shapes,
         data_inputs=_data_inputs(main), prediction=prediction, target=target_vi,
-        loss=loss_obj, loss_name="", optimizer=optimizer, schedule=schedule,
+        loss=loss_obj, loss_name=loss_name, optimizer=optimizer, schedule=schedule,
         clip_grad_norm=float(clip_grad_norm) if clip_grad_norm is not None else None,
         accumulate=accumulate, train_mode=bool(train_mode), params=params,
-        taken=taken, names=NameGen(taken), batchnorm_var=bn_var,
-        declared=_declared_types(main), lora=lora_info, recompute=recompute_spec,
-        chain=chain_for(optimizer, schedule, clip_grad_norm, accumulate),
+        layout=layout, batchnorm_var=bn_var,
+        declared=_declared_types(main), lora=lora_info, recompute=recompute_spec, chain=chain,
     )
-    plan.loss_name = plan.fresh("loss")  # the same name in every algorithm graph
-    _plan_state(plan)
-    return plan
+
+
+def _check_checkpoints(spec: Any, graph: onnx.GraphProto, prediction: str) -> None:
+    """Refuse recompute checkpoint names that are not values on the path to ``prediction``."""
+    if not isinstance(spec, dict) or "checkpoints" not in spec:
+        return
+    producer = {o: n for n in graph.node for o in n.output if o}
+    upstream = upstream_values(producer, [prediction])
+    for name in spec["checkpoints"]:
+        if name not in producer:
+            raise ValueError(
+                f"recompute: checkpoint {name!r} is not a value computed by the main graph")
+        if name not in upstream:
+            raise ValueError(
+                f"recompute: checkpoint {name!r} is not on the path to the output {prediction!r}")
 
 
 def _declared_types(main: onnx.GraphProto) -> dict[str, onnx.ValueInfoProto]:
@@ -324,19 +338,18 @@ def _data_inputs(main: onnx.GraphProto) -> list[str]:
     return [i.name for i in main.input if i.name not in inits]
 
 
-def _plan_state(plan: Plan) -> None:
+def _plan_state(layout: Layout, main: onnx.GraphProto, chain: tuple[Any, ...]) -> None:
     """Name and place every state variable: the parameters, then what the
     update keeps (the optimizer's slots and the step counter), then the state
     of the other transforms of the chain."""
-    main = plan.proto.graph
     inits = {t.name: t for t in main.initializer}
-    for p in plan.params:
+    for p in layout.params:
         t = inits[p]
-        plan.state[p] = StateSpec(p, t.data_type, tuple(t.dims), "main", plan.final, initial=t, existing=True)
-    *gradient_transforms, update = plan.chain
-    update.init(plan)
+        layout.state[p] = StateSpec(p, t.data_type, tuple(t.dims), "main", layout.final, initial=t, existing=True)
+    *gradient_transforms, update = chain
+    update.init(layout)
     for transform in gradient_transforms:
-        transform.init(plan)
+        transform.init(layout)
 
 
 def _add_main_state(plan: Plan) -> None:
@@ -355,9 +368,12 @@ def _set_imports(proto: onnx.ModelProto) -> None:
     proto.ir_version = min(max(IR_VERSION, needed), MAX_IR_VERSION)
 
 
-def _set_metadata(plan: Plan) -> None:
-    """What the fit loop needs to drive the model, as JSON values."""
+def _set_metadata(plan: Plan, learned: list[Learned]) -> None:
+    """What the fit loop needs to drive the model, as JSON values (from the
+    plan and what each algorithm ``learned``)."""
     k = plan.accumulate
+    # The chain's clipping, rate and update run in the final algorithm.
+    final = learned[plan.final]
     entries = {
         "inputs": plan.data_inputs,
         "target": plan.target.name,
@@ -366,12 +382,13 @@ def _set_metadata(plan: Plan) -> None:
         "task": plan.loss.task,
         "cycle": [0] if k == 1 else [0] * (k - 1) + [1],
         "trainable": plan.params,
-        "optimizer_state": [name for name, var in plan.state.items() if not var.existing],
+        "optimizer_state": [name for name, var in plan.state.items() if not var.existing]
+        + [h.name for one in learned for h in one.hyperparameters],
         # The training-mode copy's prediction in each algorithm (evaluate swaps
         # it for the main graph's inference-mode prediction).
-        "train_prediction": {str(i): name for i, name in plan.train_predictions.items()},
+        "train_prediction": {str(one.index): one.train_prediction for one in learned if one.train_prediction},
         # The base learning rate's state variable and value (TrainingSession.learning_rate).
-        "learning_rate": {"state": plan.lr_state, "base": float(plan.optimizer.lr)},
+        "learning_rate": {"state": final.lr_state, "base": float(plan.optimizer.lr)},
         # For the label check before training: the classes C (None: unknown),
         # their axis in the prediction and the label that is skipped.
         "classes": _classes(plan),
@@ -379,15 +396,15 @@ def _set_metadata(plan: Plan) -> None:
     if plan.schedule is not None:
         # The tensor of training_info[algorithm].algorithm holding the rate the update
         # uses, lr * schedule(step) (TrainingSession.current_learning_rate).
-        entries["learning_rate"].update(value=plan.lr_value, algorithm=plan.lr_algorithm)
+        entries["learning_rate"].update(value=final.lr_value, algorithm=final.index)
         # The schedule, for messages, and where fit sets a total taken from the run.
-        entries["schedule"] = {"spec": plan.schedule.spec, "algorithm": plan.lr_algorithm}
-        if plan.schedule_total:
-            entries["schedule"].update(state=plan.schedule_total,
+        entries["schedule"] = {"spec": plan.schedule.spec, "algorithm": final.index}
+        if final.schedule_total:
+            entries["schedule"].update(state=final.schedule_total,
                                        warmup=int(getattr(plan.schedule, "warmup", 0)))
-    if plan.clip_state:
+    if final.clip_state:
         # The clipping threshold's state variable (TrainingSession.clip_grad_norm).
-        entries["clip_grad_norm"] = {"state": plan.clip_state, "base": plan.clip_grad_norm}
+        entries["clip_grad_norm"] = {"state": final.clip_state, "base": plan.clip_grad_norm}
     if plan.lora is not None:
         # What export needs to merge the adapters (lora.merge).
         entries["lora"] = plan.lora
@@ -397,12 +414,12 @@ def _set_metadata(plan: Plan) -> None:
         # sums it divides, once per optimizer step (onnxtrain.split).
         entries["data_parallel"] = {
             "local": [plan.accum[p] for p in plan.params],
-            "reduce": {str(plan.final): list(plan.reduce_points)},
+            "reduce": {str(plan.final): list(final.reduce_points)},
         }
     if plan.recompute is not None:
         # Activation recompute, applied when a session lowers the algorithms.
         entries["recompute"] = plan.recompute
-    if plan.running_stats:
+    if learned[0].running_stats:
         # How training-mode BatchNormalization updates running_var (only where it does).
         entries["batchnorm_var"] = plan.batchnorm_var
     replace_metadata(plan.proto, entries)

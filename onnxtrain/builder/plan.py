@@ -84,8 +84,43 @@ class StateSpec:
 
 
 @dataclass
+class Layout:
+    """The state variables, named and placed before the plan is made: what
+    the chain's ``init`` decides (``transforms``).  ``taken``: every name
+    used in the main graph or given out for the model."""
+
+    params: list[str]
+    #: Index of the TrainingInfoProto that updates the parameters.
+    final: int
+    taken: set[str]
+    names: NameGen = field(init=False)
+    state: dict[str, StateSpec] = field(default_factory=dict)
+    #: param -> {slot -> state variable name}
+    slots: dict[str, dict[str, str]] = field(default_factory=dict)
+    step: str = ""
+    accum: dict[str, str] = field(default_factory=dict)  # param -> gradient sum
+    accum_count: str = ""
+    accum_step: str = ""
+
+    def __post_init__(self) -> None:
+        self.names = NameGen(self.taken)
+
+    def fresh(self, hint: str) -> str:
+        """A model-wide fresh name."""
+        name = self.names.fresh(hint)
+        self.taken.add(name)
+        return name
+
+    def add_state(self, hint: str, var: StateSpec) -> str:
+        var.name = self.fresh(hint)
+        self.state[var.name] = var
+        return var.name
+
+
+@dataclass(frozen=True)
 class Plan:
-    """Everything decided before any node is emitted."""
+    """Everything decided before any node is emitted; nothing writes to it
+    after (what emitting learns is ``Learned``)."""
 
     proto: onnx.ModelProto
     opset: int
@@ -102,40 +137,15 @@ class Plan:
     accumulate: int
     train_mode: bool
     params: list[str]
+    #: The state variables the chain keeps (``Layout``): ``state``, ``slots``,
+    #: ``step``, ``accum``, ``accum_count``, ``accum_step``.
+    layout: Layout
     #: "biased" (ONNX) or "unbiased" (PyTorch) running_var update.
     batchnorm_var: str = "biased"
-    #: Whether some algorithm updates BatchNormalization running statistics.
-    running_stats: bool = False
     #: Tensor types the main graph declares (value_info and outputs), by name.
     declared: dict[str, onnx.ValueInfoProto] = field(default_factory=dict)
-    #: Every name used in the main graph or given out for the model; each
-    #: algorithm graph draws its own fresh names from a NameGen over these.
-    taken: set[str] = field(default_factory=set)
-    names: NameGen = field(default_factory=NameGen)
-    state: dict[str, StateSpec] = field(default_factory=dict)
-    #: param -> {slot -> state variable name}
-    slots: dict[str, dict[str, str]] = field(default_factory=dict)
-    step: str = ""
-    accum: dict[str, str] = field(default_factory=dict)  # param -> gradient sum
-    accum_count: str = ""
-    accum_step: str = ""
-    #: Per algorithm: the training-mode copy's prediction, where there is a copy.
-    train_predictions: dict[int, str] = field(default_factory=dict)
-    #: With accumulate > 1: the gradient sums (sums + this batch's gradient)
-    #: the final algorithm divides, which data-parallel training reduces
-    #: across ranks once per optimizer step (metadata ``onnxtrain.data_parallel``).
-    reduce_points: list[str] = field(default_factory=list)
     #: The LoRA description (``lora.apply``), metadata ``onnxtrain.lora``; None without LoRA.
     lora: dict[str, Any] | None = None
-    #: State variables holding the base learning rate and the clipping threshold
-    #: (TrainingSession.learning_rate / clip_grad_norm set them between steps).
-    lr_state: str = ""
-    #: The rate the update uses (lr * schedule(step)) and the algorithm computing it.
-    lr_value: str = ""
-    lr_algorithm: int = 0
-    #: The state variable holding a schedule's total taken from the run (cosine()).
-    schedule_total: str = ""
-    clip_state: str = ""
     #: The activation recompute option (``onnxtrain.recompute``), None when off.
     recompute: Any = None
     #: The update chain (``builder.transforms``): what each algorithm does with its gradients.
@@ -146,13 +156,58 @@ class Plan:
         """Index of the TrainingInfoProto that updates the parameters."""
         return 0 if self.accumulate == 1 else 1
 
-    def fresh(self, hint: str) -> str:
-        """A model-wide fresh name."""
-        name = self.names.fresh(hint)
-        self.taken.add(name)
-        return name
+    @property
+    def taken(self) -> frozenset[str]:
+        """Every name used in the main graph or given out for the model; each
+        algorithm graph draws its own fresh names from a NameGen over these."""
+        return frozenset(self.layout.taken)
 
-    def add_state(self, hint: str, var: StateSpec) -> str:
-        var.name = self.fresh(hint)
-        self.state[var.name] = var
-        return var.name
+    @property
+    def state(self) -> dict[str, StateSpec]:
+        return self.layout.state
+
+    @property
+    def slots(self) -> dict[str, dict[str, str]]:
+        return self.layout.slots
+
+    @property
+    def step(self) -> str:
+        return self.layout.step
+
+    @property
+    def accum(self) -> dict[str, str]:
+        return self.layout.accum
+
+    @property
+    def accum_count(self) -> str:
+        return self.layout.accum_count
+
+    @property
+    def accum_step(self) -> str:
+        return self.layout.accum_step
+
+
+@dataclass(frozen=True)
+class Learned:
+    """What ``Algorithm.build`` learns while it emits training_info[index]'s
+    algorithm graph (the builder's metadata is made of it)."""
+
+    index: int
+    #: The training-mode copy's prediction, where there is a copy.
+    train_prediction: str = ""
+    #: Whether it updates BatchNormalization running statistics.
+    running_stats: bool = False
+    #: The 0-D float64 settings it keeps as state (``Algorithm.hyperparameter``).
+    hyperparameters: tuple[StateSpec, ...] = ()
+    #: The state variable holding the base learning rate, and the rate the
+    #: update uses (lr * schedule(step)).
+    lr_state: str = ""
+    lr_value: str = ""
+    #: The state variable holding a schedule's total taken from the run (cosine()).
+    schedule_total: str = ""
+    #: The state variable holding the clipping threshold.
+    clip_state: str = ""
+    #: With accumulate > 1: the gradient sums (sums + this batch's gradient)
+    #: the final algorithm divides, which data-parallel training reduces
+    #: across ranks once per optimizer step (metadata ``onnxtrain.data_parallel``).
+    reduce_points: tuple[str, ...] = ()

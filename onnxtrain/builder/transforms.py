@@ -1,10 +1,11 @@
 """The builder's update chain: what happens between the Gradient node and
 the new parameters, as a list of transforms (optax's ``chain``).
 
-Each transform is an ``init``/``update`` pair: ``init(plan)`` declares the
-state variables it keeps (before any node is emitted), ``update(algo, step)``
-emits its nodes into an algorithm graph and passes the step on (or ends the
-algorithm there).  ``chain_for`` composes them from the builder's arguments:
+Each transform is an ``init``/``update`` pair: ``init(layout)`` declares the
+state variables it keeps (before the plan is made), ``update(algo, step)``
+emits its nodes into an algorithm graph, tells it what it learned
+(``algo.learn``: the state holding the rate, ...), and passes the step on
+(or ends the algorithm there).  ``chain_for`` composes them from the builder's arguments:
 
     [AccumulateGradients(k)]  [ClipByGlobalNorm(c)]  LearningRate(lr)
     [ScaleBySchedule(schedule)]  ApplyOptimizer(optimizer)
@@ -25,7 +26,7 @@ from typing import Protocol
 from ..core.emitter import Emitter
 from ..optim.transforms import clip_by_global_norm
 from .optimizers import Optimizer
-from .plan import F64, INT64, Plan, StateSpec
+from .plan import F64, INT64, Layout, Learned, Plan, StateSpec
 from .schedules import Schedule
 
 
@@ -35,6 +36,11 @@ class Algorithm(Protocol):
     plan: Plan
     index: int
     e: Emitter
+    #: What the algorithm learned so far.
+    learned: Learned
+
+    def learn(self, **learned: object) -> None:
+        """Record what emitting learned (fields of ``Learned``)."""
 
     def bind(self, key: str, value: str) -> None:
         """Bind state variable ``key`` to ``value``."""
@@ -56,7 +62,7 @@ class Step:
 class Transform:
     """One link of the chain (see the module docstring)."""
 
-    def init(self, plan: Plan) -> None:
+    def init(self, layout: Layout) -> None:
         """Declare the state variables this transform keeps."""
 
     def update(self, algo: Algorithm, step: Step) -> Step | None:
@@ -73,12 +79,12 @@ class AccumulateGradients(Transform):
 
     k: int
 
-    def init(self, plan: Plan) -> None:
-        for p in plan.params:
-            var = plan.state[p]
-            plan.accum[p] = plan.add_state(f"{p}.grad_accum", StateSpec("", var.elem_type, var.shape, "main", 0))
-        plan.accum_count = plan.add_state("accum.count", StateSpec("", INT64, (), "main", 0))
-        plan.accum_step = plan.add_state("accum.step", StateSpec("", INT64, (), "main", 0))
+    def init(self, layout: Layout) -> None:
+        for p in layout.params:
+            var = layout.state[p]
+            layout.accum[p] = layout.add_state(f"{p}.grad_accum", StateSpec("", var.elem_type, var.shape, "main", 0))
+        layout.accum_count = layout.add_state("accum.count", StateSpec("", INT64, (), "main", 0))
+        layout.accum_step = layout.add_state("accum.step", StateSpec("", INT64, (), "main", 0))
 
     def update(self, algo: Algorithm, step: Step) -> Step | None:
         if algo.index != algo.plan.final:
@@ -107,12 +113,13 @@ class AccumulateGradients(Transform):
         e.hint = "accumulate"
         current = e.Equal(plan.accum_step, plan.step)
         n = e.Add(e.Where(current, plan.accum_count, e.scalar_int(0)), e.scalar_int(1))
-        out = []
+        out, totals = [], []
         for p, g in zip(plan.params, grads):
             kept = e.Where(current, plan.accum[p], e.const(0.0, like=g))
             total = e.Add(kept, g)
-            plan.reduce_points.append(total)
+            totals.append(total)
             out.append(e.Div(total, e.Cast(n, to=e.dtype(g))))
+        algo.learn(reduce_points=algo.learned.reduce_points + tuple(totals))
         return out
 
 
@@ -127,8 +134,9 @@ class ClipByGlobalNorm(Transform):
 
     def update(self, algo: Algorithm, step: Step) -> Step:
         algo.e.hint = "clip"
-        algo.plan.clip_state = algo.hyperparameter("clip_grad_norm", self.max_norm)
-        step.grads = clip_by_global_norm(algo.e, step.grads, algo.plan.clip_state, F64)
+        clip = algo.hyperparameter("clip_grad_norm", self.max_norm)
+        algo.learn(clip_state=clip)
+        step.grads = clip_by_global_norm(algo.e, step.grads, clip, F64)
         return step
 
 
@@ -145,10 +153,9 @@ class LearningRate(Transform):
     lr: float
 
     def update(self, algo: Algorithm, step: Step) -> Step:
-        plan = algo.plan
         algo.e.hint = "lr"
-        step.lr = plan.lr_state = plan.lr_value = algo.hyperparameter("lr", self.lr)
-        plan.lr_algorithm = algo.index
+        step.lr = algo.hyperparameter("lr", self.lr)
+        algo.learn(lr_state=step.lr, lr_value=step.lr)
         return step
 
 
@@ -164,11 +171,13 @@ class ScaleBySchedule(Transform):
         plan = algo.plan
         if self.schedule.run_total:
             # The run's number of updates, set by fit when it starts (0 until then).
-            plan.schedule_total = algo.hyperparameter("schedule_total", 0.0)
-            factor = self.schedule.emit(algo.e, plan.step, plan.schedule_total)
+            total = algo.hyperparameter("schedule_total", 0.0)
+            algo.learn(schedule_total=total)
+            factor = self.schedule.emit(algo.e, plan.step, total)
         else:
             factor = self.schedule.emit(algo.e, plan.step)
-        step.lr = plan.lr_value = algo.e.Mul(step.lr, factor)
+        step.lr = algo.e.Mul(step.lr, factor)
+        algo.learn(lr_value=step.lr)
         return step
 
 
@@ -180,17 +189,18 @@ class ApplyOptimizer(Transform):
 
     optimizer: Optimizer
 
-    def init(self, plan: Plan) -> None:
-        for p in plan.params:
-            var = plan.state[p]
-            plan.slots[p] = {}
+    def init(self, layout: Layout) -> None:
+        final = layout.final
+        for p in layout.params:
+            var = layout.state[p]
+            layout.slots[p] = {}
             for slot, fill in self.optimizer.slots():
-                plan.slots[p][slot] = plan.add_state(
-                    f"{p}.{slot}", StateSpec("", var.elem_type, var.shape, plan.final, plan.final, fill=fill)
+                layout.slots[p][slot] = layout.add_state(
+                    f"{p}.{slot}", StateSpec("", var.elem_type, var.shape, final, final, fill=fill)
                 )
         # The counter: in the main graph when two TrainingInfoProtos share it.
-        home = "main" if plan.final else 0
-        plan.step = plan.add_state("step", StateSpec("", INT64, (), home, plan.final))
+        home = "main" if final else 0
+        layout.step = layout.add_state("step", StateSpec("", INT64, (), home, final))
 
     def update(self, algo: Algorithm, step: Step) -> None:
         plan, e = algo.plan, algo.e

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import heapq
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -169,6 +169,22 @@ def prune(nodes: Sequence[onnx.NodeProto], outputs: Iterable[str]) -> list[onnx.
             if p is not None and id(p) not in live:
                 stack.append(p)
     return [n for n in nodes if id(n) in live]
+
+
+def upstream_values(producer: Mapping[str, onnx.NodeProto], outputs: Iterable[str]) -> set[str]:
+    """``outputs`` and every value they are computed from (``producer``: value ->
+    the node that makes it; ``node_inputs`` of each node on the way)."""
+    seen: set[str] = set()
+    stack = list(outputs)
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        n = producer.get(v)
+        if n is not None:
+            stack.extend(node_inputs(n))
+    return seen
 
 
 def keep_outputs(model: onnx.ModelProto, outputs: Sequence[str], where: str) -> None:

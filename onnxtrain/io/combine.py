@@ -17,15 +17,17 @@ from .tensors import copy_fields
 
 
 def combined_graph(
-    proto: onnx.ModelProto, index: int, exclude_initializers: Container[str] = ()
+    proto: onnx.ModelProto, index: int, exclude_initializers: Container[str] = (),
+    into: onnx.GraphProto | None = None,
 ) -> onnx.GraphProto:
     """M ⊕ A of training_info[index]: every list concatenated, main graph first.
 
     Initializers (dense or sparse) named in ``exclude_initializers`` are left
-    out: callers that feed state variables as inputs need not copy their data."""
+    out: callers that feed state variables as inputs need not copy their data.
+    ``into``: an empty GraphProto to build it in (e.g. the graph of a model), returned."""
     main = proto.graph
     algo = proto.training_info[index].algorithm
-    g = onnx.GraphProto()
+    g = onnx.GraphProto() if into is None else into
     g.name = f"{main.name or 'main'}+training_info[{index}]"
     for fld in ("input", "output", "node", "value_info"):
         getattr(g, fld).extend(getattr(main, fld))

@@ -53,6 +53,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import onnx
 
 from ..errors import TrainingModelError
@@ -60,10 +61,13 @@ from ..errors import TrainingModelError
 __all__ = [
     "CHECKPOINT_KEY",
     "PREFIX",
+    "RECOMPUTE_MODES",
     "checkpoint_epoch",
     "model_metadata",
     "read_position",
     "drop_metadata",
+    "recompute_option",
+    "recompute_spec",
     "replace_metadata",
     "set_metadata",
     "write_position",
@@ -168,3 +172,63 @@ def checkpoint_epoch(model: Any) -> int:
     proto = model if isinstance(model, onnx.ModelProto) else model.model
     position = read_position(proto)
     return 0 if position is None else position["epoch"]
+
+
+# ------------------------------------------------------------------ recompute
+#: The named modes of the activation recompute option (``onnxtrain.recompute``:
+#: the builder records it, ``lower.recompute`` applies it).
+RECOMPUTE_MODES = ("elementwise", "blocks")
+
+
+def _bad_recompute(value: Any) -> ValueError:
+    return ValueError(
+        "recompute must be None, False, 'elementwise', 'blocks', a number of segments >= 1 "
+        f"or a list of checkpoint value names, not {value!r}"
+    )
+
+
+def recompute_option(value: Any) -> Any:
+    """The recompute option (``build.training_model(..., recompute=...)``) as
+    recorded in metadata (JSON), or None when off; ValueError naming
+    ``recompute`` for anything else.
+
+    >>> recompute_option("blocks"), recompute_option(3), recompute_option(["h1", "h2"])
+    ('blocks', {'segments': 3}, {'checkpoints': ['h1', 'h2']})
+    >>> recompute_option(None), recompute_option(True)
+    (None, 'blocks')
+    >>> recompute_option("sometimes")
+    Traceback (most recent call last):
+    ValueError: recompute must be None, False, 'elementwise', 'blocks', a number of segments >= 1 or a list of checkpoint value names, not 'sometimes'
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "blocks"
+    if isinstance(value, str):
+        if value in RECOMPUTE_MODES:
+            return value
+        raise _bad_recompute(value)
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        if value < 1:
+            raise ValueError(f"recompute: a number of segments must be >= 1, got {value!r}")
+        return {"segments": int(value)}
+    if isinstance(value, (list, tuple)):
+        if not value or not all(isinstance(v, str) and v for v in value):
+            raise ValueError(
+                f"recompute: checkpoints must be a non-empty list of value names, got {value!r}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"recompute: checkpoint names repeat in {list(value)!r}")
+        return {"checkpoints": list(value)}
+    raise _bad_recompute(value)
+
+
+def recompute_spec(model: onnx.ModelProto) -> Any:
+    """The recompute option a model's metadata records (``recompute_option``'s
+    form; None: off), or TrainingModelError naming the entry."""
+    value = model_metadata(model).get("recompute")
+    if isinstance(value, dict) and len(value) == 1:
+        value = value.get("segments", value.get("checkpoints", value))
+    try:
+        return recompute_option(value)
+    except ValueError as exc:
+        raise TrainingModelError(f"metadata onnxtrain.recompute: {exc}") from None

@@ -51,6 +51,7 @@ __all__ = [
     "check_strings",
     "check_tensor",
     "check_tensors",
+    "check_graph_ssa",
     "combined_graph",
     "copy_graph",
     "labelled_sparse_tensors",
@@ -161,16 +162,34 @@ def _initializer_names(g: onnx.GraphProto) -> dict[str, tuple[int, tuple[int, ..
     return out
 
 
-def _check_graph_ssa(
+class _NodePlace:
+    """Where a node is (``graph.node[3] ('mm', MatMul)``), as text when asked."""
+
+    __slots__ = ("label", "index", "node")
+
+    def __init__(self, label: str, index: int, node: onnx.NodeProto) -> None:
+        self.label, self.index, self.node = label, index, node
+
+    def __str__(self) -> str:
+        node = self.node
+        return f"{self.label}.node[{self.index}] ({node.name or node.op_type!r}, {node.op_type})"
+
+
+def check_graph_ssa(
     label: str,
     graph: onnx.GraphProto,
-    defined: dict[str, str],
+    defined: dict[str, object],
     outer: set[str] = frozenset(),
 ) -> None:
-    """Inputs defined before use, each name defined once, no GraphCall.
+    """Inputs defined before use (topological order), each name defined once
+    (SSA), no GraphCall; subgraphs too.  TrainingModelError names the first
+    place that breaks a rule (validation's R7; the passes' postcondition,
+    ``lower.checks``).
 
+    ``outer``: names defined outside ``graph`` (an enclosing scope).
     ``defined`` maps names already defined (by this or an earlier graph) to
-    where they were defined, and is extended with this graph's names."""
+    where they were defined (text, or an object whose ``str`` is), and is
+    extended with this graph's names."""
     for kind, names in (
         ("input", [i.name for i in graph.input]),
         ("initializer", [t.name for t in graph.initializer]),
@@ -186,31 +205,31 @@ def _check_graph_ssa(
                 )
             defined.setdefault(name, f"{label}.{kind}")
     for idx, node in enumerate(graph.node):
-        where = f"{label}.node[{idx}] ({node.name or node.op_type!r}, {node.op_type})"
+        # (where the node is, as text, only when a message needs it: this runs
+        # after every pass of every program, so it is kept lean)
+        place = _NodePlace(label, idx, node)
         if node.op_type == "GraphCall":
             raise TrainingModelError(
-                f"{where}: GraphCall (ONNX 1.7 training) was removed in ONNX 1.8 and is not "
+                f"{place}: GraphCall (ONNX 1.7 training) was removed in ONNX 1.8 and is not "
                 "supported; express the step as a TrainingInfoProto algorithm graph"
             )
         for name in node.input:
             if name and name not in defined and name not in outer:
                 raise TrainingModelError(
-                    f"{where}: input {name!r} is not defined before this node "
+                    f"{place}: input {name!r} is not defined before this node "
                     "(undefined, or the graph is not topologically sorted)"
                 )
-        for sg in subgraphs(node):
-            _check_graph_ssa(f"{where}/{sg.name or 'body'}", sg, {}, outer | set(defined))
-        seen_out: set[str] = set()
+        if node.attribute:
+            for sg in subgraphs(node):
+                check_graph_ssa(f"{place}/{sg.name or 'body'}", sg, {}, outer | set(defined))
         for name in node.output:
             if not name:
                 continue
-            if name in defined or name in seen_out:
-                prev = defined.get(name, where)
+            if name in defined:
                 raise TrainingModelError(
-                    f"{where}: output {name!r} is already defined by {prev} (graphs must be SSA)"
+                    f"{place}: output {name!r} is already defined by {defined[name]} (graphs must be SSA)"
                 )
-            seen_out.add(name)
-            defined[name] = where
+            defined[name] = place
     seen: set[str] = set()
     for idx, o in enumerate(graph.output):
         if o.name in seen:
@@ -261,8 +280,8 @@ def validate(
             f"training_info needs ir_version >= 7, the model has {proto.ir_version}"
         )
     main = proto.graph
-    main_defined: dict[str, str] = {}
-    _check_graph_ssa("graph", main, main_defined)
+    main_defined: dict[str, object] = {}
+    check_graph_ssa("graph", main, main_defined)
     main_inits = _initializer_names(main)
     main_outputs = {o.name for o in main.output}
 
@@ -280,7 +299,7 @@ def validate(
                     f"{label}.algorithm.output[{idx}]: {o.name!r} is also an output of the main "
                     "graph; the combined graph would list it twice"
                 )
-        _check_graph_ssa(f"{label}.algorithm", algo, combined_defined)
+        check_graph_ssa(f"{label}.algorithm", algo, combined_defined)
         algo_inits = _initializer_names(algo)
         algo_outputs = {o.name for o in algo.output}
 
@@ -292,7 +311,7 @@ def validate(
                     f"{label}.initialization.input[{idx}]: {inp.name!r}: an initialization graph "
                     "takes no inputs"
                 )
-            _check_graph_ssa(f"{label}.initialization", init, {})
+            check_graph_ssa(f"{label}.initialization", init, {})
         elif ti.initialization_binding:
             raise TrainingModelError(
                 f"{label}.initialization_binding[0]: there is no initialization graph, so "

@@ -17,9 +17,9 @@ float32 attributes, so the fusion applies only where the folded scalars are
 exactly representable in float32 (always for float32 models; a float64 model
 with lr = 0.1 keeps its exact unfused update).
 
-``with_fused_kernels`` (the optional last step, ``pipeline.kernel_choice``)
-replaces optimizer updates by the custom kernels of ``onnxtrain/kernels``,
-bit for bit: every call of an update rule that names a kernel
+``with_fused_kernels`` (``lower.executed.optimizer_kernels``, a step of the
+executed lists) replaces optimizer updates by the custom kernels of
+``onnxtrain/kernels``, bit for bit: every call of an update rule that names a kernel
 (``fuse_rule_calls``: found by name, see ``onnxtrain.optim.rules``), and the
 layer rewrites.  See docs/fused-kernels.md.
 """

@@ -1,36 +1,56 @@
-"""The program pipeline: every graph pass between a training model and what
-onnxruntime runs, in order, one job each.
+"""The program pipeline: one declared pass list per kind of program, from
+where its graph comes from to the standard-op model a session runs.
 
-A program starts as one graph: the main graph, an initialization graph, or
-the *combination* M ⊕ A_i of the main graph and an algorithm (``combine``;
-``loss_graph`` further prunes one to the loss for ``evaluate``).
-``run_pipeline`` then applies ``PIPELINE`` to a private copy:
+``PASS_LISTS`` holds the list of every kind (its first step makes the graph):
 
-1. ``state_to_inputs``        state initializers become graph inputs, fed from the state
-   ``exact_quantized_products`` MatMulNBits with trained scales: accuracy_level 4 -> 1
-2. ``expand_gradient_nodes``  Gradient nodes become backward graphs (autodiff)
-   ``recompute_activations``  where the model asks: saved activations recomputed (recompute)
-3. ``lower_optimizer_nodes``  Adam / Momentum / Adagrad become standard ops (optim)
-4. ``fuse_gemm_updates``      scaled updates of Gemm products fold into the Gemm (fuse)
-5. ``sort_and_prune``         topological order, without nodes no output needs
-6. ``elide_output_identities``  producers write graph outputs directly
-7. ``shield_batch_norm_inputs`` training-mode BatchNorm gets private mean/var copies
-8. ``refuse_preview_ops``     no ai.onnx.preview.training op may be left
-9. ``prune_unused_initializers``
+================  =============================================================
+kind              steps
+================  =============================================================
+inference         main_graph, FRONT, BACK                    (``run``, ``predict``)
+algorithm         combine, FRONT, BACK                       (``train_step``)
+forward           combine, FRONT, cut_forward, BACK          (data-parallel half A)
+update            combine, FRONT, cut_update, BACK           (data-parallel half B)
+initialization    initialization_graph, FRONT, BACK          (``initialize``)
+evaluate          loss_graph, FRONT, BACK                    (``evaluate_batch``)
+================  =============================================================
 
-and ``to_model`` wraps the result without the preview import, its IR version
-capped to what this onnxruntime loads.  ``kernel_choice`` is the last,
-optional step: Adam updates fused into one custom kernel each, and a
-decoder's elementwise chains and int4 unpacking into library kernels
-(``onnxtrain.kernels.llm``), where the kernel library is available
-(``onnxtrain.kernels``), in the program onnxruntime runs only.
+Where the graph comes from: the main graph M; the *combination* M ⊕ A_i of
+the main graph and an algorithm (``combine``); an initialization graph I_i;
+or M ⊕ A_i pruned to the loss (``loss_graph``).  Then
+
+- FRONT makes it standard ops: ``state_to_inputs`` (state initializers
+  become graph inputs, fed from the state), ``exact_quantized_products``
+  (MatMulNBits with trained scales: accuracy_level 4 -> 1),
+  ``expand_gradient_nodes`` (Gradient nodes become backward graphs),
+  ``recompute_activations`` (where the model asks), ``lower_optimizer_nodes``
+  (Adam / Momentum / Adagrad become calls of the update rules);
+- the data-parallel cut (``split``) takes the forward + backward half or
+  the update half of the algorithm;
+- BACK tidies what runs: ``fuse_gemm_updates``, ``sort_and_prune``
+  (topological order, no node no output needs), ``elide_output_identities``,
+  ``shield_batch_norm_inputs``, ``refuse_preview_ops``,
+  ``prune_unused_initializers``;
+
+and ``lowering.to_model`` wraps the result without the preview import, its
+IR version capped.  What onnxruntime then runs of a training program is
+made by the *executed* lists (``executed.EXECUTED``: the kernel choice with
+the optimizer, decoder and NCHWc kernels, lean memory's scratch outputs,
+the in-place plan), which the runner executes.
+
+``lower`` runs the lists of one source: steps the lists share at their
+start run once (a data-parallel algorithm's combine and FRONT serve its
+whole program and both halves; each branch but the last works on a copy).
+Every program a list makes is SSA and topologically sorted; with checks on
+(``check=True``, the tests' setting, or ``ONNXTRAIN_CHECK_PASSES=1``) that
+holds after every step, and so do the step's own postcondition
+(``POSTCONDITIONS``) and onnx.checker (``checks``); ``checks.PassError``
+says which step broke what.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 import onnx
 from onnx import helper
@@ -49,124 +69,85 @@ from ..core.graph import (
 )
 from ..core.names import NameGen
 from ..errors import TrainingModelError
-from ..io.model import TrainingModel, combined_graph, copy_graph, uses_preview_ops
-from ..kernels import library as kernels
-from ..kernels import llm, nchwc
-from ..kernels.fuse import KERNEL_DOMAIN
+from ..io.combine import combined_graph
+from ..io.metadata import recompute_spec
+from ..io.model import TrainingModel, uses_preview_ops
 from ..kernels.fuse import fuse_gemm_updates as _fuse_gemm
-from ..kernels.fuse import with_fused_kernels as _with_fused_kernels
 from ..optim import lower_optimizers
-from . import program_cache, recompute
+from . import recompute
+from .checks import check_condition, check_sound, check_valid, checking, step_name
+from .lowering import (
+    ALGORITHM,
+    EVALUATE,
+    FORWARD,
+    INFERENCE,
+    INITIALIZATION,
+    UPDATE,
+    Lowering,
+    Request,
+    as_model,
+)
+from .split import cut_forward, cut_update
 
-#: Default-domain opset given to programs of models that import none.
-DEFAULT_OPSET = 17
-
-
-def with_fused_kernels(model: onnx.ModelProto, nchwc_block: int = 0) -> tuple[onnx.ModelProto, int]:
-    """``fuse.with_fused_kernels``, a decoder's chains (``llm.rewrite``), then
-    with ``nchwc_block`` (0: none) the NCHWc rewrite (``nchwc.rewrite``),
-    answered from the program cache for the program models it handed out
-    (``program_cache.fused_for``)."""
-
-    def compute(m: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
-        fused, count = _with_fused_kernels(m)
-        fused, decoder = _with_llm_kernels(fused, fused is not m)
-        laid, convs = nchwc.rewrite(fused, nchwc_block, KERNEL_DOMAIN)
-        return laid, count + decoder + convs
-
-    return program_cache.fused_for(model, compute, variant=nchwc_block)
-
-
-def _with_llm_kernels(model: onnx.ModelProto, owned: bool) -> tuple[onnx.ModelProto, int]:
-    """A decoder's non-product chains as library kernels (``kernels.llm``): in
-    place where ``owned`` (a copy made for the kernels), else in a copy made
-    only when a chain is there; and how many."""
-    if not llm.ANCHORS & {n.op_type for n in model.graph.node}:
-        return model, 0
-    fused = model
-    if not owned:
-        fused = onnx.ModelProto()
-        fused.CopyFrom(model)
-    count = llm.rewrite(fused.graph, list(fused.opset_import), KERNEL_DOMAIN)
-    if not count:
-        return model, 0
-    if not any(o.domain == KERNEL_DOMAIN for o in fused.opset_import):
-        fused.opset_import.append(helper.make_opsetid(KERNEL_DOMAIN, 1))
-    return fused, count
-
-
-@dataclass
-class Lowering:
-    """What the passes work on: one program's graph and what they share."""
-
-    tm: TrainingModel
-    label: str
-    graph: onnx.GraphProto
-    #: State variables held by the graph (as initializers, or left out by the caller).
-    state_here: set[str]
-    opset_imports: list[onnx.OperatorSetIdProto]
-    names: NameGen = field(init=False)
-    #: Names defined before the first node (inputs and initializers).
-    available: list[str] = field(init=False)
-    #: Whether the graph holds ai.onnx.preview.training ops to lower (passes 2-4).
-    training_ops: bool = field(init=False)
-    #: Every value a top-level Gradient node defined: output -> the x it differentiates
-    #: by (filled by ``expand_gradient_nodes``; the data-parallel cut reduces them).
-    gradients: dict[str, str] = field(default_factory=dict)
-    #: The y of every top-level Gradient node (filled by ``expand_gradient_nodes``).
-    differentiated: list[str] = field(default_factory=list)
-    #: The model whose graph ``graph`` is, if any: ``to_model`` fills it in
-    #: instead of copying the graph into a new one.
-    model: onnx.ModelProto | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        self.names = NameGen(())
-        self.available = []
-        self.training_ops = uses_preview_ops(self.graph)
-
-    def copy(self, graph: onnx.GraphProto, label: str | None = None) -> Lowering:
-        """The same lowering over another graph (a part of this one), sharing the names."""
-        low = Lowering(self.tm, label or self.label, graph, set(self.state_here),
-                       list(self.opset_imports))
-        low.names, low.gradients = self.names, dict(self.gradients)
-        low.available = [i.name for i in graph.input] + [t.name for t in graph.initializer]
-        low.available += [t.values.name for t in graph.sparse_initializer]
-        return low
-
-    def set_nodes(self, nodes: list[onnx.NodeProto]) -> None:
-        del self.graph.node[:]
-        self.graph.node.extend(nodes)
+#: A step of a pass list: changes the lowering in place (None), or returns
+#: the lowering the list goes on with (a half of the data-parallel cut).
+Step = Callable[[Lowering], "Lowering | None"]
 
 
 # --------------------------------------------------------------- graphs in
-def combine(tm: TrainingModel, index: int) -> tuple[onnx.GraphProto, set[str]]:
-    """M ⊕ A_index without the state initializers (returned as the second
-    item: they become inputs, and copying their data would double the memory)."""
-    ti = tm.proto.training_info[index]
-    state = {
+def _state_of(tm: TrainingModel, graphs: Iterable[onnx.GraphProto]) -> set[str]:
+    """The state variables that are initializers (dense or sparse) of ``graphs``."""
+    return {
         name
-        for g in (tm.proto.graph, ti.algorithm)
+        for g in graphs
         for name in [t.name for t in g.initializer] + [t.values.name for t in g.sparse_initializer]
         if name in tm.state
     }
-    return combined_graph(tm.proto, index, exclude_initializers=state), state
 
 
-def loss_graph(tm: TrainingModel, index: int, outputs: list[str],
-               train_prediction: str | None = None, prediction: str | None = None) -> onnx.GraphProto:
-    """M ⊕ A_index pruned to ``outputs`` (the loss, and the prediction).
+def main_graph(low: Lowering) -> None:
+    """The main graph M (the inference program)."""
+    low.start(low.tm.proto.graph)
+
+
+def initialization_graph(low: Lowering) -> None:
+    """The initialization graph I of ``training_info[request.index]``."""
+    low.start(low.tm.proto.training_info[low.request.index].initialization)
+
+
+def combine(low: Lowering) -> None:
+    """M ⊕ A of ``training_info[request.index]``, built in the program's model
+    without the state initializers (they become inputs: copying their data
+    would double the memory)."""
+    tm, index = low.tm, low.request.index
+    ti = tm.proto.training_info[index]
+    state = _state_of(tm, (tm.proto.graph, ti.algorithm))
+    low.model = onnx.ModelProto()
+    combined_graph(tm.proto, index, exclude_initializers=state, into=low.model.graph)
+    low.start(None, state)
+
+
+def loss_graph(low: Lowering) -> None:
+    """M ⊕ A of ``training_info[request.index]`` pruned to ``request.outputs``
+    (the loss, and the prediction).
 
     The Gradient and optimizer nodes are dead here, and so are the inputs
     and state (moments, counters) only they read, which are dropped so that
     the program is fed just what the forward pass needs.  Evaluation is
     inference: a loss that reads a training-mode copy of the forward pass
-    (``train_prediction``: Dropout/BatchNormalization active) reads the main
-    graph's ``prediction`` instead, and the copy is pruned away."""
-    graph = combined_graph(tm.proto, index)
+    (``request.train_prediction``: Dropout/BatchNormalization active) reads
+    the main graph's ``request.prediction`` instead, and the copy is pruned away."""
+    tm, request = low.tm, low.request
+    ti = tm.proto.training_info[request.index]
+    state = _state_of(tm, (tm.proto.graph, ti.algorithm))
+    low.model = onnx.ModelProto()
+    graph = combined_graph(tm.proto, request.index, exclude_initializers=state, into=low.model.graph)
+    outputs = list(request.outputs)
     by_name = {o.name: o for o in graph.output}
     kept_outputs = [by_name[n] for n in outputs]
     del graph.output[:]
     graph.output.extend(kept_outputs)
+    train_prediction, prediction = request.train_prediction, request.prediction
     if train_prediction and prediction:
         for node in graph.node:
             if train_prediction in node.input:
@@ -182,7 +163,7 @@ def loss_graph(tm: TrainingModel, index: int, outputs: list[str],
         items = [x for x in getattr(graph, fld) if name_of(x) in used]
         del getattr(graph, fld)[:]
         getattr(graph, fld).extend(items)
-    return graph
+    low.start(None, state & used)
 
 
 # ------------------------------------------------------------------ passes
@@ -277,7 +258,7 @@ def recompute_activations(low: Lowering) -> None:
     """Recompute saved activations in the backward pass, as the model's
     metadata ``onnxtrain.recompute`` asks (``onnxtrain.recompute``)."""
     if low.differentiated:
-        spec = recompute.spec_of(low.tm.proto)
+        spec = recompute_spec(low.tm.proto)
         if spec is not None:
             g = low.graph
             fixed = low.state_here | {t.name for t in g.initializer}
@@ -399,18 +380,17 @@ def prune_unused_initializers(low: Lowering) -> None:
         g.initializer.extend(kept)
 
 
-#: The passes, in the order they run (see the module docstring).  A
-#: data-parallel algorithm is cut in two (``onnxtrain.split``) between the
-#: FRONT passes, which make it standard ops, and the BACK ones, which then
-#: run on each part.
-FRONT: tuple[Callable[[Lowering], None], ...] = (
+# ------------------------------------------------------------- the lists
+#: FRONT: the graph becomes standard ops (see the module docstring).
+FRONT: tuple[Step, ...] = (
     state_to_inputs,
     exact_quantized_products,
     expand_gradient_nodes,
     recompute_activations,
     lower_optimizer_nodes,
 )
-BACK: tuple[Callable[[Lowering], None], ...] = (
+#: BACK: what runs is tidied (on each half of a data-parallel cut too).
+BACK: tuple[Step, ...] = (
     fuse_gemm_updates,
     sort_and_prune,
     elide_output_identities,
@@ -418,75 +398,137 @@ BACK: tuple[Callable[[Lowering], None], ...] = (
     refuse_preview_ops,
     prune_unused_initializers,
 )
-PIPELINE = FRONT + BACK
+
+#: The pass list of every kind of program, in the order its steps run; the
+#: first makes the graph (see the module docstring).
+PASS_LISTS: dict[str, tuple[Step, ...]] = {
+    INFERENCE: (main_graph, *FRONT, *BACK),
+    ALGORITHM: (combine, *FRONT, *BACK),
+    FORWARD: (combine, *FRONT, cut_forward, *BACK),
+    UPDATE: (combine, *FRONT, cut_update, *BACK),
+    INITIALIZATION: (initialization_graph, *FRONT, *BACK),
+    EVALUATE: (loss_graph, *FRONT, *BACK),
+}
+
+#: The first steps of the lists: where a program's graph comes from.
+SOURCES = frozenset({main_graph, combine, initialization_graph, loss_graph})
+#: Steps that only read the lowering and return another one (a half of the
+#: cut; None where the algorithm needs no such half): a branch that starts
+#: with one needs no copy.
+READ_ONLY = frozenset({cut_forward, cut_update})
 
 
-def to_model(low: Lowering) -> onnx.ModelProto:
-    """The lowered graph as a model: no preview import, the IR version capped."""
-    proto = low.tm.proto
-    imports = [o for o in low.opset_imports if o.domain != PREVIEW_DOMAIN]
-    if low.model is not None and low.model.graph is low.graph:
-        # The graph was built inside its model (``lower_front``): no copy.
-        # The fields helper.make_model sets:
-        model = low.model
-        model.ir_version = onnx.IR_VERSION
-        model.opset_import.extend(imports)
-        model.producer_name = "onnxtrain"
-        low.model = None  # handed out
-    else:
-        model = helper.make_model(low.graph, opset_imports=imports, producer_name="onnxtrain")
-    # The training model's IR version (the runtime caps it to what its
-    # onnxruntime loads: ``runtime.executor.MAX_IR_VERSION``).
-    model.ir_version = max(proto.ir_version, 4) if proto.ir_version else 8
-    model.functions.extend(proto.functions)
-    return model
+# ------------------------------------------------------- postconditions
+def _no_gradient_left(low: Lowering) -> str | None:
+    left = [n.name or n.output[0] for n in low.graph.node if is_gradient(n)]
+    return f"Gradient node {left[0]!r} is still there" if left else None
 
 
-def run_pipeline(tm: TrainingModel, label: str, graph: onnx.GraphProto,
-                 state_left_out: Iterable[str] = ()) -> tuple[onnx.GraphProto, onnx.ModelProto]:
-    """Apply ``PIPELINE`` to a copy of ``graph``; the lowered graph and its model.
-
-    ``state_left_out``: state variables whose initializers the caller already
-    left out of ``graph`` (they become inputs all the same)."""
-    return finish(lower_front(tm, label, graph, state_left_out))
+def _state_is_fed(low: Lowering) -> str | None:
+    inputs = {i.name for i in low.graph.input}
+    inits = {t.name for t in low.graph.initializer} | {t.values.name for t in low.graph.sparse_initializer}
+    wrong = sorted((low.state_here - inputs) | (low.state_here & inits))
+    return f"state variable {wrong[0]!r} is not a graph input alone" if wrong else None
 
 
-def lower_front(tm: TrainingModel, label: str, graph: onnx.GraphProto,
-                state_left_out: Iterable[str] = ()) -> Lowering:
-    """The FRONT passes on a copy of ``graph``: state as inputs, Gradient
-    expanded, optimizers lowered (standard ops from here on)."""
-    state_here = {
-        name
-        for name in [t.name for t in graph.initializer]
-        + [t.values.name for t in graph.sparse_initializer]
-        if name in tm.state
-    } | set(state_left_out)
-    # State variables become inputs fed from the session's buffers: copying
-    # their initializer data here would double the memory of a large model.
-    model = onnx.ModelProto()  # the program's model: its graph is built in place
-    g = copy_graph(graph, exclude_initializers=state_here, into=model.graph)
-    opset_imports = list(tm.proto.opset_import)
-    if not any(o.domain in ("", "ai.onnx") for o in opset_imports):
-        # Lowered Gradient/optimizer ops are default-domain ops; models that
-        # import only ai.onnx.preview.training (ONNX's own test cases) get one.
-        opset_imports.append(helper.make_opsetid("", DEFAULT_OPSET))
-    low = Lowering(tm, label, g, state_here, opset_imports, model=model)
-    _run(low, FRONT)
+def _no_dead_node(low: Lowering) -> str | None:
+    nodes = list(low.graph.node)
+    live = prune(nodes, [o.name for o in low.graph.output])
+    if len(live) == len(nodes):
+        return None
+    dead = next(n for n in nodes if all(n is not m for m in live))
+    return f"node {dead.name or dead.op_type!r} computes nothing an output needs"
+
+
+def _no_preview_op(low: Lowering) -> str | None:
+    return "an ai.onnx.preview.training op is left" if uses_preview_ops(low.graph) else None
+
+
+def _every_initializer_read(low: Lowering) -> str | None:
+    g = low.graph
+    used = {o.name for o in g.output} | {i.name for i in g.input}
+    for n in g.node:
+        used.update(node_inputs(n))
+    unread = [t.name for t in g.initializer if t.name not in used]
+    return f"initializer {unread[0]!r} is read by nothing" if unread else None
+
+
+#: What holds after each of these steps besides SSA and topological order:
+#: a problem found, or None.
+POSTCONDITIONS: dict[Step, Callable[[Lowering], str | None]] = {
+    state_to_inputs: _state_is_fed,
+    expand_gradient_nodes: _no_gradient_left,
+    sort_and_prune: _no_dead_node,
+    refuse_preview_ops: _no_preview_op,
+    prune_unused_initializers: _every_initializer_read,
+}
+
+
+# ------------------------------------------------------------- the engine
+def lower(tm: TrainingModel, label: str, kinds: Iterable[str], request: Request | None = None,
+          check: bool | None = None) -> dict[str, Lowering]:
+    """Run the pass lists of ``kinds`` (``PASS_LISTS``) for one program
+    source; the lowering each ends with, by kind (a kind whose half the
+    algorithm does not need is left out).  Steps the lists share at their
+    start run once.  Each result is SSA and sorted (``checks.check_sound``);
+    with ``check`` (``checks.checking``) every step's postconditions are
+    checked as well."""
+    done: dict[str, Lowering] = {}
+    lists = [(kind, PASS_LISTS[kind]) for kind in kinds]
+    _walk(Lowering(tm, label, request or Request()), lists, 0, done, checking(check))
+    for low in done.values():
+        check_sound(low.graph, f"{low.label}, after its pass list", low.state_here)
+    return done
+
+
+def _walk(low: Lowering, lists: list[tuple[str, tuple[Step, ...]]], at: int,
+          done: dict[str, Lowering], check: bool) -> None:
+    """Run ``lists`` from step ``at`` on ``low`` (a tree walk over their shared starts)."""
+    while True:
+        going = [(kind, steps) for kind, steps in lists if len(steps) > at]
+        for kind, steps in lists:
+            if len(steps) == at:
+                done[kind] = low.fork() if going else low
+        if not going:
+            return
+        branches: dict[Step, list[tuple[str, tuple[Step, ...]]]] = {}
+        for kind, steps in going:
+            branches.setdefault(steps[at], []).append((kind, steps))
+        if len(branches) > 1:
+            last = len(branches) - 1
+            for i, (step, group) in enumerate(branches.items()):
+                branch = low if i == last or step in READ_ONLY else low.fork()
+                _walk(branch, group, at, done, check)
+            return
+        (step,) = branches
+        low = _run_step(step, low, check)
+        if low is None:
+            return  # (a half the algorithm does not need)
+        lists = going
+        at += 1
+
+
+def _run_step(step: Step, low: Lowering, check: bool) -> Lowering | None:
+    """``step`` on ``low`` (with ``check``, its postconditions checked); the
+    lowering to go on with."""
+    try:
+        result = step(low)
+    except TrainingModelError as exc:
+        if step in SOURCES or step in READ_ONLY:
+            raise  # (their messages name the place themselves)
+        raise type(exc)(f"{low.label}: {exc}") from exc
+    if step in READ_ONLY:
+        if result is None:
+            return None
+        low = result
+    if check:
+        where = f"{low.label}, after {step_name(step)}"
+        check_sound(low.graph, where, low.state_here)
+        condition = POSTCONDITIONS.get(step)
+        if condition is not None:
+            check_condition(condition(low), where)
+        check_valid(as_model(low), where)
     return low
-
-
-def finish(low: Lowering) -> tuple[onnx.GraphProto, onnx.ModelProto]:
-    """The BACK passes (in place); the lowered graph and its model."""
-    _run(low, BACK)
-    return low.graph, to_model(low)
-
-
-def _run(low: Lowering, steps: Iterable[Callable[[Lowering], None]]) -> None:
-    for step in steps:
-        try:
-            step(low)
-        except TrainingModelError as exc:
-            raise type(exc)(f"{low.label}: {exc}") from exc
 
 
 # ------------------------------------------------------------------ export
@@ -513,50 +555,3 @@ def inference_export(model: onnx.ModelProto) -> onnx.ModelProto:
         model.opset_import.extend(imports)
     return model
 
-
-# ------------------------------------------------------------ kernels out
-@dataclass(frozen=True)
-class KernelChoice:
-    """The model to run for a program, the custom-op library it needs (None:
-    standard ops only), and why fused kernels are not used ("" if they are or
-    were not asked for)."""
-
-    model: onnx.ModelProto
-    library: str | None = None
-    note: str = ""
-
-
-def check_fused_kernels(fused_kernels: bool | None, device: str) -> None:
-    """Refuse ``fused_kernels=True`` where the fused kernels cannot run."""
-    if fused_kernels not in (None, True, False):
-        raise TypeError(f"fused_kernels must be None, True or False, not {fused_kernels!r}")
-    if fused_kernels:
-        if device != "cpu":
-            raise ValueError("fused_kernels=True: the fused kernels run on the CPU provider only")
-        if kernels.library() is None:
-            raise RuntimeError(f"fused_kernels=True, but the kernel library is {kernels.status()}")
-
-
-def kernel_choice(model: onnx.ModelProto, fused_kernels: bool | None, device: str,
-                  nchwc_block: int | Callable[[], int] = 0) -> KernelChoice:
-    """Decide how a training algorithm's program runs: with each optimizer
-    update (the builder's Adam/AdamW, the spec's Adam, Momentum and Adagrad)
-    fused into one kernel where allowed (``fused_kernels`` not False),
-    possible (CPU provider) and available (the library built), else as is.
-    With the library, convolutions also run as onnxruntime's NCHWc kernels
-    where ``nchwc_block`` (``executor.nchwc_block``, called only for a
-    program with convolutions) is one (``nchwc``)."""
-    if fused_kernels is False:
-        return KernelChoice(model)
-    if device != "cpu":
-        return KernelChoice(model, None, "fused kernels run on the CPU provider only")
-    block = nchwc_block
-    if callable(block):  # (a probe: asked only where it matters)
-        block = block() if nchwc.has_convolutions(model) else 0
-    fused, _ = with_fused_kernels(model, block)
-    if fused is model:
-        return KernelChoice(model)
-    library = kernels.library()
-    if library is None:
-        return KernelChoice(model, None, kernels.status())
-    return KernelChoice(fused, library)

@@ -1,7 +1,7 @@
 """The executable programs of a training model, and how their feeds are checked.
 
-One program per use, each a plain ONNX model of standard ops built by the
-pipeline of ``onnxtrain.passes``:
+One program per use, each a plain ONNX model of standard ops made by the
+pass list of its kind (``pipeline.PASS_LISTS``):
 
 - ``inference``: the main graph M (``run``, ``predict``);
 - ``training_info[i].algorithm``: M ⊕ A_i (``train_step``);
@@ -30,8 +30,9 @@ from onnx import helper
 from ..io.combine import uses_preview_ops
 from ..io.model import TrainingModel
 from . import program_cache
-from .pipeline import combine, finish, loss_graph, lower_front, run_pipeline
-from .split import Reduced, cut
+from .lowering import ALGORITHM, EVALUATE, FORWARD, INFERENCE, INITIALIZATION, UPDATE, Request, to_model
+from .pipeline import lower
+from .split import Reduced
 
 
 @dataclass(frozen=True)
@@ -190,19 +191,11 @@ def check_feed_names(feeds: Mapping[str, Any], known: frozenset[str], inputs: It
     )
 
 
-def build_program(
-    tm: TrainingModel,
-    label: str,
-    graph: onnx.GraphProto,
-    bindings: list[tuple[str, str]] | None = None,
-    state_left_out: Iterable[str] = (),
-) -> Program:
-    """Lower one graph (already combined where needed) into a Program.
-
-    ``state_left_out``: state variables whose initializers the caller already
-    left out of ``graph`` (they become inputs all the same)."""
-    g, model = run_pipeline(tm, label, graph, state_left_out)
-    return program_of(tm, label, g, model, bindings)
+def build_program(tm: TrainingModel, kind: str, label: str, request: Request | None = None,
+                  bindings: list[tuple[str, str]] | None = None, check: bool | None = None) -> Program:
+    """The program of ``kind`` (``pipeline.PASS_LISTS``), lowered now."""
+    model = to_model(lower(tm, label, [kind], request, check)[kind])
+    return program_of(tm, label, model.graph, model, bindings)
 
 
 def program_of(tm: TrainingModel, label: str, g: onnx.GraphProto, model: onnx.ModelProto,
@@ -257,8 +250,8 @@ def cached_program(tm: TrainingModel, label: str, lower: Any,
     return program_of(tm, label, model.graph, model, bindings)
 
 
-def inference_program(tm: TrainingModel) -> Program:
-    return cached_program(tm, "inference", lambda: run_pipeline(tm, "inference", tm.proto.graph)[1])
+def inference_program(tm: TrainingModel, check: bool | None = None) -> Program:
+    return cached_program(tm, "inference", lambda: to_model(lower(tm, "inference", [INFERENCE], None, check)[INFERENCE]))
 
 
 def algorithm_program(tm: TrainingModel, index: int) -> Program:
@@ -267,7 +260,7 @@ def algorithm_program(tm: TrainingModel, index: int) -> Program:
 
 @dataclass
 class SplitAlgorithm:
-    """A training algorithm cut for data-parallel training (``onnxtrain.split``).
+    """A training algorithm cut for data-parallel training (``lower.split``).
 
     ``a`` binds the rank-local state; its outputs also include ``reduced``
     (the values summed across ranks).  ``b`` (None when nothing needs it)
@@ -284,57 +277,66 @@ class SplitAlgorithm:
     sums: bool = False
 
 
-def algorithm_programs(tm: TrainingModel, index: int, data_parallel: dict | None = None
-                       ) -> tuple[Program, SplitAlgorithm | None]:
+def algorithm_programs(tm: TrainingModel, index: int, data_parallel: dict | None = None,
+                       check: bool | None = None) -> tuple[Program, SplitAlgorithm | None]:
     """The program of ``training_info[index]``, and with ``data_parallel``
-    (``{"local": [...], "reduce": [...] or None}``) its cut as well; the
-    FRONT passes (autodiff) run once for both."""
+    (``{"local": [...], "reduce": [...] or None}``) its cut as well: the
+    ``algorithm``, ``forward`` and ``update`` pass lists, whose common start
+    (combine and the FRONT passes: autodiff) runs once for the three."""
     ti = tm.proto.training_info[index]
     label = f"training_info[{index}].algorithm"
     bindings = [(e.key, e.value) for e in ti.update_binding]
     if data_parallel is None:
-        return cached_program(tm, label, lambda: finish(lower_front(tm, label, *combine(tm, index)))[1],
-                              bindings), None
-    combined, state = combine(tm, index)
-    low = lower_front(tm, label, combined, state)
-    whole = onnx.GraphProto()
-    whole.CopyFrom(low.graph)
-    program = program_of(tm, label, *finish(low.copy(whole)), bindings)
+        def build() -> onnx.ModelProto:
+            return to_model(lower(tm, label, [ALGORITHM], Request(index), check)[ALGORITHM])
+
+        return cached_program(tm, label, build, bindings), None
     reduce = data_parallel.get("reduce")
-    c = cut(low, index, bindings, program.returned, data_parallel.get("local", ()), reduce)
-    a = program_of(tm, c.a.label, *finish(c.a), c.local)
-    a.returned = list(c.returned_a)
+    request = Request(index, local=tuple(data_parallel.get("local", ())),
+                      reduce=None if reduce is None else tuple(reduce))
+    lows = lower(tm, label, [ALGORITHM, FORWARD, UPDATE], request, check)
+    whole = to_model(lows[ALGORITHM])
+    program = program_of(tm, label, whole.graph, whole, bindings)
+    between = lows[FORWARD].between
+    a_low = lows[FORWARD]
+    a_model = to_model(a_low)
+    a = program_of(tm, a_low.label, a_model.graph, a_model, between.local)
+    a.returned = list(between.returned_a)
     b = None
-    if c.b is not None:
-        b = program_of(tm, c.b.label, *finish(c.b), c.updates)
-        b.returned = list(c.returned_b)
-    bn = [(r.key, r.name) for r in c.reduced if r.key is not None]
-    return program, SplitAlgorithm(label, a, b, c.reduced, bn, sums=reduce is not None)
+    if UPDATE in lows:
+        b_low = lows[UPDATE]
+        b_model = to_model(b_low)
+        b = program_of(tm, b_low.label, b_model.graph, b_model, between.updates)
+        b.returned = list(between.returned_b)
+    bn = [(r.key, r.name) for r in between.reduced if r.key is not None]
+    return program, SplitAlgorithm(label, a, b, between.reduced, bn, sums=reduce is not None)
 
 
-def initialization_program(tm: TrainingModel, index: int) -> Program | None:
+def initialization_program(tm: TrainingModel, index: int, check: bool | None = None) -> Program | None:
     ti = tm.proto.training_info[index]
     if not ti.HasField("initialization"):
         return None
     bindings = [(e.key, e.value) for e in ti.initialization_binding]
     # Not cached: the cache key leaves initialization graphs out (a builder's
     # holds the initial weights), and they have no training ops to lower.
-    return build_program(tm, f"training_info[{index}].initialization", ti.initialization, bindings)
+    return build_program(tm, INITIALIZATION, f"training_info[{index}].initialization", Request(index),
+                         bindings, check)
 
 
 def loss_program(tm: TrainingModel, index: int, loss: str, prediction: str | None = None,
-                 train_prediction: str | None = None) -> Program:
+                 train_prediction: str | None = None, check: bool | None = None) -> Program:
     """The evaluation program of algorithm ``index``: its combined graph pruned
-    to ``loss`` and ``prediction`` (see ``passes.loss_graph``); binds nothing."""
-    outputs = [n for n in (loss, prediction) if n is not None]
-    graph = loss_graph(tm, index, outputs, train_prediction, prediction)
-    return build_program(tm, f"evaluate(training_info[{index}])", graph, [])
+    to ``loss`` and ``prediction`` (``pipeline.loss_graph``); binds nothing."""
+    outputs = tuple(n for n in (loss, prediction) if n is not None)
+    request = Request(index, outputs, prediction, train_prediction)
+    return build_program(tm, EVALUATE, f"evaluate(training_info[{index}])", request, [], check)
 
 
-#: What a program is for (``ProgramSet.role``): the runner compiles each kind
-#: its own way (fused kernels for the training kinds, no memory pattern, ...).
-INFERENCE, ALGORITHM, FORWARD, UPDATE, INITIALIZATION, EVALUATE = (
-    "inference", "algorithm", "forward", "update", "initialization", "evaluate")
+#: What a program is for (``ProgramSet.role``): its kind, ``INFERENCE``,
+#: ``ALGORITHM``, ``FORWARD``, ``UPDATE``, ``INITIALIZATION`` or ``EVALUATE``
+#: (``lowering``), whose pass lists made it and whose executed lists the
+#: runner runs (``executed.EXECUTED``).
+ROLES = (INFERENCE, ALGORITHM, FORWARD, UPDATE, INITIALIZATION, EVALUATE)
 
 
 class ProgramSet:
@@ -362,14 +364,17 @@ class ProgramSet:
     ('algorithm', ['T', 'X'])
     """
 
-    def __init__(self, tm: TrainingModel, metadata: Mapping[str, Any], data_parallel: bool = False) -> None:
+    def __init__(self, tm: TrainingModel, metadata: Mapping[str, Any], data_parallel: bool = False,
+                 check: bool | None = None) -> None:
         """``metadata``: the model's onnxtrain.* metadata (``io.metadata``): where
-        it records a data-parallel cut and a training-mode prediction."""
+        it records a data-parallel cut and a training-mode prediction.
+        ``check``: every step of every pass list checked (``lower.checks``; slow: tests)."""
         self.model = tm
+        self.check = check
         self._metadata = metadata
         self._roles: dict[int, str] = {}
-        self.inference = self._add(inference_program(tm), INFERENCE)
-        built = [algorithm_programs(tm, i, _cut_options(tm, metadata, i) if data_parallel else None)
+        self.inference = self._add(inference_program(tm, check), INFERENCE)
+        built = [algorithm_programs(tm, i, _cut_options(tm, metadata, i) if data_parallel else None, check)
                  for i in range(len(tm.training_info))]
         self.algorithms = [self._add(program, ALGORITHM) for program, _ in built]
         #: Data-parallel: each algorithm cut in two.
@@ -396,7 +401,7 @@ class ProgramSet:
 
     def _build_initializations(self) -> list[Program | None]:
         tm = self.model
-        built = [initialization_program(tm, i) for i in range(len(tm.training_info))]
+        built = [initialization_program(tm, i, self.check) for i in range(len(tm.training_info))]
         for program in built:
             if program is not None:
                 self._add(program, INITIALIZATION)
@@ -428,7 +433,8 @@ class ProgramSet:
             if loss not in returned:
                 raise ValueError(f"evaluate: {loss!r} is not an output of algorithm {index} {returned}")
             train_prediction = self._metadata.get("train_prediction", {})
-            program = loss_program(self.model, index, loss, prediction, train_prediction.get(str(index)))
+            program = loss_program(self.model, index, loss, prediction, train_prediction.get(str(index)),
+                                   self.check)
             self._losses[key] = self._add(program, EVALUATE)
         return program
 

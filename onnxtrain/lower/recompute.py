@@ -65,11 +65,8 @@ In the checkpoint modes the segment after the last checkpoint is not
 recomputed (its backward runs first, right after the forward), as in
 ``torch.utils.checkpoint.checkpoint_sequential``.
 
->>> normalize("blocks"), normalize(3), normalize(["h1", "h2"]), normalize(None)
-('blocks', {'segments': 3}, {'checkpoints': ['h1', 'h2']}, None)
->>> normalize("sometimes")
-Traceback (most recent call last):
-ValueError: recompute must be None, False, 'elementwise', 'blocks', a number of segments >= 1 or a list of checkpoint value names, not 'sometimes'
+The option is read and checked where it is recorded
+(``io.metadata.recompute_option``, ``recompute_spec``).
 """
 
 from __future__ import annotations
@@ -85,16 +82,11 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..core.emitter import Emitter
-from ..core.graph import infer_types, node_inputs, opset_version, subgraphs
+from ..core.graph import infer_types, node_inputs, opset_version, subgraphs, toposort, upstream_values
 from ..core.names import NameGen
 from ..errors import TrainingModelError
-from ..io.metadata import model_metadata
 
-__all__ = ["MODES", "Report", "apply", "normalize", "saved_activations", "spec_of"]
-
-#: The metadata key (``onnxtrain.recompute``) and the builder's argument name.
-KEY = "recompute"
-MODES = ("elementwise", "blocks")
+__all__ = ["Report", "apply", "saved_activations"]
 
 #: Ops whose values ``"elementwise"`` may recompute: cost linear in their
 #: input, no randomness.
@@ -137,79 +129,6 @@ _MAX_CANDIDATES = 128
 _SYMBOLIC_DIM = 64
 
 
-# ------------------------------------------------------------------ the option
-def _bad(value: Any) -> ValueError:
-    return ValueError(
-        "recompute must be None, False, 'elementwise', 'blocks', a number of segments >= 1 "
-        f"or a list of checkpoint value names, not {value!r}"
-    )
-
-
-def normalize(value: Any) -> Any:
-    """The option as recorded in metadata (JSON), or None when off; ValueError
-    naming ``recompute`` for anything else."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        return "blocks"
-    if isinstance(value, str):
-        if value in MODES:
-            return value
-        raise _bad(value)
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        if value < 1:
-            raise ValueError(f"recompute: a number of segments must be >= 1, got {value!r}")
-        return {"segments": int(value)}
-    if isinstance(value, (list, tuple)):
-        if not value or not all(isinstance(v, str) and v for v in value):
-            raise ValueError(
-                f"recompute: checkpoints must be a non-empty list of value names, got {value!r}")
-        if len(set(value)) != len(value):
-            raise ValueError(f"recompute: checkpoint names repeat in {list(value)!r}")
-        return {"checkpoints": list(value)}
-    raise _bad(value)
-
-
-def check_checkpoints(spec: Any, graph: onnx.GraphProto, prediction: str) -> None:
-    """Refuse checkpoint names that are not values on the path to ``prediction``."""
-    if not isinstance(spec, dict) or "checkpoints" not in spec:
-        return
-    producer = {o: n for n in graph.node for o in n.output if o}
-    upstream = _ancestor_values(producer, [prediction])
-    for name in spec["checkpoints"]:
-        if name not in producer:
-            raise ValueError(
-                f"recompute: checkpoint {name!r} is not a value computed by the main graph")
-        if name not in upstream:
-            raise ValueError(
-                f"recompute: checkpoint {name!r} is not on the path to the output {prediction!r}")
-
-
-def spec_of(model: onnx.ModelProto) -> Any:
-    """The recompute option a model's metadata records (None: off)."""
-    value = model_metadata(model).get(KEY)
-    if isinstance(value, dict) and len(value) == 1:
-        value = value.get("segments", value.get("checkpoints", value))
-    try:
-        return normalize(value)
-    except ValueError as exc:
-        raise TrainingModelError(f"metadata onnxtrain.{KEY}: {exc}") from None
-
-
-def _ancestor_values(producer: dict[str, onnx.NodeProto], outputs: Iterable[str]) -> set[str]:
-    seen: set[str] = set()
-    stack = list(outputs)
-    while stack:
-        v = stack.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        n = producer.get(v)
-        if n is not None:
-            stack.extend(node_inputs(n))
-    return seen
-
-
 # ------------------------------------------------------------------ analysis
 @dataclass
 class Report:
@@ -241,7 +160,7 @@ class _Forward:
         self.producer = {o: n for n in self.nodes for o in n.output if o}
         self.pos = {id(n): i for i, n in enumerate(self.nodes)}
         self.graph_outputs = {o.name for o in graph.output}
-        anc = _ancestor_values(self.producer, ys)
+        anc = upstream_values(self.producer, ys)
         self.is_forward = {id(n): any(o in anc for o in n.output if o) for n in self.nodes}
         self.order = [n for n in self.nodes if self.is_forward[id(n)]]
         self.fpos = {id(n): i for i, n in enumerate(self.order)}
@@ -516,9 +435,10 @@ def apply(graph: onnx.GraphProto, spec: Any, ys: Sequence[str], names: NameGen,
           functions: Sequence[onnx.FunctionProto] = ()) -> Report:
     """Rewrite an expanded training program (in place) so that the saved
     activations outside the kept set are recomputed by gated copies of their
-    forward nodes, placed just before their first backward reader.
+    forward nodes, placed just before their first backward reader (later
+    where one reads a value made after that: the graph stays sorted).
 
-    ``spec``: the option as ``normalize`` returns it (None: nothing to do)."""
+    ``spec``: the option as ``io.metadata.recompute_option`` returns it (None: nothing to do)."""
     if spec is None:
         return Report("off")
     mode = spec if isinstance(spec, str) else next(iter(spec))
@@ -529,24 +449,42 @@ def apply(graph: onnx.GraphProto, spec: Any, ys: Sequence[str], names: NameGen,
     dtypes, shapes = infer_types(graph, opset_imports, functions=functions)
     fw = _Forward(graph, ys, dtypes, shapes, data_inputs)
     report.saved_before = sum(fw.nbytes(v) for v in fw.saved)
-    if mode == "elementwise":
-        kept = _kept_elementwise(fw)
-    elif mode == "checkpoints":
-        points = [_resolve(fw, n) for n in spec["checkpoints"]]
-        tail = max(fw.fpos[id(fw.producer[p])] for p in points)
-        kept = set(points) | {v for v in fw.saved if fw.fpos[id(fw.producer[v])] > tail}
-        report.checkpoints = points
-    else:
-        kept, report.checkpoints = _segment_plan(fw, spec.get("segments") if isinstance(spec, dict) else None)
+    kept = _kept(fw, mode, spec, report)
     targets = [v for v in fw.saved if v not in kept]
     if not targets:
         report.saved_after = report.saved_before
         return report
+    copies = _copied_nodes(fw, targets, kept)
+    deadline = _deadlines(fw, targets, copies)
+    placed: dict[int, list[onnx.NodeProto]] = {}
+    zero_at = _gates(fw, copies, deadline, opset, names, dtypes, placed)
+    renamed = _emit_copies(fw, copies, deadline, zero_at, opset, names, dtypes, placed)
+    _place(graph, fw, targets, renamed, placed)
 
-    def stops(u: str) -> bool:
-        return u in kept or fw.fixed(u)
+    report.recomputed = targets
+    report.copied_nodes = len(copies)
+    copied = {o for n in copies for o in n.output if o}
+    roots = {u for n in copies for u in node_inputs(n) if u not in copied and not fw.fixed(u)}
+    report.saved_after = sum(fw.nbytes(v) for v in ({v for v in fw.saved if v in kept} | roots))
+    return report
 
-    # The forward nodes to copy: from each target back to kept or fixed values.
+
+def _kept(fw: _Forward, mode: str, spec: Any, report: Report) -> set[str]:
+    """The saved activations kept as they are (the others are recomputed)."""
+    if mode == "elementwise":
+        return _kept_elementwise(fw)
+    if mode == "checkpoints":
+        points = [_resolve(fw, n) for n in spec["checkpoints"]]
+        tail = max(fw.fpos[id(fw.producer[p])] for p in points)
+        report.checkpoints = points
+        return set(points) | {v for v in fw.saved if fw.fpos[id(fw.producer[v])] > tail}
+    kept, report.checkpoints = _segment_plan(fw, spec.get("segments") if isinstance(spec, dict) else None)
+    return kept
+
+
+def _copied_nodes(fw: _Forward, targets: list[str], kept: set[str]) -> list[onnx.NodeProto]:
+    """The forward nodes to copy, in forward order: from each target back to
+    kept or fixed values."""
     copy_ids: set[int] = set()
     stack = list(targets)
     while stack:
@@ -554,11 +492,13 @@ def apply(graph: onnx.GraphProto, spec: Any, ys: Sequence[str], names: NameGen,
         if id(n) in copy_ids:
             continue
         copy_ids.add(id(n))
-        stack.extend(u for u in node_inputs(n) if not stops(u))
-    copies = [n for n in fw.order if id(n) in copy_ids]
+        stack.extend(u for u in node_inputs(n) if u not in kept and not fw.fixed(u))
+    return [n for n in fw.order if id(n) in copy_ids]
 
-    # Deadline of each copy: the position of the first backward node that
-    # needs it, directly or through other copies.
+
+def _deadlines(fw: _Forward, targets: list[str], copies: list[onnx.NodeProto]) -> dict[int, int]:
+    """The deadline of each copy (by id): the position of the first backward
+    node that needs it, directly or through other copies."""
     first_read = {v: min(fw.pos[id(r)] for r in fw.readers[v]) for v in targets}
     deadline: dict[int, int] = {}
     consumers: dict[str, list[onnx.NodeProto]] = {}
@@ -571,16 +511,20 @@ def apply(graph: onnx.GraphProto, spec: Any, ys: Sequence[str], names: NameGen,
             for m in consumers.get(o, ()):
                 d = min(d, deadline[id(m)])
         deadline[id(n)] = d
+    return deadline
 
-    # Emit the copies.  Chain roots are gated by a barrier per deadline d:
-    # the late nodes between the previous deadline and d that no late node
-    # before d reads (the sinks of that stretch of the backward; all others
-    # are their ancestors).  So the copies for d run after everything the
-    # backward order puts before them, weight gradients included, whatever
-    # order onnxruntime prefers otherwise (it may defer nodes it fused).
-    emit = Emitter(opset, names, dict(dtypes), hint="recompute")
-    renamed: dict[str, str] = {}
-    placed: dict[int, list[onnx.NodeProto]] = {}
+
+def _gates(fw: _Forward, copies: list[onnx.NodeProto], deadline: dict[int, int], opset: int,
+           names: NameGen, dtypes: dict[str, int], placed: dict[int, list[onnx.NodeProto]]) -> dict[int, str]:
+    """The int64 zero that gates the chain roots of each deadline d (its
+    nodes go to ``placed[d]``), by d.
+
+    The barrier of d: the late nodes between the previous deadline and d
+    that no late node before d reads (the sinks of that stretch of the
+    backward; all others are their ancestors).  So the copies for d run
+    after everything the backward order puts before them, weight gradients
+    included, whatever order onnxruntime prefers otherwise (it may defer
+    nodes it fused)."""
     produced_by_copy = {o for n in copies for o in n.output if o}
     root_deadlines = sorted({deadline[id(n)] for n in copies
                              if not any(i in produced_by_copy for i in node_inputs(n))})
@@ -607,12 +551,21 @@ def apply(graph: onnx.GraphProto, spec: Any, ys: Sequence[str], names: NameGen,
         zero_at[d] = z.reduce_sum(total, None, keepdims=False)
         placed.setdefault(d, []).extend(z.nodes)
         previous = d
+    return zero_at
 
+
+def _emit_copies(fw: _Forward, copies: list[onnx.NodeProto], deadline: dict[int, int], zero_at: dict[int, str],
+                 opset: int, names: NameGen, dtypes: dict[str, int],
+                 placed: dict[int, list[onnx.NodeProto]]) -> dict[str, str]:
+    """The copies (into ``placed`` at their deadlines), a chain root reading
+    its first data input through the gate ``c' = Reshape(c, Shape(c) + z)``
+    (Reshape aliases it: no copy); {forward value: its recomputed copy}."""
+    emit = Emitter(opset, names, dict(dtypes), hint="recompute")
+    renamed: dict[str, str] = {}
     for n in copies:
         start = len(emit.nodes)
         inputs = [renamed.get(i, i) if i else i for i in n.input]
         if not any(i in renamed for i in n.input if i):
-            # A chain root: gate its first data input (Reshape aliases it: no copy).
             k = next(k for k, i in enumerate(n.input) if i and i in fw.data)
             c = n.input[k]
             inputs[k] = emit.Reshape(c, emit.Add(emit.Shape(c), zero_at[deadline[id(n)]]))
@@ -628,8 +581,14 @@ def apply(graph: onnx.GraphProto, spec: Any, ys: Sequence[str], names: NameGen,
             c.output.append(renamed[o] if o else "")
         emit.nodes.append(c)
         placed.setdefault(deadline[id(n)], []).extend(emit.nodes[start:])
+    return renamed
 
-    # Backward readers read the copies; the new nodes go just before their deadline.
+
+def _place(graph: onnx.GraphProto, fw: _Forward, targets: list[str], renamed: dict[str, str],
+           placed: dict[int, list[onnx.NodeProto]]) -> None:
+    """Backward readers read the copies; the new nodes go just before their
+    deadline, or (a reader before the loss, whose gate waits for it) where
+    a stable topological sort puts them."""
     target_set = set(targets)
     out: list[onnx.NodeProto] = []
     for i, n in enumerate(fw.nodes):
@@ -640,12 +599,25 @@ def apply(graph: onnx.GraphProto, spec: Any, ys: Sequence[str], names: NameGen,
                     n.input[k] = renamed[v]
         out.append(n)
     out.extend(placed.get(len(fw.nodes), ()))
+    if not _sorted(out, graph):
+        out = toposort(out, _defined_before(graph))
     del graph.node[:]
     graph.node.extend(out)
 
-    report.recomputed = targets
-    report.copied_nodes = len(copies)
-    copied = {o for n in copies for o in n.output if o}
-    roots = {u for n in copies for u in node_inputs(n) if u not in copied and not fw.fixed(u)}
-    report.saved_after = sum(fw.nbytes(v) for v in ({v for v in fw.saved if v in kept} | roots))
-    return report
+
+def _defined_before(graph: onnx.GraphProto) -> set[str]:
+    """What a graph defines before its first node: inputs and initializers."""
+    names = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    return names | {t.values.name for t in graph.sparse_initializer}
+
+
+def _sorted(nodes: list[onnx.NodeProto], graph: onnx.GraphProto) -> bool:
+    """Whether every node reads only values defined before it (outer-scope
+    names of subgraphs aside: the placement moves only top-level nodes)."""
+    made = {o for n in nodes for o in n.output if o}
+    defined: set[str] = set()
+    for n in nodes:
+        if any(i in made and i not in defined for i in node_inputs(n)):
+            return False
+        defined.update(o for o in n.output if o)
+    return True

@@ -38,7 +38,7 @@ from onnx import helper
 
 from ..core.graph import infer_types, node_inputs
 from ..errors import TrainingModelError
-from .pipeline import Lowering
+from .lowering import Lowering
 
 
 @dataclass(frozen=True)
@@ -58,12 +58,10 @@ class Reduced:
 
 
 @dataclass
-class Cut:
-    """Program A, program B (None when nothing needs it) and what runs between them."""
+class Between:
+    """What runs between the halves of a cut, and what each half binds and returns."""
 
-    a: Lowering
-    b: Lowering | None
-    reduced: list[Reduced]
+    reduced: list[Reduced] = field(default_factory=list)
     #: Bindings computed by A and committed as they are (rank-local state).
     local: list[tuple[str, str]] = field(default_factory=list)
     #: Bindings computed by B.
@@ -71,6 +69,15 @@ class Cut:
     #: Returned outputs: computed by A (this rank's) or by B (global).
     returned_a: list[str] = field(default_factory=list)
     returned_b: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Cut:
+    """Program A, program B (None when nothing needs it) and what runs between them."""
+
+    a: Lowering
+    b: Lowering | None
+    between: Between
 
 
 def _closure(producer: dict[str, onnx.NodeProto], targets: Iterable[str],
@@ -114,7 +121,7 @@ def cut(low: Lowering, index: int, bindings: Sequence[tuple[str, str]], returned
         if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")
         for k in (3, 4) if len(n.input) > k and n.input[k] in tm.state
     }
-    result = Cut(a=low, b=None, reduced=[])
+    result = Between()
     bn: list[tuple[str, str]] = []
     for key, value in bindings:
         if key in bn_keys and value in batch:
@@ -174,16 +181,41 @@ def cut(low: Lowering, index: int, bindings: Sequence[tuple[str, str]], returned
     # Program A: everything its outputs need.
     a_out = needed + [v for _, v in bn] + [v for _, v in result.local] + result.returned_a
     a_nodes = sorted(_closure(producer, a_out, set()), key=lambda n: order[id(n)])
-    result.a = low.copy(_part(g, a_nodes, [], _unique(a_out), dtypes, shapes),
-                        f"{low.label}[forward+backward]")
+    a = low.copy(_part(g, a_nodes, [], _unique(a_out), dtypes, shapes), f"{low.label}[forward+backward]")
+    b = None
     if b_targets or result.returned_b:
         b_nodes.sort(key=lambda n: order[id(n)])
         b_out = _unique(b_targets + result.returned_b)
         new_inputs = [helper.make_tensor_value_info(r.name, _elem(r.dtype), list(r.shape))
                       for r in result.reduced if r.key is None]
-        result.b = low.copy(_part(g, b_nodes, new_inputs, b_out, dtypes, shapes),
-                            f"{low.label}[update]")
-    return result
+        b = low.copy(_part(g, b_nodes, new_inputs, b_out, dtypes, shapes), f"{low.label}[update]")
+    return Cut(a, b, result)
+
+
+def cut_of(low: Lowering) -> Cut:
+    """The cut of the lowered algorithm ``low`` (of ``training_info[request.index]``),
+    made once and kept on it: its bindings and returned outputs from the
+    model, the rank-local state and the values to reduce from the request."""
+    if low.cut is None:
+        index, request = low.request.index, low.request
+        bindings = [(e.key, e.value) for e in low.tm.proto.training_info[index].update_binding]
+        bound = {v for _, v in bindings}
+        returned = [o.name for o in low.graph.output if o.name not in bound]
+        low.cut = cut(low, index, bindings, returned, request.local, request.reduce)
+        for half in (low.cut.a, low.cut.b):
+            if half is not None:
+                half.between = low.cut.between
+    return low.cut
+
+
+def cut_forward(low: Lowering) -> Lowering:
+    """Program A of the cut (forward + backward), to lower on its own."""
+    return cut_of(low).a
+
+
+def cut_update(low: Lowering) -> Lowering | None:
+    """Program B of the cut (the update), or None where nothing needs it."""
+    return cut_of(low).b
 
 
 def _unique(names: Iterable[str]) -> list[str]:

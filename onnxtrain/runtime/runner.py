@@ -1,10 +1,10 @@
 """How a session runs its programs: one compiled executor per program, run
 against the state store.
 
-``ProgramRunner`` decides, once per program, the model onnxruntime runs
-(fused kernels or standard ops: ``lower.pipeline.kernel_choice``; under
+``ProgramRunner`` runs, once per program, the executed list of its role
+(``lower.executed.EXECUTED``: fused kernels or standard ops; under
 ``memory="lean"`` an update's temporaries written over its gradient
-buffers: ``lower.inplace.with_scratch_outputs``) and compiles it.  It runs a
+buffers and its in-place plan), and compiles what it makes.  It runs a
 program with its state read from the store and its bound values written
 into spare buffers (``run_and_stage``), which the caller's transaction then
 commits, and names the culprit when such a run fails on a bound value of
@@ -27,8 +27,7 @@ import numpy as np
 import onnx
 
 from ..errors import TrainingModelError
-from ..lower.inplace import inplace_keys, with_scratch_outputs
-from ..lower.pipeline import KernelChoice, kernel_choice
+from ..lower.executed import ExecOptions, Execution, execute
 from ..lower.programs import ALGORITHM, FORWARD, INITIALIZATION, UPDATE, Program, ProgramSet
 from .executor import Executor, as_numpy, copy_into, device_of, nchwc_block
 from .state import StateStore
@@ -62,14 +61,10 @@ class ProgramRunner:
         self.options = options
         #: Why fused kernels are not in use (empty while they are, or not yet asked).
         self.fused_kernels_note = ""
-        self._device = device_of(options.providers)[0]
+        self._how = ExecOptions(options.fused_kernels, device_of(options.providers)[0], nchwc_block, options.lean)
         self._executors: dict[int, Executor] = {}
-        #: The model each training program runs (kernel choice), by id.
-        self._executed: dict[int, KernelChoice] = {}
-        #: memory="lean": the in-place variables of each update program, and its
-        #: temporaries written over gradient buffers ({value: input}), by id.
-        self._inplace: dict[int, set[str]] = {}
-        self._scratch: dict[int, dict[str, str]] = {}
+        #: What onnxruntime runs of each program (its executed list's result), by id.
+        self._executed: dict[int, Execution] = {}
         #: The prepared steps of the last committed program: (program, cycle, executor).
         self._plans: tuple[Program, tuple, Executor] | None = None
 
@@ -77,29 +72,17 @@ class ProgramRunner:
     def executed_model(self, program: Program) -> onnx.ModelProto:
         """The model onnxruntime runs for ``program`` (it differs from
         ``program.model`` where fused kernels replace standard ones)."""
-        return self._choice(program).model
+        return self._execution(program).model
 
-    def _choice(self, program: Program) -> KernelChoice:
-        """The model to run for ``program`` and the custom-op library it needs
-        (``kernel_choice`` decides, once per training algorithm)."""
-        if self.programs.role(program) not in (ALGORITHM, UPDATE):
-            return KernelChoice(program.model)
-        choice = self._executed.get(id(program))
-        if choice is None:
-            choice = kernel_choice(program.model, self.options.fused_kernels, self._device, nchwc_block)
-            choice = self._executed[id(program)] = self._lean_rewrite(program, choice)
-        if choice.note:
-            self.fused_kernels_note = choice.note
-        return choice
-
-    def _lean_rewrite(self, program: Program, choice: KernelChoice) -> KernelChoice:
-        """memory="lean": an update program's temporaries over its gradient
-        buffers (``inplace.with_scratch_outputs``); other programs as they are."""
-        if not self.options.lean or self.programs.role(program) != UPDATE:
-            return choice
-        model, scratch = with_scratch_outputs(choice.model, set(program.feeds))
-        self._scratch[id(program)] = scratch
-        return KernelChoice(model, choice.library, choice.note)
+    def _execution(self, program: Program, how: ExecOptions | None = None) -> Execution:
+        """What onnxruntime runs of ``program``: its role's executed list,
+        run once (again with ``how``, where the first result cannot load)."""
+        ex = self._executed.get(id(program))
+        if ex is None or how is not None:
+            ex = self._executed[id(program)] = execute(program, self.programs.role(program), how or self._how)
+        if ex.note:
+            self.fused_kernels_note = ex.note
+        return ex
 
     def executor(self, program: Program) -> Executor:
         """``program``'s executor, compiled on first use."""
@@ -111,11 +94,11 @@ class ProgramRunner:
     def _compile(self, program: Program) -> Executor:
         opts = self.options
         role = self.programs.role(program)
-        choice = self._choice(program)
+        run = self._execution(program)
         # A large model's initialization folded would hold a copy of what it fills.
         # MatMulNBits' backward unpacks frozen codes (initializers only): folded,
         # every quantized weight would be held dequantized, in float (QLoRA).
-        fold = not (opts.large and role == INITIALIZATION) and not _unpacks_codes(choice.model)
+        fold = not (opts.large and role == INITIALIZATION) and not _unpacks_codes(run.model)
         # A step that fetches nothing may skip the outputs only fetching reads
         # (not where lean memory's in-place writes follow the full program's order).
         prune_unfetched = role == ALGORITHM and not (opts.lean or opts.large)
@@ -124,16 +107,16 @@ class ProgramRunner:
         # 0.47 GiB of peak for no measurable speed.
         mem_pattern = not (opts.recompute or role in (ALGORITHM, FORWARD, UPDATE))
         try:
-            return Executor(choice.model, opts.providers, opts.session_options, program.label, choice.library,
+            return Executor(run.model, opts.providers, opts.session_options, program.label, run.library,
                             large=opts.large, fold_constants=fold,
                             mem_pattern=mem_pattern, prune_unfetched=prune_unfetched)
         except TrainingModelError as exc:
-            if choice.library is None or opts.fused_kernels:
+            if run.library is None or opts.fused_kernels:
                 raise
             # The standard program always works where the fused one cannot load.
             self.fused_kernels_note = f"onnxruntime did not load the fused kernels: {exc}"
-            choice = self._executed[id(program)] = self._lean_rewrite(program, KernelChoice(program.model))
-            return Executor(choice.model, opts.providers, opts.session_options, program.label,
+            run = self._execution(program, self._how.standard())
+            return Executor(run.model, opts.providers, opts.session_options, program.label,
                             large=opts.large, fold_constants=fold, mem_pattern=mem_pattern)
 
     @property
@@ -146,20 +129,16 @@ class ProgramRunner:
         for program in programs:
             self._executors.pop(id(program), None)
 
-    def inplace_keys(self, program: Program) -> set[str]:
-        """The variables ``program`` (an update program) may write in place,
-        judged on the model onnxruntime actually runs (``lower.inplace``)."""
-        keys = self._inplace.get(id(program))
-        if keys is None:
-            self.executor(program)  # settles fused or standard kernels
-            keys = self._inplace[id(program)] = inplace_keys(
-                self.executed_model(program).graph, list(zip(program.bound_keys, program.bound_values)))
-        return keys
+    def inplace_keys(self, program: Program) -> frozenset[str]:
+        """The variables ``program`` (an update program) may write in place
+        (its executed list's in-place plan, on the model onnxruntime runs)."""
+        self.executor(program)  # settles fused or standard kernels
+        return self._execution(program).inplace
 
     def scratch(self, program: Program) -> dict[str, str]:
         """memory="lean": ``program``'s temporaries written over its gradient
         buffers ({output: input}; empty unless it was rewritten so)."""
-        return self._scratch.get(id(program), {})
+        return self._execution(program).scratch
 
     # -------------------------------------------------------------- running
     def run_and_stage(

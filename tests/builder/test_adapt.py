@@ -45,6 +45,43 @@ def run(model: onnx.ModelProto, x: np.ndarray) -> dict:
     return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {"X": x})))
 
 
+def random_feeds(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
+    """A random value of every data input (symbolic dimensions set to 2)."""
+    rng = np.random.default_rng(seed)
+    inits = {t.name for t in model.graph.initializer}
+    feeds = {}
+    for i in model.graph.input:
+        if i.name in inits:
+            continue
+        tt = i.type.tensor_type
+        shape = [d.dim_value if d.HasField("dim_value") else 2 for d in tt.shape.dim]
+        dtype = helper.tensor_dtype_to_np_dtype(tt.elem_type)
+        if np.issubdtype(dtype, np.floating):
+            feeds[i.name] = rng.standard_normal(shape).astype(dtype)
+        else:
+            feeds[i.name] = rng.integers(0, 3, shape).astype(dtype)
+    return feeds
+
+
+def same_outputs(original: onnx.ModelProto, adapted: onnx.ModelProto) -> None:
+    """``adapt``'s checker: the adapted model gives the original's outputs on a
+    random input in onnxruntime (ValueError naming the first that differs)."""
+    feeds = random_feeds(original)
+
+    def outputs(model: onnx.ModelProto) -> list:
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return sess.run([o.name for o in original.graph.output], feeds)
+
+    for out, want, got in zip(original.graph.output, outputs(original), outputs(adapted)):
+        want, got = as_array(want), as_array(got)
+        same = want.shape == got.shape and (
+            np.array_equal(want, got) if want.dtype.kind in "iuOSUb"
+            else np.allclose(want, got, rtol=1e-4, atol=1e-5))
+        if not same:
+            raise ValueError(f"the adapted model differs from the original on output {out.name!r} "
+                             f"(random input check): expected {want.ravel()[:6]}, got {got.ravel()[:6]}")
+
+
 def as_array(value) -> np.ndarray:
     """A ZipMap output (list of {class: probability}) as [N, C]."""
     if isinstance(value, list):
@@ -57,7 +94,7 @@ def test_adapted_model_computes_the_original(stem):
     """Same labels and probabilities (or predictions) as the original in onnxruntime,
     standard ops only for the linear models, opset >= 13, valid ONNX."""
     original = load(stem)
-    adapted = adapt.adapt(original)
+    adapted = adapt.adapt(original, check=same_outputs)
     onnx.checker.check_model(adapted, full_check=True)
     assert not [n.op_type for n in adapted.graph.node
                 if n.domain == "ai.onnx.ml" and n.op_type in ("LinearClassifier", "LinearRegressor", "ZipMap")]
@@ -192,8 +229,35 @@ def test_old_opset_standard_model_is_upgraded_and_checked():
     assert tm.training_info
 
 
+CORPUS = sorted(p.stem for p in DATA.glob("*.onnx"))
+
+
+@pytest.mark.parametrize("stem", CORPUS)
+def test_every_rewrite_of_the_corpus_computes_the_original(stem):
+    """The check the builder no longer runs: over the exporter corpus, every
+    model ``adapt`` rewrites gives the original's outputs in onnxruntime."""
+    original = load(stem)
+    adapted = adapt.adapt(original, check=same_outputs)
+    if adapted is original:
+        pytest.skip("nothing to rewrite")
+
+
+def test_the_builder_runs_no_model(monkeypatch):
+    """``adapt`` (and so ``build.training_model``) compiles nothing: with every
+    onnxruntime session refused, a rewritten model still comes back."""
+    def refused(*args, **kwargs):
+        raise AssertionError("the builder started an onnxruntime session")
+
+    monkeypatch.setattr(ort, "InferenceSession", refused)
+    original = load("logreg_digits__skl2onnx")
+    adapted = adapt.adapt(original)
+    assert adapted is not original
+    assert build.training_model(original).training_info
+
+
 def test_failed_check_is_a_value_error(monkeypatch):
-    """A rewrite that changed the outputs is refused with a ValueError naming the output."""
+    """A rewrite that changed the outputs is refused by the caller's check
+    (``adapt(check=...)``) with a ValueError naming the output."""
     original = load("linreg__skl2onnx")
     real = adapt._Rewriter.linear_regressor
 
@@ -204,7 +268,7 @@ def test_failed_check_is_a_value_error(monkeypatch):
 
     monkeypatch.setattr(adapt._Rewriter, "linear_regressor", wrong)
     with pytest.raises(ValueError, match="differs from the original on output 'variable'"):
-        adapt.adapt(original)
+        adapt.adapt(original, check=same_outputs)
 
 
 @pytest.mark.parametrize("opset", [9, 17])

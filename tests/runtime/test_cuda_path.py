@@ -11,7 +11,7 @@ What this checks:
 - ``device_of`` / ``state_device`` read them;
 - with CUDA, every state buffer is asked of onnxruntime on ('cuda', id), and
   the IOBinding binds the state outputs to those buffers;
-- fused kernels stay off (``kernel_choice``; ``fused_kernels=True`` is
+- fused kernels stay off (the kernel choice, ``executed.KERNELS``; ``fused_kernels=True`` is
   refused: tests/runtime/test_fused_kernels.py::test_fused_kernels_true_is_refused_off_cpu);
 - CUDA asked of an onnxruntime without it: onnxruntime warns and runs on CPU,
   the state lives on CPU, and training equals a CPU session bit for bit.
@@ -33,7 +33,8 @@ import onnxruntime as ort
 import pytest
 
 from onnxtrain import TrainingSession
-from onnxtrain.lower.pipeline import kernel_choice
+from onnxtrain.lower.executed import ExecOptions, execute
+from onnxtrain.lower.lowering import ALGORITHM
 from onnxtrain.runtime.executor import device_of, state_device
 
 CUDA1 = [("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"]
@@ -236,11 +237,11 @@ def test_kernel_choice_keeps_the_standard_program_off_cpu():
     # fused_kernels=True off CPU is refused at construction:
     # tests/runtime/test_fused_kernels.py::test_fused_kernels_true_is_refused_off_cpu
     sess = TrainingSession(models.mlp_classifier("adam"), fused_kernels=False)
-    model = sess._programs.algorithms[0].model
+    program = sess._programs.algorithms[0]
     for fused in (None, True):
-        choice = kernel_choice(model, fused, device_of(CUDA1)[0])
-        assert choice.model is model and choice.library is None
-        assert "CPU" in choice.note
+        run = execute(program, ALGORITHM, ExecOptions(fused, device_of(CUDA1)[0]))
+        assert run.model is program.model and run.library is None
+        assert "CPU" in run.note
 
 
 def test_cuda_session_runs_the_standard_program(monkeypatch):

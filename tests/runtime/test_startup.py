@@ -235,16 +235,21 @@ def test_a_failed_lowering_is_rebuilt_every_time(private_cache, monkeypatch):
             raise TrainingModelError("refused for the test")
         original(low)
 
-    monkeypatch.setattr(passes, "FRONT", (passes.state_to_inputs, failing, passes.lower_optimizer_nodes))
+    def lists(step):
+        return {kind: tuple(step if s is original else s for s in steps)
+                for kind, steps in passes.PASS_LISTS.items()}
+
+    unpatched = lists(original)
+    monkeypatch.setattr(passes, "PASS_LISTS", lists(failing))
     for _ in range(2):
         with pytest.raises(TrainingModelError, match="refused for the test"):
             TrainingSession(model)
         cache.flush()
     assert len([c for c in calls if "algorithm" in c]) == 2
     assert cache.stats.get("program.hit") == 1  # the inference program, the second time
-    monkeypatch.setattr(passes, "FRONT", (passes.state_to_inputs, original, passes.lower_optimizer_nodes))
+    monkeypatch.setattr(passes, "PASS_LISTS", unpatched)
     cache.stats.clear()
-    TrainingSession(model)  # the patched FRONT was part of the key: nothing stale
+    TrainingSession(model)  # the patched pass lists were part of the key: nothing stale
     assert cache.stats.get("program.miss") == 2
 
 

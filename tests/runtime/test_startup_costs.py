@@ -253,9 +253,9 @@ def _counting_initialization_programs(monkeypatch) -> list:
     made = []
     real = onnxtrain.lower.programs.initialization_program
 
-    def counted(tm, index):
+    def counted(tm, index, *rest):
         made.append(index)
-        return real(tm, index)
+        return real(tm, index, *rest)
 
     monkeypatch.setattr(onnxtrain.lower.programs, "initialization_program", counted)
     return made
