@@ -88,11 +88,11 @@ class TrainingSession:
         of the global batch: local gradients combined by ``reduction``
         (``"weighted"`` by each rank's rows, exact for mean-reduced losses;
         ``"mean"``; ``"sum"``) and summed in place in buckets of
-        ``bucket_bytes``.  See ``onnxtrain.distributed`` and docs/distributed.md.
+        ``bucket_bytes``.  See ``onnxtrain.parallel`` and docs/distributed.md.
 
         ``memory``: ``"safe"`` (default) double-buffers every state variable a
         step writes, so a failed step changes nothing.  ``"lean"`` keeps one
-        buffer where it can (``onnxtrain.inplace``): each algorithm runs as
+        buffer where it can (``onnxtrain.lower.inplace``): each algorithm runs as
         forward + backward (into gradient buffers), then the optimizer, which
         writes the new values over the old ones.  A step that fails in the
         forward or backward pass (bad feeds, an onnxruntime error there,

@@ -463,7 +463,7 @@ def _as_array(value: Any) -> np.ndarray:
 
 
 def _checkable(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` for onnx's checker: mapped weights (``onnxtrain.mapped``, whose
+    """``model`` for onnx's checker: mapped weights (``onnxtrain.io.mapped``, whose
     absolute locations the checker refuses) become typed graph inputs, as
     their data does not matter to the graph's validity."""
     weights = [t for t in model.graph.initializer if mapped.is_mapped(t)]

@@ -1,7 +1,7 @@
 """The executable programs of a training model, and how their feeds are checked.
 
 One program per use, each a plain ONNX model of standard ops built by the
-pipeline of ``onnxtrain.passes``:
+pipeline of ``onnxtrain.lower.pipeline``:
 
 - ``inference``: the main graph M (``run``, ``predict``);
 - ``training_info[i].algorithm``: M ⊕ A_i (``train_step``);
@@ -250,7 +250,7 @@ def program_of(tm: TrainingModel, label: str, g: onnx.GraphProto, model: onnx.Mo
 def cached_program(tm: TrainingModel, label: str, lower: Any,
                    bindings: list[tuple[str, str]] | None = None) -> Program:
     """The Program of ``label``, its lowered model from the program cache
-    (``onnxtrain.cache``) or from ``lower()`` (a model, whose errors are
+    (``onnxtrain.lower.program_cache``) or from ``lower()`` (a model, whose errors are
     raised as usual), which is then stored.  ``label`` must name the program
     of ``tm`` exactly: it is part of the key."""
     model = program_cache.program_model(tm, label, lower)
@@ -267,7 +267,7 @@ def algorithm_program(tm: TrainingModel, index: int) -> Program:
 
 @dataclass
 class SplitAlgorithm:
-    """A training algorithm cut for data-parallel training (``onnxtrain.split``).
+    """A training algorithm cut for data-parallel training (``onnxtrain.lower.split``).
 
     ``a`` binds the rank-local state; its outputs also include ``reduced``
     (the values summed across ranks).  ``b`` (None when nothing needs it)
@@ -325,7 +325,7 @@ def initialization_program(tm: TrainingModel, index: int) -> Program | None:
 def loss_program(tm: TrainingModel, index: int, loss: str, prediction: str | None = None,
                  train_prediction: str | None = None) -> Program:
     """The evaluation program of algorithm ``index``: its combined graph pruned
-    to ``loss`` and ``prediction`` (see ``passes.loss_graph``); binds nothing."""
+    to ``loss`` and ``prediction`` (see ``pipeline.loss_graph``); binds nothing."""
     outputs = [n for n in (loss, prediction) if n is not None]
     graph = loss_graph(tm, index, outputs, train_prediction, prediction)
     return build_program(tm, f"evaluate(training_info[{index}])", graph, [])

@@ -3,7 +3,7 @@
 ``TrainingSession.fit/evaluate/predict`` delegate here.  What the loop needs
 to know about a model (which inputs the data feeds, which output is the loss,
 which algorithm runs on which batch) comes from ``model.metadata_props``
-written by ``onnxtrain.build`` (JSON values, ``onnxtrain.metadata`` lists the
+written by ``onnxtrain.build`` (JSON values, ``onnxtrain.io.metadata`` lists the
 keys), and is inferred from the graphs for hand-built models.
 
 How ``evaluate`` computes the loss without training: through the session's
@@ -152,7 +152,7 @@ def fit(
     - ``progress``: a ``tqdm.auto`` bar per epoch (a widget in notebooks)
       with the running loss and lr; ``"epoch"``: one plain line per epoch on
       stderr; False: silent.
-    - ``callbacks``: see ``onnxtrain.callbacks`` (Keras hooks).
+    - ``callbacks``: see ``onnxtrain.train.callbacks`` (Keras hooks).
 
     ``sess.fit_position`` is updated after every batch, so ``export(training=True)``
     at any point (a callback, after Ctrl-C) records where the run stands.
