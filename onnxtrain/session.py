@@ -51,11 +51,22 @@ from .train import loop
 class TrainingSession:
     """Runs an ONNX training model on onnxruntime.
 
-    >>> sess = TrainingSession("model.onnx")          # doctest: +SKIP
-    >>> sess.initialize()                              # doctest: +SKIP
-    >>> out = sess.train_step({"X": x, "Y": y})        # doctest: +SKIP
-    >>> sess.run({"X": x})["Y_pred"]                   # doctest: +SKIP
-    >>> sess.export("trained.onnx")                    # doctest: +SKIP
+    >>> import os, tempfile
+    >>> import numpy as np
+    >>> import onnx
+    >>> from onnxtrain.demo import build_classifier
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> path = os.path.join(tmp.name, "model.onnx")
+    >>> onnx.save(build_classifier(), path)      # any ONNX training model
+    >>> sess = TrainingSession(path)
+    >>> sess.initialize()
+    >>> x = np.random.default_rng(0).random((8, 64), np.float32)
+    >>> out = sess.train_step({"X": x, "label": np.arange(8)})
+    >>> sess.run({"X": x})["logits"].shape
+    (8, 10)
+    >>> sess.export(os.path.join(tmp.name, "trained.onnx")).name
+    'trained.onnx'
+    >>> tmp.cleanup()
     """
 
     def __init__(

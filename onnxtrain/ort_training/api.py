@@ -1,11 +1,26 @@
 """``CheckpointState``, ``Module``, ``Optimizer``, ``LinearLRScheduler``: ONNX Runtime
 training 1.19.2's Python API (``onnxruntime.training.api``) on ``onnxtrain.TrainingSession``.
 
->>> from onnxtrain.ort_training.api import CheckpointState, Module, Optimizer  # doctest: +SKIP
->>> state = CheckpointState.load_checkpoint("art/checkpoint")                  # doctest: +SKIP
->>> module = Module("art/training_model.onnx", state, "art/eval_model.onnx")    # doctest: +SKIP
->>> opt = Optimizer("art/optimizer_model.onnx", module)                         # doctest: +SKIP
->>> loss = module(x, labels); opt.step(); module.lazy_reset_grad()            # doctest: +SKIP
+>>> import os, tempfile
+>>> import numpy as np
+>>> from onnxtrain import TrainingSession
+>>> from onnxtrain.demo import build_classifier
+>>> from onnxtrain.ort_training import artifacts
+>>> from onnxtrain.ort_training.api import CheckpointState, Module, Optimizer
+>>> art = tempfile.TemporaryDirectory()
+>>> artifacts.generate_artifacts(TrainingSession(build_classifier()).to_model(),  # X -> logits
+...                              requires_grad=["W1", "b1", "W2", "b2"],
+...                              loss=artifacts.LossType.CrossEntropyLoss,
+...                              optimizer=artifacts.OptimType.AdamW, artifact_directory=art.name)
+>>> state = CheckpointState.load_checkpoint(os.path.join(art.name, "checkpoint"))
+>>> module = Module(os.path.join(art.name, "training_model.onnx"), state,
+...                 os.path.join(art.name, "eval_model.onnx"))
+>>> opt = Optimizer(os.path.join(art.name, "optimizer_model.onnx"), module)
+>>> x, labels = np.zeros((4, 64), np.float32), np.arange(4)
+>>> loss = module(x, labels); opt.step(); module.lazy_reset_grad()
+>>> float(loss) > 0
+True
+>>> art.cleanup()
 
 The step runs as the model ``standard_model.training_model`` builds: training_info[0]
 is ``module(...)`` (gradients summed into buffers), training_info[1] is

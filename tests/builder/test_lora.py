@@ -440,13 +440,6 @@ def test_adapter_file_round_trip_equals_merged_export(tmp_path):
         lora_mod.save_adapters(model, tmp_path / "x.npz")
 
 
-def test_docstring_examples():
-    import doctest
-
-    result = doctest.testmod(lora_mod, optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0 and result.attempted > 0
-
-
 # ------------------------------------------------------------------ LoRA init
 def narrowing_model() -> onnx.ModelProto:
     """X[N,64] -> MatMul W1[64,4] (in 64, out 4) -> Relu -> Gemm(transB=1) with

@@ -113,12 +113,3 @@ def test_ctrl_c_at_any_moment_after_the_interpreter_starts_is_one_line(tmp_path,
 ])
 def test_started_as_cli(argv, orig, expected):
     assert started_as_cli(argv, orig) is expected
-
-
-def test_startup_doctests():
-    import doctest
-
-    import onnxtrain.startup
-
-    result = doctest.testmod(onnxtrain.startup)
-    assert result.failed == 0 and result.attempted >= 3
