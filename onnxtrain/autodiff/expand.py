@@ -1,7 +1,7 @@
 """Reverse-mode expansion of ``ai.onnx.preview.training.Gradient`` nodes.
 
 ``Gradient(xs=[...], zs=[...], y=name)(x values..., z values...)`` computes
-d sum(y) / d x for each x in xs at the point given by its inputs.  The engine
+d sum(y) / d x for each x in xs at the point given by its inputs.  ``expand_gradients``
 replaces each such node by standard ONNX ops:
 
 1. If an input value differs from the tensor it stands for, the part of the
