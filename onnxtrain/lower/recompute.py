@@ -529,24 +529,44 @@ def apply(graph: onnx.GraphProto, spec: Any, ys: Sequence[str], names: NameGen,
     dtypes, shapes = infer_types(graph, opset_imports, functions=functions)
     fw = _Forward(graph, ys, dtypes, shapes, data_inputs)
     report.saved_before = sum(fw.nbytes(v) for v in fw.saved)
-    if mode == "elementwise":
-        kept = _kept_elementwise(fw)
-    elif mode == "checkpoints":
-        points = [_resolve(fw, n) for n in spec["checkpoints"]]
-        tail = max(fw.fpos[id(fw.producer[p])] for p in points)
-        kept = set(points) | {v for v in fw.saved if fw.fpos[id(fw.producer[v])] > tail}
-        report.checkpoints = points
-    else:
-        kept, report.checkpoints = _segment_plan(fw, spec.get("segments") if isinstance(spec, dict) else None)
+    kept = _kept(fw, spec, mode, report)
     targets = [v for v in fw.saved if v not in kept]
     if not targets:
         report.saved_after = report.saved_before
         return report
 
-    def stops(u: str) -> bool:
-        return u in kept or fw.fixed(u)
+    copies = _copies(fw, targets, kept)
+    deadline = _deadlines(fw, targets, copies)
+    placed: dict[int, list[onnx.NodeProto]] = {}
+    zero_at = _gates(fw, copies, deadline, opset, names, dtypes, placed)
+    renamed = _emit_copies(fw, copies, deadline, zero_at, opset, names, dtypes, placed)
+    _place(graph, fw, placed, set(targets), renamed)
 
-    # The forward nodes to copy: from each target back to kept or fixed values.
+    report.recomputed = targets
+    report.copied_nodes = len(copies)
+    copied = {o for n in copies for o in n.output if o}
+    roots = {u for n in copies for u in node_inputs(n) if u not in copied and not fw.fixed(u)}
+    report.saved_after = sum(fw.nbytes(v) for v in ({v for v in fw.saved if v in kept} | roots))
+    return report
+
+
+def _kept(fw: _Forward, spec: Any, mode: str, report: Report) -> set[str]:
+    """The saved values the plan of ``mode`` keeps (the others are recomputed);
+    the checkpoints it chose go to ``report``."""
+    if mode == "elementwise":
+        return _kept_elementwise(fw)
+    if mode == "checkpoints":
+        points = [_resolve(fw, n) for n in spec["checkpoints"]]
+        tail = max(fw.fpos[id(fw.producer[p])] for p in points)
+        report.checkpoints = points
+        return set(points) | {v for v in fw.saved if fw.fpos[id(fw.producer[v])] > tail}
+    kept, report.checkpoints = _segment_plan(fw, spec.get("segments") if isinstance(spec, dict) else None)
+    return kept
+
+
+def _copies(fw: _Forward, targets: list[str], kept: set[str]) -> list[onnx.NodeProto]:
+    """The forward nodes to copy, in forward order: from each target back to
+    kept or fixed values."""
     copy_ids: set[int] = set()
     stack = list(targets)
     while stack:
@@ -554,11 +574,13 @@ def apply(graph: onnx.GraphProto, spec: Any, ys: Sequence[str], names: NameGen,
         if id(n) in copy_ids:
             continue
         copy_ids.add(id(n))
-        stack.extend(u for u in node_inputs(n) if not stops(u))
-    copies = [n for n in fw.order if id(n) in copy_ids]
+        stack.extend(u for u in node_inputs(n) if u not in kept and not fw.fixed(u))
+    return [n for n in fw.order if id(n) in copy_ids]
 
-    # Deadline of each copy: the position of the first backward node that
-    # needs it, directly or through other copies.
+
+def _deadlines(fw: _Forward, targets: list[str], copies: list[onnx.NodeProto]) -> dict[int, int]:
+    """Deadline of each copy (by id): the position of the first backward node
+    that needs it, directly or through other copies."""
     first_read = {v: min(fw.pos[id(r)] for r in fw.readers[v]) for v in targets}
     deadline: dict[int, int] = {}
     consumers: dict[str, list[onnx.NodeProto]] = {}
@@ -571,16 +593,18 @@ def apply(graph: onnx.GraphProto, spec: Any, ys: Sequence[str], names: NameGen,
             for m in consumers.get(o, ()):
                 d = min(d, deadline[id(m)])
         deadline[id(n)] = d
+    return deadline
 
-    # Emit the copies.  Chain roots are gated by a barrier per deadline d:
-    # the late nodes between the previous deadline and d that no late node
-    # before d reads (the sinks of that stretch of the backward; all others
-    # are their ancestors).  So the copies for d run after everything the
-    # backward order puts before them, weight gradients included, whatever
-    # order onnxruntime prefers otherwise (it may defer nodes it fused).
-    emit = Emitter(opset, names, dict(dtypes), hint="recompute")
-    renamed: dict[str, str] = {}
-    placed: dict[int, list[onnx.NodeProto]] = {}
+
+def _gates(fw: _Forward, copies: list[onnx.NodeProto], deadline: dict[int, int], opset: int,
+           names: NameGen, dtypes: dict[str, int], placed: dict[int, list[onnx.NodeProto]]) -> dict[int, str]:
+    """A zero (int64 scalar) per deadline d of a chain root, computed from a
+    barrier: the late nodes between the previous deadline and d that no late
+    node before d reads (the sinks of that stretch of the backward; all others
+    are their ancestors).  A root gated by it runs after everything the
+    backward order puts before it, weight gradients included, whatever order
+    onnxruntime prefers otherwise (it may defer nodes it fused).  The nodes go
+    to ``placed[d]``."""
     produced_by_copy = {o for n in copies for o in n.output if o}
     root_deadlines = sorted({deadline[id(n)] for n in copies
                              if not any(i in produced_by_copy for i in node_inputs(n))})
@@ -607,7 +631,17 @@ def apply(graph: onnx.GraphProto, spec: Any, ys: Sequence[str], names: NameGen,
         zero_at[d] = z.reduce_sum(total, None, keepdims=False)
         placed.setdefault(d, []).extend(z.nodes)
         previous = d
+    return zero_at
 
+
+def _emit_copies(fw: _Forward, copies: list[onnx.NodeProto], deadline: dict[int, int], zero_at: dict[int, str],
+                 opset: int, names: NameGen, dtypes: dict[str, int],
+                 placed: dict[int, list[onnx.NodeProto]]) -> dict[str, str]:
+    """Copy each node of ``copies`` under fresh output names into
+    ``placed[its deadline]``, a chain root's first data input gated by the zero
+    of its deadline.  Returns the copied values' new names."""
+    emit = Emitter(opset, names, dict(dtypes), hint="recompute")
+    renamed: dict[str, str] = {}
     for n in copies:
         start = len(emit.nodes)
         inputs = [renamed.get(i, i) if i else i for i in n.input]
@@ -628,24 +662,21 @@ def apply(graph: onnx.GraphProto, spec: Any, ys: Sequence[str], names: NameGen,
             c.output.append(renamed[o] if o else "")
         emit.nodes.append(c)
         placed.setdefault(deadline[id(n)], []).extend(emit.nodes[start:])
+    return renamed
 
-    # Backward readers read the copies; the new nodes go just before their deadline.
-    target_set = set(targets)
+
+def _place(graph: onnx.GraphProto, fw: _Forward, placed: dict[int, list[onnx.NodeProto]],
+           targets: set[str], renamed: dict[str, str]) -> None:
+    """Backward readers of the targets read the copies; the new nodes go just
+    before their deadline."""
     out: list[onnx.NodeProto] = []
     for i, n in enumerate(fw.nodes):
         out.extend(placed.get(i, ()))
         if not fw.is_forward[id(n)] and n.op_type not in SHAPE_READERS:
             for k, v in enumerate(n.input):
-                if v in target_set:
+                if v in targets:
                     n.input[k] = renamed[v]
         out.append(n)
     out.extend(placed.get(len(fw.nodes), ()))
     del graph.node[:]
     graph.node.extend(out)
-
-    report.recomputed = targets
-    report.copied_nodes = len(copies)
-    copied = {o for n in copies for o in n.output if o}
-    roots = {u for n in copies for u in node_inputs(n) if u not in copied and not fw.fixed(u)}
-    report.saved_after = sum(fw.nbytes(v) for v in ({v for v in fw.saved if v in kept} | roots))
-    return report
