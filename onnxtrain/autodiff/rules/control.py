@@ -450,10 +450,8 @@ def loop_vjp(ctx, *dys):
         raise TrainingModelError(f"Loop node {node.name!r}: body and node signatures disagree")
     dys = list(dys) + [None] * (n + k_out - len(dys))
     outputs = list(node.output) + [""] * (n + k_out - len(node.output))
-    iter_name, cond_name = body.input[0].name, body.input[1].name
+    iter_name = body.input[0].name
     v_in = [body.input[2 + i].name for i in range(n)]
-    v_out = [body.output[1 + i].name for i in range(n)]
-    scan_out = [body.output[1 + n + k].name for k in range(k_out)]
     v_t = [_merge(_declared(body.input[2 + i]), _outer(ctx, node.input[2 + i])) for i in range(n)]
     y_t = [
         _merge(_declared(body.output[1 + n + k]),
@@ -481,6 +479,48 @@ def loop_vjp(ctx, *dys):
     trips = e.Gather(e.Shape(rec_iter), e.scalar_int(0), axis=0)
     last = e.Sub(trips, e.scalar_int(1))
 
+    # Backward: one Loop over i = T-1 .. 0, carrying dv and the accumulators.
+    backward_body = _loop_backward_body(ctx, body, forward_nodes, v_t, y_t, fs, cot, targets, rec_v, last, dys)
+    dv_init = [dys[i] if dys[i] is not None else e.zeros_like(node.input[2 + i]) for i in fs]
+    acc_init = [e.zeros_like(v) for v in targets]
+    true = e.const(np.asarray(True))
+    outs = e.op("Loop", [trips, true] + dv_init + acc_init, outputs=len(fs) + len(targets),
+                body=backward_body)
+    outs = outs if isinstance(outs, list) else [outs]
+    for i, o in zip(fs, outs[: len(fs)]):
+        e.dtypes[o] = v_t[i][0]
+        if ctx.needs(2 + i):
+            result[2 + i] = o
+    for v, o in zip(targets, outs[len(fs) :]):
+        e.dtypes[o] = e.dtypes[v]
+        ctx.accumulate(v, o)
+    return result
+
+
+def _loop_backward_body(
+    ctx: VJPContext,
+    body: onnx.GraphProto,
+    forward_nodes: list[onnx.NodeProto],
+    v_t: list[Type],
+    y_t: list[Type],
+    fs: list[int],
+    cot: list[int],
+    targets: list[str],
+    rec_v: list[str],
+    last: str,
+    dys: list,
+) -> onnx.GraphProto:
+    """The backward Loop's body, run with u = 0 .. T-1 (``last`` = T-1): it
+    gathers v_i (from the records ``rec_v``) and dy_i at i = T-1-u, recomputes
+    the forward body (``forward_nodes``, copied before the records), and carries dv of the float loop-carried values ``fs``
+    and the accumulators of the outer ``targets``."""
+    e = ctx.emit
+    n = len(v_t)
+    int_scalar = (onnx.TensorProto.INT64, ())
+    iter_name, cond_name = body.input[0].name, body.input[1].name
+    v_in = [body.input[2 + i].name for i in range(n)]
+    v_out = [body.output[1 + i].name for i in range(n)]
+    scan_out = [body.output[1 + n + k].name for k in range(len(y_t))]
     slots = Slots(ctx)
     slots.add(iter_name, int_scalar)
     slots.add(cond_name, (onnx.TensorProto.BOOL, ()))
@@ -527,20 +567,7 @@ def loop_vjp(ctx, *dys):
         + [_value_info(g, v_t[i]) for i, g in zip(fs, g_state)]
         + [_value_info(a, _outer(ctx, v)) for a, v in zip(acc_out, targets)]
     )
-    backward_body = helper.make_graph(
+    return helper.make_graph(
         pre.nodes + vjp_nodes + post.nodes, f"{body.name or 'loop_body'}_grad", b_inputs, b_outputs
     )
-    dv_init = [dys[i] if dys[i] is not None else e.zeros_like(node.input[2 + i]) for i in fs]
-    acc_init = [e.zeros_like(v) for v in targets]
-    true = e.const(np.asarray(True))
-    outs = e.op("Loop", [trips, true] + dv_init + acc_init, outputs=len(fs) + len(targets),
-                body=backward_body)
-    outs = outs if isinstance(outs, list) else [outs]
-    for i, o in zip(fs, outs[: len(fs)]):
-        e.dtypes[o] = v_t[i][0]
-        if ctx.needs(2 + i):
-            result[2 + i] = o
-    for v, o in zip(targets, outs[len(fs) :]):
-        e.dtypes[o] = e.dtypes[v]
-        ctx.accumulate(v, o)
-    return result
+
