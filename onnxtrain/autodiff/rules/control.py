@@ -60,9 +60,7 @@ def if_vjp(ctx, *dys):
         branches[attr] = helper.make_graph(nodes, f"{g.name or attr}_grad", [], outputs)
     outs = e.op("If", [ctx.inputs[0]], outputs=len(targets), **branches)
     outs = outs if isinstance(outs, list) else [outs]
-    for t, o in zip(targets, outs):
-        e.dtypes[o] = ctx.dtype(t)
-        ctx.accumulate(t, o)
+    _accumulate_outer(ctx, targets, outs)
     return (None,)
 
 
@@ -210,6 +208,14 @@ def _cotangent_types(ctx: VJPContext, types: list[Type], dys) -> list[Type]:
     ]
 
 
+def _accumulate_outer(ctx: VJPContext, targets: list[str], grads: list[str]) -> None:
+    """Add ``grads`` (typed as their values) to the gradients of the outer
+    values ``targets`` a subgraph reads."""
+    for v, g in zip(targets, grads):
+        ctx.emit.dtypes[g] = ctx.dtype(v)
+        ctx.accumulate(v, g)
+
+
 def _add_outer_types(ctx: VJPContext, slots: Slots) -> None:
     for v in ctx.implicit_inputs:
         if ctx.emit.dtypes.get(v) is not None:
@@ -352,9 +358,7 @@ def scan_vjp(ctx, *dys):
     for j, o in zip(need_x, o_x):
         e.dtypes[o] = sig.x_t[j][0]
         result[n + j] = o
-    for v, o in zip(targets, o_acc):
-        e.dtypes[o] = e.dtypes[v]
-        ctx.accumulate(v, o)
+    _accumulate_outer(ctx, targets, o_acc)
     return result
 
 
@@ -491,9 +495,7 @@ def loop_vjp(ctx, *dys):
         e.dtypes[o] = v_t[i][0]
         if ctx.needs(2 + i):
             result[2 + i] = o
-    for v, o in zip(targets, outs[len(fs) :]):
-        e.dtypes[o] = e.dtypes[v]
-        ctx.accumulate(v, o)
+    _accumulate_outer(ctx, targets, outs[len(fs) :])
     return result
 
 
