@@ -71,7 +71,7 @@ def child(workdir: Path) -> None:
     from training_model import training_model
     from workloads import WORKLOADS
 
-    import onnxtrain.autodiff.engine
+    import onnxtrain.autodiff.expand
     import onnxtrain.core.graph
     import onnxtrain.io.model
     import onnxtrain.kernels.library

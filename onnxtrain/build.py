@@ -3,9 +3,14 @@
 The public face of ``onnxtrain.builder``: what the README and the docs call
 ``build``.
 
->>> from onnxtrain import build
->>> tm = build.training_model("model.onnx", loss="cross_entropy",
-...                           optimizer=build.AdamW(lr=1e-3))      # doctest: +SKIP
+>>> from onnxtrain import TrainingSession, build
+>>> from onnxtrain.demo import build_classifier
+>>> model = TrainingSession(build_classifier()).to_model()   # an inference model: X -> logits
+>>> tm = build.training_model(model, loss="cross_entropy", optimizer=build.AdamW(lr=1e-3))
+>>> [i.name for i in tm.graph.input], len(tm.training_info)
+(['X'], 1)
+
+``model`` may be a path, bytes or a ModelProto.
 
 See ``builder.builder.training_model`` for the arguments, ``losses``,
 ``optimizers`` and ``schedules`` for the math of each part, ``lora`` for the

@@ -7,10 +7,18 @@ it on onnxruntime-node or onnxruntime-web; ``load`` makes a session of it
 again, whatever trained it.  Its ``inference.onnx`` runs in a plain
 ``onnxruntime.InferenceSession`` with the bundle's weights.
 
->>> from onnxtrain import bundle
->>> bundle.save(sess, "digits.bundle")                      # doctest: +SKIP
->>> sess = bundle.load("digits.bundle")                      # doctest: +SKIP
->>> sess.fit(X, y, epochs=1)                                 # doctest: +SKIP
+>>> import os, tempfile
+>>> from onnxtrain import TrainingSession, bundle
+>>> from onnxtrain.datasets import load_digits
+>>> from onnxtrain.demo import build_classifier
+>>> X, y = load_digits()
+>>> tmp = tempfile.TemporaryDirectory()
+>>> folder = bundle.save(TrainingSession(build_classifier()), os.path.join(tmp.name, "digits.bundle"))
+>>> sess = bundle.load(folder)
+>>> history = sess.fit(X, y, epochs=1, progress=False)
+>>> len(history["loss"])
+1
+>>> tmp.cleanup()
 
 The same from the command line: ``onnxtrain bundle MODEL -o FOLDER``.
 """

@@ -2,9 +2,18 @@
 adapters and their merge (defined in ``onnxtrain.builder.lora``, whose
 docstring has the math), and the adapter files (``onnxtrain.export.adapters``).
 
+>>> import os, tempfile
+>>> from onnxtrain import TrainingSession, build
 >>> from onnxtrain.build import lora
->>> lora.save_adapters(sess, "adapters.npz")                      # doctest: +SKIP
->>> merged = lora.apply_adapters("model.onnx", "adapters.npz")     # doctest: +SKIP
+>>> from onnxtrain.demo import build_classifier
+>>> base = TrainingSession(build_classifier()).to_model()       # an inference model
+>>> sess = TrainingSession(build.training_model(base, lora=build.LoRA(rank=4)))
+>>> tmp = tempfile.TemporaryDirectory()
+>>> path = lora.save_adapters(sess, os.path.join(tmp.name, "adapters.npz"))
+>>> merged = lora.apply_adapters(base, path)                    # base with the adapters merged
+>>> [t.name for t in merged.graph.initializer] == [t.name for t in base.graph.initializer]
+True
+>>> tmp.cleanup()
 """
 
 from .builder.lora import (

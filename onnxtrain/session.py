@@ -52,11 +52,22 @@ from .train import loop
 class TrainingSession:
     """Runs an ONNX training model on onnxruntime.
 
-    >>> sess = TrainingSession("model.onnx")          # doctest: +SKIP
-    >>> sess.initialize()                              # doctest: +SKIP
-    >>> out = sess.train_step({"X": x, "Y": y})        # doctest: +SKIP
-    >>> sess.run({"X": x})["Y_pred"]                   # doctest: +SKIP
-    >>> sess.export("trained.onnx")                    # doctest: +SKIP
+    >>> import os, tempfile
+    >>> import numpy as np
+    >>> import onnx
+    >>> from onnxtrain.demo import build_classifier
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> path = os.path.join(tmp.name, "model.onnx")
+    >>> onnx.save(build_classifier(), path)      # any ONNX training model
+    >>> sess = TrainingSession(path)
+    >>> sess.initialize()
+    >>> x = np.random.default_rng(0).random((8, 64), np.float32)
+    >>> out = sess.train_step({"X": x, "label": np.arange(8)})
+    >>> sess.run({"X": x})["logits"].shape
+    (8, 10)
+    >>> sess.export(os.path.join(tmp.name, "trained.onnx")).name
+    'trained.onnx'
+    >>> tmp.cleanup()
     """
 
     def __init__(
@@ -89,11 +100,11 @@ class TrainingSession:
         of the global batch: local gradients combined by ``reduction``
         (``"weighted"`` by each rank's rows, exact for mean-reduced losses;
         ``"mean"``; ``"sum"``) and summed in place in buckets of
-        ``bucket_bytes``.  See ``onnxtrain.distributed`` and docs/distributed.md.
+        ``bucket_bytes``.  See ``onnxtrain.parallel`` and docs/distributed.md.
 
         ``memory``: ``"safe"`` (default) double-buffers every state variable a
         step writes, so a failed step changes nothing.  ``"lean"`` keeps one
-        buffer where it can (``onnxtrain.inplace``): each algorithm runs as
+        buffer where it can (``onnxtrain.lower.inplace``): each algorithm runs as
         forward + backward (into gradient buffers), then the optimizer, which
         writes the new values over the old ones.  A step that fails in the
         forward or backward pass (bad feeds, an onnxruntime error there,

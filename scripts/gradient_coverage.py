@@ -151,17 +151,17 @@ class _Recorder:
         self.ops: set[tuple[str, str]] = set()
 
     def __enter__(self) -> _Recorder:
-        from onnxtrain.autodiff import engine
+        from onnxtrain.autodiff import expand
 
-        self._engine = engine
-        self._check_rules = engine._check_rules
-        self._inline = engine.inline
+        self._expand = expand
+        self._check_rules = expand._check_rules
+        self._inline = expand.inline
         recorder = self
 
         def check_rules(relevant, active, xs, y):
             for n in relevant:
                 if n.name == "op":
-                    rule = engine.REGISTRY.get(n.domain, n.op_type)
+                    rule = expand.REGISTRY.get(n.domain, n.op_type)
                     recorder.ops.add((qualified(n.domain, n.op_type), rule.kind if rule else "none"))
             return recorder._check_rules(relevant, active, xs, y)
 
@@ -170,13 +170,13 @@ class _Recorder:
                 recorder.ops.add((qualified(node.domain, node.op_type), "function"))
             return recorder._inline(node, body, names)
 
-        engine._check_rules = check_rules
-        engine.inline = inline
+        expand._check_rules = check_rules
+        expand.inline = inline
         return self
 
     def __exit__(self, *exc) -> None:
-        self._engine._check_rules = self._check_rules
-        self._engine.inline = self._inline
+        self._expand._check_rules = self._check_rules
+        self._expand.inline = self._inline
 
 
 @pytest.hookimpl(wrapper=True)

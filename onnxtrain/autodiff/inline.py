@@ -2,7 +2,7 @@
 (Attention, RMSNormalization, model-local functions, ...) are differentiated
 through the primitive ops they are made of.
 
-A function-body expansion counts as a rule: the engine uses it for an op that
+A function-body expansion counts as a rule: ``expand`` uses it for an op that
 has no registered rule, and only then.  An op with neither is an error.
 """
 

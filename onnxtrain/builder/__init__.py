@@ -1,11 +1,8 @@
 """Build standard ONNX training models from inference models.
 
->>> from onnxtrain import build
->>> tm = build.training_model("model.onnx", loss="cross_entropy",
-...                           optimizer=build.AdamW(lr=1e-3))      # doctest: +SKIP
-
-See ``builder.training_model`` for the arguments, ``losses``, ``optimizers``
-and ``schedules`` for the math of each part.
+Public as ``onnxtrain.build``, whose docstring has the example.  See
+``builder.training_model`` for the arguments, ``losses``, ``optimizers`` and
+``schedules`` for the math of each part.
 """
 
 from .builder import training_model

@@ -120,9 +120,9 @@ def training_model(
 
     The result is self-contained when its tensors add up to less than 256 MiB
     (``storage.SPILL_FROM``).  A larger model keeps its weights in the files
-    they were mapped from (``onnxtrain.mapped``: the source's external data,
+    they were mapped from (``onnxtrain.io.mapped``: the source's external data,
     or a spill file): pass it to ``TrainingSession`` or write it with
-    ``onnxtrain.storage.write_model``, which stream them; ``onnx.save`` would
+    ``onnxtrain.io.storage.write_model``, which stream them; ``onnx.save`` would
     write absolute paths other tools refuse.
 
     ``loss``: a name ("mse", "l1", "huber", "cross_entropy", "bce_with_logits",
@@ -155,7 +155,7 @@ def training_model(
     forward values in the backward pass instead of keeping them (recorded
     as ``onnxtrain.recompute``, applied by the session when it expands the
     Gradient node; losses and updates are unchanged, see
-    ``onnxtrain.recompute``): None or False (off), "elementwise"
+    ``onnxtrain.lower.recompute``): None or False (off), "elementwise"
     (recompute cheap ops, e.g. Gelu or LayerNormalization outputs, from
     values the backward keeps anyway), "blocks" (checkpoints at the narrow
     points of the forward pass, e.g. a transformer's residual stream, as
@@ -411,7 +411,7 @@ def _set_metadata(plan: Plan, learned: list[Learned]) -> None:
     if k > 1:
         # Data-parallel training (TrainingSession(comm=...)): the gradient sums
         # stay on each rank (DDP's no_sync) and the final algorithm reduces the
-        # sums it divides, once per optimizer step (onnxtrain.split).
+        # sums it divides, once per optimizer step (onnxtrain.lower.split).
         entries["data_parallel"] = {
             "local": [plan.accum[p] for p in plan.params],
             "reduce": {str(plan.final): list(final.reduce_points)},

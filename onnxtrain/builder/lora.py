@@ -405,7 +405,7 @@ def merge(model: onnx.ModelProto, state: Mapping[str, np.ndarray] | None = None,
     nodes their original outputs back, drops the adapter initializers and
     writes ``merged_weight`` into each target.  A and B are read from
     ``state`` when given, else from the initializers.  With ``deferred`` (a
-    table of ``onnxtrain.mapped`` placeholders, which the initializers may
+    table of ``onnxtrain.io.mapped`` placeholders, which the initializers may
     use), each merged weight becomes a deferred placeholder computed block by
     block while the file is written.  training_info is dropped; metadata
     ``onnxtrain.lora`` too (the result is a plain model).

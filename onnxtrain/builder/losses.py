@@ -23,8 +23,8 @@ of the target input, given the prediction's), ``emit`` (the nodes) and
 A plain callable ``fn(emit, prediction, target) -> name`` becomes a
 ``CustomLoss`` whose target has the prediction's type.
 
->>> from onnxtrain.emitter import Emitter
->>> from onnxtrain.names import NameGen
+>>> from onnxtrain.core.emitter import Emitter
+>>> from onnxtrain.core.names import NameGen
 >>> e = Emitter(opset=17, names=NameGen(["y", "t"]), dtypes={"y": 1, "t": 1}, hint="loss")
 >>> name = MSE().emit(e, "y", "t")
 >>> [n.op_type for n in e.nodes]

@@ -14,7 +14,7 @@
 
 Each subcommand's ``--help`` ends with examples (``EXAMPLES``); warnings print
 as one line ``onnxtrain: warning: ...``.
-                                     fit it with progress bars (``onnxtrain.cli_train.train_files``)
+                                     fit it with progress bars (``onnxtrain.cli.train.train_files``)
 
 User mistakes (a missing file, an invalid model, a bad option value) and a
 training run whose loss turns NaN or infinite end in one line

@@ -1,7 +1,6 @@
 """An ``onnx.backend`` for onnxtrain, so ONNX's own conformance cases run through it.
 
->>> import onnx.backend.test                               # doctest: +SKIP
->>> bt = onnx.backend.test.BackendTest(onnxtrain.backend, __name__)  # doctest: +SKIP
+Public as ``onnxtrain.backend``, whose docstring has the example.
 """
 
 from __future__ import annotations

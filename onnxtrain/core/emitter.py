@@ -10,7 +10,7 @@ The emitter also keeps a table of element types, seeded from shape inference of
 the forward graph and extended for each emitted value where the type follows
 from the op, so that rules can ask ``emit.dtype(name)``.
 
->>> from onnxtrain.names import NameGen
+>>> from onnxtrain.core.names import NameGen
 >>> e = Emitter(opset=17, names=NameGen(["x"]), dtypes={"x": 1})
 >>> y = e.reduce_sum("x", axes=[0], keepdims=False)
 >>> [n.op_type for n in e.nodes]

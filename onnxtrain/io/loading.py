@@ -2,8 +2,8 @@
 
 Loading refuses hostile files with a message that says what is wrong:
 unparsable bytes, other ONNX messages, tensor data that does not match its
-dims (checked before anything is allocated, ``onnxtrain.tensors``), external
-data outside the model's folder (``onnxtrain.storage``), strings that are not
+dims (checked before anything is allocated, ``onnxtrain.io.tensors``), external
+data outside the model's folder (``onnxtrain.io.storage``), strings that are not
 UTF-8.
 
 >>> load(b"not a model")
@@ -55,7 +55,7 @@ def load(model: ModelLike) -> tuple[onnx.ModelProto, Path | None]:
 
     External data of every graph (main, training_info, subgraphs) is resolved
     here, relative to the model's folder, and may not point outside it: large
-    tensors stay in their files, memory-mapped when used (``onnxtrain.mapped``),
+    tensors stay in their files, memory-mapped when used (``onnxtrain.io.mapped``),
     small ones are read in.  Inline tensors of a large model are moved out of
     the protobuf the same way (``storage.spill``).  Every
     tensor's stored data must match its dims and type (checked before any

@@ -4,7 +4,7 @@ A large model's weights never pass through protobuf here.  Two kinds of
 placeholder TensorProto (``data_location = EXTERNAL``, dims and type set, no
 data) stand for them:
 
-- **mapped**: external data that ``onnxtrain.storage`` validated when it
+- **mapped**: external data that ``onnxtrain.io.storage`` validated when it
   loaded a model from its path (the range fits the tensor, the file lies in
   the model's folder).  The location is rewritten to the file's absolute
   path and the file is recorded as *trusted* in this process.  ``array(t)``

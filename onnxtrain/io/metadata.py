@@ -4,38 +4,41 @@
 the summaries read them, and ``export(training=True)`` writes the fit
 position back.  This module is the one reader and the one writer:
 
-====================== =========================================== ==============================
-key                    meaning                                     inferred without metadata
-====================== =========================================== ==============================
-onnxtrain.inputs       main-graph data inputs, in order            the main graph's inputs
-onnxtrain.target       the target feed (the algorithm's extra      the one algorithm input the
-                       input)                                      main graph does not have
-onnxtrain.loss         the loss output                             'loss', else the one scalar
-                                                                   algorithm-only output
-onnxtrain.prediction   the main-graph output metrics read          the first main-graph output
-onnxtrain.task         "classification" or "regression"            integer target: classification
-onnxtrain.cycle        algorithm index per batch, repeated         one spec iteration per batch
-                       ([0, 0, 1]: accumulate over 3 batches)      (every algorithm in order)
-onnxtrain.classes      {"count": C, "axis": 1|-1, "ignore_index"}  no label range check
-                       for class-index losses (label check)
-onnxtrain.learning_    {"state": name, "base": lr}: the base       no ``sess.learning_rate``
-rate                   learning rate's state variable
-onnxtrain.checkpoint   the fit position {"epoch", "batch",         start at epoch 0
-                       "step"} (written by export(training=True))
-onnxtrain.export_      the main-graph outputs an inference export  every main-graph output
-outputs                keeps (``import_ort``: the prediction, not
-                       the loss; ``export(outputs=...)`` overrides)
-====================== =========================================== ==============================
+=========================== =========================================== ==============================
+key                         meaning                                     inferred without metadata
+=========================== =========================================== ==============================
+onnxtrain.inputs            main-graph data inputs, in order            the main graph's inputs
+onnxtrain.target            the target feed (the algorithm's extra      the one algorithm input the
+                            input)                                      main graph does not have
+onnxtrain.loss              the loss output                             'loss', else the one scalar
+                                                                        algorithm-only output
+onnxtrain.prediction        the main-graph output metrics read          the first main-graph output
+onnxtrain.task              "classification" or "regression"            integer target: classification
+onnxtrain.cycle             algorithm index per batch, repeated         one spec iteration per batch
+                            ([0, 0, 1]: accumulate over 3 batches)      (every algorithm in order)
+onnxtrain.classes           {"count": C, "axis": 1|-1, "ignore_index"}  no label range check
+                            for class-index losses (label check)
+onnxtrain.learning_rate     {"state": name, "base": lr}: the base       no ``sess.learning_rate``
+                            learning rate's state variable
+onnxtrain.checkpoint        the fit position {"epoch", "batch",         start at epoch 0
+                            "step"} (written by export(training=True))
+onnxtrain.export_outputs    the main-graph outputs an inference export  every main-graph output
+                            keeps (``import_ort``: the prediction, not
+                            the loss; ``export(outputs=...)`` overrides)
+=========================== =========================================== ==============================
 
 The builder also records ``trainable``, ``optimizer_state``,
 ``train_prediction`` (per algorithm, the training-mode copy's prediction),
 ``clip_grad_norm``, ``schedule`` (``{"spec": "cosine:1000", "algorithm": i}``, plus
 ``"state"``: the variable holding the run's total for ``cosine()``), ``lora``,
-``batchnorm_var``, ``source`` (kept by checkpoints, dropped from inference exports: the absolute path of the
+``batchnorm_var``, ``recompute`` (the activation recompute a session applies,
+``onnxtrain.lower.recompute``), ``source`` (kept by checkpoints, dropped from inference exports: the absolute path of the
 file the model was built from, when it was given as a path) and, with ``accumulate=k``,
 ``data_parallel`` (``{"local": [gradient sums], "reduce": {algorithm: [values]}}``:
 what a data-parallel session keeps per rank and reduces instead of the
-gradients, ``onnxtrain.split``).
+gradients, ``onnxtrain.lower.split``).  An ML model's adaptation records
+``logits_of`` (each probability output's logits output,
+``onnxtrain.builder.adapt``).
 
 >>> m = onnx.ModelProto()
 >>> set_metadata(m, "target", "label")
@@ -60,6 +63,7 @@ from ..errors import TrainingModelError
 
 __all__ = [
     "CHECKPOINT_KEY",
+    "KEYS",
     "PREFIX",
     "RECOMPUTE_MODES",
     "checkpoint_epoch",
@@ -77,6 +81,12 @@ __all__ = [
 PREFIX = "onnxtrain."
 #: Where the fit loop stood when a checkpoint was written.
 CHECKPOINT_KEY = PREFIX + "checkpoint"
+#: Every key of the contract (``PREFIX`` dropped): the table above, then what the builder records.
+KEYS = frozenset({
+    "inputs", "target", "loss", "prediction", "task", "cycle", "classes", "learning_rate", "checkpoint",
+    "export_outputs", "trainable", "optimizer_state", "train_prediction", "clip_grad_norm", "schedule",
+    "lora", "batchnorm_var", "source", "data_parallel", "recompute", "logits_of",
+})
 
 
 def model_metadata(model: onnx.ModelProto) -> dict[str, Any]:

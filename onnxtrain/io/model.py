@@ -16,9 +16,9 @@ R9 (state starts at initializer values, bindings applied at once) and R10
 (inference changes nothing) are the session's business.
 
 The other stages of reading a model live beside this module:
-``onnxtrain.loading`` (parsing, hostile-file checks), ``onnxtrain.tensors``
-(the tensor walker and tensor checks), ``onnxtrain.storage`` (external data,
-writing) and ``onnxtrain.combine`` (M ⊕ A).  Their public names are
+``onnxtrain.io.loading`` (parsing, hostile-file checks), ``onnxtrain.io.tensors``
+(the tensor walker and tensor checks), ``onnxtrain.io.storage`` (external data,
+writing) and ``onnxtrain.io.combine`` (M ⊕ A).  Their public names are
 re-exported here.
 """
 
@@ -86,7 +86,7 @@ class TrainingModel:
     proto: onnx.ModelProto
     base_dir: Path | None
     state: dict[str, StateVar] = field(default_factory=dict)
-    #: The program cache's key of this model (``onnxtrain.cache.model_key``, computed on first use).
+    #: The program cache's key of this model (``onnxtrain.lower.program_cache.model_key``, computed on first use).
     cache_key: bytes | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -98,7 +98,7 @@ class TrainingModel:
 
         ``readonly=True`` skips one copy of the tensor: the array may then be
         read-only (for callers that copy it anyway, such as the state store).
-        A mapped tensor (``onnxtrain.mapped``) is read from its file into a
+        A mapped tensor (``onnxtrain.io.mapped``) is read from its file into a
         fresh array either way (see ``fresh_values``)."""
         var = self.state[name]
         graph = self._origin_graph(var.origin)

@@ -93,7 +93,7 @@ def load_external_data(
     exactly the bytes the tensor's dims and type need.  Then tensors of at
     least ``map_from`` bytes (default ``mapped.MAP_FROM``) of a type numpy
     views natively stay in their file: their location becomes the file's
-    absolute path, trusted in this process (``onnxtrain.mapped``), and their
+    absolute path, trusted in this process (``onnxtrain.io.mapped``), and their
     data is memory-mapped when used.  Smaller ones are read into the model
     (one read per tensor; their total must fit in this machine's memory).
     Returns the tensors it resolved (their data length is checked already)."""
@@ -207,7 +207,7 @@ def _spill_dir() -> Path:
 
 def spill(model: onnx.ModelProto, threshold: int | None = None) -> onnx.ModelProto | None:
     """A copy of ``model`` whose large inline tensors live in a spill file and
-    are mapped like external data (``onnxtrain.mapped``), or None when they
+    are mapped like external data (``onnxtrain.io.mapped``), or None when they
     add up to less than ``threshold`` (``SPILL_FROM``).
 
     A model whose weights are inside its protobuf (most exporters' output
@@ -243,7 +243,7 @@ def spill(model: onnx.ModelProto, threshold: int | None = None) -> onnx.ModelPro
 
 def materialized(model: onnx.ModelProto, deferred: Mapping[str, mapped.Deferred] | None = None
                  ) -> onnx.ModelProto:
-    """A copy of ``model`` with every placeholder (``onnxtrain.mapped``) holding
+    """A copy of ``model`` with every placeholder (``onnxtrain.io.mapped``) holding
     its data inline, or ``model`` itself when it has none: a self-contained
     ModelProto, as any tool expects one."""
     if not _has_placeholders(model):
@@ -290,7 +290,7 @@ def write_model(
     ``False`` writes one self-contained file (which protobuf limits to 2 GiB);
     ``None`` (default) chooses external data when the model's tensor bytes
     exceed ``threshold`` (default: ``external_data_threshold()``) or some of
-    its tensors are mapped from external data already.  Placeholders (``onnxtrain.mapped``) are streamed into the data file:
+    its tensors are mapped from external data already.  Placeholders (``onnxtrain.io.mapped``) are streamed into the data file:
     mapped tensors are copied file to file, ``deferred`` values (keyed by
     their placeholder's location) chunk by chunk, so no tensor is copied into
     a protobuf message; in a self-contained file they are written inline.
@@ -352,7 +352,7 @@ def write_model(
 
 def tensor_bytes(model: onnx.ModelProto, deferred: Mapping[str, mapped.Deferred] | None = None) -> int:
     """Bytes of tensor data a model holds, from dims and types (nothing is
-    copied), placeholders (``onnxtrain.mapped``) included."""
+    copied), placeholders (``onnxtrain.io.mapped``) included."""
     total = 0
     for t in all_tensors(model):
         if t.data_location != onnx.TensorProto.EXTERNAL:

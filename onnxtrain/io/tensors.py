@@ -1,8 +1,8 @@
 """Tensors of a model: one walker over every graph's tensors, their storage
 layout, and the checks that their stored data matches their dims and type.
 
-Loading (``onnxtrain.loading``, ``onnxtrain.storage``) and writing
-(``onnxtrain.storage.write_model``) both walk a model's tensors with
+Loading (``onnxtrain.io.loading``, ``onnxtrain.io.storage``) and writing
+(``onnxtrain.io.storage.write_model``) both walk a model's tensors with
 ``labelled_tensors`` / ``all_tensors`` and size them with ``raw_bytes``.
 
 >>> t = onnx.TensorProto(name="W", data_type=onnx.TensorProto.FLOAT, dims=[2**40, 2**40])
@@ -30,7 +30,7 @@ from . import mapped
 
 def has_external(model: onnx.ModelProto, mapped_ok: bool = False) -> bool:
     """Whether some tensor of the model keeps its data in an external file
-    (``mapped_ok``: other than the mapped placeholders of ``onnxtrain.mapped``)."""
+    (``mapped_ok``: other than the mapped placeholders of ``onnxtrain.io.mapped``)."""
     return any(t.data_location == onnx.TensorProto.EXTERNAL
                and not (mapped_ok and mapped.is_mapped(t)) for t in all_tensors(model))
 

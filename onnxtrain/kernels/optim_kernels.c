@@ -13,7 +13,7 @@
  *     p_new = p*decay - step*(m_new / (sqrt(v_new) + eps))
  *
  * and the per-tensor updates of the ai.onnx.preview.training optimizers as
- * onnxtrain/optim/lower.py writes them (the rules SpecAdam, Momentum,
+ * onnxtrain/optim/spec_ops.py writes them (the rules SpecAdam, Momentum,
  * Nesterov, Adagrad; nc is a WeightDecay call the kernel takes in).  These
  * take one-element scalars first (nc and post optional: '' when the lowering
  * has no such operation), then any number of tensors, k inputs each (a

@@ -256,7 +256,7 @@ def expand_gradient_nodes(low: Lowering) -> None:
 
 def recompute_activations(low: Lowering) -> None:
     """Recompute saved activations in the backward pass, as the model's
-    metadata ``onnxtrain.recompute`` asks (``onnxtrain.recompute``)."""
+    metadata ``onnxtrain.recompute`` asks (``onnxtrain.lower.recompute``)."""
     if low.differentiated:
         spec = recompute_spec(low.tm.proto)
         if spec is not None:

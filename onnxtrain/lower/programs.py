@@ -243,7 +243,7 @@ def program_of(tm: TrainingModel, label: str, g: onnx.GraphProto, model: onnx.Mo
 def cached_program(tm: TrainingModel, label: str, lower: Any,
                    bindings: list[tuple[str, str]] | None = None) -> Program:
     """The Program of ``label``, its lowered model from the program cache
-    (``onnxtrain.cache``) or from ``lower()`` (a model, whose errors are
+    (``onnxtrain.lower.program_cache``) or from ``lower()`` (a model, whose errors are
     raised as usual), which is then stored.  ``label`` must name the program
     of ``tm`` exactly: it is part of the key."""
     model = program_cache.program_model(tm, label, lower)
@@ -260,7 +260,7 @@ def algorithm_program(tm: TrainingModel, index: int) -> Program:
 
 @dataclass
 class SplitAlgorithm:
-    """A training algorithm cut for data-parallel training (``lower.split``).
+    """A training algorithm cut for data-parallel training (``onnxtrain.lower.split``).
 
     ``a`` binds the rank-local state; its outputs also include ``reduced``
     (the values summed across ranks).  ``b`` (None when nothing needs it)

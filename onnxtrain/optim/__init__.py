@@ -13,8 +13,8 @@ are tested against.
 
 from . import reference, rules, transforms, updates
 from .common import SIGNATURES, OptimizerCall, Signature, split_node
-from .lower import MIN_OPSET, is_optimizer, lower_optimizers
 from .rules import RULES, FusedKernel, UpdateRule, apply, find_calls, update_rule
+from .spec_ops import MIN_OPSET, is_optimizer, lower_optimizers
 
 __all__ = [
     "MIN_OPSET",

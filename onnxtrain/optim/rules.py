@@ -7,8 +7,8 @@ applies the rule) and, per parameter, its value, its gradient and its
 state in; its new value and new state out.  Its ``body`` emits standard ONNX
 ops through an ``Emitter``; it is the one description every user applies
 with ``apply``: the builder's optimizers (``builder/optimizers.py``), the
-spec ops of ``ai.onnx.preview.training`` (``optim/lower.py``) and ONNX
-Runtime training's models (``ort_training/engine.py``).
+spec ops of ``ai.onnx.preview.training`` (``optim/spec_ops.py``) and ONNX
+Runtime training's models (``ort_training/standard_model.py``).
 
 **Calls.**  The nodes one ``apply`` emits form a *call*: each is named
 ``onnxtrain.rule/<rule>/<variant>/<dtype>/<call>/<k>`` (``k``: its place in

@@ -3,7 +3,7 @@ clipping and the L2 weight-decay penalty.
 
 Each takes the gradients (and what else it needs) and returns new ones; a
 front-end chains them before an update rule (``builder.transforms``, and
-``ort_training/engine.py``).
+``ort_training/standard_model.py``).
 
 >>> from onnxtrain.core.emitter import Emitter
 >>> from onnxtrain.core.names import NameGen

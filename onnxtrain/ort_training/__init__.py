@@ -1,7 +1,7 @@
 """ONNX Runtime training's Python API on onnxtrain (a drop-in for ``onnxruntime.training``).
 
->>> from onnxtrain.ort_training import artifacts                      # doctest: +SKIP
->>> from onnxtrain.ort_training.api import CheckpointState, Module, Optimizer, LinearLRScheduler  # doctest: +SKIP
+>>> from onnxtrain.ort_training import artifacts
+>>> from onnxtrain.ort_training.api import CheckpointState, Module, Optimizer, LinearLRScheduler
 
 - ``artifacts.generate_artifacts``: training, eval and optimizer models plus a checkpoint;
 - ``api``: ``CheckpointState``, ``Module``, ``Optimizer``, ``LinearLRScheduler``;

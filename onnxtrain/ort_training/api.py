@@ -1,13 +1,28 @@
 """``CheckpointState``, ``Module``, ``Optimizer``, ``LinearLRScheduler``: ONNX Runtime
 training 1.19.2's Python API (``onnxruntime.training.api``) on ``onnxtrain.TrainingSession``.
 
->>> from onnxtrain.ort_training.api import CheckpointState, Module, Optimizer  # doctest: +SKIP
->>> state = CheckpointState.load_checkpoint("art/checkpoint")                  # doctest: +SKIP
->>> module = Module("art/training_model.onnx", state, "art/eval_model.onnx")    # doctest: +SKIP
->>> opt = Optimizer("art/optimizer_model.onnx", module)                         # doctest: +SKIP
->>> loss = module(x, labels); opt.step(); module.lazy_reset_grad()            # doctest: +SKIP
+>>> import os, tempfile
+>>> import numpy as np
+>>> from onnxtrain import TrainingSession
+>>> from onnxtrain.demo import build_classifier
+>>> from onnxtrain.ort_training import artifacts
+>>> from onnxtrain.ort_training.api import CheckpointState, Module, Optimizer
+>>> art = tempfile.TemporaryDirectory()
+>>> artifacts.generate_artifacts(TrainingSession(build_classifier()).to_model(),  # X -> logits
+...                              requires_grad=["W1", "b1", "W2", "b2"],
+...                              loss=artifacts.LossType.CrossEntropyLoss,
+...                              optimizer=artifacts.OptimType.AdamW, artifact_directory=art.name)
+>>> state = CheckpointState.load_checkpoint(os.path.join(art.name, "checkpoint"))
+>>> module = Module(os.path.join(art.name, "training_model.onnx"), state,
+...                 os.path.join(art.name, "eval_model.onnx"))
+>>> opt = Optimizer(os.path.join(art.name, "optimizer_model.onnx"), module)
+>>> x, labels = np.zeros((4, 64), np.float32), np.arange(4)
+>>> loss = module(x, labels); opt.step(); module.lazy_reset_grad()
+>>> float(loss) > 0
+True
+>>> art.cleanup()
 
-The step runs as the model ``engine.training_model`` builds: training_info[0]
+The step runs as the model ``standard_model.training_model`` builds: training_info[0]
 is ``module(...)`` (gradients summed into buffers), training_info[1] is
 ``optimizer.step()``.  Parameters, gradients, the step count and the moments
 live in the session's state; ``CheckpointState`` reads and writes them there.
@@ -26,8 +41,8 @@ from ..io.storage import write_model
 from ..runtime.executor import is_ortvalue, owned_ortvalue
 from ..session import TrainingSession
 from . import checkpoint as ckpt
-from . import engine, models
-from .engine import LR, RESET, STEP, OptimizerConfig
+from . import models
+from .standard_model import LR, RESET, STEP, OptimizerConfig, grad_name, moment_name, training_model
 
 
 # ------------------------------------------------------------------ state
@@ -195,7 +210,7 @@ class CheckpointState:
         m = self._module
         if m is None or name not in self._data.trainable:
             return None
-        return np.array(m._session.state[engine.grad_name(name)])
+        return np.array(m._session.state[grad_name(name)])
 
     def _set(self, name: str, value: np.ndarray) -> None:
         value = np.asarray(value)
@@ -278,7 +293,7 @@ class Module:
         return values
 
     def _build(self, values, optimizer, extra) -> TrainingSession:
-        model = engine.training_model(self._forward, values, self._trainable, optimizer, extra,
+        model = training_model(self._forward, values, self._trainable, optimizer, extra,
                                       running=self._running)
         return TrainingSession(model, session_options=self._options)
 
@@ -401,7 +416,7 @@ class Module:
             for p, moments in group.states.items():
                 for key, value in moments.items():
                     if key.startswith("momentum") and key[8:].isdigit():
-                        extra[engine.moment_name(p, int(key[8:]))] = value
+                        extra[moment_name(p, int(key[8:]))] = value
         extra[LR] = np.array(lr, np.float32)
         values = {n: extra.pop(n) for n in (*self._order, *self._buffers)}
         self._session = self._build(values, cfg, extra)
@@ -413,7 +428,7 @@ class Module:
         state = self._session.state
         group = ckpt.OptimizerGroup("group0", int(state[STEP]), self._initial_lr)
         for p in self._trainable:
-            group.states[p] = {f"momentum{i}": np.array(state[engine.moment_name(p, i)])
+            group.states[p] = {f"momentum{i}": np.array(state[moment_name(p, i)])
                                for i in range(self._optimizer.moments)}
         return [group]
 

@@ -1,7 +1,7 @@
 """``import_ort``: a set of ONNX Runtime training artifacts plus a checkpoint ->
 one standard ONNX training model that ``TrainingSession``, ``fit`` and the CLI run.
 
-The result (``engine.training_model(..., fused=True)``): the main graph is the
+The result (``standard_model.training_model(..., fused=True)``): the main graph is the
 forward pass with its loss (parameters as initializers, the checkpoint's
 values); one TrainingInfoProto computes the gradient of the loss with
 respect to the trainable parameters and applies the optimizer of the
@@ -26,7 +26,8 @@ from onnx import numpy_helper
 from ..io.metadata import set_metadata
 from ..io.storage import write_model
 from . import checkpoint as ckpt
-from . import engine, models
+from . import models
+from .standard_model import LR, STEP, OptimizerConfig, moment_name, training_model
 
 
 def _artifact(folder: Path, prefix: str, name: str, required: bool) -> Path | None:
@@ -73,7 +74,7 @@ def import_ort(art_dir: str | os.PathLike, output: str | os.PathLike | None = No
         forward = models.forward_model(models.load(eval_path, "import_ort"), set(params))
     opt_path = _artifact(folder, prefix, "optimizer_model.onnx", False)
     cfg = (models.optimizer_config(models.load(opt_path, "import_ort")) if opt_path
-           else engine.OptimizerConfig("SGD"))
+           else OptimizerConfig("SGD"))
     order = [i.name for i in forward.graph.input if i.name in params]
     order += [n for n in params if n not in order]
     values = {n: params[n] for n in order}
@@ -83,16 +84,16 @@ def import_ort(art_dir: str | os.PathLike, output: str | os.PathLike | None = No
     if ck.optimizer_groups:
         group = ck.optimizer_groups[0]
         lr = group.initial_learning_rate
-        extra[engine.STEP] = np.array(group.step, np.int64)
+        extra[STEP] = np.array(group.step, np.int64)
         for p, moments in group.states.items():
             for key, value in moments.items():
                 if key.startswith("momentum") and key[8:].isdigit():
-                    extra[engine.moment_name(p, int(key[8:]))] = value
-    extra[engine.LR] = np.array(lr, np.float32)
+                    extra[moment_name(p, int(key[8:]))] = value
+    extra[LR] = np.array(lr, np.float32)
     running = models.running_statistics(forward)
     inits = {t.name: t for t in forward.graph.initializer}
     values.update({n: numpy_helper.to_array(inits[n]) for n in running if n not in values})
-    model = engine.training_model(forward, values, trainable, cfg, extra, fused=True, running=running)
+    model = training_model(forward, values, trainable, cfg, extra, fused=True, running=running)
     user_inputs = [i.name for i in model.graph.input]
     loss = forward.graph.output[0].name
     if len(user_inputs) > 1:
@@ -107,7 +108,7 @@ def import_ort(art_dir: str | os.PathLike, output: str | os.PathLike | None = No
         set_metadata(model, "export_outputs", [o.name for o in model.graph.output if o.name != loss])
     set_metadata(model, "loss", loss)
     set_metadata(model, "trainable", trainable)
-    set_metadata(model, "learning_rate", {"state": engine.LR, "base": float(lr)})
+    set_metadata(model, "learning_rate", {"state": LR, "base": float(lr)})
     for key, value in ck.properties.items():
         entry = model.metadata_props.add()
         entry.key, entry.value = f"ort_training.property.{key}", str(value)

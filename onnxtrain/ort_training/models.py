@@ -23,7 +23,7 @@ from onnx import helper
 
 from ..core.graph import DEFAULT_DOMAINS, batch_norm_training, node_inputs, opset_version, prune
 from ..core.names import NameGen
-from .engine import OPTIMIZER_KEY, OptimizerConfig
+from .standard_model import OPTIMIZER_KEY, OptimizerConfig
 
 #: metadata key marking the models ``artifacts.generate_artifacts`` writes
 KIND_KEY = "ort_training.kind"

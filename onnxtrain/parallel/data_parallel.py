@@ -1,7 +1,7 @@
 """Data-parallel training: the gradient buffers and the collectives of a step.
 
 A data-parallel session (``TrainingSession(model, comm=...)``) runs each
-algorithm as its two cut programs (``onnxtrain.split``): A writes the values
+algorithm as its two cut programs (``onnxtrain.lower.split``): A writes the values
 to reduce straight into ``GradientBuffers``, one flat numpy buffer per
 dtype that onnxruntime sees as OrtValues through IOBinding (no copies);
 ``DataParallel.reduce`` scales them and sums them across ranks in place, in

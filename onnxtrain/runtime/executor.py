@@ -3,7 +3,7 @@
 - ``Executor``: one compiled onnxruntime session of one program.  ``run`` takes
   and returns numpy arrays; ``run_bound`` is the hot path: state tensors go in
   and out as OrtValues through IOBinding, so a training step copies no state.
-- ``new_buffer`` / ``empty_like``: the OrtValues that ``onnxtrain.state``'s
+- ``new_buffer`` / ``empty_like``: the OrtValues that ``onnxtrain.runtime.state``'s
   StateStore keeps the state variables in.
 """
 
@@ -285,7 +285,7 @@ class Executor:
 
     def _share_mapped(self, model: onnx.ModelProto, so: ort.SessionOptions, label: str,
                       own: bool) -> onnx.ModelProto:
-        """Hand the model's mapped weights (``onnxtrain.mapped``) to onnxruntime
+        """Hand the model's mapped weights (``onnxtrain.io.mapped``) to onnxruntime
         without copying them, and return the model to compile.
 
         Each main-graph initializer that is mapped becomes a shared initializer

@@ -3,7 +3,7 @@
 ``TrainingSession.fit/evaluate/predict`` delegate here.  What the loop needs
 to know about a model (which inputs the data feeds, which output is the loss,
 which algorithm runs on which batch) comes from ``model.metadata_props``
-written by ``onnxtrain.build`` (JSON values, ``onnxtrain.metadata`` lists the
+written by ``onnxtrain.build`` (JSON values, ``onnxtrain.io.metadata`` lists the
 keys), and is inferred from the graphs for hand-built models.
 
 How ``evaluate`` computes the loss without training: through the session's
@@ -152,7 +152,7 @@ def fit(
     - ``progress``: a ``tqdm.auto`` bar per epoch (a widget in notebooks)
       with the running loss and lr; ``"epoch"``: one plain line per epoch on
       stderr; False: silent.
-    - ``callbacks``: see ``onnxtrain.callbacks`` (Keras hooks).
+    - ``callbacks``: see ``onnxtrain.train.callbacks`` (Keras hooks).
 
     ``sess.fit_position`` is updated after every batch, so ``export(training=True)``
     at any point (a callback, after Ctrl-C) records where the run stands.
@@ -162,8 +162,56 @@ def fit(
     the epoch, batch and step, unless a ``TerminateOnNaN`` callback is
     given: then fit stops there and returns.  Either way that step was
     committed (only its returned loss is checked)."""
-    caller = "fit"
     epochs, batch_size = int(epochs), int(batch_size)
+    _check_fit_arguments(sess, epochs, batch_size, validation_split, log_every, initial_epoch)
+    spec = fit_spec(sess)
+    cycle = spec.cycle if cycle is None else _checked_cycle(sess, cycle)
+    callbacks = check_callbacks(callbacks)
+    train, validation, metric_fns = _fit_data(sess, spec, x, y, validation_split, validation_data, metrics)
+    drop_last = _decide_drop_last(sess, spec, train, batch_size, drop_last)
+    comm = getattr(sess, "comm", None)
+    rank, ranks = (comm.rank, comm.size) if comm is not None else (0, 1)
+    if ranks > 1:
+        check_same_rows(comm, train, "fit")
+        if rank != 0:
+            # Rank 0 alone shows progress and writes files (checkpoints, logs).
+            progress = False
+            callbacks = [cb for cb in callbacks if not getattr(cb, "output_paths", None)]
+    _start_callbacks(sess, callbacks)
+    lr_known = _has_learning_rate(sess)
+    classes = label_classes(sess, spec.target) if spec.target is not None else None
+
+    per_epoch = train.num_batches(batch_size, drop_last, ranks)
+    run = span(sess.fit_position, epochs, initial_epoch, per_epoch)
+    schedule = start_schedule(sess, run.end, per_epoch, cycle) if lr_known and not run.nothing else None
+    fitting = _Fit(
+        sess=sess, spec=spec, train=train, validation=validation, metric_fns=metric_fns,
+        hooks={h: [cb for cb in callbacks if getattr(cb, h, None) is not None] for h in HOOKS},
+        terminate_on_nan=any(isinstance(cb, TerminateOnNaN) for cb in callbacks),
+        batch_size=batch_size, drop_last=drop_last, shuffle=shuffle, seed=seed, log_every=log_every,
+        cycle=cycle, progress=progress, comm=comm, rank=rank, ranks=ranks, per_epoch=per_epoch,
+        epochs=run.end, base_step=run.base_step, lr_known=lr_known, schedule=schedule,
+        classes=classes,
+        # The cycle position continues across epochs (and across fit calls and a resume).
+        cycle_pos=run.first * per_epoch + run.skip if per_epoch is not None else 0,
+    )
+    history = History()
+    if run.nothing:
+        fitting.nothing_to_train(run.nothing, history)
+    _call(fitting.hooks["on_train_begin"], "on_train_begin",
+          {"epochs": run.end, "initial_epoch": run.first, "steps_per_epoch": per_epoch})
+    try:
+        for epoch in range(run.first, run.end):
+            if fitting.train_epoch(epoch, run.skip if epoch == run.first else 0, history):
+                break
+    finally:
+        history.steps = fitting.step
+    _call(fitting.hooks["on_train_end"], "on_train_end", dict(history.last))
+    return history
+
+
+def _check_fit_arguments(sess: Any, epochs: int, batch_size: int, validation_split: float, log_every: int,
+                         initial_epoch: int | None) -> None:
     if batch_size < 1:
         raise ValueError(f"fit: batch_size must be >= 1, got {batch_size}")
     if not 0.0 <= float(validation_split) < 1.0:
@@ -174,16 +222,23 @@ def fit(
         raise TrainingModelError("fit: the model has no training_info: there is nothing to train")
     if epochs < 0 or (initial_epoch is not None and int(initial_epoch) < 0):
         raise ValueError(f"fit: epochs and initial_epoch must be >= 0, got {epochs}, {initial_epoch}")
-    spec = fit_spec(sess)
-    if cycle is not None:
-        cycle = tuple(cycle)
-        n = sess.num_algorithms
-        if not cycle or not all(i is None or (isinstance(i, int) and 0 <= i < n) for i in cycle):
-            raise ValueError(f"fit: cycle must list algorithm indices in [0, {n}) or None, got {cycle!r}")
-    else:
-        cycle = spec.cycle
-    callbacks = check_callbacks(callbacks)
-    train = as_data(sess, spec, x, caller, need_target=True, y=y)
+
+
+def _checked_cycle(sess: Any, cycle: Sequence[int | None]) -> tuple[int | None, ...]:
+    """``fit(cycle=...)``: algorithm indices (None: every algorithm in order)."""
+    cycle = tuple(cycle)
+    n = sess.num_algorithms
+    if not cycle or not all(i is None or (isinstance(i, int) and 0 <= i < n) for i in cycle):
+        raise ValueError(f"fit: cycle must list algorithm indices in [0, {n}) or None, got {cycle!r}")
+    return cycle
+
+
+def _fit_data(sess: Any, spec: FitSpec, x: Any, y: Any, validation_split: float, validation_data: Any,
+              metrics: Any) -> tuple[Data, Data | None, dict[str, Callable]]:
+    """The training data, the validation data (held out by ``validation_split``,
+    or ``validation_data``) and the metric functions of a ``fit`` call."""
+    train = as_data(sess, spec, x, "fit", need_target=True, y=y)
+    validation = None
     if validation_split:
         if train.arrays is None:
             raise ValueError("fit: validation_split needs arrays, not an iterable of batches")
@@ -196,9 +251,7 @@ def fit(
         cut = train.rows - n_val
         validation = Data({k: v[cut:] for k, v in train.arrays.items()}, None)
         train = Data({k: v[:cut] for k, v in train.arrays.items()}, None)
-    else:
-        validation = None
-    metric_fns = metric_functions(spec, metrics, caller)
+    metric_fns = metric_functions(spec, metrics, "fit")
     if validation_data is not None:
         validation = as_data(sess, spec, validation_data, "fit(validation_data)", need_target=True)
     if validation is not None and spec.loss is None:
@@ -206,15 +259,12 @@ def fit(
             "fit: validation needs the loss output, and the model names none (no "
             "onnxtrain.loss metadata, no output named 'loss')"
         )
-    drop_last = _decide_drop_last(sess, spec, train, batch_size, drop_last)
-    comm = getattr(sess, "comm", None)
-    rank, ranks = (comm.rank, comm.size) if comm is not None else (0, 1)
-    if ranks > 1:
-        check_same_rows(comm, train, "fit")
-        if rank != 0:
-            # Rank 0 alone shows progress and writes files (checkpoints, logs).
-            progress = False
-            callbacks = [cb for cb in callbacks if not getattr(cb, "output_paths", None)]
+    return train, validation, metric_fns
+
+
+def _start_callbacks(sess: Any, callbacks: Sequence[Any]) -> None:
+    """Check the files the callbacks write (writable, one callback each), then
+    hand them the session."""
     seen: list[tuple[str, Any]] = []
     for cb in callbacks:
         for path in getattr(cb, "output_paths", lambda: [])():
@@ -228,145 +278,190 @@ def fit(
     for cb in callbacks:
         if callable(getattr(cb, "set_session", None)):
             cb.set_session(sess)
-    terminate_on_nan = any(isinstance(cb, TerminateOnNaN) for cb in callbacks)
-    lr_known = _has_learning_rate(sess)
-    classes = label_classes(sess, spec.target) if spec.target is not None else None
 
-    per_epoch = train.num_batches(batch_size, drop_last, ranks)
-    run = span(sess.fit_position, epochs, initial_epoch, per_epoch)
-    initial_epoch, skip, base_step, epochs = run.first, run.skip, run.base_step, run.end
-    schedule = start_schedule(sess, epochs, per_epoch, cycle) if lr_known and not run.nothing else None
-    # The cycle position continues across epochs (and across fit calls and a resume).
-    cycle_pos = initial_epoch * per_epoch + skip if per_epoch is not None else 0
-    hooks = {h: [cb for cb in callbacks if getattr(cb, h, None) is not None] for h in HOOKS}
 
-    history = History()
-    if run.nothing:
-        if progress is not False and rank == 0:
-            print(f"nothing to train: {run.nothing}", file=sys.stderr, flush=True)
-        keys = ["loss"] if spec.loss is not None and log_every else []
-        keys += list(metric_fns)
-        if validation is not None:
-            keys += ["val_loss"] + [f"val_{name}" for name in metric_fns]
-        history.history = {key: [] for key in keys + (["lr"] if lr_known else [])}
-    step = 0
-    stop = broke = nan_stop = False
-    _call(hooks["on_train_begin"], "on_train_begin",
-          {"epochs": epochs, "initial_epoch": initial_epoch, "steps_per_epoch": per_epoch})
-    try:
-        for epoch in range(initial_epoch, epochs):
-            start = time.perf_counter()
-            order = None
-            if shuffle and train.arrays is not None:
-                order = np.random.default_rng((int(seed), epoch)).permutation(train.rows)
-            loss_mean = Mean()
-            metric_means = {name: Mean() for name in metric_fns}
-            if _call(hooks["on_epoch_begin"], "on_epoch_begin", epoch, {}):
-                history.stopped_early = True
-                break
-            first = skip if epoch == initial_epoch else 0
-            lr = _current_rate(sess) if lr_known else None
-            bar = _progress_bar(progress, per_epoch, f"epoch {epoch + 1}/{epochs}", first)
-            batches = train.batches(batch_size, order, drop_last, (rank, ranks))
-            if ranks > 1 and train.arrays is None:
-                batches = in_step(comm, batches)
-            try:
-                for i, batch in enumerate(batches):
-                    if i < first:
-                        continue
-                    if train.arrays is None and spec.target in batch:
-                        target = np.asarray(batch[spec.target])
-                        if ranks > 1:  # a bad batch on one rank stops every rank
-                            together(comm, "fit: the batch check", check_targets, sess, spec,
-                                     target, caller, classes)
-                        else:
-                            check_targets(sess, spec, target, caller, classes)
-                    if _call(hooks["on_batch_begin"], "on_batch_begin", i, {"epoch": epoch, "batch": i}):
-                        stop = broke = True
-                        break
-                    algorithm = cycle[cycle_pos % len(cycle)]
-                    fetch = bool(log_every) and i % log_every == 0
-                    if lr_known:  # the rate this step uses, schedule included
-                        lr = _current_rate(sess)
-                        if schedule is not None:  # one warning when it has ended
-                            schedule.check(lr, epoch, i)
-                    out = sess.train_step(batch, algorithm=algorithm, fetch=fetch)
-                    cycle_pos += 1
-                    step += 1
-                    sess.fit_position = {"epoch": epoch, "batch": i + 1, "step": base_step + step,
-                                         "source": "fit"}
-                    rows = rows_of(batch)
-                    logs: dict[str, Any] = {"epoch": epoch, "batch": i, "step": step, "size": rows}
-                    if lr is not None:
-                        logs["lr"] = lr
-                    if fetch and spec.loss in out:
-                        logs["loss"] = float(np.mean(out[spec.loss]))
-                        if ranks > 1:  # the global batch's loss, the same on every rank
-                            total, rows = comm_sum(comm, [logs["loss"] * rows, rows])
-                            logs["loss"], logs["size"] = total / rows, int(rows)
-                        if not math.isfinite(logs["loss"]):
-                            if terminate_on_nan:
-                                _call(hooks["on_batch_end"], "on_batch_end", i, logs)
-                                stop = broke = nan_stop = True
-                                break
-                            raise NonFiniteLossError(
-                                f"fit: the training loss is {logs['loss']} at epoch {epoch + 1}, "
-                                f"batch {i + 1} (step {step} of this run); training stopped. The "
-                                "step was committed: the state holds the parameters after it",
-                                epoch, i, step, logs["loss"],
-                            )
-                        loss_mean.add(logs["loss"], rows)
-                        if spec.prediction in out and spec.target in batch:
-                            for name, fn in metric_fns.items():
-                                value, weight = fn(batch[spec.target], out[spec.prediction])
-                                metric_means[name].add(value, weight)
-                    if bar is not None:
-                        if "loss" in logs:
-                            post = {"loss": fmt_loss(loss_mean.result())}
-                            if lr is not None:
-                                post["lr"] = f"{lr:.3g}"
-                            bar.set_postfix(post, refresh=False)
-                        bar.update(1)
-                    if hooks["on_batch_end"] and _call(hooks["on_batch_end"], "on_batch_end", i, logs):
-                        stop = broke = True
-                        break
-                epoch_logs: dict[str, float] = {}
-                if ranks > 1:
-                    for mean in metric_means.values():
-                        mean.total, mean.weight = comm_sum(comm, [mean.total, mean.weight])
-                if loss_mean.weight:
-                    epoch_logs["loss"] = loss_mean.result()
-                for name, mean in metric_means.items():
-                    if mean.weight:
-                        epoch_logs[name] = mean.result()
-                if validation is not None and not nan_stop:  # no validation of NaN weights
-                    val = _evaluate_data(sess, spec, validation, DEFAULT_EVAL_BATCH, metric_fns,
-                                         comm if ranks > 1 else None)
-                    epoch_logs.update({f"val_{k}": v for k, v in val.items()})
+#: Why an epoch ended before its last batch: a callback asked to stop, or a
+#: non-finite loss met under TerminateOnNaN.
+STOPPED, NAN = "stopped", "nan"
+
+
+@dataclass
+class _Fit:
+    """One ``fit`` call: what it decided before the first step, and its counters
+    (``step``: steps of this call; ``cycle_pos``: batches of the run so far)."""
+
+    sess: Any
+    spec: FitSpec
+    train: Data
+    validation: Data | None
+    metric_fns: dict[str, Callable]
+    hooks: dict[str, list[Any]]
+    terminate_on_nan: bool
+    batch_size: int
+    drop_last: bool
+    shuffle: bool
+    seed: Any
+    log_every: int
+    cycle: Sequence[int | None]
+    progress: bool | str
+    comm: Any
+    rank: int
+    ranks: int
+    per_epoch: int | None
+    epochs: int
+    base_step: int
+    lr_known: bool
+    schedule: Any
+    classes: Any
+    cycle_pos: int
+    step: int = 0
+
+    def nothing_to_train(self, why: str, history: History) -> None:
+        """Say so (unless silent), and give the History the keys a run would have."""
+        if self.progress is not False and self.rank == 0:
+            print(f"nothing to train: {why}", file=sys.stderr, flush=True)
+        keys = ["loss"] if self.spec.loss is not None and self.log_every else []
+        keys += list(self.metric_fns)
+        if self.validation is not None:
+            keys += ["val_loss"] + [f"val_{name}" for name in self.metric_fns]
+        history.history = {key: [] for key in keys + (["lr"] if self.lr_known else [])}
+
+    def train_epoch(self, epoch: int, first: int, history: History) -> bool:
+        """Train epoch ``epoch`` from its batch ``first`` and record it in
+        ``history``; True when the run stops after it."""
+        start = time.perf_counter()
+        order = None
+        if self.shuffle and self.train.arrays is not None:
+            order = np.random.default_rng((int(self.seed), epoch)).permutation(self.train.rows)
+        loss_mean = Mean()
+        metric_means = {name: Mean() for name in self.metric_fns}
+        if _call(self.hooks["on_epoch_begin"], "on_epoch_begin", epoch, {}):
+            history.stopped_early = True
+            return True
+        lr = _current_rate(self.sess) if self.lr_known else None
+        bar = _progress_bar(self.progress, self.per_epoch, f"epoch {epoch + 1}/{self.epochs}", first)
+        batches = self.train.batches(self.batch_size, order, self.drop_last, (self.rank, self.ranks))
+        if self.ranks > 1 and self.train.arrays is None:
+            batches = in_step(self.comm, batches)
+        ended = ""  # STOPPED or NAN when the epoch ends early
+        try:
+            for i, batch in enumerate(batches):
+                if i < first:
+                    continue
+                lr, ended = self.train_batch(epoch, i, batch, lr, loss_mean, metric_means, bar)
+                if ended:
+                    break
+            # No validation of NaN weights.
+            epoch_logs = self.epoch_logs(loss_mean, metric_means, lr, validate=ended != NAN)
+            if bar is not None:
+                bar.set_postfix({k: f"{v:.4g}" for k, v in epoch_logs.items()}, refresh=False)
+        finally:
+            if bar is not None:
+                bar.close()
+        seconds = time.perf_counter() - start
+        history.append(epoch, epoch_logs, seconds)
+        history.steps = self.step
+        if not ended:
+            self.sess.fit_position = {"epoch": epoch + 1, "batch": 0, "step": self.base_step + self.step,
+                                      "source": "fit"}
+        if self.progress == "epoch" and self.rank == 0:
+            print(epoch_line(epoch, self.epochs, epoch_logs, seconds), file=sys.stderr, flush=True)
+        stop = bool(ended)
+        if _call(self.hooks["on_epoch_end"], "on_epoch_end", epoch, dict(epoch_logs)):
+            stop = True
+        if stop:
+            history.stopped_early = bool(ended) or epoch + 1 < self.epochs
+        return stop
+
+    def train_batch(self, epoch: int, i: int, batch: Mapping[str, Any], lr: float | None, loss_mean: Mean,
+                    metric_means: Mapping[str, Mean], bar: Any) -> tuple[float | None, str]:
+        """One step on batch ``i`` of epoch ``epoch``: the rate it used, and
+        STOPPED or NAN when the epoch ends there ("" when it goes on)."""
+        spec = self.spec
+        if self.train.arrays is None and spec.target in batch:
+            self.check_batch_targets(np.asarray(batch[spec.target]))
+        if _call(self.hooks["on_batch_begin"], "on_batch_begin", i, {"epoch": epoch, "batch": i}):
+            return lr, STOPPED
+        algorithm = self.cycle[self.cycle_pos % len(self.cycle)]
+        fetch = bool(self.log_every) and i % self.log_every == 0
+        if self.lr_known:  # the rate this step uses, schedule included
+            lr = _current_rate(self.sess)
+            if self.schedule is not None:  # one warning when it has ended
+                self.schedule.check(lr, epoch, i)
+        out = self.sess.train_step(batch, algorithm=algorithm, fetch=fetch)
+        self.cycle_pos += 1
+        self.step += 1
+        self.sess.fit_position = {"epoch": epoch, "batch": i + 1, "step": self.base_step + self.step,
+                                  "source": "fit"}
+        logs: dict[str, Any] = {"epoch": epoch, "batch": i, "step": self.step, "size": rows_of(batch)}
+        if lr is not None:
+            logs["lr"] = lr
+        if fetch and spec.loss in out:
+            if not self.log_loss(epoch, i, logs, out):
+                _call(self.hooks["on_batch_end"], "on_batch_end", i, logs)
+                return lr, NAN
+            loss_mean.add(logs["loss"], logs["size"])
+            if spec.prediction in out and spec.target in batch:
+                for name, fn in self.metric_fns.items():
+                    value, weight = fn(batch[spec.target], out[spec.prediction])
+                    metric_means[name].add(value, weight)
+        if bar is not None:
+            if "loss" in logs:
+                post = {"loss": fmt_loss(loss_mean.result())}
                 if lr is not None:
-                    epoch_logs["lr"] = lr
-                if bar is not None:
-                    bar.set_postfix({k: f"{v:.4g}" for k, v in epoch_logs.items()}, refresh=False)
-            finally:
-                if bar is not None:
-                    bar.close()
-            seconds = time.perf_counter() - start
-            history.append(epoch, epoch_logs, seconds)
-            history.steps = step
-            if not broke:
-                sess.fit_position = {"epoch": epoch + 1, "batch": 0, "step": base_step + step,
-                                     "source": "fit"}
-            if progress == "epoch" and rank == 0:
-                print(epoch_line(epoch, epochs, epoch_logs, seconds), file=sys.stderr, flush=True)
-            if _call(hooks["on_epoch_end"], "on_epoch_end", epoch, dict(epoch_logs)):
-                stop = True
-            if stop:
-                history.stopped_early = broke or epoch + 1 < epochs
-                break
-    finally:
-        history.steps = step
-    _call(hooks["on_train_end"], "on_train_end", dict(history.last))
-    return history
+                    post["lr"] = f"{lr:.3g}"
+                bar.set_postfix(post, refresh=False)
+            bar.update(1)
+        if self.hooks["on_batch_end"] and _call(self.hooks["on_batch_end"], "on_batch_end", i, logs):
+            return lr, STOPPED
+        return lr, ""
+
+    def check_batch_targets(self, target: np.ndarray) -> None:
+        """The labels of a batch given as a dict (arrays are checked once, up front)."""
+        if self.ranks > 1:  # a bad batch on one rank stops every rank
+            together(self.comm, "fit: the batch check", check_targets, self.sess, self.spec, target, "fit",
+                     self.classes)
+        else:
+            check_targets(self.sess, self.spec, target, "fit", self.classes)
+
+    def log_loss(self, epoch: int, i: int, logs: dict[str, Any], out: Mapping[str, Any]) -> bool:
+        """Put the step's loss into ``logs`` (data-parallel: the global batch's,
+        with its rows as ``size``); False when it is not finite under
+        TerminateOnNaN, NonFiniteLossError when it is not finite otherwise."""
+        logs["loss"] = float(np.mean(out[self.spec.loss]))
+        if self.ranks > 1:  # the global batch's loss, the same on every rank
+            total, rows = comm_sum(self.comm, [logs["loss"] * logs["size"], logs["size"]])
+            logs["loss"], logs["size"] = total / rows, int(rows)
+        if math.isfinite(logs["loss"]):
+            return True
+        if self.terminate_on_nan:
+            return False
+        raise NonFiniteLossError(
+            f"fit: the training loss is {logs['loss']} at epoch {epoch + 1}, "
+            f"batch {i + 1} (step {self.step} of this run); training stopped. The "
+            "step was committed: the state holds the parameters after it",
+            epoch, i, self.step, logs["loss"],
+        )
+
+    def epoch_logs(self, loss_mean: Mean, metric_means: Mapping[str, Mean], lr: float | None,
+                   validate: bool) -> dict[str, float]:
+        """The epoch's loss, metrics (over every rank), validation and rate."""
+        epoch_logs: dict[str, float] = {}
+        if self.ranks > 1:
+            for mean in metric_means.values():
+                mean.total, mean.weight = comm_sum(self.comm, [mean.total, mean.weight])
+        if loss_mean.weight:
+            epoch_logs["loss"] = loss_mean.result()
+        for name, mean in metric_means.items():
+            if mean.weight:
+                epoch_logs[name] = mean.result()
+        if self.validation is not None and validate:
+            val = _evaluate_data(self.sess, self.spec, self.validation, DEFAULT_EVAL_BATCH, self.metric_fns,
+                                 self.comm if self.ranks > 1 else None, stacklevel=5)
+            epoch_logs.update({f"val_{k}": v for k, v in val.items()})
+        if lr is not None:
+            epoch_logs["lr"] = lr
+        return epoch_logs
 
 
 @dataclass(frozen=True)
@@ -521,9 +616,10 @@ def evaluate(
 
 
 def _evaluate_data(sess: Any, spec: FitSpec, data: Data, batch_size: int,
-                   metric_fns: Mapping[str, Callable], comm: Any = None) -> dict[str, float]:
+                   metric_fns: Mapping[str, Callable], comm: Any = None, stacklevel: int = 3) -> dict[str, float]:
     """Loss and metrics over ``data``; with ``comm`` (data-parallel fit), each
-    rank evaluates its share of the rows and the means combine over the ranks."""
+    rank evaluates its share of the rows and the means combine over the ranks.
+    ``stacklevel``: its warning's, counted from here (``fit`` calls it from deeper)."""
     if comm is not None and data.arrays is not None:
         lo = comm.rank * data.rows // comm.size
         hi = (comm.rank + 1) * data.rows // comm.size
@@ -540,7 +636,7 @@ def _evaluate_data(sess: Any, spec: FitSpec, data: Data, batch_size: int,
                              f"has only {data.rows} rows")
         if data.rows % fixed:
             warnings.warn(f"evaluate: the model has a fixed batch size of {fixed}; the last "
-                          f"{data.rows % fixed} row(s) are not evaluated", UserWarning, stacklevel=3)
+                          f"{data.rows % fixed} row(s) are not evaluated", UserWarning, stacklevel=stacklevel)
     for batch in data.batches(batch_size, drop_last=fixed is not None):
         out = sess.evaluate_batch(batch, spec.loss, spec.prediction, spec.loss_algorithm)
         rows = rows_of(batch)

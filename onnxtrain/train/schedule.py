@@ -55,7 +55,7 @@ class ScheduleWatch:
         warnings.warn(
             f"fit: the learning-rate schedule {what} has ended: the rate is 0 from epoch "
             f"{epoch + 1}, batch {batch + 1} on, so further steps change nothing ({fix})",
-            ScheduleEndedWarning, stacklevel=4)
+            ScheduleEndedWarning, stacklevel=6)  # the caller of TrainingSession.fit (via _Fit.train_batch)
 
 
 def start_schedule(sess: Any, epochs: int, per_epoch: int | None,

@@ -440,8 +440,39 @@ def test_adapter_file_round_trip_equals_merged_export(tmp_path):
         lora_mod.save_adapters(model, tmp_path / "x.npz")
 
 
-def test_docstring_examples():
-    import doctest
+# ------------------------------------------------------------------ LoRA init
+def narrowing_model() -> onnx.ModelProto:
+    """X[N,64] -> MatMul W1[64,4] (in 64, out 4) -> Relu -> Gemm(transB=1) with
+    W2 stored as [out, in] = [2, 4] (in 4, out 2): both targets have out < in."""
+    rng = np.random.default_rng(0)
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["X", "W1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+         helper.make_node("Gemm", ["r", "W2"], ["Y"], transB=1)], "narrowing",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 64])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 2])],
+        [numpy_helper.from_array(rng.standard_normal((64, 4)).astype(np.float32), "W1"),
+         numpy_helper.from_array(rng.standard_normal((2, 4)).astype(np.float32), "W2")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
-    result = doctest.testmod(lora_mod, optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0 and result.attempted > 0
+
+def test_lora_a_bound_is_one_over_sqrt_of_the_input_features():
+    """A of W1 ([in, r] = [64, 16]) within 1/sqrt(64) = 0.125, and filling it
+    (its largest |value| above 0.9 of the bound); A of the transposed W2
+    ([4, 16]) within 1/sqrt(4) = 0.5.  B is zero.
+
+    Bug caught: ``bound = 1.0 / np.sqrt(n_in)`` written as
+    ``bound = 1.0 / np.sqrt(n_out)`` in ``lora.apply``."""
+    tm = build.training_model(narrowing_model(), loss="mse",
+                              lora=build.LoRA(rank=16, alpha=16, seed=3))
+    inits = {t.name: numpy_helper.to_array(t) for t in tm.graph.initializer}
+    for weight, n_in, n_out in (("W1", 64, 4), ("W2", 4, 2)):
+        a, b = inits[f"{weight}.lora_A"], inits[f"{weight}.lora_B"]
+        assert a.shape == (n_in, 16) and b.shape == (16, n_out)
+        bound = 1.0 / np.sqrt(n_in)
+        largest = float(np.abs(a).max())
+        assert 0.9 * bound < largest <= bound, f"{weight}.lora_A: max |A| {largest:.4f}, bound {bound:.4f}"
+        assert not b.any()
+    # The session starts from the base model's predictions (B = 0).
+    x = np.random.default_rng(1).standard_normal((5, 64)).astype(np.float32)
+    base = TrainingSession(build.training_model(narrowing_model(), loss="mse"))
+    np.testing.assert_array_equal(TrainingSession(tm).run({"X": x})["Y"], base.run({"X": x})["Y"])

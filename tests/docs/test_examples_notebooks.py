@@ -1,10 +1,12 @@
 """Every example runs (``--quick``, in a subprocess) and both notebooks execute (nbclient).
 
 The notebooks are stored without outputs; here they run top to bottom in a
-kernel of this Python (ipykernel), each cell with a time limit."""
+kernel of this Python (ipykernel), each cell with a time limit.  Every example takes ``--no-progress``, and
+``decoder_lm.py`` writes nowhere near the repository unless told."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import subprocess
@@ -208,3 +210,39 @@ def test_anatomy_notebook_runs(tmp_path):
     assert "training_info[0].algorithm" in text and "preview ops left: 0" in text
     assert "after initialize(): True" in text
     assert "FitSpec(" in text
+
+
+# ------------------------------------------------------------------ the examples' options
+def example_scripts() -> list[Path]:
+    return sorted(p for p in EXAMPLES.glob("*.py")
+                  if "argparse.ArgumentParser" in p.read_text())
+
+
+@pytest.mark.parametrize("script", example_scripts(), ids=lambda p: p.name)
+def test_every_example_takes_no_progress(script):
+    tree = ast.parse(script.read_text())
+    options = {a.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+               and getattr(node.func, "attr", None) == "add_argument"
+               for a in node.args if isinstance(a, ast.Constant)}
+    assert "--no-progress" in options
+
+
+def test_decoder_lm_writes_to_a_temporary_folder_by_default(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("decoder_lm_example", EXAMPLES / "decoder_lm.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "decoder_lm_example", module)  # dataclasses look it up
+    spec.loader.exec_module(module)
+    written = []
+
+    def fake_write(path, cfg):
+        written.append(Path(path))
+        return {"path": str(path), "parameters": 1, "data_bytes": 0, "seconds": 0.0}
+
+    monkeypatch.setattr(module, "write_decoder_lm", fake_write)
+    monkeypatch.setattr(module.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert module.main([]) == 0
+    assert written[0].parent.parent == tmp_path / "tmp"
+    assert module.main(["--out", "mine"]) == 0
+    assert written[1].parent == Path("mine")

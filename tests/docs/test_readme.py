@@ -1,4 +1,5 @@
-"""The README's quick start runs as written."""
+"""The README: its quick start runs as written, it gives the commands CI runs
+and says how long the tests take, and its torch block names onnxscript."""
 
 from __future__ import annotations
 
@@ -29,3 +30,19 @@ def test_readme_gives_the_two_commands_and_ci_runs_the_test_one():
     test_cmd = "python3 -m venv .venv && .venv/bin/pip install -e '.[test,mpi]' && .venv/bin/python -m pytest -q -n 2"
     assert test_cmd in text and test_cmd in ci
     assert "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/onnxtrain demo" in text
+
+
+def test_the_torch_block_names_onnxscript():
+    block = next(b for b in re.findall(r"^```python\n(.*?)^```", README.read_text(), re.S | re.M)
+                 if "torch.onnx.export" in b)
+    first = block.splitlines()[0]
+    assert first.startswith("# needs: torch onnxscript ") and "pip install torch onnxscript" in first
+    assert "pip install torch onnxscript" in README.read_text().split("```python\n" + block)[0][-400:]
+
+
+def test_the_readme_says_how_long_the_tests_take():
+    text = README.read_text()
+    command = ".venv/bin/python -m pytest -q -n 2\n```"
+    after = text[text.index(command) + len(command):][:400]
+    assert re.search(r"about \d+-\d+ minutes on 2 cores", after), after
+    assert re.search(r"\d[\d,]* tests", after), after

@@ -4,8 +4,6 @@ fields ``onnxtrain.bundle.save`` writes."""
 
 from __future__ import annotations
 
-import doctest
-import importlib
 import json
 import re
 from pathlib import Path
@@ -50,9 +48,3 @@ def test_the_field_table_names_every_written_field(written):
     rows = re.findall(r"^\| (`[^|]+`) \|", DOC.read_text(), re.M)
     documented = {name.removesuffix("[i]") for row in rows for name in re.findall(r"`([^`]+)`", row)}
     assert documented == set(written)
-
-
-@pytest.mark.parametrize("module", ["onnxtrain.export.session_like", "onnxtrain.export.bundle_format"])
-def test_docstring_examples(module):
-    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0 and result.attempted > 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -308,3 +309,18 @@ def test_example_runs_quick(script, expected):
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert expected in proc.stdout
+
+
+# ------------------------------------------------------------------ what the demo says
+def test_the_demo_labels_its_losses(capsys, tmp_path):
+    assert main(["demo", "--epochs", "1", "-o", str(tmp_path / "d.onnx")]) == 0
+    captured = capsys.readouterr()
+    assert "last batch loss=" in captured.err  # the bar: each batch's own loss
+    assert "last epoch's mean loss" in captured.out  # the summary: the epoch mean
+
+
+def test_the_demo_checks_its_output_before_training(capsys, tmp_path):
+    start = time.perf_counter()
+    assert main(["demo", "--epochs", "1000", "-o", "/proc/d.onnx", "--no-progress"]) == 1
+    assert time.perf_counter() - start < 20
+    assert "-o /proc/d.onnx: the folder '/proc' takes no new files" in capsys.readouterr().err

@@ -498,17 +498,6 @@ def test_html_summary():
     assert "float32[N, 64]" in html and "trainable" in html
 
 
-# ------------------------------------------------------------------ doctests
-@pytest.mark.parametrize("module", ["onnxtrain.train.loop", "onnxtrain.summary", "onnxtrain.cli.app",
-                                    "onnxtrain.train.callbacks", "onnxtrain.train.datasets"])
-def test_docstring_examples(module):
-    import doctest
-    import importlib
-
-    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0 and result.attempted > 0
-
-
 def test_infinite_loss_stops_fit_naming_the_step():
     """y = log(X w): rows of zeros give log(0) = -inf, an infinite MSE at the third batch."""
     from onnx import TensorProto, helper, numpy_helper

@@ -12,9 +12,11 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
-from onnxtrain import TrainingSession
+from onnxtrain import TrainingSession, build
 from onnxtrain.datasets import load_digits
 from onnxtrain.demo import build_classifier
 from onnxtrain.io.metadata import read_position
@@ -176,3 +178,59 @@ def test_nothing_to_train_keeps_the_learning_rate_key_of_a_built_model(capsys):
     assert "nothing to train: epochs=0" in capsys.readouterr().err
     assert history.keys() == trained.keys() == ["loss", "accuracy", "lr"]
     assert all(history[k] == [] for k in history.keys())
+
+
+# ------------------------------------------------------------------ a resume inside an algorithm cycle
+def classifier() -> onnx.ModelProto:
+    rng = np.random.default_rng(4)
+    g = helper.make_graph(
+        [helper.make_node("Gemm", ["X", "W1", "b1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+         helper.make_node("Gemm", ["r", "W2", "b2"], ["logits"])], "classifier",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 3])],
+        [numpy_helper.from_array((rng.standard_normal((4, 8)) / 2).astype(np.float32), "W1"),
+         numpy_helper.from_array(np.zeros(8, np.float32), "b1"),
+         numpy_helper.from_array((rng.standard_normal((8, 3)) / 3).astype(np.float32), "W2"),
+         numpy_helper.from_array(np.zeros(3, np.float32), "b2")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+class StopAtStep(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_batch_end(self, batch, logs):
+        return logs["step"] == self.step
+
+
+@pytest.mark.parametrize("stop_step", [4, 7], ids=["epoch0-batch4", "epoch1-batch2"])
+def test_mid_epoch_resume_keeps_the_place_in_an_algorithm_cycle(tmp_path, stop_step):
+    """5 batches per epoch, cycle [0, 0, 1]: a checkpoint after step 4 or 7
+    resumes at cycle position 4 or 7 (not at the epoch's start), so the
+    resumed run ends with the uninterrupted run's state, bit for bit.
+
+    Bug caught: the resumed cycle position forgetting the batches already
+    done in the epoch (``cycle_pos = initial_epoch * per_epoch + skip``
+    written as ``cycle_pos = initial_epoch * per_epoch`` in ``fit``)."""
+    rng = np.random.default_rng(5)
+    y = rng.integers(0, 3, 40)
+    X = (np.eye(3, 4)[y] * 2 + rng.normal(0, 0.5, (40, 4))).astype(np.float32)
+    tm = build.training_model(classifier(), loss="cross_entropy",
+                              optimizer=build.SGD(lr=0.1, momentum=0.9), accumulate=3)
+    options = dict(epochs=3, batch_size=8, seed=3, progress=False)
+    straight = TrainingSession(tm)
+    straight.fit(X, y, **options)
+    assert int(straight.state["step"]) == 15 // 3
+
+    first = TrainingSession(tm)
+    first.fit(X, y, callbacks=[StopAtStep(stop_step)], **options)
+    path = first.export(tmp_path / "ckpt.onnx", training=True)
+    resumed = TrainingSession(path)
+    assert resumed.fit_position["batch"] == stop_step % 5
+    history = resumed.fit(X, y, **options)
+    assert history.steps == 15 - stop_step
+    expected = dict(straight.state)
+    got = dict(resumed.state)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)

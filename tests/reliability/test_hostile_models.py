@@ -375,3 +375,19 @@ def test_invalid_utf8_in_names_and_attribute_strings():
     gradient = next(n for n in m.training_info[0].algorithm.node if n.op_type == "Gradient")
     next(a for a in gradient.attribute if a.name == "y").s = b"lo\xffss"
     refused(m, "training_info[0].algorithm.node[", "Gradient).y", "is not UTF-8 text")
+
+
+def test_a_model_proto_with_invalid_utf8_gets_the_projects_error():
+    """protobuf parses a proto2 string that is not UTF-8 and hands it back as
+    bytes; the session must refuse it at construction, naming the field, as it
+    does for bytes and paths (not a TypeError from deep inside).
+
+    Bug caught: ``check_strings(proto)`` skipped for a ModelProto argument in
+    ``loading.load``."""
+    data = linear_regression().SerializeToString()
+    bad = onnx.ModelProto.FromString(data.replace(b"initialization", b"initia\x87ization", 1))
+    with pytest.raises(TrainingModelError, match=r"training_info\[0\]\.initialization\.name.*UTF-8"):
+        TrainingSession(bad)
+    bad_name = onnx.ModelProto.FromString(data.replace(b"XW", b"X\xff", 2))
+    with pytest.raises(TrainingModelError, match="is not valid UTF-8"):
+        TrainingSession(bad_name)

@@ -174,3 +174,52 @@ def test_dict_of_state_from_another_thread_with_proposed_view(monkeypatch):
     # Pins are released when views go away: the store holds no stale pins.
     time.sleep(0)
     assert not sess._store._pins
+
+
+def test_a_reader_during_lean_steps_sees_old_or_new_weights_never_a_mix():
+    """memory="lean" writes the counter model's state in place: P0 (2 MiB)
+    and c by training_info[0]'s update, P1 by training_info[1]'s, and
+    initialize() resets them all to 7 through two initialization graphs.  A
+    thread calling run() meanwhile must get one version in every element of
+    P0, P1 and c (the model holds its step count in each).
+
+    Bugs caught: ``StateStore.exclusive()`` yielding without taking its
+    mutex (a reader's snapshot goes on while the buffers are written); and,
+    found by this test and fixed, readers let in between the in-place write
+    of one algorithm and the commit of the whole step (they saw P0 and c of
+    the new step with P1 of the old one)."""
+    n = 1 << 18
+    sess = TrainingSession(counter_model(p0_shape=(n,), p1_shape=(2, 2)), memory="lean")
+    sess.train_step(COUNTER_FEED)
+    done = threading.Event()
+    seen: list[tuple[float, float]] = []
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            while not done.is_set():
+                y = sess.run(COUNTER_FEED)["Y"]
+                seen.append((float(y.min()), float(y.max())))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    steps, deadline = 0, time.monotonic() + 20.0
+    try:
+        # Enough steps that the reader overlaps many of them.
+        while (steps < 40 or len(seen) < 20) and steps < 2000 and time.monotonic() < deadline:
+            if steps % 10 == 9:
+                sess.initialize()
+            else:
+                sess.train_step(COUNTER_FEED)
+            steps += 1
+    finally:
+        done.set()
+        thread.join(30.0)
+    assert not errors, errors
+    assert len(seen) >= 5, f"the reader ran only {len(seen)} times in {steps} steps"
+    mixed = [s for s in seen if s[0] != s[1]]
+    assert not mixed, f"{len(mixed)} of {len(seen)} reads mixed two versions, e.g. {mixed[:3]}"
+    y = sess.run(COUNTER_FEED)["Y"]
+    assert y.min() == y.max() == float(sess.state["c"])

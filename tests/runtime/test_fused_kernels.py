@@ -713,3 +713,38 @@ def test_step_size_with_two_step_counts_stays_standard(which):
     next(n for n in model.graph.node if n.output[0] == power.output[0]).input[1] = cast.output[0]
     fused, _ = with_fused_kernels(model)
     assert any(n.op_type in STEP_SIZE for n in fused.graph.node)
+
+
+# ------------------------------------------------------------------ the call check
+def adam_update(g_v: str) -> onnx.ModelProto:
+    """One call of the rule Adam over p, g1, g2, m, v, with v' then made to
+    read ``g_v`` (m' reads g1):
+
+        m' = b1*m + c1*g1;  v' = b2*v + c2*(g_v*g_v);  p' = p - step*(m'/(Sqrt(v') + eps))
+    """
+    shape = [4, 3]
+    scalars = {"b1": 0.9, "c1": 0.1, "b2": 0.999, "c2": 0.001, "eps": 1e-8, "step": 0.01}
+    names = ("p", "g1", "g2", "m", "v")
+    e = Emitter(17, NameGen(names), dict.fromkeys(names, TensorProto.FLOAT))
+    operands = {k: e.const(v, dtype=TensorProto.FLOAT) for k, v in scalars.items()}
+    out = apply(e, "Adam", {**operands, "p": "p", "g": "g1", "m": "m", "v": "v"},
+                {"p_new": "p_new", "m_new": "m_new", "v_new": "v_new"})
+    square = next(n for n in e.nodes if n.op_type == "Mul" and list(n.input) == ["g1", "g1"])
+    square.input[:] = [g_v, g_v]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in names]
+    outputs = [helper.make_tensor_value_info(out[k], TensorProto.FLOAT, shape) for k in ("p_new", "m_new", "v_new")]
+    return helper.make_model(helper.make_graph(e.nodes, "adam", inputs, outputs),
+                             opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_rule_call_refuses_moments_of_different_gradients():
+    """Bug caught: the call check binding a formal operand anew at each use
+    (``env.setdefault(fi, ai) != ai`` dropped from ``rules._match``), so m' of
+    g1 and v' of g2 fuse into one kernel that reads g1 for both."""
+    same = adam_update("g1")
+    assert fuse_rule_calls(same.graph, same.opset_import) == 1  # the call is recognised
+    assert [n.op_type for n in same.graph.node if n.op_type != "Constant"] == ["AdamUpdateF32"]
+    different = adam_update("g2")
+    before = different.SerializeToString()
+    assert fuse_rule_calls(different.graph, different.opset_import) == 0
+    assert different.SerializeToString() == before

@@ -1,6 +1,7 @@
 """TrainingSession(memory="lean"): one buffer per state variable where the
 update allows it (onnxtrain.lower.inplace), the same results as the double-buffered
-step, and the documented failure semantics."""
+step, and the documented failure semantics; a variable read both before and
+after the node that writes its new value is never written in place."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import textwrap
 import numpy as np
 import onnx
 import pytest
+from models import model, tensor, training_info, vi
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain import TrainingSession, build
@@ -284,3 +286,56 @@ def test_an_unfetched_lean_step_whose_forward_pass_outputs_nothing_it_needs():
     for name, value in safe.state.items():
         np.testing.assert_array_equal(lean.state[name], value)
     assert int(lean.state["c"]) == 3
+
+
+# ------------------------------------------------------------------ in-place writes and late readers
+def update_graph(late_reader: bool) -> onnx.GraphProto:
+    """W_new = W - g * ReduceSum(W) (W read before its update), and with
+    ``late_reader`` also ``late = W * 2``, which nothing orders before the
+    Sub: onnxruntime may run it after W_new was written."""
+    nodes = [
+        helper.make_node("ReduceSum", ["W"], ["norm"], keepdims=0),
+        helper.make_node("Mul", ["g", "norm"], ["d"]),
+        helper.make_node("Sub", ["W", "d"], ["W_new"]),
+    ]
+    if late_reader:
+        nodes.append(helper.make_node("Mul", ["W", "two"], ["late"]))
+    return helper.make_graph(nodes, "update", [], [])
+
+
+def test_a_variable_read_before_and_after_its_update_is_not_written_in_place():
+    """Bug caught: ``read_before`` asking that *some* other reader of the
+    variable precede the writer instead of *every* one
+    (``set(others) <= self.ancestors(index)`` written as
+    ``bool(set(others) & self.ancestors(index))``)."""
+    assert inplace_keys(update_graph(late_reader=False), [("W", "W_new")]) == {"W"}
+    assert inplace_keys(update_graph(late_reader=True), [("W", "W_new")]) == set()
+    # A late reader that needs the new value too surely runs after the write.
+    g = update_graph(late_reader=False)
+    g.node.append(helper.make_node("Sub", ["W_new", "W"], ["delta"]))
+    assert inplace_keys(g, [("W", "W_new")]) == set()
+
+
+def test_lean_steps_of_a_late_reader_equal_safe_steps():
+    """The same graph trained: W_new = W - 0.01 * sum(W), D_new = W_new - W.
+    memory="lean" must give the double-buffered result bit for bit (D is the
+    step, not 0 as when W is overwritten before D_new reads it).  Bug caught:
+    the one of the test above, end to end."""
+    info = training_info(
+        [helper.make_node("ReduceSum", ["W"], ["s"], keepdims=0),
+         helper.make_node("Mul", ["s", "rate"], ["d"]),
+         helper.make_node("Sub", ["W", "d"], ["W_new"]),
+         helper.make_node("Sub", ["W_new", "W"], ["D_new"]),
+         helper.make_node("Identity", ["s"], ["total"])],
+        [tensor("rate", np.float64(0.01))], [],
+        [vi("W_new", TensorProto.DOUBLE, [8]), vi("D_new", TensorProto.DOUBLE, [8]), vi("total", TensorProto.DOUBLE, [])],
+        [("W", "W_new"), ("D", "D_new")])
+    m = model([helper.make_node("Mul", ["W", "D"], ["Y"])], [], [vi("Y", TensorProto.DOUBLE, [8])],
+              [tensor("W", np.arange(8.0)), tensor("D", np.zeros(8))], [info])
+    safe, lean = TrainingSession(m), TrainingSession(m, memory="lean")
+    for _ in range(3):
+        safe.train_step({})
+        lean.train_step({})
+    assert float(safe.state["D"][0]) < 0
+    for name in ("W", "D"):
+        assert lean.state[name].tobytes() == safe.state[name].tobytes(), name

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -499,3 +500,27 @@ def test_a_cached_nchwc_program_is_only_used_with_its_block(private_cache, monke
     monkeypatch.setattr(executor, "_nchwc_block", 8)
     cache.stats.clear()
     assert layout_blocks() == {8} and not cache.stats.get("fused.hit")
+
+
+def test_cache_eviction_is_least_recently_used_not_first_in(private_cache, monkeypatch):
+    """Four entries written oldest first; a hit on the oldest; a fifth write
+    evicts down to three: the two least recently used go (entries 1 and 2),
+    the one just read stays.
+
+    Bug caught: ``cache.read`` no longer touching the entry it returns
+    (``os.utime(path)`` removed), which makes eviction first-in first-out."""
+    monkeypatch.setattr(cache, "MAX_ENTRIES", 4)
+    keys = [hashlib.sha256(f"entry {i}".encode()).digest() for i in range(5)]
+    paths: dict[int, object] = {}
+    now = time.time()
+    for i in range(4):
+        cache.write("infer", keys[i], {"i": i}, b"payload %d" % i)
+        cache.flush()
+        (paths[i],) = set(private_cache.rglob("infer-*")) - set(paths.values())
+        # Distinct, old modification times in write order (a coarse clock gives ties).
+        os.utime(paths[i], (now - 1000 + i, now - 1000 + i))
+    assert cache.read("infer", keys[0]) == ({"i": 0}, b"payload 0")  # the hit
+    cache.write("infer", keys[4], {"i": 4}, b"payload 4")
+    cache.flush()
+    left = [i for i in range(5) if cache.read("infer", keys[i]) is not None]
+    assert left == [0, 3, 4], f"entries left after eviction: {left}"

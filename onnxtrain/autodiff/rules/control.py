@@ -8,6 +8,8 @@ through ``ctx.accumulate``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
 from onnx import helper
@@ -58,9 +60,7 @@ def if_vjp(ctx, *dys):
         branches[attr] = helper.make_graph(nodes, f"{g.name or attr}_grad", [], outputs)
     outs = e.op("If", [ctx.inputs[0]], outputs=len(targets), **branches)
     outs = outs if isinstance(outs, list) else [outs]
-    for t, o in zip(targets, outs):
-        e.dtypes[o] = ctx.dtype(t)
-        ctx.accumulate(t, o)
+    _accumulate_outer(ctx, targets, outs)
     return (None,)
 
 
@@ -208,6 +208,14 @@ def _cotangent_types(ctx: VJPContext, types: list[Type], dys) -> list[Type]:
     ]
 
 
+def _accumulate_outer(ctx: VJPContext, targets: list[str], grads: list[str]) -> None:
+    """Add ``grads`` (typed as their values) to the gradients of the outer
+    values ``targets`` a subgraph reads."""
+    for v, g in zip(targets, grads):
+        ctx.emit.dtypes[g] = ctx.dtype(v)
+        ctx.accumulate(v, g)
+
+
 def _add_outer_types(ctx: VJPContext, slots: Slots) -> None:
     for v in ctx.implicit_inputs:
         if ctx.emit.dtypes.get(v) is not None:
@@ -215,6 +223,65 @@ def _add_outer_types(ctx: VJPContext, slots: Slots) -> None:
 
 
 # ======================================================================== Scan
+@dataclass
+class _ScanSignature:
+    """A Scan node read as the formula in ``scan_vjp``: ``n`` states, ``m``
+    scan inputs and ``k`` scan outputs; their body names, directions, axes,
+    and per-iteration types (``st_t`` of a state, ``x_t`` of a scan input's
+    slice, ``y_t`` of a scan output's slice)."""
+
+    n: int
+    m: int
+    k: int
+    in_dirs: list[int]
+    in_axes: list[int]
+    out_dirs: list[int]
+    out_axes: list[int]
+    state_in: list[str]
+    scan_in: list[str]
+    state_out: list[str]
+    scan_out: list[str]
+    st_t: list[Type]
+    x_t: list[Type]
+    y_t: list[Type]
+
+
+def _scan_signature(ctx: VJPContext, body: onnx.GraphProto, dys: list) -> _ScanSignature:
+    e = ctx.emit
+    node = ctx.node
+    m = int(ctx.attr("num_scan_inputs"))
+    n = len(node.input) - m
+    k = len(body.output) - n
+    in_axes = [int(v) for v in (ctx.attr("scan_input_axes") or [0] * m)]
+    out_axes = [int(v) for v in (ctx.attr("scan_output_axes") or [0] * k)]
+    outputs = list(node.output) + [""] * (n + k - len(node.output))
+    x_t = [
+        _merge(_declared(body.input[n + j]),
+               (e.dtypes.get(node.input[n + j]), _drop_axis(ctx.shape(node.input[n + j]), in_axes[j])))
+        for j in range(m)
+    ]
+    y_t = [
+        _merge(_declared(body.output[n + i]),
+               (e.dtypes.get(outputs[n + i]) if outputs[n + i] else None,
+                _drop_axis(ctx.shape(outputs[n + i]), out_axes[i]) if outputs[n + i] else None))
+        for i in range(k)
+    ]
+    return _ScanSignature(
+        n=n, m=m, k=k,
+        in_dirs=[int(v) for v in (ctx.attr("scan_input_directions") or [0] * m)],
+        in_axes=in_axes,
+        out_dirs=[int(v) for v in (ctx.attr("scan_output_directions") or [0] * k)],
+        out_axes=out_axes,
+        state_in=[body.input[i].name for i in range(n)],
+        scan_in=[body.input[n + j].name for j in range(m)],
+        state_out=[body.output[i].name for i in range(n)],
+        scan_out=[body.output[n + i].name for i in range(k)],
+        st_t=[_merge(_declared(body.input[i]), _outer(ctx, node.input[i])) for i in range(n)],
+        x_t=x_t,
+        y_t=_cotangent_types(ctx, y_t, dys[n:]),
+    )
+
+
 @vjp("Scan")
 def scan_vjp(ctx, *dys):
     """Scan (opset 9+): s_0 = initial states; for t in processing order
@@ -242,63 +309,95 @@ def scan_vjp(ctx, *dys):
     e.names.reserve(graph_names(body))
     m = int(ctx.attr("num_scan_inputs"))
     n = len(node.input) - m
-    k_out = len(body.output) - n
-    in_dirs = [int(v) for v in (ctx.attr("scan_input_directions") or [0] * m)]
-    in_axes = [int(v) for v in (ctx.attr("scan_input_axes") or [0] * m)]
-    out_dirs = [int(v) for v in (ctx.attr("scan_output_directions") or [0] * k_out)]
-    out_axes = [int(v) for v in (ctx.attr("scan_output_axes") or [0] * k_out)]
-    dys = list(dys) + [None] * (n + k_out - len(dys))
-    outputs = list(node.output) + [""] * (n + k_out - len(node.output))
+    dys = list(dys) + [None] * (len(body.output) - len(dys))
+    sig = _scan_signature(ctx, body, dys)
 
-    state_in = [body.input[i].name for i in range(n)]
-    scan_in = [body.input[n + j].name for j in range(m)]
-    state_out = [body.output[i].name for i in range(n)]
-    scan_out = [body.output[n + k].name for k in range(k_out)]
-    st_t = [_merge(_declared(body.input[i]), _outer(ctx, node.input[i])) for i in range(n)]
-    x_t = [
-        _merge(_declared(body.input[n + j]),
-               (e.dtypes.get(node.input[n + j]), _drop_axis(ctx.shape(node.input[n + j]), in_axes[j])))
-        for j in range(m)
-    ]
-    y_t = [
-        _merge(_declared(body.output[n + k]),
-               (e.dtypes.get(outputs[n + k]) if outputs[n + k] else None,
-                _drop_axis(ctx.shape(outputs[n + k]), out_axes[k]) if outputs[n + k] else None))
-        for k in range(k_out)
-    ]
-
-    y_t = _cotangent_types(ctx, y_t, dys[n:])
-    fs = [i for i in range(n) if st_t[i][0] in FLOAT_TYPES]
-    need_x = [j for j in range(m) if ctx.needs(n + j) and x_t[j][0] in FLOAT_TYPES]
+    # Which states, scan inputs, outer values and scan outputs take part.
+    fs = [i for i in range(n) if sig.st_t[i][0] in FLOAT_TYPES]
+    need_x = [j for j in range(m) if ctx.needs(n + j) and sig.x_t[j][0] in FLOAT_TYPES]
     targets = _implicit_targets(ctx)
-    cot = [k for k in range(k_out) if dys[n + k] is not None and y_t[k][0] in FLOAT_TYPES]
+    cot = [k for k in range(sig.k) if dys[n + k] is not None and sig.y_t[k][0] in FLOAT_TYPES]
     result: list[str | None] = [None] * len(node.input)
     if not (any(ctx.needs(i) for i in fs) or need_x or targets):
         return result
 
-    forward_nodes = [_copy_node(x) for x in _body_nodes(body)]
+    backward_body = _scan_backward_body(ctx, body, sig, fs, need_x, targets, cot)
 
-    # Backward body: states (ds, accumulators), then scan inputs (recorded
-    # states, the forward's scan inputs, output cotangents).
+    # Forward: record the state entering each iteration.
+    _pad_outputs(ctx, n + sig.k)
+    records = [_record(ctx, body, sig.state_in[i], sig.st_t[i], 0) for i in range(n)]
+    recorded = [r for r, _ in records]
+    added = sum(new for _, new in records)
+    if added:
+        _set_ints(node, "scan_output_directions", sig.out_dirs + [0] * added)
+        _set_ints(node, "scan_output_axes", sig.out_axes + [0] * added)
+
+    # Backward: one Scan over the records, the inputs and the cotangents, reversed.
+    ds_init = [dys[i] if dys[i] is not None else e.zeros_like(node.input[i]) for i in fs]
+    acc_init = [e.zeros_like(v) for v in targets]
+    scan_inputs = recorded + list(node.input[n:]) + [dys[n + k] for k in cot]
+    attrs = dict(
+        body=backward_body,
+        num_scan_inputs=len(scan_inputs),
+        scan_input_directions=[1] * n + [1 - d for d in sig.in_dirs] + [1 - sig.out_dirs[k] for k in cot],
+        scan_input_axes=[0] * n + sig.in_axes + [sig.out_axes[k] for k in cot],
+    )
+    if need_x:
+        attrs["scan_output_directions"] = [1 - sig.in_dirs[j] for j in need_x]
+        attrs["scan_output_axes"] = [sig.in_axes[j] for j in need_x]
+    n_out = len(fs) + len(targets) + len(need_x)
+    outs = e.op("Scan", ds_init + acc_init + scan_inputs, outputs=n_out, **attrs)
+    outs = outs if isinstance(outs, list) else [outs]
+    o_state = outs[: len(fs)]
+    o_acc = outs[len(fs) : len(fs) + len(targets)]
+    o_x = outs[len(fs) + len(targets) :]
+    for i, o in zip(fs, o_state):
+        e.dtypes[o] = sig.st_t[i][0]
+        if ctx.needs(i):
+            result[i] = o
+    for j, o in zip(need_x, o_x):
+        e.dtypes[o] = sig.x_t[j][0]
+        result[n + j] = o
+    _accumulate_outer(ctx, targets, o_acc)
+    return result
+
+
+def _scan_backward_body(
+    ctx: VJPContext,
+    body: onnx.GraphProto,
+    sig: _ScanSignature,
+    fs: list[int],
+    need_x: list[int],
+    targets: list[str],
+    cot: list[int],
+) -> onnx.GraphProto:
+    """The backward Scan's body: states (ds of the float states ``fs``, the
+    accumulators of the outer ``targets``), then scan inputs (the recorded
+    states, the forward's scan inputs, the cotangents of the outputs ``cot``);
+    it recomputes the forward body and outputs ds, the accumulators and dx of
+    the scan inputs ``need_x``."""
+    e = ctx.emit
+    n, m = sig.n, sig.m
+    forward_nodes = [_copy_node(x) for x in _body_nodes(body)]
     slots = Slots(ctx)
-    st_sym = [slots.symbolic(st_t[i], state_in[i]) for i in range(n)]
+    st_sym = [slots.symbolic(sig.st_t[i], sig.state_in[i]) for i in range(n)]
     for i in range(n):
-        slots.add(state_in[i], st_sym[i])
+        slots.add(sig.state_in[i], st_sym[i])
     for j in range(m):
-        slots.add(scan_in[j], slots.symbolic(x_t[j], scan_in[j]))
-    ds_in = [e.names.fresh(f"{state_in[i]}/cotangent") for i in fs]
+        slots.add(sig.scan_in[j], slots.symbolic(sig.x_t[j], sig.scan_in[j]))
+    ds_in = [e.names.fresh(f"{sig.state_in[i]}/cotangent") for i in fs]
     for i, d in zip(fs, ds_in):
         slots.add(d, st_sym[i])
-    dy_in = [e.names.fresh(f"{scan_out[k]}/cotangent") for k in cot]
+    dy_in = [e.names.fresh(f"{sig.scan_out[k]}/cotangent") for k in cot]
     for k, d in zip(cot, dy_in):
-        slots.add(d, slots.symbolic(y_t[k], scan_out[k]))
+        slots.add(d, slots.symbolic(sig.y_t[k], sig.scan_out[k]))
     _add_outer_types(ctx, slots)
     acc_in = [e.names.fresh(f"{v}/grad_acc") for v in targets]
 
-    wrt = [state_in[i] for i in fs] + [scan_in[j] for j in need_x] + targets
+    wrt = [sig.state_in[i] for i in fs] + [sig.scan_in[j] for j in need_x] + targets
     vjp_nodes, grads = ctx.vjp_of_graph(
         forward_nodes,
-        [state_out[i] for i in fs] + [scan_out[k] for k in cot],
+        [sig.state_out[i] for i in fs] + [sig.scan_out[k] for k in cot],
         ds_in + dy_in,
         wrt,
         slots.types,
@@ -310,59 +409,18 @@ def scan_vjp(ctx, *dys):
     acc_out = [be.Add(a, g) for a, g in zip(acc_in, g_outer)]
 
     b_inputs = (
-        [_value_info(d, st_t[i]) for i, d in zip(fs, ds_in)]
+        [_value_info(d, sig.st_t[i]) for i, d in zip(fs, ds_in)]
         + [_value_info(a, _outer(ctx, v)) for a, v in zip(acc_in, targets)]
-        + [_value_info(state_in[i], st_t[i]) for i in range(n)]
-        + [_value_info(scan_in[j], x_t[j]) for j in range(m)]
-        + [_value_info(d, y_t[k]) for k, d in zip(cot, dy_in)]
+        + [_value_info(sig.state_in[i], sig.st_t[i]) for i in range(n)]
+        + [_value_info(sig.scan_in[j], sig.x_t[j]) for j in range(m)]
+        + [_value_info(d, sig.y_t[k]) for k, d in zip(cot, dy_in)]
     )
     b_outputs = (
-        [_value_info(g, st_t[i]) for i, g in zip(fs, g_state)]
+        [_value_info(g, sig.st_t[i]) for i, g in zip(fs, g_state)]
         + [_value_info(a, _outer(ctx, v)) for a, v in zip(acc_out, targets)]
-        + [_value_info(g, x_t[j]) for j, g in zip(need_x, g_x)]
+        + [_value_info(g, sig.x_t[j]) for j, g in zip(need_x, g_x)]
     )
-    backward_body = helper.make_graph(
-        vjp_nodes + be.nodes, f"{body.name or 'scan_body'}_grad", b_inputs, b_outputs
-    )
-
-    # Forward: record the state entering each iteration.
-    _pad_outputs(ctx, n + k_out)
-    records = [_record(ctx, body, state_in[i], st_t[i], 0) for i in range(n)]
-    recorded = [r for r, _ in records]
-    added = sum(new for _, new in records)
-    if added:
-        _set_ints(node, "scan_output_directions", out_dirs + [0] * added)
-        _set_ints(node, "scan_output_axes", out_axes + [0] * added)
-
-    ds_init = [dys[i] if dys[i] is not None else e.zeros_like(node.input[i]) for i in fs]
-    acc_init = [e.zeros_like(v) for v in targets]
-    scan_inputs = recorded + list(node.input[n:]) + [dys[n + k] for k in cot]
-    attrs = dict(
-        body=backward_body,
-        num_scan_inputs=len(scan_inputs),
-        scan_input_directions=[1] * n + [1 - d for d in in_dirs] + [1 - out_dirs[k] for k in cot],
-        scan_input_axes=[0] * n + in_axes + [out_axes[k] for k in cot],
-    )
-    if need_x:
-        attrs["scan_output_directions"] = [1 - in_dirs[j] for j in need_x]
-        attrs["scan_output_axes"] = [in_axes[j] for j in need_x]
-    n_out = len(fs) + len(targets) + len(need_x)
-    outs = e.op("Scan", ds_init + acc_init + scan_inputs, outputs=n_out, **attrs)
-    outs = outs if isinstance(outs, list) else [outs]
-    o_state = outs[: len(fs)]
-    o_acc = outs[len(fs) : len(fs) + len(targets)]
-    o_x = outs[len(fs) + len(targets) :]
-    for i, o in zip(fs, o_state):
-        e.dtypes[o] = st_t[i][0]
-        if ctx.needs(i):
-            result[i] = o
-    for j, o in zip(need_x, o_x):
-        e.dtypes[o] = x_t[j][0]
-        result[n + j] = o
-    for v, o in zip(targets, o_acc):
-        e.dtypes[o] = e.dtypes[v]
-        ctx.accumulate(v, o)
-    return result
+    return helper.make_graph(vjp_nodes + be.nodes, f"{body.name or 'scan_body'}_grad", b_inputs, b_outputs)
 
 
 def _copy_node(node: onnx.NodeProto) -> onnx.NodeProto:
@@ -396,10 +454,8 @@ def loop_vjp(ctx, *dys):
         raise TrainingModelError(f"Loop node {node.name!r}: body and node signatures disagree")
     dys = list(dys) + [None] * (n + k_out - len(dys))
     outputs = list(node.output) + [""] * (n + k_out - len(node.output))
-    iter_name, cond_name = body.input[0].name, body.input[1].name
+    iter_name = body.input[0].name
     v_in = [body.input[2 + i].name for i in range(n)]
-    v_out = [body.output[1 + i].name for i in range(n)]
-    scan_out = [body.output[1 + n + k].name for k in range(k_out)]
     v_t = [_merge(_declared(body.input[2 + i]), _outer(ctx, node.input[2 + i])) for i in range(n)]
     y_t = [
         _merge(_declared(body.output[1 + n + k]),
@@ -427,6 +483,46 @@ def loop_vjp(ctx, *dys):
     trips = e.Gather(e.Shape(rec_iter), e.scalar_int(0), axis=0)
     last = e.Sub(trips, e.scalar_int(1))
 
+    # Backward: one Loop over i = T-1 .. 0, carrying dv and the accumulators.
+    backward_body = _loop_backward_body(ctx, body, forward_nodes, v_t, y_t, fs, cot, targets, rec_v, last, dys)
+    dv_init = [dys[i] if dys[i] is not None else e.zeros_like(node.input[2 + i]) for i in fs]
+    acc_init = [e.zeros_like(v) for v in targets]
+    true = e.const(np.asarray(True))
+    outs = e.op("Loop", [trips, true] + dv_init + acc_init, outputs=len(fs) + len(targets),
+                body=backward_body)
+    outs = outs if isinstance(outs, list) else [outs]
+    for i, o in zip(fs, outs[: len(fs)]):
+        e.dtypes[o] = v_t[i][0]
+        if ctx.needs(2 + i):
+            result[2 + i] = o
+    _accumulate_outer(ctx, targets, outs[len(fs) :])
+    return result
+
+
+def _loop_backward_body(
+    ctx: VJPContext,
+    body: onnx.GraphProto,
+    forward_nodes: list[onnx.NodeProto],
+    v_t: list[Type],
+    y_t: list[Type],
+    fs: list[int],
+    cot: list[int],
+    targets: list[str],
+    rec_v: list[str],
+    last: str,
+    dys: list,
+) -> onnx.GraphProto:
+    """The backward Loop's body, run with u = 0 .. T-1 (``last`` = T-1): it
+    gathers v_i (from the records ``rec_v``) and dy_i at i = T-1-u, recomputes
+    the forward body (``forward_nodes``, copied before the records), and carries dv of the float loop-carried values ``fs``
+    and the accumulators of the outer ``targets``."""
+    e = ctx.emit
+    n = len(v_t)
+    int_scalar = (onnx.TensorProto.INT64, ())
+    iter_name, cond_name = body.input[0].name, body.input[1].name
+    v_in = [body.input[2 + i].name for i in range(n)]
+    v_out = [body.output[1 + i].name for i in range(n)]
+    scan_out = [body.output[1 + n + k].name for k in range(len(y_t))]
     slots = Slots(ctx)
     slots.add(iter_name, int_scalar)
     slots.add(cond_name, (onnx.TensorProto.BOOL, ()))
@@ -473,20 +569,7 @@ def loop_vjp(ctx, *dys):
         + [_value_info(g, v_t[i]) for i, g in zip(fs, g_state)]
         + [_value_info(a, _outer(ctx, v)) for a, v in zip(acc_out, targets)]
     )
-    backward_body = helper.make_graph(
+    return helper.make_graph(
         pre.nodes + vjp_nodes + post.nodes, f"{body.name or 'loop_body'}_grad", b_inputs, b_outputs
     )
-    dv_init = [dys[i] if dys[i] is not None else e.zeros_like(node.input[2 + i]) for i in fs]
-    acc_init = [e.zeros_like(v) for v in targets]
-    true = e.const(np.asarray(True))
-    outs = e.op("Loop", [trips, true] + dv_init + acc_init, outputs=len(fs) + len(targets),
-                body=backward_body)
-    outs = outs if isinstance(outs, list) else [outs]
-    for i, o in zip(fs, outs[: len(fs)]):
-        e.dtypes[o] = v_t[i][0]
-        if ctx.needs(2 + i):
-            result[2 + i] = o
-    for v, o in zip(targets, outs[len(fs) :]):
-        e.dtypes[o] = e.dtypes[v]
-        ctx.accumulate(v, o)
-    return result
+

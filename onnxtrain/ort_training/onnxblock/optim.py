@@ -3,7 +3,7 @@
 ``AdamW`` and ``SGD`` called with the parameters ``(trainable, frozen)``
 build an optimizer model: a standard ONNX graph that applies one update to
 one parameter tensor (inputs ``learning_rate``, ``step``, ``param``,
-``gradient`` and the moments; the rules of ``engine``), with the settings
+``gradient`` and the moments; the rules of ``standard_model``), with the settings
 as metadata (``ort_training.optimizer``), which ``api.Optimizer`` reads.
 ``clip_grad=ClipGradNorm(max_norm)`` clips the gradients' global norm first.
 """
@@ -16,7 +16,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ...optim.rules import apply
-from .. import engine
+from .. import standard_model
 from . import blocks
 
 
@@ -46,7 +46,7 @@ class OptimizerBlock(blocks.Block):
         super().__init__()
         if clip_grad is not None and not isinstance(clip_grad, ClipGradNorm):
             raise TypeError(f"clip_grad must be an onnxblock.optim.ClipGradNorm, got {type(clip_grad)}")
-        self.config = engine.OptimizerConfig(
+        self.config = standard_model.OptimizerConfig(
             self._kind, max_norm=clip_grad.max_norm if clip_grad is not None else None, **settings)
         self._model: onnx.ModelProto | None = None
 
@@ -60,7 +60,7 @@ class OptimizerBlock(blocks.Block):
         names = {"learning_rate", "step", "param", "gradient", "momentum0", "momentum1"}
         dtypes = {"learning_rate": TensorProto.FLOAT, "step": TensorProto.INT64, "param": et, "gradient": et,
                   "momentum0": et, "momentum1": et}
-        e = engine.emitter(names, 17, dtypes, "update")
+        e = standard_model.emitter(names, 17, dtypes, "update")
         lr = e.Cast("learning_rate", to=et)
         t = e.Cast(e.Add("step", e.scalar_int(1)), to=et)
         inputs = [helper.make_tensor_value_info("learning_rate", TensorProto.FLOAT, []),
@@ -71,14 +71,14 @@ class OptimizerBlock(blocks.Block):
             outputs = {"updated_param": apply(e, "SGD", {"lr": lr, "p": "param", "g": "gradient"})["p_new"]}
         else:
             inputs += [helper.make_tensor_value_info(f"momentum{i}", et, None) for i in (0, 1)]
-            p, m0, m1 = engine.adamw_update(e, cfg, lr, t, "param", "gradient", "momentum0", "momentum1")
+            p, m0, m1 = standard_model.adamw_update(e, cfg, lr, t, "param", "gradient", "momentum0", "momentum1")
             outputs = {"updated_param": p, "updated_momentum0": m0, "updated_momentum1": m1}
         model.graph.input.extend(inputs)
         model.graph.node.extend(e.nodes)
         model.graph.node.extend(helper.make_node("Identity", [v], [k]) for k, v in outputs.items())
         model.graph.output.extend(helper.make_tensor_value_info(k, et, None) for k in outputs)
         entry = model.metadata_props.add()
-        entry.key, entry.value = engine.OPTIMIZER_KEY, cfg.to_json()
+        entry.key, entry.value = standard_model.OPTIMIZER_KEY, cfg.to_json()
         self._model = model
         return "updated_param"
 
@@ -90,7 +90,7 @@ class OptimizerBlock(blocks.Block):
 
 class AdamW(OptimizerBlock):
     """AdamW in ONNX Runtime training's form (eps added to sqrt(v) before the
-    bias correction, weight decay after the update; see ``engine``)."""
+    bias correction, weight decay after the update; see ``standard_model``)."""
 
     _kind = "AdamW"
 

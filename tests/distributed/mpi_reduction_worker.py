@@ -1,6 +1,6 @@
-"""One rank of test_mutations_mpi.py (run under ``mpiexec -n 2``).
+"""One rank of test_mpi_reduction.py (run under ``mpiexec -n 2``).
 
-``python mpi_mutations_worker.py DIR``: reads ``bucket.onnx``, ``accum.onnx``
+``python mpi_reduction_worker.py DIR``: reads ``bucket.onnx``, ``accum.onnx``
 and ``data.npz`` from DIR and writes ``rank<r>.npz`` there:
 
 - ``bucket/<name>``: the state after 3 steps of ``bucket.onnx`` with

@@ -16,8 +16,8 @@ both branches are computed, and at T = 0 the unused Adam branch divides 0 by
 0: Where discards that NaN.
 
 >>> from onnx import TensorProto, helper
->>> from onnxtrain.names import NameGen
->>> from onnxtrain.graph import PREVIEW_DOMAIN
+>>> from onnxtrain.core.names import NameGen
+>>> from onnxtrain.core.graph import PREVIEW_DOMAIN
 >>> vi = helper.make_tensor_value_info
 >>> node = helper.make_node("Adagrad", ["R", "T", "X", "G", "H"], ["X2", "H2"],
 ...                         domain=PREVIEW_DOMAIN)

@@ -1,20 +1,25 @@
-"""Issue 27, points 2 and 3: outputs never destroy anything.
+"""Outputs never destroy anything.
 
 Special files (a FIFO, a folder, a character device we only read the
 refusal of), an output that is the model or another output, an unwritable
 folder, an existing checkpoint without --resume: each refused before the first
 step, in one line naming the option and the path as given, with the file left
-as it was.  The CLI runs in-process (``main``)."""
+as it was.  ``ModelCheckpoint`` overwrites its file as Keras's does, while
+the CLI refuses, and both are documented.  The CLI runs in-process
+(``main``)."""
 
 from __future__ import annotations
 
 import os
+import re
 import stat
 import time
+from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
+from models import gemm_inference
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain import ModelCheckpoint, TrainingSession, build, checkpoint_epoch
@@ -22,6 +27,8 @@ from onnxtrain.cli.app import main
 from onnxtrain.core.files import write_atomically
 from onnxtrain.io.storage import write_model
 from onnxtrain.train.callbacks import CSVLogger, check_writable
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
@@ -287,3 +294,27 @@ def test_a_failed_write_names_the_destination_not_the_temporary_file(tmp_path):
         write_atomically(tmp_path / "full.onnx", fails)
     assert info.value.filename == str(tmp_path / "full.onnx")
     assert os.listdir(tmp_path) == []  # the temporary file is gone
+
+
+# ------------------------------------------------------------------ ModelCheckpoint and the CLI
+def test_model_checkpoint_overwrites_as_keras_does_and_the_cli_refuses(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((32, 4)).astype(np.float32), rng.integers(0, 3, 32)
+    tm = build.training_model(gemm_inference(4, 3))
+    ckpt = tmp_path / "ckpt.onnx"
+    TrainingSession(tm).fit(X, y, epochs=3, progress=False, callbacks=[ModelCheckpoint(ckpt)])
+    assert checkpoint_epoch(ckpt) == 3
+    TrainingSession(tm).fit(X, y, epochs=1, progress=False, callbacks=[ModelCheckpoint(ckpt)])
+    assert checkpoint_epoch(ckpt) == 1  # the earlier run's checkpoint is replaced
+    np.savez(tmp_path / "d.npz", X=X, y=y)
+    onnx.save(tm, str(tmp_path / "t.onnx"))
+    assert main(["train", str(tmp_path / "t.onnx"), "--data", str(tmp_path / "d.npz"), "--epochs",
+                 "1", "-o", str(tmp_path / "o.onnx"), "--checkpoint", str(ckpt)]) == 1
+    assert "--resume" in capsys.readouterr().err and checkpoint_epoch(ckpt) == 1
+
+
+@pytest.mark.parametrize("text", [ModelCheckpoint.__doc__, (ROOT / "docs" / "fit.md").read_text()])
+def test_the_difference_is_documented(text):
+    words = " ".join(text.split())
+    assert re.search(r"overwrites .*as Keras", words)
+    assert "--resume" in words and "--overwrite" in words

@@ -1,4 +1,4 @@
-"""Issue 27, point 7: PyTorch exports.  ``onnxtrain inspect`` hints in one line
+"""PyTorch exports without BatchNormalization.  ``onnxtrain inspect`` hints in one line
 when a PyTorch export has no BatchNormalization (the recorded exporter corpus:
 the same tiny ResNet folded by eval-mode exports and kept by
 ``optimize=False`` / ``TrainingMode.PRESERVE``), and the README and

@@ -1,5 +1,6 @@
-"""Issue 27, point 5: EarlyStopping says what it does, and a restore leaves
-one consistent moment (state, fit_position, an exported checkpoint).
+"""EarlyStopping: it says what it does, a restore leaves one consistent
+moment (state, fit_position, an exported checkpoint), and an improvement
+counts only when it beats ``min_delta``.
 
 A scripted score makes the best epoch known: [3, 1, 2, 2, 2] with patience 2
 is best at epoch 2 and stops at epoch 4 (1-based)."""
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_papercuts_losses import linear
+from test_loss_choice import linear
 
 from onnxtrain import Callback, EarlyStopping, TrainingSession, build, checkpoint_epoch
 
@@ -89,3 +90,45 @@ def test_without_a_stop_nothing_is_said(capsys, restore):
              callbacks=[Scripted([2, 1]), EarlyStopping("score", patience=5,
                                                          restore_best_weights=restore)])
     assert capsys.readouterr().out == ""
+
+
+# ------------------------------------------------------------------ min_delta
+def decisions(es: EarlyStopping, monitor: str, values: list[float]) -> list[bool]:
+    es.on_train_begin({})
+    return [es.on_epoch_end(e, {monitor: v}) for e, v in enumerate(values)]
+
+
+def test_early_stopping_min_delta_demands_more_than_min_delta_of_improvement():
+    """Bug caught: ``value < self.best - self.min_delta`` written as
+    ``value < self.best + self.min_delta`` ("min" mode), which counts small
+    worsenings as improvements; likewise for "max" mode."""
+    es = EarlyStopping("val_loss", patience=2, min_delta=0.1)
+    # 0.05 and 0.08 better than the best: not by more than min_delta.
+    assert decisions(es, "val_loss", [1.0, 0.95, 0.92]) == [False, False, True]
+    assert es.best == 1.0 and es.best_epoch == 0
+    # 0.15 better: an improvement, which resets the patience.
+    assert decisions(es, "val_loss", [1.0, 0.85, 0.8, 0.79]) == [False, False, False, True]
+    assert es.best == 0.85 and es.best_epoch == 1
+    # A worse value never improves, whatever min_delta.
+    assert decisions(es, "val_loss", [1.0, 1.05, 1.01]) == [False, False, True]
+    # The sign given by the user does not matter.
+    neg = EarlyStopping("val_loss", patience=2, min_delta=-0.1)
+    assert decisions(neg, "val_loss", [1.0, 0.95, 0.92]) == [False, False, True]
+
+    acc = EarlyStopping("val_accuracy", patience=2, min_delta=0.1)  # mode "auto" -> "max"
+    assert decisions(acc, "val_accuracy", [0.5, 0.55, 0.58]) == [False, False, True]
+    assert decisions(acc, "val_accuracy", [0.5, 0.65, 0.6, 0.7]) == [False, False, False, True]
+    assert acc.best == 0.65 and acc.best_epoch == 1
+
+
+def test_early_stopping_min_delta_in_fit():
+    """In fit: the loss falls, but never by 100 per epoch: with patience=1
+    training stops after the second epoch."""
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((32, 4)).astype(np.float32)
+    y = rng.standard_normal((32, 2)).astype(np.float32)
+    sess = TrainingSession(build.training_model(linear(2), loss="mse", optimizer=build.SGD(lr=0.01)))
+    es = EarlyStopping("loss", patience=1, min_delta=100.0)
+    history = sess.fit(X, y, epochs=6, batch_size=8, progress=False, callbacks=[es])
+    assert history.epochs == [0, 1] and history.stopped_early
+    assert history["loss"][1] < history["loss"][0]  # it did improve, by less than min_delta

@@ -1,8 +1,8 @@
-"""The data-parallel mutation tests of test_mutations_dp.py on a real MPI
+"""The gradient reduction checks of test_dp_reduction.py on a real MPI
 (``mpiexec -n 2``, the ``mpi`` extra): a trailing one-element bucket is
 reduced, and accumulation weights each rank by all its micro-batches.
 
-One launch of ``mpi_mutations_worker.py`` runs both scenarios; the test
+One launch of ``mpi_reduction_worker.py`` runs both scenarios; the test
 compares what the ranks wrote with one process.  Skipped where mpi4py is
 not installed.  Each check was seen to fail with its bug planted.
 """
@@ -18,12 +18,12 @@ import pytest
 
 pytest.importorskip("mpi4py")
 
+from test_dp_reduction import PARAMS, assert_rel_close, gradients, tanh_mlp  # noqa: E402
 from test_mpi import launch  # noqa: E402
-from test_mutations_dp import PARAMS, assert_rel_close, gradients, tanh_mlp  # noqa: E402
 
 from onnxtrain import TrainingSession, build  # noqa: E402
 
-WORKER = Path(__file__).parent / "mpi_mutations_worker.py"
+WORKER = Path(__file__).parent / "mpi_reduction_worker.py"
 
 
 def test_buckets_and_accumulation_on_two_mpi_ranks(tmp_path):

@@ -1,4 +1,4 @@
-"""Issue 27, point 1: the learning rate a user sees is the one the step uses.
+"""The learning rate a user sees is the one the step uses.
 
 ``TrainingSession.current_learning_rate`` is checked against the schedule's
 Python formula and against the rate the update itself applied (a one-weight

@@ -1,4 +1,4 @@
-"""Issue 27, point 4: losses that fit the model.
+"""The loss must fit the model.
 
 A class-index loss over one class is refused (it is 0 whatever the weights);
 ``make-training`` without ``--loss`` asks for one on such a model; float

@@ -1,4 +1,4 @@
-"""Data-parallel bugs that slipped past the suite (issue 26, requirement 8).
+"""How data-parallel training reduces the gradients: buckets and accumulation.
 
 Each test here was checked against the one-line bug it names: planted by
 hand, the test fails; reverted, it passes.

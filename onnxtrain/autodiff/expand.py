@@ -1,7 +1,7 @@
 """Reverse-mode expansion of ``ai.onnx.preview.training.Gradient`` nodes.
 
 ``Gradient(xs=[...], zs=[...], y=name)(x values..., z values...)`` computes
-d sum(y) / d x for each x in xs at the point given by its inputs.  The engine
+d sum(y) / d x for each x in xs at the point given by its inputs.  ``expand_gradients``
 replaces each such node by standard ONNX ops:
 
 1. If an input value differs from the tensor it stands for, the part of the
@@ -20,7 +20,7 @@ differentiates the output of another (higher order) sees only standard ops.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import onnx
 from onnx import helper
@@ -40,7 +40,7 @@ from ..errors import GradientError
 from . import rules as _rules  # noqa: F401  (registers every rule)
 from .inline import function_body, inline, type_proto
 from .masks import fold_masks
-from .registry import REGISTRY, VJPContext
+from .registry import REGISTRY, Rule, VJPContext
 
 
 def is_gradient(node: onnx.NodeProto) -> bool:
@@ -151,6 +151,9 @@ def _expand_one(
     functions: Sequence[onnx.FunctionProto] = (),
     graph: onnx.GraphProto | None = None,
 ) -> list[onnx.NodeProto] | _Inline:
+    """The nodes that replace the Gradient node ``nodes[idx]`` (the steps of
+    the module doc), or an ``_Inline`` request for an op on its path that has
+    no rule but a function body."""
     gnode = nodes[idx]
     xs, zs, y = _gradient_attrs(gnode)
     producer = {o: n for n in nodes for o in n.output if o}
@@ -163,55 +166,21 @@ def _expand_one(
     if rename:
         return _substitute(gnode, nodes, producer, position, xs, zs, y, rename, names)
 
-    # 2. The subgraph between the sources and y (sources are leaves).
-    leaves = set(sources)
-    relevant: list[onnx.NodeProto] = []
-    seen: set[int] = set()
-    stack = [y]
-    while stack:
-        name = stack.pop()
-        if name in leaves or name not in producer:
-            continue
-        n = producer[name]
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
-        relevant.append(n)
-        stack.extend(node_inputs(n))
-    relevant.sort(key=lambda n: position[id(n)])
-
-    active: set[str] = {x for x in xs}
-    for n in relevant:
-        rule = REGISTRY.get(n.domain, n.op_type)
-        if rule is not None and rule.kind == "zero":
-            continue
-        if any(i in active for i in node_inputs(n)):
-            for o in n.output:
-                if o and (dtypes.get(o) in FLOAT_TYPES or o not in dtypes):
-                    active.add(o)
-
-    for n in relevant:
-        if REGISTRY.get(n.domain, n.op_type) is None and any(i in active for i in node_inputs(n)):
-            types = [type_proto(dtypes.get(i), shapes.get(i)) if i else None for i in n.input]
-            if any(t is None and i for t, i in zip(types, n.input)):
-                # Not a tensor (a sequence, an optional): ask inference for the full type.
-                full = value_types(graph or _graph_of(nodes), opset_imports, functions)
-                types = [t if t is not None or not i else full.get(i) for t, i in zip(types, n.input)]
-            body = function_body(n, opset_imports, functions, types)
-            if body is not None:
-                try:
-                    return _Inline(n, inline(n, body, names))
-                except ValueError:
-                    pass
+    # 2. The subgraph between the sources and y (sources are leaves), and the
+    #    values on it that depend on an x.
+    relevant = _upstream(y, set(sources), producer, position)
+    active = _active(relevant, xs, dtypes)
+    request = _inline_request(relevant, active, dtypes, shapes, names, opset_imports, functions,
+                              lambda: graph or _graph_of(nodes))
+    if request is not None:
+        return request
     _check_rules(relevant, active, xs, y)
+
+    # 3. The reverse pass, then one output per named x.
     emit = Emitter(opset, names, dtypes, hint=gnode.name or "grad", constants=constants)
     grads: dict[str, list[str]] = {}
     if y in active:
         grads[y] = [emit.ones_like(y)]
-
-    def fresh(hint: str) -> str:
-        return names.fresh(hint)
-
     readers: dict[str, list[onnx.NodeProto]] = {}
     for n in nodes:
         for i in node_inputs(n):
@@ -226,64 +195,145 @@ def _expand_one(
         dys = [emit.sum_all(grads[o]) if o and o in grads else None for o in n.output]
         if all(d is None for d in dys):
             continue
-        rule = REGISTRY.get(n.domain, n.op_type)
-        where = f"node {n.name!r} ({n.domain + '.' if n.domain else ''}{n.op_type})"
-        if rule is None:
-            raise GradientError(
-                f"no gradient rule for op {n.op_type!r}"
-                f"{' in domain ' + repr(n.domain) if n.domain else ''}, needed by {where} "
-                f"on the path from {xs} to {y!r}"
-            )
+        rule = _usable_rule(n, xs, y)
         if rule.kind == "zero":
             continue
-        if rule.kind == "refused":
-            raise GradientError(f"{where} is not differentiable: {rule.reason}")
         needs = [bool(i) and i in active for i in n.input]
-        ctx = VJPContext(n, emit, shapes, needs, fresh, active, subgraph_vjp, readers)
+        ctx = VJPContext(n, emit, shapes, needs, names.fresh, active, subgraph_vjp, readers)
         for o, d in zip(n.output, dys):
             if d is not None:
                 grads[o] = [d]
-        result = rule.fn(ctx, *dys)
-        if isinstance(result, str):
-            result = (result,)
-        result = list(result)
-        while len(result) > len(n.input) and result[-1] is None:
-            result.pop()  # entries for optional inputs the node leaves out
-        if len(result) > len(n.input):
-            raise GradientError(
-                f"gradient rule of {n.op_type} returned {len(result)} gradients for "
-                f"{len(n.input)} inputs ({where})"
-            )
-        for i, dx in enumerate(result):
-            if dx is not None and needs[i]:
-                grads.setdefault(n.input[i], []).append(dx)
-        for i in range(len(n.input)):
-            if (
-                needs[i]
-                and (i >= len(result) or result[i] is None)
-                and i not in rule.nondiff
-                and dtypes.get(n.input[i]) in FLOAT_TYPES
-                # a tensor read twice (Mul(a, a)) may get its whole gradient in one slot
-                and not any(
-                    dx is not None and n.input[j] == n.input[i] for j, dx in enumerate(result)
-                )
-            ):
-                raise GradientError(
-                    f"{where}: its rule gives no gradient for input {i} ({n.input[i]!r}), on "
-                    f"which {y!r} depends; differentiating with respect to it is not supported"
-                )
-        for name, dxs in ctx.implicit_grads.items():
-            if name in active:
-                grads.setdefault(name, []).extend(dxs)
+        _add_rule_gradients(ctx, rule, dys, needs, active, grads, dtypes, y)
 
     for k, out in enumerate(gnode.output):
         if not out:
             continue
-        x = xs[k]
-        contributions = grads.get(x)
+        contributions = grads.get(xs[k])
         total = emit.sum_all(contributions) if contributions else emit.zeros_like(values[k])
         emit.op("Identity", [total], outputs=[out])
     return emit.nodes
+
+
+def _upstream(y: str, leaves: set[str], producer: dict[str, onnx.NodeProto],
+              position: dict[int, int]) -> list[onnx.NodeProto]:
+    """The nodes ``y`` depends on, not looking past ``leaves``, in graph order."""
+    found: list[onnx.NodeProto] = []
+    seen: set[int] = set()
+    stack = [y]
+    while stack:
+        name = stack.pop()
+        if name in leaves or name not in producer:
+            continue
+        n = producer[name]
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        found.append(n)
+        stack.extend(node_inputs(n))
+    found.sort(key=lambda n: position[id(n)])
+    return found
+
+
+def _active(relevant: list[onnx.NodeProto], xs: list[str], dtypes: dict[str, int]) -> set[str]:
+    """The values that depend on an x through differentiable ops: float (or
+    untyped) outputs of nodes reading one, past no zero-gradient op."""
+    active: set[str] = set(xs)
+    for n in relevant:
+        rule = REGISTRY.get(n.domain, n.op_type)
+        if rule is not None and rule.kind == "zero":
+            continue
+        if any(i in active for i in node_inputs(n)):
+            for o in n.output:
+                if o and (dtypes.get(o) in FLOAT_TYPES or o not in dtypes):
+                    active.add(o)
+    return active
+
+
+def _inline_request(
+    relevant: list[onnx.NodeProto],
+    active: set[str],
+    dtypes: dict[str, int],
+    shapes: dict[str, tuple | None],
+    names: NameGen,
+    opset_imports: Sequence[onnx.OperatorSetIdProto],
+    functions: Sequence[onnx.FunctionProto],
+    graph: Callable[[], onnx.GraphProto],
+) -> _Inline | None:
+    """The first op on the path with no rule whose function body inlines, as
+    a request to inline it; None when there is none."""
+    for n in relevant:
+        if REGISTRY.get(n.domain, n.op_type) is None and any(i in active for i in node_inputs(n)):
+            types = [type_proto(dtypes.get(i), shapes.get(i)) if i else None for i in n.input]
+            if any(t is None and i for t, i in zip(types, n.input)):
+                # Not a tensor (a sequence, an optional): ask inference for the full type.
+                full = value_types(graph(), opset_imports, functions)
+                types = [t if t is not None or not i else full.get(i) for t, i in zip(types, n.input)]
+            body = function_body(n, opset_imports, functions, types)
+            if body is not None:
+                try:
+                    return _Inline(n, inline(n, body, names))
+                except ValueError:
+                    pass
+    return None
+
+
+def _where(n: onnx.NodeProto) -> str:
+    return f"node {n.name!r} ({n.domain + '.' if n.domain else ''}{n.op_type})"
+
+
+def _usable_rule(n: onnx.NodeProto, xs: list[str], y: str) -> Rule:
+    """The rule of ``n``'s op; GradientError when it has none or refuses."""
+    rule = REGISTRY.get(n.domain, n.op_type)
+    if rule is None:
+        raise GradientError(
+            f"no gradient rule for op {n.op_type!r}"
+            f"{' in domain ' + repr(n.domain) if n.domain else ''}, needed by {_where(n)} "
+            f"on the path from {xs} to {y!r}"
+        )
+    if rule.kind == "refused":
+        raise GradientError(f"{_where(n)} is not differentiable: {rule.reason}")
+    return rule
+
+
+def _add_rule_gradients(ctx: VJPContext, rule: Rule, dys: list[str | None], needs: list[bool], active: set[str],
+                        grads: dict[str, list[str]], dtypes: dict[str, int], y: str) -> None:
+    """Run ``rule`` on node ``ctx.node`` with output gradients ``dys`` and add
+    its input gradients (and the implicit ones, of values its subgraphs read)
+    to ``grads``.  A rule that returns too many, or none for an input that
+    needs one, is an error naming the node."""
+    n = ctx.node
+    result = rule.fn(ctx, *dys)
+    if isinstance(result, str):
+        result = (result,)
+    result = list(result)
+    while len(result) > len(n.input) and result[-1] is None:
+        result.pop()  # entries for optional inputs the node leaves out
+    if len(result) > len(n.input):
+        raise GradientError(
+            f"gradient rule of {n.op_type} returned {len(result)} gradients for "
+            f"{len(n.input)} inputs ({_where(n)})"
+        )
+    for i, dx in enumerate(result):
+        if dx is not None and needs[i]:
+            grads.setdefault(n.input[i], []).append(dx)
+    for i in range(len(n.input)):
+        if (
+            needs[i]
+            and (i >= len(result) or result[i] is None)
+            and i not in rule.nondiff
+            and dtypes.get(n.input[i]) in FLOAT_TYPES
+            # a tensor read twice (Mul(a, a)) may get its whole gradient in one slot
+            and not any(
+                dx is not None and n.input[j] == n.input[i] for j, dx in enumerate(result)
+            )
+        ):
+            raise GradientError(
+                f"{_where(n)}: its rule gives no gradient for input {i} ({n.input[i]!r}), on "
+                f"which {y!r} depends; differentiating with respect to it is not supported"
+            )
+    for name, dxs in ctx.implicit_grads.items():
+        if name in active:
+            grads.setdefault(name, []).extend(dxs)
 
 
 #: Float element types by width, for summing terms of different types.
@@ -374,18 +424,8 @@ def vjp_of_graph(
 def _check_rules(relevant: list[onnx.NodeProto], active: set[str], xs: list[str], y: str) -> None:
     """Fail before emitting anything if a node on the path has no usable rule."""
     for n in relevant:
-        if not any(i in active for i in node_inputs(n)):
-            continue
-        rule = REGISTRY.get(n.domain, n.op_type)
-        where = f"node {n.name!r} ({n.domain + '.' if n.domain else ''}{n.op_type})"
-        if rule is None:
-            raise GradientError(
-                f"no gradient rule for op {n.op_type!r}"
-                f"{' in domain ' + repr(n.domain) if n.domain else ''}, needed by {where} "
-                f"on the path from {xs} to {y!r}"
-            )
-        if rule.kind == "refused":
-            raise GradientError(f"{where} is not differentiable: {rule.reason}")
+        if any(i in active for i in node_inputs(n)):
+            _usable_rule(n, xs, y)
 
 
 def _substitute(
@@ -401,21 +441,7 @@ def _substitute(
 ) -> list[onnx.NodeProto]:
     """Clone the forward nodes between the substituted sources and y, reading
     the Gradient's input values, and point a rewritten Gradient at the clone."""
-    leaves = set(xs) | set(zs)
-    upstream: list[onnx.NodeProto] = []
-    seen: set[int] = set()
-    stack = [y]
-    while stack:
-        name = stack.pop()
-        if name in leaves or name not in producer:
-            continue
-        n = producer[name]
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
-        upstream.append(n)
-        stack.extend(node_inputs(n))
-    upstream.sort(key=lambda n: position[id(n)])
+    upstream = _upstream(y, set(xs) | set(zs), producer, position)
 
     mapping = dict(rename)
     clones: list[onnx.NodeProto] = []
