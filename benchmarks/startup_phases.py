@@ -38,15 +38,15 @@ PHASES = [
     ("  TrainingSession(model)", "TrainingSession()"),
     ("    load (parse, hostile-file checks)", "session.load"),
     ("    validate (spec rules, binding types)", "session.validate"),
-    ("    inference program", "session.inference_program"),
-    ("    algorithm program", "session.algorithm_programs"),
+    ("    inference program", "programs.inference_program"),
+    ("    algorithm program", "programs.algorithm_programs"),
     ("      autodiff (Gradient expansion)", "pass.expand_gradient_nodes"),
     ("      optimizer lowering", "pass.lower_optimizer_nodes"),
     ("      fuse Gemm updates", "pass.fuse_gemm_updates"),
     ("      sort and prune", "pass.sort_and_prune"),
-    ("    initialization program", "session.initialization_program"),
+    ("    initialization program", "programs.initialization_program"),
     ("  first train_step", "first_step"),
-    ("    fused-kernel choice (rewrite)", "session.kernel_choice"),
+    ("    executed list (fused-kernel choice, rewrite)", "executed.execute"),
     ("    onnxruntime session creation", "ort.InferenceSession"),
     ("    the run itself (binding, kernel library registration)", "first_run"),
     ("onnx shape inference, all calls", "onnx.infer_shapes"),
@@ -75,8 +75,10 @@ def child(workdir: Path) -> None:
     import onnxtrain.core.graph
     import onnxtrain.io.model
     import onnxtrain.kernels.library
+    import onnxtrain.lower.executed
     import onnxtrain.lower.pipeline
     import onnxtrain.lower.programs
+    import onnxtrain.runtime.runner
     import onnxtrain.session
 
     acc: dict = defaultdict(float)
@@ -98,18 +100,23 @@ def child(workdir: Path) -> None:
             setattr(mod, name, timed(label, getattr(mod, name)))
 
     S, PS = onnxtrain.session, onnxtrain.lower.pipeline
+    P, R = onnxtrain.lower.programs, onnxtrain.runtime.runner
     import onnx.shape_inference as SI
 
     wrap(SI, "infer_shapes", "onnx.infer_shapes")
-    for name, label in (("load", "session.load"), ("validate", "session.validate"),
-                        ("inference_program", "session.inference_program"),
-                        ("algorithm_programs", "session.algorithm_programs"),
-                        ("initialization_program", "session.initialization_program"),
-                        ("kernel_choice", "session.kernel_choice")):
-        wrap(S, name, label)
-    PS.FRONT = tuple(timed("pass." + f.__name__, f) for f in PS.FRONT)
-    PS.BACK = tuple(timed("pass." + f.__name__, f) for f in PS.BACK)
-    PS.PIPELINE = PS.FRONT + PS.BACK
+    for mod, name, label in ((S, "load", "session.load"), (S, "validate", "session.validate"),
+                             (P, "inference_program", "programs.inference_program"),
+                             (P, "algorithm_programs", "programs.algorithm_programs"),
+                             (P, "initialization_program", "programs.initialization_program"),
+                             (R, "execute", "executed.execute")):
+        wrap(mod, name, label)
+    # every step of every declared pass list, timed under its name
+    steps = {f for steps in PS.PASS_LISTS.values() for f in steps}
+    timed_step = {f: timed("pass." + f.__name__, f) for f in steps}
+    for kind, steps in list(PS.PASS_LISTS.items()):
+        PS.PASS_LISTS[kind] = tuple(timed_step[f] for f in steps)
+    PS.SOURCES = frozenset(timed_step[f] for f in PS.SOURCES)
+    PS.READ_ONLY = frozenset(timed_step[f] for f in PS.READ_ONLY)
     init = onnxruntime.InferenceSession.__init__
     onnxruntime.InferenceSession.__init__ = timed("ort.InferenceSession", init)
 
@@ -129,7 +136,7 @@ def child(workdir: Path) -> None:
                 "TrainingSession()": (t3 - t2) * 1e3, "first_step": (t4 - t3) * 1e3,
                 "startup_ms": (t4 - t0) * 1e3,
                 "onnx.infer_shapes.count": float(count.get("onnx.infer_shapes", 0))})
-    out["first_run"] = out["first_step"] - out.get("session.kernel_choice", 0) - out.get("ort.InferenceSession", 0)
+    out["first_run"] = out["first_step"] - out.get("executed.execute", 0) - out.get("ort.InferenceSession", 0)
     print(json.dumps(out))
 
 
