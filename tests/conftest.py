@@ -19,3 +19,10 @@ for folder in ("", "autodiff", "builder", "runtime", "kernels", "fit", "docs", "
 # then read.  The suite runs without it; tests/runtime/test_startup.py turns it
 # on, in a folder of its own, and tests it there.
 os.environ.setdefault("ONNXTRAIN_PROGRAM_CACHE", "0")
+
+# One intra-op thread per onnxruntime session: pytest-xdist already runs one
+# worker per core, and two workers whose sessions each keep a spinning pool of
+# one thread per core fight over the cores (a fifth of the suite's time on 2
+# cores).  Tests of the threading itself (tests/reliability/test_determinism.py)
+# set or unset ONNXTRAIN_THREADS for the processes they start.
+os.environ.setdefault("ONNXTRAIN_THREADS", "1")

@@ -398,8 +398,10 @@ def _gradient_model(model: onnx.ModelProto, weights: list[str], opset: int) -> t
     return m, grads
 
 
+# One model's tests share its float64 oracle (``zoo_case`` is cached per
+# process): under ``pytest -n N --dist loadgroup`` (.ci/run) they run in one worker.
 @pytest.mark.parametrize("opset", [9, 8, 7])
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xdist_group(f"zoo-{n}")) for n in MODELS])
 def test_zoo_light_gradient(name, opset):
     start = time.perf_counter()
     model, weights, feeds, directions, numeric = zoo_case(name)
@@ -410,11 +412,13 @@ def test_zoo_light_gradient(name, opset):
     # round differently along the long backward chains: on an AMD EPYC,
     # shufflenet's first-conv direction is off by 1.6e-4 of sum |g * d| with
     # them and by 6e-6 without.  The sessions' own setting is checked too,
-    # to ten times the bound.
+    # to ten times the bound, at the newest opset (the layout transforms do
+    # not depend on the opset the rules emitted at; 7 and 8 would repeat it).
     extended = default_session_options()
     extended.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     wrong, errors = [], []
-    for options, rtol in ((extended, RTOL), (None, 10 * RTOL)):
+    settings = ((extended, RTOL), (None, 10 * RTOL)) if opset == 9 else ((extended, RTOL),)
+    for options, rtol in settings:
         values = dict(zip(weights, Executor(gm, session_options=options).run(feeds, grads)))
         for key, d in directions.items():
             terms = [values[w].astype(np.float64) * d[w] for w in d]
@@ -429,6 +433,7 @@ def test_zoo_light_gradient(name, opset):
     assert not wrong, f"{name} at opset {opset}: " + "; ".join(wrong)
 
 
+@pytest.mark.xdist_group("zoo-squeezenet")
 def test_zoo_light_trains_at_opset7():
     """A standard training model around SqueezeNet relabelled to opset 7 (the
     algorithm: the forward pass, loss = sum(R * softmax), Gradient over every
@@ -475,6 +480,7 @@ def test_zoo_light_trains_at_opset7():
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
 
 
+@pytest.mark.xdist_group("zoo-zfnet512")
 def test_zoo_light_builds_with_defaults():
     """``build.training_model`` with its defaults on a zoo model as shipped
     (opset 9, a final Softmax over Flatten): the builder upgrades the opset,

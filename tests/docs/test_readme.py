@@ -27,7 +27,7 @@ def test_quick_start_runs(tmp_path):
 def test_readme_gives_the_two_commands_and_ci_runs_the_test_one():
     text = README.read_text()
     ci = (README.parent / ".ci" / "run").read_text()
-    test_cmd = "python3 -m venv .venv && .venv/bin/pip install -e '.[test,mpi]' && .venv/bin/python -m pytest -q -n 2"
+    test_cmd = "python3 -m venv .venv && .venv/bin/pip install -e '.[test,mpi]' && .venv/bin/python -m pytest -q -n 2 --dist loadgroup"
     assert test_cmd in text and test_cmd in ci
     assert "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/onnxtrain demo" in text
 
@@ -42,7 +42,7 @@ def test_the_torch_block_names_onnxscript():
 
 def test_the_readme_says_how_long_the_tests_take():
     text = README.read_text()
-    command = ".venv/bin/python -m pytest -q -n 2\n```"
+    command = ".venv/bin/python -m pytest -q -n 2 --dist loadgroup\n```"
     after = text[text.index(command) + len(command):][:400]
     assert re.search(r"about \d+-\d+ minutes on 2 cores", after), after
     assert re.search(r"\d[\d,]* tests", after), after
