@@ -6,6 +6,7 @@ JavaScript trainer needs, and write a state.bin the way one would."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,11 @@ class ManifestRunner:
     def _run(self, program: dict, feeds: dict, pending: dict) -> dict[str, np.ndarray]:
         file = program["file"]
         if file not in self._sessions:
-            self._sessions[file] = ort.InferenceSession(str(self.folder / file),
+            # As many intra-op threads as the Python session it is compared
+            # with (ONNXTRAIN_THREADS): some kernels (LSTM) split their sums by thread.
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = int(os.environ.get("ONNXTRAIN_THREADS") or 0)
+            self._sessions[file] = ort.InferenceSession(str(self.folder / file), so,
                                                         providers=["CPUExecutionProvider"])
         inputs = {f["name"]: feeds[f["name"]] for f in program.get("feeds", [])}
         inputs.update({f["name"]: feeds[f["name"]] for f in program.get("optional_feeds", [])
