@@ -7,7 +7,9 @@ of the program's role makes of it (``EXECUTED``), and merely executes it:
 ==============  ==========================================================
 role            steps
 ==============  ==========================================================
-algorithm       KERNELS
+algorithm       KERNELS, device_batch_norm
+forward         device_batch_norm
+evaluate        device_batch_norm
 update          KERNELS, scratch_outputs, inplace_plan
 (others)        none: the program as it is
 ==============  ==========================================================
@@ -28,6 +30,9 @@ The rewrites run where fused kernels are allowed (``fused_kernels`` not
 False) and possible (the CPU provider), on a copy: the standard programs
 (``programs.Programs``, what ``sess.programs()`` returns) never hold a
 library kernel.
+- ``device_batch_norm`` (off the CPU provider): training-mode
+  BatchNormalization as standard ops (``batchnorm``), which onnxruntime's
+  CUDA kernel refuses from opset 14 on;
 - ``scratch_outputs`` (memory="lean"): the update's temporaries become
   outputs written over its gradient buffers (``inplace.with_scratch_outputs``);
 - ``inplace_plan`` (memory="lean"): which state variables the update may
@@ -53,6 +58,7 @@ from ..kernels import llm, nchwc
 from ..kernels.fuse import KERNEL_DOMAIN
 from ..kernels.fuse import with_fused_kernels as _with_fused_kernels
 from . import program_cache
+from .batchnorm import is_training_batch_norm, standard_batch_norm
 from .checks import check_condition, check_sound, check_valid, checking, step_name
 from .inplace import inplace_keys, with_scratch_outputs
 from .lowering import ALGORITHM, EVALUATE, FORWARD, INFERENCE, INITIALIZATION, UPDATE
@@ -175,6 +181,14 @@ def inplace_plan(ex: Execution) -> None:
         ex.inplace = frozenset(inplace_keys(ex.model.graph, list(zip(program.bound_keys, program.bound_values))))
 
 
+def device_batch_norm(ex: Execution) -> None:
+    """Off the CPU provider: training-mode BatchNormalization as standard ops
+    (``batchnorm.standard_batch_norm``; onnxruntime's CUDA kernel refuses it
+    from opset 14 on)."""
+    if ex.options.device != "cpu":
+        ex.model, _ = standard_batch_norm(ex.model)
+
+
 #: The rewrites to library kernels, in order: run only where fused kernels
 #: are allowed and possible (``kernels_wanted``), and answered together from
 #: the program cache (``program_cache.fused_for``).
@@ -185,11 +199,11 @@ KERNELS = (*REWRITES, kernel_library)
 #: The executed list of every role (see the module docstring).
 EXECUTED: dict[str, tuple[Callable[[Execution], None], ...]] = {
     INFERENCE: (),
-    ALGORITHM: KERNELS,
-    FORWARD: (),
+    ALGORITHM: (*KERNELS, device_batch_norm),
+    FORWARD: (device_batch_norm,),
     UPDATE: (*KERNELS, scratch_outputs, inplace_plan),
     INITIALIZATION: (),
-    EVALUATE: (),
+    EVALUATE: (device_batch_norm,),
 }
 
 
@@ -206,6 +220,13 @@ def _library_iff_kernels(ex: Execution) -> str | None:
     if ex.library is not None and ex.model is ex.program.model:
         return "a library is given for the standard program"
     return None
+
+
+def _no_training_batch_norm_off_cpu(ex: Execution) -> str | None:
+    if ex.options.device == "cpu":
+        return None
+    left = [n.name or n.output[0] for n in ex.model.graph.node if is_training_batch_norm(n)]
+    return f"training-mode BatchNormalization {left[0]!r} is left for {ex.options.device}" if left else None
 
 
 def _scratch_is_bound(ex: Execution) -> str | None:
@@ -226,6 +247,7 @@ POSTCONDITIONS: dict[Callable[[Execution], None], Callable[[Execution], str | No
     decoder_kernels: _program_stays_standard,
     nchwc_kernels: _program_stays_standard,
     kernel_library: _library_iff_kernels,
+    device_batch_norm: _no_training_batch_norm_off_cpu,
     scratch_outputs: _scratch_is_bound,
     inplace_plan: _inplace_is_bound,
 }
