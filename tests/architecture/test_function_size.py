@@ -18,7 +18,6 @@ LIMIT = 80
 ALLOWED: dict[str, tuple[int, str]] = {
     "cli/demo.py::build_classifier": (118, "one graph written node by node, read top to bottom"),
     "builder/constants.py::constant_reasons": (98, "one walk deciding per initializer, its cases side by side"),
-    "io/model.py::validate": (97, "the spec rules R1-R11 checked in order, one block each"),
     "autodiff/rules/conv.py::deform_conv_vjp": (95, "one derivation (its docstring), step by step"),
     "cli/train.py::train_files": (94, "the command's options wired into one fit call"),
     "lower/split.py::cut": (92, "one partition of the algorithm graph, its steps share many maps"),
