@@ -19,7 +19,6 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "cli/demo.py::build_classifier": (118, "one graph written node by node, read top to bottom"),
     "builder/constants.py::constant_reasons": (98, "one walk deciding per initializer, its cases side by side"),
     "autodiff/rules/conv.py::deform_conv_vjp": (95, "one derivation (its docstring), step by step"),
-    "cli/train.py::train_files": (94, "the command's options wired into one fit call"),
     "autodiff/rules/resample.py::grid_sample_vjp": (92, "one derivation (its docstring), step by step"),
     "core/graph.py::_propagate_ranks": (90, "a table of per-op rank rules in one loop"),
     "autodiff/rules/recurrent.py::_gru": (88, "one cell's backward step, the formulas of its docstring"),
