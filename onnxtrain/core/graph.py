@@ -254,6 +254,39 @@ def infer_types(
     Large initializers and Constant nodes are replaced by their type before
     inference, so this costs time proportional to the node count, not to the
     weights."""
+    model = _inference_model(graph, opset_imports, ir_version, functions)
+    data = model.SerializeToString()
+    # The answer is a function of these bytes and of what the steps below
+    # read besides them: every initializer's type and dims, and the values
+    # of the small ones (``constant_values``).  Memoized on disk (``_types_key``).
+    key = _types_key(model, data, _initializer_facts(graph))
+    if key is not None:
+        known_types = _stored_types(key)
+        if known_types is not None:
+            return known_types
+    dtypes, shapes = _infer_with_seeds(model, data)
+    for t in graph.initializer:
+        dtypes[t.name] = t.data_type
+        shapes[t.name] = tuple(int(d) for d in t.dims)
+    for node in graph.node:
+        if node.op_type == "Constant":
+            for a in node.attribute:
+                if a.name == "value":
+                    dtypes[node.output[0]] = a.t.data_type
+                    shapes[node.output[0]] = tuple(int(d) for d in a.t.dims)
+    _propagate_ranks(graph.node, shapes, dtypes, graph)
+    if key is not None:
+        _store_types(key, dtypes, shapes)
+    return dtypes, shapes
+
+
+def _inference_model(
+    graph: onnx.GraphProto,
+    opset_imports: Sequence[onnx.OperatorSetIdProto],
+    ir_version: int,
+    functions: Sequence[onnx.FunctionProto],
+) -> onnx.ModelProto:
+    """The model shape inference runs on: ``graph`` with its weights and large Constants as typed inputs."""
     model = onnx.ModelProto()  # built in place: the graph is copied once
     g = model.graph
     g.name = graph.name or "g"
@@ -290,15 +323,13 @@ def infer_types(
     model.opset_import.extend(opset_imports)
     model.ir_version = max(ir_version, 4)
     model.functions.extend(functions)
-    data = model.SerializeToString()
-    # The answer is a function of these bytes and of what the steps below
-    # read besides them: every initializer's type and dims, and the values
-    # of the small ones (``constant_values``).  Memoized on disk (``_types_key``).
-    key = _types_key(model, data, _initializer_facts(graph))
-    if key is not None:
-        known_types = _stored_types(key)
-        if known_types is not None:
-            return known_types
+    return model
+
+
+def _infer_with_seeds(model: onnx.ModelProto, data: bytes) -> tuple[dict[str, int], dict[str, tuple | None]]:
+    """Shape inference on ``model`` (serialized: ``data``), again after declaring the outputs of the
+    ops onnx cannot infer (ai.onnx.ml, onnxruntime's contrib ops)."""
+    g = model.graph
     ig = _infer_in_place(model, data)
     dtypes, shapes = _collect(ig)
     seeded = _seed_ml_outputs(g.node, dtypes, shapes)
@@ -317,18 +348,6 @@ def infer_types(
         g.value_info.extend(seeded)
         ig = _infer_in_place(model)
         dtypes, shapes = _collect(ig)
-    for t in graph.initializer:
-        dtypes[t.name] = t.data_type
-        shapes[t.name] = tuple(int(d) for d in t.dims)
-    for node in graph.node:
-        if node.op_type == "Constant":
-            for a in node.attribute:
-                if a.name == "value":
-                    dtypes[node.output[0]] = a.t.data_type
-                    shapes[node.output[0]] = tuple(int(d) for d in a.t.dims)
-    _propagate_ranks(graph.node, shapes, dtypes, graph)
-    if key is not None:
-        _store_types(key, dtypes, shapes)
     return dtypes, shapes
 
 

@@ -22,7 +22,6 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "core/graph.py::_propagate_ranks": (90, "a table of per-op rank rules in one loop"),
     "autodiff/rules/recurrent.py::_gru": (88, "one cell's backward step, the formulas of its docstring"),
     "autodiff/rules/recurrent.py::_lstm": (87, "one cell's backward step, the formulas of its docstring"),
-    "core/graph.py::infer_types": (82, "shape inference and its fallbacks, in the order they apply"),
     "builder/lora.py::merge": (81, "the inverse of apply, one rewrite per inserted piece"),
 }
 
