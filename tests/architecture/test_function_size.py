@@ -19,7 +19,6 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "cli/demo.py::build_classifier": (118, "one graph written node by node, read top to bottom"),
     "autodiff/rules/conv.py::deform_conv_vjp": (95, "one derivation (its docstring), step by step"),
     "autodiff/rules/resample.py::grid_sample_vjp": (92, "one derivation (its docstring), step by step"),
-    "core/graph.py::_propagate_ranks": (90, "a table of per-op rank rules in one loop"),
     "autodiff/rules/recurrent.py::_gru": (88, "one cell's backward step, the formulas of its docstring"),
     "autodiff/rules/recurrent.py::_lstm": (87, "one cell's backward step, the formulas of its docstring"),
     "builder/lora.py::merge": (81, "the inverse of apply, one rewrite per inserted piece"),
