@@ -21,7 +21,6 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "autodiff/rules/resample.py::grid_sample_vjp": (92, "one derivation (its docstring), step by step"),
     "autodiff/rules/recurrent.py::_gru": (88, "one cell's backward step, the formulas of its docstring"),
     "autodiff/rules/recurrent.py::_lstm": (87, "one cell's backward step, the formulas of its docstring"),
-    "builder/lora.py::merge": (81, "the inverse of apply, one rewrite per inserted piece"),
 }
 
 
