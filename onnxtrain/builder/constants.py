@@ -116,15 +116,30 @@ def _broadcast_copy(x: np.ndarray) -> bool:
 def constant_reasons(graph: onnx.GraphProto, names: list[str]) -> dict[str, str]:
     """name -> reason for those of ``names`` (floating initializers of ``graph``)
     that are exporter constants (see the module docstring)."""
-    source = identity_source(graph)
-    inits = {t.name: t for t in graph.initializer}
-    wanted = set(names)
-    readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
-    for n in graph.node:
-        for i, x in enumerate(n.input):
-            if x:
-                readers.setdefault(x, []).append((n, i))
-    producer = {o: n for n in graph.node for o in n.output if o}
+    uses = _Uses(graph)
+    out, product_weight = _input_reasons(graph, set(names), uses.source)
+    for name in names:
+        if name not in out and name not in product_weight:
+            copies = [name] + [n.output[0] for n in graph.node
+                               if n.op_type == "Identity" and uses.source(n.input[0]) == name]
+            if any(uses.reaches_score_add(c) for c in copies):
+                out[name] = "mask"
+            elif uses.end_readers(name) == {"Cos", "Sin"}:
+                out[name] = "positional"
+    values = {n: v for n in names if n not in out and n not in product_weight
+              and (v := _values(uses.inits[n])) is not None}
+    for name, x in values.items():
+        if _sinusoidal(x) or _frequencies(x, name):
+            out[name] = "positional"
+        elif _broadcast_copy(x):
+            out[name] = "broadcast"
+    _cos_sin_pairs(values, out)
+    return out
+
+
+def _input_reasons(graph: onnx.GraphProto, wanted: set[str], source) -> tuple[dict[str, str], set[str]]:
+    """The reasons of ``wanted`` initializers read where a constant goes (CONSTANT_INPUTS),
+    and those read by a product (MatMul, Gemm, Conv...), which are weights."""
     out: dict[str, str] = {}
     product_weight: set[str] = set()
     for n in graph.node:
@@ -137,70 +152,71 @@ def constant_reasons(graph: onnx.GraphProto, names: list[str]) -> dict[str, str]
                 out.setdefault(w, reason)
             if n.op_type in _PRODUCTS and _domain(n) == "":
                 product_weight.add(w)
+    return out, product_weight
 
-    def feeds_softmax(value: str, depth: int = 0) -> bool:
-        for n, _ in readers.get(value, ()):
+
+class _Uses:
+    """Who reads and who makes each value of a graph, and the walks over them that find masks and angles."""
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.source = identity_source(graph)
+        self.inits = {t.name: t for t in graph.initializer}
+        self.readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+        for n in graph.node:
+            for i, x in enumerate(n.input):
+                if x:
+                    self.readers.setdefault(x, []).append((n, i))
+        self.producer = {o: n for n in graph.node for o in n.output if o}
+
+    def feeds_softmax(self, value: str, depth: int = 0) -> bool:
+        """``value`` goes into a Softmax (through Cast/Reshape/Where...)."""
+        for n, _ in self.readers.get(value, ()):
             if n.op_type == "Softmax":
                 return True
             if depth < 3 and n.op_type in _PASS | {"Where"} and n.output:
-                if feeds_softmax(n.output[0], depth + 1):
+                if self.feeds_softmax(n.output[0], depth + 1):
                     return True
         return False
 
-    def is_scores(value: str, depth: int = 0) -> bool:
+    def is_scores(self, value: str, depth: int = 0) -> bool:
         """Computed from a product of two activations (attention scores, q @ k^T),
         not from a product with a weight (x @ W, whose bias is a parameter)."""
-        n = producer.get(value)
+        n = self.producer.get(value)
         if n is None:
             return False
         if n.op_type == "MatMul":
-            return all(source(x) not in inits for x in n.input)
+            return all(self.source(x) not in self.inits for x in n.input)
         if depth < 4 and n.op_type in ("Mul", "Div", "Cast", "Add", "Sub", "Reshape", "Tanh"):
-            return any(is_scores(x, depth + 1) for x in n.input if x and source(x) not in inits)
+            return any(self.is_scores(x, depth + 1) for x in n.input if x and self.source(x) not in self.inits)
         return False
 
-    def reaches_score_add(value: str, depth: int = 0) -> bool:
-        for n, i in readers.get(value, ()):
+    def reaches_score_add(self, value: str, depth: int = 0) -> bool:
+        """``value`` is added to attention scores on their way to a Softmax: a mask."""
+        for n, i in self.readers.get(value, ()):
             if n.op_type in ("Add", "Sub") and len(n.input) == 2:
-                other = source(n.input[1 - i])
-                if is_scores(other) and feeds_softmax(n.output[0]):
+                other = self.source(n.input[1 - i])
+                if self.is_scores(other) and self.feeds_softmax(n.output[0]):
                     return True
             elif depth < 3 and n.op_type in _PASS and i == 0 and n.output:
-                if reaches_score_add(n.output[0], depth + 1):
+                if self.reaches_score_add(n.output[0], depth + 1):
                     return True
         return False
 
-    def end_readers(value: str, depth: int = 0) -> set[str]:
+    def end_readers(self, value: str, depth: int = 0) -> set[str]:
         """The op types that read ``value``, looking through shape-only ops."""
         ops: set[str] = set()
-        for n, _ in readers.get(value, ()):
+        for n, _ in self.readers.get(value, ()):
             if n.op_type in _PASS and depth < 4 and n.output:
-                ops |= end_readers(n.output[0], depth + 1)
+                ops |= self.end_readers(n.output[0], depth + 1)
             else:
                 ops.add(n.op_type)
         return ops
 
-    for name in names:
-        if name not in out and name not in product_weight:
-            copies = [name] + [n.output[0] for n in graph.node
-                               if n.op_type == "Identity" and source(n.input[0]) == name]
-            if any(reaches_score_add(c) for c in copies):
-                out[name] = "mask"
-            elif end_readers(name) == {"Cos", "Sin"}:
-                out[name] = "positional"
-    # The three walkers call themselves through their closure cells: a cycle
-    # that would keep this graph (and the model around it) alive until the
-    # cycle collector runs.  Done with them:
-    feeds_softmax = is_scores = reaches_score_add = end_readers = None  # noqa: F811, F841
-    values = {n: v for n in names if n not in out and n not in product_weight
-              and (v := _values(inits[n])) is not None}
-    for name, x in values.items():
-        if _sinusoidal(x) or _frequencies(x, name):
-            out[name] = "positional"
-        elif _broadcast_copy(x):
-            out[name] = "broadcast"
-    # cos/sin pairs: only tensors within [-1, 1] that vary, grouped by shape, a
-    # first-element test before the full one (models hold hundreds of norm vectors)
+
+def _cos_sin_pairs(values: dict[str, np.ndarray], out: dict[str, str]) -> None:
+    """Mark the cos/sin pairs among ``values`` "positional" in ``out``: only tensors within
+    [-1, 1] that vary, grouped by shape, a first-element test before the full one
+    (models hold hundreds of norm vectors)."""
     by_shape: dict[tuple, list[str]] = {}
     for n, x in values.items():
         if n not in out and x.size > 1 and np.abs(x).max() <= 1.0 + _TOL and np.ptp(x) > 0:
@@ -212,4 +228,3 @@ def constant_reasons(graph: onnx.GraphProto, names: list[str]) -> dict[str, str]
                 if abs(first - 1.0) <= _TOL and _unit_circle(values[a], values[b]):
                     out.setdefault(a, "positional")
                     out.setdefault(b, "positional")
-    return out

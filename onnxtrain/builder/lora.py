@@ -465,7 +465,20 @@ def merge(model: onnx.ModelProto, state: Mapping[str, np.ndarray] | None = None,
             merged[e["weight"]] = mapped.Deferred(
                 args[0].dtype, tuple(args[0].shape), lambda args=args: merged_blocks(*args))
         removed_values.update((e["A"], e["B"]))
-    kept = [n for n in graph.node if n.name not in removed_nodes]
+    _rewire(graph, removed_nodes, renamed, bypass)
+    _merged_initializers(graph, removed_values, merged, kept_branch, deferred)
+    vis = [v for v in graph.value_info if v.name not in removed_values]
+    del graph.value_info[:]
+    graph.value_info.extend(vis)
+    drop_metadata(out, META_KEY.removeprefix(PREFIX))
+    return out
+
+
+def _rewire(graph: onnx.GraphProto, removed: set[str], renamed: Mapping[str, str],
+            bypass: Mapping[str, str]) -> None:
+    """Drop the ``removed`` nodes; the kept ones write their original outputs (``renamed``)
+    and read past a dropped branch Dropout (``bypass``)."""
+    kept = [n for n in graph.node if n.name not in removed]
     for n in kept:
         for i, o in enumerate(n.output):
             if o in renamed:
@@ -475,9 +488,16 @@ def merge(model: onnx.ModelProto, state: Mapping[str, np.ndarray] | None = None,
                 n.input[i] = bypass[x]
     del graph.node[:]
     graph.node.extend(kept)
+
+
+def _merged_initializers(graph: onnx.GraphProto, removed: set[str], merged: Mapping[str, Any],
+                         kept_branch: Mapping[str, np.ndarray],
+                         deferred: dict[str, mapped.Deferred] | None) -> None:
+    """The initializers of the merged model: the ``removed`` dropped, the targets' merged
+    weights (deferred or arrays) and a kept branch's trained A and B written in."""
     new_inits = []
     for t in graph.initializer:
-        if t.name in removed_values:
+        if t.name in removed:
             continue
         if t.name in merged and deferred is not None and isinstance(merged[t.name], mapped.Deferred):
             mapped.defer(t, f"lora/{t.name}", merged[t.name], deferred)
@@ -489,11 +509,6 @@ def merge(model: onnx.ModelProto, state: Mapping[str, np.ndarray] | None = None,
         new_inits.append(t)
     del graph.initializer[:]
     graph.initializer.extend(new_inits)
-    vis = [v for v in graph.value_info if v.name not in removed_values]
-    del graph.value_info[:]
-    graph.value_info.extend(vis)
-    drop_metadata(out, META_KEY.removeprefix(PREFIX))
-    return out
 
 
 def attach(proto: onnx.ModelProto, desc: Mapping[str, Any], arrays: Mapping[str, np.ndarray]

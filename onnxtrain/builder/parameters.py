@@ -200,6 +200,17 @@ def parameter_choices(model: ModelLike | onnx.GraphProto) -> list[ParameterChoic
     one element that is not the bias of a product (Gemm/Conv input 2, or an
     Add to a MatMul/Gemm/Conv output), or one used both as a setting and as
     a weight (it is trained)."""
+    graph, ties = _judged_graph(model)
+    floats = {t.name: t for t in graph.initializer if t.data_type in FLOAT_TYPES}
+    reads = _reads(graph, floats)
+    producer = {o: n for n in graph.node for o in n.output if o}
+    exporter_constants = constant_reasons(graph, [n for n, t in floats.items() if t.dims])
+    out = [_choice(name, t, reads, exporter_constants, producer) for name, t in floats.items()]
+    return _with_names(graph, out, ties)
+
+
+def _judged_graph(model: ModelLike | onnx.GraphProto) -> tuple[onnx.GraphProto, dict[str, tuple[str, str]]]:
+    """The graph the builder trains (shared initializers untied, on a copy) and the ties it made."""
     graph = model if isinstance(model, onnx.GraphProto) else load(model)[0].graph
     if needs_untie(graph):  # judge the graph the builder trains
         untied = onnx.GraphProto()
@@ -208,12 +219,23 @@ def parameter_choices(model: ModelLike | onnx.GraphProto) -> list[ParameterChoic
         graph = untied
     else:  # (parameters read several times: nothing to untie, a note each)
         ties = {t.initializer: (t.note(), "") for t in exporter_ties(graph)}
-    floats = {t.name: t for t in graph.initializer if t.data_type in FLOAT_TYPES}
+    return graph, ties
+
+
+@dataclass
+class _Reads:
+    """How the graph reads its floating initializers (through Identity nodes)."""
+
+    settings: dict[str, str]  # name -> first setting reason
+    shape_only: set[str]  # names read by Shape / Size
+    weight_uses: dict[str, list[tuple[onnx.NodeProto, int]]]  # name -> (node, input index) reading it
+
+
+def _reads(graph: onnx.GraphProto, floats: dict[str, onnx.TensorProto]) -> _Reads:
+    """Each of ``floats``' reads sorted into settings, shape-only reads and weight uses
+    (a graph output is a weight use)."""
     source = identity_source(graph)
-    producer = {o: n for n in graph.node for o in n.output if o}
-    settings: dict[str, str] = {}  # name -> first setting reason
-    shape_only: set[str] = set()  # names read by Shape / Size
-    weight_uses: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    reads = _Reads({}, set(), {})
     for n in graph.node:
         if n.op_type == "Identity" and n.domain in DEFAULT_DOMAINS:
             continue  # its consumers count, not the Identity itself
@@ -222,57 +244,56 @@ def parameter_choices(model: ModelLike | onnx.GraphProto) -> list[ParameterChoic
             if name not in floats:
                 continue
             if n.op_type in SHAPE_ONLY_OPS and n.domain in DEFAULT_DOMAINS:
-                shape_only.add(name)
+                reads.shape_only.add(name)
                 continue
             size = int(np.prod(floats[name].dims)) if floats[name].dims else 1
             reason = _setting_reason(n, idx, size)
             if reason is None:
-                weight_uses.setdefault(name, []).append((n, idx))
+                reads.weight_uses.setdefault(name, []).append((n, idx))
             else:
-                settings.setdefault(name, reason)
+                reads.settings.setdefault(name, reason)
     for o in graph.output:
         if source(o.name) in floats:
-            weight_uses.setdefault(source(o.name), [])
+            reads.weight_uses.setdefault(source(o.name), [])
+    return reads
 
-    def is_bias(node: onnx.NodeProto, idx: int) -> bool:
-        if (node.op_type, idx) in _BIAS_INPUTS:
-            return True
-        if node.op_type == "Add" and len(node.input) == 2:
-            other = producer.get(node.input[1 - idx])
-            return other is not None and other.op_type in _PRODUCT_OPS
-        return False
 
-    exporter_constants = constant_reasons(graph, [n for n, t in floats.items() if t.dims])
-    out = []
-    for name, t in floats.items():
-        if len(t.dims) == 0:
-            out.append(ParameterChoice(name, False, "scalar"))
-            continue
-        if name in exporter_constants:
-            out.append(ParameterChoice(name, False, exporter_constants[name]))
-            continue
-        uses = weight_uses.get(name)
-        if uses is None and name in settings:
-            out.append(ParameterChoice(name, False, settings[name]))
-            continue
-        if uses is None and name in shape_only:
-            out.append(ParameterChoice(name, False, "shape"))
-            continue
-        # A mask is added to scores; a weight read by a product is never read for this check
-        # (reading every weight's values would cost a copy of the model).
-        added = uses and all(n.op_type in _MASK_READERS for n, _ in uses)
-        if added and _is_additive_mask(t):
-            out.append(ParameterChoice(name, False, "mask"))
-            continue
-        doubt = ""
-        if name in settings:
-            doubt = f"it is also used as a setting ({settings[name]})"
-        elif int(np.prod(t.dims)) == 1 and uses and not all(is_bias(n, i) for n, i in uses):
-            n, _ = uses[0]
-            doubt = (f"it has one element (read by {n.op_type} node "
-                     f"{n.name or n.op_type!r}) and may be a constant")
-        out.append(ParameterChoice(name, True, "weight", doubt))
-    return _with_names(graph, out, ties)
+def _is_bias(producer: dict[str, onnx.NodeProto], node: onnx.NodeProto, idx: int) -> bool:
+    """Input ``idx`` of ``node`` is the bias of a product (its bias slot, or an Add to its output)."""
+    if (node.op_type, idx) in _BIAS_INPUTS:
+        return True
+    if node.op_type == "Add" and len(node.input) == 2:
+        other = producer.get(node.input[1 - idx])
+        return other is not None and other.op_type in _PRODUCT_OPS
+    return False
+
+
+def _choice(name: str, t: onnx.TensorProto, reads: _Reads, exporter_constants: dict[str, str],
+            producer: dict[str, onnx.NodeProto]) -> ParameterChoice:
+    """The choice for the floating initializer ``t`` (the rule of ``parameter_choices``)."""
+    if len(t.dims) == 0:
+        return ParameterChoice(name, False, "scalar")
+    if name in exporter_constants:
+        return ParameterChoice(name, False, exporter_constants[name])
+    settings = reads.settings
+    uses = reads.weight_uses.get(name)
+    if uses is None and name in settings:
+        return ParameterChoice(name, False, settings[name])
+    if uses is None and name in reads.shape_only:
+        return ParameterChoice(name, False, "shape")
+    # A mask is added to scores; a weight read by a product is never read for this check
+    # (reading every weight's values would cost a copy of the model).
+    added = uses and all(n.op_type in _MASK_READERS for n, _ in uses)
+    if added and _is_additive_mask(t):
+        return ParameterChoice(name, False, "mask")
+    doubt = ""
+    if name in settings:
+        doubt = f"it is also used as a setting ({settings[name]})"
+    elif int(np.prod(t.dims)) == 1 and uses and not all(_is_bias(producer, n, i) for n, i in uses):
+        n, _ = uses[0]
+        doubt = (f"it has one element (read by {n.op_type} node "
+                 f"{n.name or n.op_type!r}) and may be a constant")
+    return ParameterChoice(name, True, "weight", doubt)
 
 
 def _with_names(graph: onnx.GraphProto, choices: list[ParameterChoice],

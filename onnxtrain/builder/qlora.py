@@ -25,7 +25,7 @@ a report of the error this adds (``requantized``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,25 +120,8 @@ def quantized_targets(graph: onnx.GraphProto, make_use) -> tuple[dict[str, Quant
                 why[codes] = "its codes are read by more than one node"
                 continue
             value = n.output[0]
-            uses, bad = [], None
-            for upos in sorted(set(readers.get(value, []))):
-                u = graph.node[upos]
-                ukind = _kind(u)
-                if ukind == "Identity":
-                    continue
-                explicit = list(u.input)
-                idx = next(i for i, name in enumerate(explicit) if source(name) == value)
-                if ukind not in ("MatMul", "Gemm") or idx > 1:
-                    bad = f"its dequantized value is read by {ukind} node {u.name or ukind!r}"
-                    break
-                if source(explicit[1 - idx]) in inits:
-                    bad = f"{ukind} node {u.name or ukind!r} multiplies it with an initializer"
-                    break
-                if ukind == "MatMul":
-                    transposed = idx == 0
-                else:
-                    transposed = (idx == 0) != bool(_attr(u, "transA" if idx == 0 else "transB", 0))
-                uses.append(make_use(upos, idx, transposed))
+            uses, bad = _weight_uses(graph, value, sorted(set(readers.get(value, []))), source, inits,
+                                     make_use)
             scale = inits[source(n.input[1])]
             if bad is None and (not uses or source(value) in outputs):
                 bad = "its dequantized value is not (only) a MatMul/Gemm weight"
@@ -154,6 +137,32 @@ def quantized_targets(graph: onnx.GraphProto, make_use) -> tuple[dict[str, Quant
             found[codes] = Quantized("DequantizeLinear", pos, d1 if tr else d0, d0 if tr else d1,
                                      scale.data_type, tr, value, uses)
     return found, why
+
+
+def _weight_uses(graph: onnx.GraphProto, value: str, positions: list[int], source: Callable[[str], str],
+                 inits: dict[str, onnx.TensorProto], make_use) -> tuple[list, str | None]:
+    """The use records of the dequantized ``value`` read by the nodes at ``positions``, or why
+    one is not a MatMul/Gemm weight against an activation (then the records so far)."""
+    uses, bad = [], None
+    for upos in positions:
+        u = graph.node[upos]
+        ukind = _kind(u)
+        if ukind == "Identity":
+            continue
+        explicit = list(u.input)
+        idx = next(i for i, name in enumerate(explicit) if source(name) == value)
+        if ukind not in ("MatMul", "Gemm") or idx > 1:
+            bad = f"its dequantized value is read by {ukind} node {u.name or ukind!r}"
+            break
+        if source(explicit[1 - idx]) in inits:
+            bad = f"{ukind} node {u.name or ukind!r} multiplies it with an initializer"
+            break
+        if ukind == "MatMul":
+            transposed = idx == 0
+        else:
+            transposed = (idx == 0) != bool(_attr(u, "transA" if idx == 0 else "transB", 0))
+        uses.append(make_use(upos, idx, transposed))
+    return uses, bad
 
 
 # ------------------------------------------------------------------ (de)quantization

@@ -65,26 +65,7 @@ def training_forward(
         mode_op = kind in ("Dropout", "BatchNormalization")
         if not mode_op and not any(i in renamed for i in node_inputs(node)):
             continue
-        if subgraphs(node):
-            raise ValueError(
-                f"train_mode: node {node.name or node.op_type!r} ({node.op_type}) has a subgraph and "
-                "depends on Dropout/BatchNormalization; its training-mode copy is not supported "
-                "(use train_mode=False)"
-            )
-        copy = onnx.NodeProto()
-        copy.CopyFrom(node)
-        copy.name = e.names.fresh(f"train/{node.name or node.op_type}")
-        del copy.input[:]
-        copy.input.extend(renamed.get(i, i) for i in node.input)
-        if kind == "Dropout":
-            _dropout_training(e, copy)
-            slots = [(node.output[0], "output"), (_output(node, 1), "mask")]
-        elif kind == "BatchNormalization":
-            _batch_norm_training(copy, opset)
-            extra = ["running_mean", "running_var"] + (["saved_mean", "saved_var"] if opset < 14 else [])
-            slots = [(node.output[0], "Y")] + [("", hint) for hint in extra]
-        else:
-            slots = [(o, o) for o in node.output]
+        copy, slots = _training_copy(e, node, kind, renamed, opset)
         del copy.output[:]
         for original, hint in slots:
             if not original and hint == "":
@@ -102,36 +83,71 @@ def training_forward(
         if kind == "Dropout":
             e.dtypes[copy.output[1]] = TensorProto.BOOL
         e.nodes.append(copy)
-        if kind != "BatchNormalization":
-            continue
-        for stat, new in zip(node.input[3:5], copy.output[1:3]):
-            e.dtypes[new] = e.dtypes.get(stat, TensorProto.FLOAT)
-            if stat in inits:
-                t = inits[stat]
-                value_info.append(helper.make_tensor_value_info(new, t.data_type, list(t.dims)))
-        for extra_out in copy.output[3:5]:  # opset 13: saved mean / variance, shaped like a stat
-            e.dtypes[extra_out] = e.dtypes.get(node.input[3], TensorProto.FLOAT)
-        new_stats = list(copy.output[1:3])
-        if batchnorm_var == "unbiased" and node.input[4] in inits:
-            new_stats[1] = _unbiased_running_var(e, node, copy.input[0], new_stats[1])
-            t = inits[node.input[4]]
-            value_info.append(helper.make_tensor_value_info(new_stats[1], t.data_type, list(t.dims)))
-        for stat, new in zip(node.input[3:5], new_stats):
-            if stat not in inits:
-                warnings.warn(
-                    f"train_mode: BatchNormalization node {node.name or node.op_type!r} reads its "
-                    f"running statistic from {stat!r}, which is not an initializer; the statistic "
-                    "is not updated by training",
-                    stacklevel=5,  # the caller of training_model
-                )
-                continue
-            if any(key == stat for key, _ in stats):
-                raise ValueError(
-                    f"train_mode: initializer {stat!r} is the running statistic of two "
-                    "BatchNormalization nodes; it can be updated by only one"
-                )
-            stats.append((stat, new))
+        if kind == "BatchNormalization":
+            _running_statistics(e, node, copy, inits, batchnorm_var, stats, value_info)
     return renamed.get(prediction, prediction), stats, value_info
+
+
+def _training_copy(
+    e: Emitter, node: onnx.NodeProto, kind: str, renamed: dict[str, str], opset: int
+) -> tuple[onnx.NodeProto, list[tuple[str, str]]]:
+    """A fresh-named copy of ``node`` reading the renamed values, in training mode, and its
+    output slots: (original output or "", name hint) each."""
+    if subgraphs(node):
+        raise ValueError(
+            f"train_mode: node {node.name or node.op_type!r} ({node.op_type}) has a subgraph and "
+            "depends on Dropout/BatchNormalization; its training-mode copy is not supported "
+            "(use train_mode=False)"
+        )
+    copy = onnx.NodeProto()
+    copy.CopyFrom(node)
+    copy.name = e.names.fresh(f"train/{node.name or node.op_type}")
+    del copy.input[:]
+    copy.input.extend(renamed.get(i, i) for i in node.input)
+    if kind == "Dropout":
+        _dropout_training(e, copy)
+        slots = [(node.output[0], "output"), (_output(node, 1), "mask")]
+    elif kind == "BatchNormalization":
+        _batch_norm_training(copy, opset)
+        extra = ["running_mean", "running_var"] + (["saved_mean", "saved_var"] if opset < 14 else [])
+        slots = [(node.output[0], "Y")] + [("", hint) for hint in extra]
+    else:
+        slots = [(o, o) for o in node.output]
+    return copy, slots
+
+
+def _running_statistics(
+    e: Emitter, node: onnx.NodeProto, copy: onnx.NodeProto, inits: dict[str, onnx.TensorProto],
+    batchnorm_var: str, stats: list[tuple[str, str]], value_info: list[onnx.ValueInfoProto],
+) -> None:
+    """The types of a training BatchNormalization's extra outputs, and its (statistic, new value) pairs."""
+    for stat, new in zip(node.input[3:5], copy.output[1:3]):
+        e.dtypes[new] = e.dtypes.get(stat, TensorProto.FLOAT)
+        if stat in inits:
+            t = inits[stat]
+            value_info.append(helper.make_tensor_value_info(new, t.data_type, list(t.dims)))
+    for extra_out in copy.output[3:5]:  # opset 13: saved mean / variance, shaped like a stat
+        e.dtypes[extra_out] = e.dtypes.get(node.input[3], TensorProto.FLOAT)
+    new_stats = list(copy.output[1:3])
+    if batchnorm_var == "unbiased" and node.input[4] in inits:
+        new_stats[1] = _unbiased_running_var(e, node, copy.input[0], new_stats[1])
+        t = inits[node.input[4]]
+        value_info.append(helper.make_tensor_value_info(new_stats[1], t.data_type, list(t.dims)))
+    for stat, new in zip(node.input[3:5], new_stats):
+        if stat not in inits:
+            warnings.warn(
+                f"train_mode: BatchNormalization node {node.name or node.op_type!r} reads its "
+                f"running statistic from {stat!r}, which is not an initializer; the statistic "
+                "is not updated by training",
+                stacklevel=6,  # the caller of training_model
+            )
+            continue
+        if any(key == stat for key, _ in stats):
+            raise ValueError(
+                f"train_mode: initializer {stat!r} is the running statistic of two "
+                "BatchNormalization nodes; it can be updated by only one"
+            )
+        stats.append((stat, new))
 
 
 def _unbiased_running_var(e: Emitter, node: onnx.NodeProto, x: str, onnx_var: str) -> str:

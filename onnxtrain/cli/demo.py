@@ -52,6 +52,11 @@ TEST_FRACTION = 0.2
 ADAM_ATTRS = dict(alpha=0.9, beta=0.999, epsilon=1e-7, norm_coefficient=0.0)
 
 PARAMS = ("W1", "b1", "W2", "b2")
+#: Adam's moments, named as onnxtrain.build names them (V: first, H: second).
+MOMENTS_V = [f"{p}.adam_m" for p in PARAMS]
+MOMENTS_H = [f"{p}.adam_v" for p in PARAMS]
+#: The state variables in binding order: the parameters, V, H and the counter.
+STATE = list(PARAMS) + MOMENTS_V + MOMENTS_H + ["step"]
 
 
 def _tensor(name: str, value: np.ndarray) -> onnx.TensorProto:
@@ -103,12 +108,30 @@ def build_classifier(
             raise ValueError(f"build_classifier: {name} must be >= 1, got {value!r}")
     if not lr > 0:
         raise ValueError(f"build_classifier: lr must be > 0, got {lr!r}")
-    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     params = _initial_params(n_in, hidden, n_out, seed)
-    shapes = {name: list(value.shape) for name, value in params.items()}
+    info = onnx.TrainingInfoProto()
+    info.algorithm.CopyFrom(_algorithm_graph(params, lr))
+    info.initialization.CopyFrom(_initialization_graph(params))
+    for key in STATE:
+        info.update_binding.add(key=key, value=f"{key}_new")
+    for key in STATE:
+        info.initialization_binding.add(key=key, value=f"{key}_init")
 
-    # ------------------------------------------------------------ main graph
-    main = helper.make_graph(
+    model = helper.make_model(
+        _main_graph(params, n_in, n_out),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(PREVIEW_DOMAIN, 1)],
+        producer_name="onnxtrain.demo",
+        doc_string="Two-layer Relu classifier trained with Adam on mean softmax cross-entropy.",
+    )
+    model.ir_version = 10
+    model.training_info.append(info)
+    return model
+
+
+def _main_graph(params: dict[str, np.ndarray], n_in: int, n_out: int) -> onnx.GraphProto:
+    """The inference graph: X -> Gemm -> Relu -> Gemm -> logits, the parameters its initializers."""
+    f32 = TensorProto.FLOAT
+    return helper.make_graph(
         [
             helper.make_node("Gemm", ["X", "W1", "b1"], ["hidden_pre"], name="dense1"),
             helper.make_node("Relu", ["hidden_pre"], ["hidden"], name="relu1"),
@@ -120,14 +143,12 @@ def build_classifier(
         [_tensor(name, value) for name, value in params.items()],
     )
 
-    # ------------------------------------------------------- algorithm graph
+
+def _algorithm_graph(params: dict[str, np.ndarray], lr: float) -> onnx.GraphProto:
+    """One training step: the loss, its Gradient, the counter and Adam, which write ``<state>_new``."""
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     grads = [f"{p}_grad" for p in PARAMS]
-    # The names onnxtrain.build gives Adam's moments (V: first, H: second).
-    moments_v = [f"{p}.adam_m" for p in PARAMS]
-    moments_h = [f"{p}.adam_v" for p in PARAMS]
-    new_params = [f"{p}_new" for p in PARAMS]
-    new_v = [f"{v}_new" for v in moments_v]
-    new_h = [f"{h}_new" for h in moments_h]
+    new_state = [f"{s}_new" for s in STATE[:-1]]  # the parameters', then V's, then H's
     algorithm_nodes = [
         helper.make_node(
             "SoftmaxCrossEntropyLoss", ["logits", "label"], ["loss"], name="loss",
@@ -141,8 +162,8 @@ def build_classifier(
         helper.make_node("Add", ["step", "one"], ["step_new"], name="count_step"),
         # Adam's variadic inputs: R, T, X1..Xn, G1..Gn, V1..Vn, H1..Hn.
         helper.make_node(
-            "Adam", ["learning_rate", "step_new"] + list(PARAMS) + grads + moments_v + moments_h,
-            new_params + new_v + new_h, name="adam", domain=PREVIEW_DOMAIN, **ADAM_ATTRS,
+            "Adam", ["learning_rate", "step_new"] + list(PARAMS) + grads + MOMENTS_V + MOMENTS_H,
+            new_state, name="adam", domain=PREVIEW_DOMAIN, **ADAM_ATTRS,
         ),
     ]
     algorithm_initializers = (
@@ -151,34 +172,35 @@ def build_classifier(
             _tensor("step", np.int64(0)),
             _tensor("one", np.int64(1)),
         ]
-        + [_tensor(v, np.zeros_like(params[p])) for v, p in zip(moments_v, PARAMS)]
-        + [_tensor(h, np.zeros_like(params[p])) for h, p in zip(moments_h, PARAMS)]
+        + [_tensor(v, np.zeros_like(params[p])) for v, p in zip(MOMENTS_V, PARAMS)]
+        + [_tensor(h, np.zeros_like(params[p])) for h, p in zip(MOMENTS_H, PARAMS)]
     )
-    state_shapes = [shapes[p] for p in PARAMS] * 3
-    algorithm = helper.make_graph(
+    state_shapes = [list(params[p].shape) for p in PARAMS] * 3
+    return helper.make_graph(
         algorithm_nodes,
         "digits_mlp_adam",
         [helper.make_tensor_value_info("label", i64, ["N"])],
         [helper.make_tensor_value_info("loss", f32, [])]
-        + [
-            helper.make_tensor_value_info(name, f32, shape)
-            for name, shape in zip(new_params + new_v + new_h, state_shapes)
-        ]
+        + [helper.make_tensor_value_info(name, f32, shape) for name, shape in zip(new_state, state_shapes)]
         + [helper.make_tensor_value_info("step_new", i64, [])],
         algorithm_initializers,
     )
 
-    # -------------------------------------------------- initialization graph
-    # Parameters come back to the seeded starting point (Constant), so that
-    # initialize() is reproducible; moments are zeros of their parameter's
-    # shape (ConstantOfShape keeps the model small); the counter restarts at 0.
-    state_names = list(PARAMS) + moments_v + moments_h + ["step"]
+
+def _initialization_graph(params: dict[str, np.ndarray]) -> onnx.GraphProto:
+    """The state's starting values, ``<state>_init``.
+
+    Parameters come back to the seeded starting point (Constant), so that
+    initialize() is reproducible; moments are zeros of their parameter's
+    shape (ConstantOfShape keeps the model small); the counter restarts at 0."""
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    shapes = {name: list(value.shape) for name, value in params.items()}
     init_nodes, init_outputs = [], []
     for p in PARAMS:
         init_nodes.append(helper.make_node("Constant", [], [f"{p}_init"], name=f"init_{p}",
                                            value=_tensor(f"{p}_start", params[p])))
         init_outputs.append(helper.make_tensor_value_info(f"{p}_init", f32, shapes[p]))
-    for moment, p in zip(moments_v + moments_h, PARAMS + PARAMS):
+    for moment, p in zip(MOMENTS_V + MOMENTS_H, PARAMS + PARAMS):
         init_nodes += [
             helper.make_node("Constant", [], [f"{moment}_shape"], name=f"shape_{moment}",
                              value=_tensor(f"{moment}_dims", np.array(shapes[p], np.int64))),
@@ -189,26 +211,7 @@ def build_classifier(
     init_nodes.append(helper.make_node("Constant", [], ["step_init"], name="init_step",
                                        value=_tensor("step_start", np.int64(0))))
     init_outputs.append(helper.make_tensor_value_info("step_init", i64, []))
-    initialization = helper.make_graph(init_nodes, "digits_mlp_init", [], init_outputs)
-
-    # ---------------------------------------------------------------- model
-    info = onnx.TrainingInfoProto()
-    info.algorithm.CopyFrom(algorithm)
-    info.initialization.CopyFrom(initialization)
-    for key, value in zip(state_names, new_params + new_v + new_h + ["step_new"]):
-        info.update_binding.add(key=key, value=value)
-    for key in state_names:
-        info.initialization_binding.add(key=key, value=f"{key}_init")
-
-    model = helper.make_model(
-        main,
-        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(PREVIEW_DOMAIN, 1)],
-        producer_name="onnxtrain.demo",
-        doc_string="Two-layer Relu classifier trained with Adam on mean softmax cross-entropy.",
-    )
-    model.ir_version = 10
-    model.training_info.append(info)
-    return model
+    return helper.make_graph(init_nodes, "digits_mlp_init", [], init_outputs)
 
 
 def demo_steps(epochs: int, batch_size: int, n_samples: int = 1797) -> int:

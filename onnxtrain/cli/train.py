@@ -142,23 +142,9 @@ def train_files(
     base = _everywhere(comm, check_paths)
     sess = TrainingSession(resume if resume is not None else model, comm=comm)
 
-    def check_session() -> tuple[Any, Any, int]:
-        initial = 0
-        if resume is not None:
-            _check_same_state(base.state, sess.state_info, model, resume)
-            initial = checkpoint_epoch(sess)
-        if sess.num_algorithms == 0:
-            raise TrainingModelError(
-                f"{resume or model}: the model has no training_info, so there is nothing to "
-                "train; make a training model first (onnxtrain make-training)"
-            )
-        train = load_npz(data, sess)
-        val = load_npz(validation_data, sess) if validation_data is not None else None
-        if lr is not None:
-            sess.learning_rate = lr
-        return train, val, initial
-
-    train, val, initial = _everywhere(comm, check_session)
+    train, val, initial = _everywhere(
+        comm, lambda: _session_ready(sess, base, model, resume, (data, validation_data), lr)
+    )
     saver = ModelCheckpoint(checkpoint) if checkpoint is not None and writes else None
     nan_stop = TerminateOnNaN() if terminate_on_nan else None
     all_callbacks = [cb for cb in (saver, nan_stop) if cb is not None] + list(callbacks)
@@ -172,28 +158,9 @@ def train_files(
                       # too): the first fit of a session loaded from a checkpoint.
                       initial_epoch=None if resume is not None else 0)
     except KeyboardInterrupt:
-        at = sess.fit_position or {}
-        where = f" during epoch {at.get('epoch', initial) + 1}" if at.get("batch") else ""
-        held = None
-        if saver is not None and saver.written:
-            held = saver.written[-1]
-            saved = (f"the checkpoint {held} holds epoch {checkpoint_epoch(held)}; "
-                     f"continue with --resume {held}")
-        elif saver is not None:
-            saved = f"no checkpoint was written ({checkpoint} still holds what it held)"
-            if resume is not None:
-                held = Path(resume)
-                saved += f"; continue with --resume {resume}"
-        else:
-            saved = "nothing was saved (use --checkpoint to keep finished epochs)"
-        raise TrainingInterrupted(f"interrupted{where}: {saved}", held) from None
+        raise _interrupted(sess, saver, checkpoint, resume, initial) from None
     if nan_stop is not None and nan_stop.terminated is not None:
-        e, b, st, value = nan_stop.terminated
-        kept = (f"; the checkpoint {saver.written[-1]} holds epoch {checkpoint_epoch(saver.written[-1])}"
-                if saver is not None and saver.written else "")
-        raise NonFiniteLossError(
-            f"the training loss is {value} at epoch {e + 1}, batch {b + 1} (step {st} of this "
-            f"run); training stopped (TerminateOnNaN), nothing written{kept}", e, b, st, value)
+        raise _non_finite(nan_stop, saver)
     written_ckpt = None
     if saver is not None:
         if saver.written:
@@ -204,6 +171,57 @@ def train_files(
     return TrainResult(history, Path(out) if out else None,
                        Path(written_ckpt) if written_ckpt else None, initial, int(epochs),
                        time.perf_counter() - start)
+
+
+def _session_ready(sess: TrainingSession, base: Any, model: Any, resume: Any, data_files: tuple[Any, Any],
+                   lr: float | None) -> tuple[Any, Any, int]:
+    """The session checked against the model it resumes, its data loaded and its learning rate set:
+    (training data, validation data, the epoch it starts at)."""
+    data, validation_data = data_files
+    initial = 0
+    if resume is not None:
+        _check_same_state(base.state, sess.state_info, model, resume)
+        initial = checkpoint_epoch(sess)
+    if sess.num_algorithms == 0:
+        raise TrainingModelError(
+            f"{resume or model}: the model has no training_info, so there is nothing to "
+            "train; make a training model first (onnxtrain make-training)"
+        )
+    train = load_npz(data, sess)
+    val = load_npz(validation_data, sess) if validation_data is not None else None
+    if lr is not None:
+        sess.learning_rate = lr
+    return train, val, initial
+
+
+def _interrupted(sess: TrainingSession, saver: ModelCheckpoint | None, checkpoint: Any, resume: Any,
+                 initial: int) -> TrainingInterrupted:
+    """The Ctrl-C error: where the run stopped, what the checkpoint holds and how to go on."""
+    at = sess.fit_position or {}
+    where = f" during epoch {at.get('epoch', initial) + 1}" if at.get("batch") else ""
+    held = None
+    if saver is not None and saver.written:
+        held = saver.written[-1]
+        saved = (f"the checkpoint {held} holds epoch {checkpoint_epoch(held)}; "
+                 f"continue with --resume {held}")
+    elif saver is not None:
+        saved = f"no checkpoint was written ({checkpoint} still holds what it held)"
+        if resume is not None:
+            held = Path(resume)
+            saved += f"; continue with --resume {resume}"
+    else:
+        saved = "nothing was saved (use --checkpoint to keep finished epochs)"
+    return TrainingInterrupted(f"interrupted{where}: {saved}", held)
+
+
+def _non_finite(nan_stop: TerminateOnNaN, saver: ModelCheckpoint | None) -> NonFiniteLossError:
+    """The error of a run TerminateOnNaN stopped: the loss, where it was, and the checkpoint kept."""
+    e, b, st, value = nan_stop.terminated
+    kept = (f"; the checkpoint {saver.written[-1]} holds epoch {checkpoint_epoch(saver.written[-1])}"
+            if saver is not None and saver.written else "")
+    return NonFiniteLossError(
+        f"the training loss is {value} at epoch {e + 1}, batch {b + 1} (step {st} of this "
+        f"run); training stopped (TerminateOnNaN), nothing written{kept}", e, b, st, value)
 
 
 def check_outputs(model: Any, data: Any, output: Any, checkpoint: Any, resume: Any = None,

@@ -254,6 +254,39 @@ def infer_types(
     Large initializers and Constant nodes are replaced by their type before
     inference, so this costs time proportional to the node count, not to the
     weights."""
+    model = _inference_model(graph, opset_imports, ir_version, functions)
+    data = model.SerializeToString()
+    # The answer is a function of these bytes and of what the steps below
+    # read besides them: every initializer's type and dims, and the values
+    # of the small ones (``constant_values``).  Memoized on disk (``_types_key``).
+    key = _types_key(model, data, _initializer_facts(graph))
+    if key is not None:
+        known_types = _stored_types(key)
+        if known_types is not None:
+            return known_types
+    dtypes, shapes = _infer_with_seeds(model, data)
+    for t in graph.initializer:
+        dtypes[t.name] = t.data_type
+        shapes[t.name] = tuple(int(d) for d in t.dims)
+    for node in graph.node:
+        if node.op_type == "Constant":
+            for a in node.attribute:
+                if a.name == "value":
+                    dtypes[node.output[0]] = a.t.data_type
+                    shapes[node.output[0]] = tuple(int(d) for d in a.t.dims)
+    _propagate_ranks(graph.node, shapes, dtypes, graph)
+    if key is not None:
+        _store_types(key, dtypes, shapes)
+    return dtypes, shapes
+
+
+def _inference_model(
+    graph: onnx.GraphProto,
+    opset_imports: Sequence[onnx.OperatorSetIdProto],
+    ir_version: int,
+    functions: Sequence[onnx.FunctionProto],
+) -> onnx.ModelProto:
+    """The model shape inference runs on: ``graph`` with its weights and large Constants as typed inputs."""
     model = onnx.ModelProto()  # built in place: the graph is copied once
     g = model.graph
     g.name = graph.name or "g"
@@ -290,15 +323,13 @@ def infer_types(
     model.opset_import.extend(opset_imports)
     model.ir_version = max(ir_version, 4)
     model.functions.extend(functions)
-    data = model.SerializeToString()
-    # The answer is a function of these bytes and of what the steps below
-    # read besides them: every initializer's type and dims, and the values
-    # of the small ones (``constant_values``).  Memoized on disk (``_types_key``).
-    key = _types_key(model, data, _initializer_facts(graph))
-    if key is not None:
-        known_types = _stored_types(key)
-        if known_types is not None:
-            return known_types
+    return model
+
+
+def _infer_with_seeds(model: onnx.ModelProto, data: bytes) -> tuple[dict[str, int], dict[str, tuple | None]]:
+    """Shape inference on ``model`` (serialized: ``data``), again after declaring the outputs of the
+    ops onnx cannot infer (ai.onnx.ml, onnxruntime's contrib ops)."""
+    g = model.graph
     ig = _infer_in_place(model, data)
     dtypes, shapes = _collect(ig)
     seeded = _seed_ml_outputs(g.node, dtypes, shapes)
@@ -317,18 +348,6 @@ def infer_types(
         g.value_info.extend(seeded)
         ig = _infer_in_place(model)
         dtypes, shapes = _collect(ig)
-    for t in graph.initializer:
-        dtypes[t.name] = t.data_type
-        shapes[t.name] = tuple(int(d) for d in t.dims)
-    for node in graph.node:
-        if node.op_type == "Constant":
-            for a in node.attribute:
-                if a.name == "value":
-                    dtypes[node.output[0]] = a.t.data_type
-                    shapes[node.output[0]] = tuple(int(d) for d in a.t.dims)
-    _propagate_ranks(graph.node, shapes, dtypes, graph)
-    if key is not None:
-        _store_types(key, dtypes, shapes)
     return dtypes, shapes
 
 
@@ -457,36 +476,62 @@ def _propagate_ranks(
     onnx loses even the rank after, e.g., a Split with runtime lengths or an
     If, while the gradient rules only need the rank.  A value gets a rank only
     when every input it depends on for the rank has one."""
-    consts = constant_values(graph)  # initializers and Constant nodes
-
-    def rank(name: str) -> int | None:
-        s = shapes.get(name)
-        return None if s is None else len(s)
-
-    def ints(name: str) -> list[int] | None:
-        v = consts.get(name)
-        return None if v is None else [int(i) for i in np.asarray(v).reshape(-1)]
-
-    def length(name: str) -> int | None:
-        s = shapes.get(name)
-        return s[0] if s is not None and len(s) == 1 and isinstance(s[0], int) else None
-
+    known = _Ranks(shapes, constant_values(graph))  # initializers and Constant nodes
     for n in nodes:
         if n.domain in ("", "ai.onnx") and n.op_type in ("Shape", "Concat") and n.output[0]:
-            # 1-D shape tensors: their length is the rank of what they reshape to
-            k = None
-            if n.op_type == "Shape" and rank(n.input[0]) is not None:
-                attrs = {a.name: a.i for a in n.attribute}
-                k = len(range(rank(n.input[0]))[attrs.get("start", 0) : attrs.get("end", None)])
-            elif n.op_type == "Concat" and all(rank(i) == 1 for i in n.input):
-                lengths = [length(i) for i in n.input]
-                k = None if any(v is None for v in lengths) else sum(lengths)
+            k = known.shape_tensor_length(n)
             if k is not None:
                 shapes[n.output[0]] = (k,)
                 continue
         missing = [o for o in n.output if o and shapes.get(o) is None and (o not in dtypes or dtypes[o])]
         if not missing or n.domain not in ("", "ai.onnx"):
             continue
+        r, missing = known.output_rank(n, missing)
+        if r is None:
+            continue
+        for o in missing:
+            shapes[o] = (None,) * r
+
+
+class _Ranks:
+    """What ``_propagate_ranks`` knows of values: their shapes (filled in as it goes) and constants."""
+
+    def __init__(self, shapes: dict[str, tuple | None], consts: dict[str, np.ndarray]) -> None:
+        self.shapes = shapes
+        self.consts = consts
+
+    def rank(self, name: str) -> int | None:
+        """The rank of ``name``, if known."""
+        s = self.shapes.get(name)
+        return None if s is None else len(s)
+
+    def ints(self, name: str) -> list[int] | None:
+        """The values of the constant ``name`` as ints, if it is one."""
+        v = self.consts.get(name)
+        return None if v is None else [int(i) for i in np.asarray(v).reshape(-1)]
+
+    def length(self, name: str) -> int | None:
+        """The static length of the 1-D ``name``, if known."""
+        s = self.shapes.get(name)
+        return s[0] if s is not None and len(s) == 1 and isinstance(s[0], int) else None
+
+    def shape_tensor_length(self, n: onnx.NodeProto) -> int | None:
+        """The length of the 1-D shape tensor a Shape or Concat ``n`` makes: the rank of what
+        it reshapes to."""
+        rank = self.rank
+        k = None
+        if n.op_type == "Shape" and rank(n.input[0]) is not None:
+            attrs = {a.name: a.i for a in n.attribute}
+            k = len(range(rank(n.input[0]))[attrs.get("start", 0) : attrs.get("end", None)])
+        elif n.op_type == "Concat" and all(rank(i) == 1 for i in n.input):
+            lengths = [self.length(i) for i in n.input]
+            k = None if any(v is None for v in lengths) else sum(lengths)
+        return k
+
+    def output_rank(self, n: onnx.NodeProto, missing: list[str]) -> tuple[int | None, list[str]]:
+        """The rank of ``n``'s ``missing`` outputs by its op's rule (None: unknown), and those
+        outputs still missing after it."""
+        rank = self.rank
         ins = [i for i in n.input if i]
         r: int | None = None
         op = n.op_type
@@ -502,26 +547,14 @@ def _propagate_ranks(
             r = len(attrs["perm"]) if "perm" in attrs else rank(ins[0])
         elif op in ("Reshape", "ConstantOfShape", "Expand") and len(ins) >= 1:
             shape_in = ins[1] if op in ("Reshape", "Expand") else ins[0]
-            s = shapes.get(shape_in)
+            s = self.shapes.get(shape_in)
             k = s[0] if s is not None and len(s) == 1 and isinstance(s[0], int) else None
             if op == "Expand" and k is not None:
                 r0 = rank(ins[0])
                 k = None if r0 is None else max(k, r0)
             r = k
         elif op in ("Squeeze", "Unsqueeze") and ins:
-            # the rank moves by the number of axes (they are distinct), so a
-            # runtime axes input of known length is enough: a subgraph reading
-            # its axes from the enclosing scope sees only their type
-            if "axes" in attrs:
-                n_axes = len(attrs["axes"])
-            elif len(ins) > 1:
-                axes = ints(ins[1])
-                n_axes = len(axes) if axes is not None else length(ins[1])
-            else:
-                n_axes = None  # Squeeze without axes: every size-1 dim, unknown here
-            r0 = rank(ins[0])
-            if r0 is not None and n_axes is not None:
-                r = r0 - n_axes if op == "Squeeze" else r0 + n_axes
+            r = self.squeeze_rank(op, ins, attrs)
         elif op == "MatMul" and len(ins) == 2:
             ra, rb = rank(ins[0]), rank(ins[1])
             if ra is not None and rb is not None and ra >= 2 and rb >= 2:
@@ -533,14 +566,27 @@ def _propagate_ranks(
             r = 1
         elif op == "BatchNormalization" and ins:
             # Y has x's rank; the running and saved statistics are per channel
-            if rank(ins[0]) is not None and shapes.get(n.output[0]) is None:
-                shapes[n.output[0]] = (None,) * rank(ins[0])
+            if rank(ins[0]) is not None and self.shapes.get(n.output[0]) is None:
+                self.shapes[n.output[0]] = (None,) * rank(ins[0])
             r = 1
             missing = [o for o in missing if o != n.output[0]]
-        if r is None:
-            continue
-        for o in missing:
-            shapes[o] = (None,) * r
+        return r, missing
+
+    def squeeze_rank(self, op: str, ins: list[str], attrs: dict[str, object]) -> int | None:
+        """The rank after a Squeeze or Unsqueeze of ``ins``: it moves by the number of axes."""
+        # (they are distinct), so a runtime axes input of known length is enough: a
+        # subgraph reading its axes from the enclosing scope sees only their type
+        if "axes" in attrs:
+            n_axes = len(attrs["axes"])
+        elif len(ins) > 1:
+            axes = self.ints(ins[1])
+            n_axes = len(axes) if axes is not None else self.length(ins[1])
+        else:
+            n_axes = None  # Squeeze without axes: every size-1 dim, unknown here
+        r0 = self.rank(ins[0])
+        if r0 is not None and n_axes is not None:
+            return r0 - n_axes if op == "Squeeze" else r0 + n_axes
+        return None
 
 
 def value_types(

@@ -273,12 +273,7 @@ def validate(
     if not tensors_checked:
         check_tensors(proto)
     _check_attribute_text(proto)
-    if proto.ir_version and proto.ir_version < 3:
-        raise TrainingModelError(f"ir_version {proto.ir_version} is too old (need >= 3)")
-    if proto.training_info and proto.ir_version and proto.ir_version < 7:
-        raise TrainingModelError(
-            f"training_info needs ir_version >= 7, the model has {proto.ir_version}"
-        )
+    _check_ir_version(proto)
     main = proto.graph
     main_defined: dict[str, object] = {}
     check_graph_ssa("graph", main, main_defined)
@@ -289,81 +284,113 @@ def validate(
     update_keys: dict[str, str] = {}
     for i, ti in enumerate(proto.training_info):
         label = f"training_info[{i}]"
-        algo = ti.algorithm
-        # R7 / R8: the combined graph M ⊕ A is SSA and sorted; A may read M, not the reverse.
-        combined_defined = dict(main_defined)
-        main_output_names = {o.name for o in main.output}
-        for idx, o in enumerate(algo.output):
-            if o.name in main_output_names:
-                raise TrainingModelError(
-                    f"{label}.algorithm.output[{idx}]: {o.name!r} is also an output of the main "
-                    "graph; the combined graph would list it twice"
-                )
-        check_graph_ssa(f"{label}.algorithm", algo, combined_defined)
-        algo_inits = _initializer_names(algo)
-        algo_outputs = {o.name for o in algo.output}
-
-        # R6
-        init = ti.initialization
-        if ti.HasField("initialization"):
-            for idx, inp in enumerate(init.input):
-                raise TrainingModelError(
-                    f"{label}.initialization.input[{idx}]: {inp.name!r}: an initialization graph "
-                    "takes no inputs"
-                )
-            check_graph_ssa(f"{label}.initialization", init, {})
-        elif ti.initialization_binding:
-            raise TrainingModelError(
-                f"{label}.initialization_binding[0]: there is no initialization graph, so "
-                "initialization_binding must be empty"
-            )
-        init_outputs = {o.name for o in init.output}
-
-        for field_name, binding, values_ok, value_desc in (
-            ("update_binding", ti.update_binding, algo_outputs | main_outputs,
-             f"an output of {label}.algorithm or of the main graph"),
-            ("initialization_binding", ti.initialization_binding, init_outputs,
-             f"an output of {label}.initialization"),
+        _check_algorithm(label, ti.algorithm, main_outputs, main_defined)
+        _check_initialization(label, ti)
+        inits = (main_inits, _initializer_names(ti.algorithm))
+        algo_outputs = {o.name for o in ti.algorithm.output}
+        init_outputs = {o.name for o in ti.initialization.output}
+        for field_name, binding, values in (
+            ("update_binding", ti.update_binding,
+             (algo_outputs | main_outputs, f"an output of {label}.algorithm or of the main graph")),
+            ("initialization_binding", ti.initialization_binding,
+             (init_outputs, f"an output of {label}.initialization")),
         ):
-            seen: set[str] = set()
-            for idx, entry in enumerate(binding):
-                where = f"{label}.{field_name}[{idx}]"
-                key, value = entry.key, entry.value
-                # R1 / R2
-                if key in main_inits:
-                    origin, info = "graph", main_inits[key]
-                elif key in algo_inits:
-                    origin, info = f"{label}.algorithm", algo_inits[key]
-                else:
-                    raise TrainingModelError(
-                        f"{where}: key {key!r} is not an initializer of the main graph or of "
-                        f"{label}.algorithm"
-                    )
-                # R5
-                if key in seen:
-                    raise TrainingModelError(f"{where}: key {key!r} appears twice in {field_name}")
-                seen.add(key)
-                if field_name == "update_binding":
-                    if key in update_keys:
-                        raise TrainingModelError(
-                            f"{where}: key {key!r} is already updated by {update_keys[key]}; "
-                            "update_binding keys must be unique across all TrainingInfoProtos"
-                        )
-                    update_keys[key] = where
-                # R3 / R4
-                if value not in values_ok:
-                    raise TrainingModelError(f"{where}: value {value!r} is not {value_desc}")
-                elem, shape, sparse = info
-                prev = state.get(key)
-                if prev is not None and prev.origin != origin:
-                    raise TrainingModelError(
-                        f"{where}: key {key!r} names initializers of both {prev.origin} and {origin}"
-                    )
-                state[key] = StateVar(key, origin, elem, shape, sparse)
+            _check_binding(label, field_name, binding, values, inits, update_keys, state)
 
     model = TrainingModel(proto, base_dir, state)
     _check_binding_types(model)
     return model
+
+
+def _check_ir_version(proto: onnx.ModelProto) -> None:
+    """The model's ir_version is new enough for ONNX, and for training_info if it has any."""
+    if proto.ir_version and proto.ir_version < 3:
+        raise TrainingModelError(f"ir_version {proto.ir_version} is too old (need >= 3)")
+    if proto.training_info and proto.ir_version and proto.ir_version < 7:
+        raise TrainingModelError(
+            f"training_info needs ir_version >= 7, the model has {proto.ir_version}"
+        )
+
+
+def _check_algorithm(
+    label: str, algo: onnx.GraphProto, main_outputs: set[str], main_defined: dict[str, object]
+) -> None:
+    """R7 / R8: the combined graph M ⊕ A is SSA and sorted; A may read M, not the reverse."""
+    combined_defined = dict(main_defined)
+    for idx, o in enumerate(algo.output):
+        if o.name in main_outputs:
+            raise TrainingModelError(
+                f"{label}.algorithm.output[{idx}]: {o.name!r} is also an output of the main "
+                "graph; the combined graph would list it twice"
+            )
+    check_graph_ssa(f"{label}.algorithm", algo, combined_defined)
+
+
+def _check_initialization(label: str, ti: onnx.TrainingInfoProto) -> None:
+    """R6: the initialization graph takes no inputs, and is absent only with no initialization_binding."""
+    if ti.HasField("initialization"):
+        for idx, inp in enumerate(ti.initialization.input):
+            raise TrainingModelError(
+                f"{label}.initialization.input[{idx}]: {inp.name!r}: an initialization graph "
+                "takes no inputs"
+            )
+        check_graph_ssa(f"{label}.initialization", ti.initialization, {})
+    elif ti.initialization_binding:
+        raise TrainingModelError(
+            f"{label}.initialization_binding[0]: there is no initialization graph, so "
+            "initialization_binding must be empty"
+        )
+
+
+def _bound_initializer(where: str, label: str, key: str, inits: tuple[dict, dict]) -> tuple[str, tuple]:
+    """R1 / R2: the graph a binding key's initializer is in (main first), and its (type, shape, sparse)."""
+    main_inits, algo_inits = inits
+    if key in main_inits:
+        return "graph", main_inits[key]
+    if key in algo_inits:
+        return f"{label}.algorithm", algo_inits[key]
+    raise TrainingModelError(
+        f"{where}: key {key!r} is not an initializer of the main graph or of {label}.algorithm"
+    )
+
+
+def _check_binding(
+    label: str,
+    field_name: str,
+    binding,
+    values: tuple[set[str], str],
+    inits: tuple[dict, dict],
+    update_keys: dict[str, str],
+    state: dict[str, StateVar],
+) -> None:
+    """R1-R5 for one binding list, each entry's state variable recorded in ``state``."""
+    values_ok, value_desc = values
+    seen: set[str] = set()
+    for idx, entry in enumerate(binding):
+        where = f"{label}.{field_name}[{idx}]"
+        key, value = entry.key, entry.value
+        origin, info = _bound_initializer(where, label, key, inits)
+        # R5
+        if key in seen:
+            raise TrainingModelError(f"{where}: key {key!r} appears twice in {field_name}")
+        seen.add(key)
+        if field_name == "update_binding":
+            if key in update_keys:
+                raise TrainingModelError(
+                    f"{where}: key {key!r} is already updated by {update_keys[key]}; "
+                    "update_binding keys must be unique across all TrainingInfoProtos"
+                )
+            update_keys[key] = where
+        # R3 / R4
+        if value not in values_ok:
+            raise TrainingModelError(f"{where}: value {value!r} is not {value_desc}")
+        elem, shape, sparse = info
+        prev = state.get(key)
+        if prev is not None and prev.origin != origin:
+            raise TrainingModelError(
+                f"{where}: key {key!r} names initializers of both {prev.origin} and {origin}"
+            )
+        state[key] = StateVar(key, origin, elem, shape, sparse)
 
 
 def _check_binding_types(model: TrainingModel) -> None:

@@ -79,51 +79,27 @@ def fuse_gemm_updates(
 ) -> int:
     """Apply the fusion everywhere it is valid (in place); returns how many."""
     nodes = list(graph.node)
-    producer = {o: n for n in nodes for o in n.output if o}
-    uses = read_counts(nodes, (o.name for o in graph.output))
-    scalars = _scalars(graph)
+    terms = _Terms(graph, nodes)
     shapes: dict | None = None
     removed: set[int] = set()
     replaced: dict[int, onnx.NodeProto] = {}
     count = 0
-
-    def through_identities(name: str) -> tuple[str, list[onnx.NodeProto]]:
-        """Follow single-use Identity nodes back to the real producer."""
-        chain = []
-        while True:
-            p = producer.get(name)
-            if p is None or p.op_type != "Identity" or uses.get(name) != 1:
-                return name, chain
-            chain.append(p)
-            name = p.input[0]
-
-    def term(name: str) -> tuple[str, float, onnx.NodeProto | None]:
-        """(base, scale, Mul node or None) of a possibly scaled tensor."""
-        mul = producer.get(name)
-        if mul is not None and mul.op_type == "Mul" and mul.domain in ("", "ai.onnx") and uses.get(name) == 1:
-            a, b = mul.input
-            if b in scalars and a not in scalars:
-                return a, scalars[b], mul
-            if a in scalars and b not in scalars:
-                return b, scalars[a], mul
-        return name, 1.0, None
-
     for node in nodes:
         if node.op_type not in ("Add", "Sub") or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
             continue
         sign = -1.0 if node.op_type == "Sub" else 1.0
-        (x0, s0, m0), (x1, s1, m1) = term(node.input[0]), term(node.input[1])
+        (x0, s0, m0), (x1, s1, m1) = terms.term(node.input[0]), terms.term(node.input[1])
         for (gx, gs, gm, gsign), (xx, xs, xm, xsign) in (
             ((x1, s1, m1, sign), (x0, s0, m0, 1.0)),
             ((x0, s0, m0, 1.0), (x1, s1, m1, sign)),
         ):
-            gx, identities = through_identities(gx)
-            gemm = producer.get(gx)
+            gx, identities = terms.through_identities(gx)
+            gemm = terms.producer.get(gx)
             if (
                 gemm is None
                 or gemm.op_type != "Gemm"
                 or len([i for i in gemm.input if i]) != 2
-                or uses.get(gx) != 1
+                or terms.uses.get(gx) != 1
                 or id(gemm) in removed
                 or xx == gx
             ):
@@ -133,21 +109,9 @@ def fuse_gemm_updates(
             sg, sx = shapes.get(gx), shapes.get(xx)
             if sg is None or sg != sx or not all(isinstance(d, int) for d in sg):
                 continue  # C must have the product's exact shape
-            attrs = {a.name: helper.get_attribute_value(a) for a in gemm.attribute}
-            alpha = float(attrs.get("alpha", 1.0)) * gs * gsign
-            beta = xs * xsign  # the Gemm had no C, so its own beta played no part
-            if float(np.float32(alpha)) != alpha or float(np.float32(beta)) != beta:
-                continue  # Gemm's alpha/beta are float32 attributes: no silent rounding
-            fused = helper.make_node(
-                "Gemm",
-                [gemm.input[0], gemm.input[1], xx],
-                [node.output[0]],
-                name=(gemm.name or "gemm") + "/fused_update",
-                alpha=alpha,
-                beta=beta,
-                transA=int(attrs.get("transA", 0)),
-                transB=int(attrs.get("transB", 0)),
-            )
+            fused = _fused_gemm(gemm, gs * gsign, xx, xs * xsign, node.output[0])
+            if fused is None:
+                continue
             replaced[id(node)] = fused
             removed.add(id(gemm))
             for m in [gm, xm, *identities]:
@@ -161,6 +125,56 @@ def fuse_gemm_updates(
         del graph.node[:]
         graph.node.extend(out)
     return count
+
+
+class _Terms:
+    """The operands of an update as the fusion sees them: producers, read counts and known scalars."""
+
+    def __init__(self, graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
+        self.producer = {o: n for n in nodes for o in n.output if o}
+        self.uses = read_counts(nodes, (o.name for o in graph.output))
+        self.scalars = _scalars(graph)
+
+    def through_identities(self, name: str) -> tuple[str, list[onnx.NodeProto]]:
+        """Follow single-use Identity nodes back to the real producer."""
+        chain = []
+        while True:
+            p = self.producer.get(name)
+            if p is None or p.op_type != "Identity" or self.uses.get(name) != 1:
+                return name, chain
+            chain.append(p)
+            name = p.input[0]
+
+    def term(self, name: str) -> tuple[str, float, onnx.NodeProto | None]:
+        """(base, scale, Mul node or None) of a possibly scaled tensor."""
+        mul = self.producer.get(name)
+        if mul is not None and mul.op_type == "Mul" and mul.domain in ("", "ai.onnx") and self.uses.get(name) == 1:
+            a, b = mul.input
+            if b in self.scalars and a not in self.scalars:
+                return a, self.scalars[b], mul
+            if a in self.scalars and b not in self.scalars:
+                return b, self.scalars[a], mul
+        return name, 1.0, None
+
+
+def _fused_gemm(gemm: onnx.NodeProto, scale: float, c: str, beta: float, output: str) -> onnx.NodeProto | None:
+    """``gemm`` (no C) times ``scale`` plus ``beta * c`` as one Gemm writing ``output``,
+    or None where its alpha or beta would not be exact in float32."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in gemm.attribute}
+    alpha = float(attrs.get("alpha", 1.0)) * scale
+    # (the Gemm had no C, so its own beta played no part)
+    if float(np.float32(alpha)) != alpha or float(np.float32(beta)) != beta:
+        return None  # Gemm's alpha/beta are float32 attributes: no silent rounding
+    return helper.make_node(
+        "Gemm",
+        [gemm.input[0], gemm.input[1], c],
+        [output],
+        name=(gemm.name or "gemm") + "/fused_update",
+        alpha=alpha,
+        beta=beta,
+        transA=int(attrs.get("transA", 0)),
+        transB=int(attrs.get("transB", 0)),
+    )
 
 
 # ------------------------------------------------------------- update rules

@@ -109,72 +109,22 @@ def cut(low: Lowering, index: int, bindings: Sequence[tuple[str, str]], returned
     feeds = [i.name for i in g.input if i.name not in tm.state and i.name not in inits]
     where = f"training_info[{index}].update_binding"
 
-    # Values that depend on the batch (on a feed), in node order.
-    batch = set(feeds)
-    for n in sorted(nodes, key=lambda n: order[id(n)]):
-        if any(i in batch for i in node_inputs(n)):
-            batch.update(o for o in n.output if o)
-
-    local = set(local)
-    bn_keys = {
-        n.input[k] for n in nodes
-        if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")
-        for k in (3, 4) if len(n.input) > k and n.input[k] in tm.state
-    }
-    result = Between()
-    bn: list[tuple[str, str]] = []
-    for key, value in bindings:
-        if key in bn_keys and value in batch:
-            bn.append((key, value))
-        elif key in local:
-            result.local.append((key, value))
-        else:
-            result.updates.append((key, value))
+    batch = _batch_values(nodes, order, feeds)
+    result, bn = _sort_bindings(nodes, tm.state, bindings, batch, set(local))
 
     stop = set(reduce) if reduce is not None else set(low.gradients)
     b_targets = [v for _, v in result.updates]
     b_nodes = _closure(producer, b_targets, stop)
     made_in_b = {o for n in b_nodes for o in n.output if o}
-    needed: list[str] = []
-    for name in [i for n in b_nodes for i in node_inputs(n)] + b_targets:
-        if name in made_in_b or name in needed:
-            continue
-        if name in stop:
-            needed.append(name)
-        elif name in batch:
-            key, value = next(
-                (k, v) for k, v in result.updates
-                if v == name or any(name in node_inputs(n) for n in _closure(producer, [v], stop))
-            )
-            raise TrainingModelError(
-                f"{where}: state variable {key!r} is bound to {value!r}, which depends on the "
-                f"batch through {name!r}, not only through the gradients: data-parallel "
-                "training would leave the ranks' states apart (only gradients and "
-                "BatchNormalization running statistics are reduced across ranks)"
-            )
+    reads = [i for n in b_nodes for i in node_inputs(n)] + b_targets
+    needed = _read_from_a(producer, reads, made_in_b, stop, batch, result.updates, where)
     missing = [n for n in (reduce or ()) if n not in producer]
     if missing:
         raise TrainingModelError(f"{where}: the value {missing[0]!r} to reduce is not computed")
 
     dtypes, shapes = infer_types(g, low.opset_imports, functions=tm.proto.functions)
-
-    def reduced_of(name: str, key: str | None) -> Reduced:
-        shape = tm.state[key].shape if key else shapes.get(name)
-        x = low.gradients.get(name)
-        if shape is None and x is not None:
-            shape = tm.state[x].shape if x in tm.state else shapes.get(x)
-        elem = dtypes.get(name) or (tm.state[key].elem_type if key else None)
-        if shape is None or any(not isinstance(d, int) for d in shape) or elem is None:
-            raise TrainingModelError(
-                f"{where}: {name!r} is reduced across ranks, so it needs a static shape "
-                f"and a known type; found {elem}{shape}"
-            )
-        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem))
-        if dtype.kind != "f":
-            raise TrainingModelError(f"{where}: {name!r} is reduced across ranks but is {dtype}")
-        return Reduced(name, dtype, tuple(int(d) for d in shape), key)
-
-    result.reduced = [reduced_of(n, None) for n in needed] + [reduced_of(v, k) for k, v in bn]
+    known = (low, dtypes, shapes, where)
+    result.reduced = [_reduced(known, n, None) for n in needed] + [_reduced(known, v, k) for k, v in bn]
     result.returned_b = [r for r in returned if r in made_in_b]
     result.returned_a = [r for r in returned if r not in made_in_b]
 
@@ -190,6 +140,78 @@ def cut(low: Lowering, index: int, bindings: Sequence[tuple[str, str]], returned
                       for r in result.reduced if r.key is None]
         b = low.copy(_part(g, b_nodes, new_inputs, b_out, dtypes, shapes), f"{low.label}[update]")
     return Cut(a, b, result)
+
+
+def _batch_values(nodes: list[onnx.NodeProto], order: dict[int, int], feeds: list[str]) -> set[str]:
+    """The values that depend on the batch (on a feed), found in node order."""
+    batch = set(feeds)
+    for n in sorted(nodes, key=lambda n: order[id(n)]):
+        if any(i in batch for i in node_inputs(n)):
+            batch.update(o for o in n.output if o)
+    return batch
+
+
+def _sort_bindings(nodes: list[onnx.NodeProto], state: dict, bindings: Sequence[tuple[str, str]],
+                   batch: set[str], local: set[str]) -> tuple[Between, list[tuple[str, str]]]:
+    """The bindings sorted into BatchNormalization statistics (returned beside), rank-local and B's."""
+    bn_keys = {
+        n.input[k] for n in nodes
+        if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")
+        for k in (3, 4) if len(n.input) > k and n.input[k] in state
+    }
+    result = Between()
+    bn: list[tuple[str, str]] = []
+    for key, value in bindings:
+        if key in bn_keys and value in batch:
+            bn.append((key, value))
+        elif key in local:
+            result.local.append((key, value))
+        else:
+            result.updates.append((key, value))
+    return result, bn
+
+
+def _read_from_a(producer: dict[str, onnx.NodeProto], reads: list[str], made_in_b: set[str],
+                 stop: set[str], batch: set[str], updates: list[tuple[str, str]], where: str) -> list[str]:
+    """The reduced values among B's ``reads``, in order; refuses a binding that reads the batch another way."""
+    needed: list[str] = []
+    for name in reads:
+        if name in made_in_b or name in needed:
+            continue
+        if name in stop:
+            needed.append(name)
+        elif name in batch:
+            key, value = next(
+                (k, v) for k, v in updates
+                if v == name or any(name in node_inputs(n) for n in _closure(producer, [v], stop))
+            )
+            raise TrainingModelError(
+                f"{where}: state variable {key!r} is bound to {value!r}, which depends on the "
+                f"batch through {name!r}, not only through the gradients: data-parallel "
+                "training would leave the ranks' states apart (only gradients and "
+                "BatchNormalization running statistics are reduced across ranks)"
+            )
+    return needed
+
+
+def _reduced(known: tuple[Lowering, dict, dict, str], name: str, key: str | None) -> Reduced:
+    """The Reduced for ``name`` (bound to state ``key`` or a gradient), from its inferred type and shape."""
+    low, dtypes, shapes, where = known
+    tm = low.tm
+    shape = tm.state[key].shape if key else shapes.get(name)
+    x = low.gradients.get(name)
+    if shape is None and x is not None:
+        shape = tm.state[x].shape if x in tm.state else shapes.get(x)
+    elem = dtypes.get(name) or (tm.state[key].elem_type if key else None)
+    if shape is None or any(not isinstance(d, int) for d in shape) or elem is None:
+        raise TrainingModelError(
+            f"{where}: {name!r} is reduced across ranks, so it needs a static shape "
+            f"and a known type; found {elem}{shape}"
+        )
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem))
+    if dtype.kind != "f":
+        raise TrainingModelError(f"{where}: {name!r} is reduced across ranks but is {dtype}")
+    return Reduced(name, dtype, tuple(int(d) for d in shape), key)
 
 
 def cut_of(low: Lowering) -> Cut:

@@ -143,13 +143,8 @@ def training_model(forward: onnx.ModelProto, values: dict[str, np.ndarray],
     loss = forward.graph.output[0].name
     params = set(values)
     user_inputs = [i.name for i in forward.graph.input]
-    taken = {v for n in forward.graph.node for v in (*n.input, *n.output)} | set(user_inputs) | {
-        t.name for t in forward.graph.initializer}
     state = _shared_state(values, trainable, optimizer, extra_state, fused)
-    clash = sorted(taken & set(state))
-    if clash:
-        raise ValueError(f"the model already has a value named {clash[0]!r}")
-    taken |= set(state)
+    taken = _taken_names(forward, state)
 
     model = onnx.ModelProto()
     model.CopyFrom(forward)
@@ -157,17 +152,7 @@ def training_model(forward: onnx.ModelProto, values: dict[str, np.ndarray],
     ti = model.training_info.add()
     ti.algorithm.name = "module_step"
     if not fused:  # the forward pass moves into training_info[0]
-        algo = ti.algorithm
-        algo.node.extend(main.node)
-        algo.input.extend(main.input)
-        algo.output.extend(main.output)
-        algo.value_info.extend(main.value_info)
-        algo.initializer.extend(t for t in main.initializer if t.name not in params)
-        kept = [t for t in main.initializer if t.name in params]
-        for field in ("node", "input", "output", "value_info", "initializer"):
-            main.ClearField(field)
-        main.initializer.extend(kept)
-        main.name = "state"
+        _move_forward(main, ti.algorithm, params)
     main.initializer.extend(numpy_helper.from_array(v, n) for n, v in state.items())
 
     opset = _opsets(forward)[""]
@@ -207,6 +192,32 @@ def training_model(forward: onnx.ModelProto, values: dict[str, np.ndarray],
     model.opset_import.add(domain=PREVIEW, version=1)
     model.ir_version = max(model.ir_version, 8)
     return model
+
+
+def _taken_names(forward: onnx.ModelProto, state: dict[str, np.ndarray]) -> set[str]:
+    """Every name the model and its shared state use (fresh names avoid them); a state
+    variable named like a value of the model is refused."""
+    taken = {v for n in forward.graph.node for v in (*n.input, *n.output)} | {
+        i.name for i in forward.graph.input} | {t.name for t in forward.graph.initializer}
+    clash = sorted(taken & set(state))
+    if clash:
+        raise ValueError(f"the model already has a value named {clash[0]!r}")
+    return taken | set(state)
+
+
+def _move_forward(main: onnx.GraphProto, algo: onnx.GraphProto, params: set[str]) -> None:
+    """Move the forward pass from ``main`` into ``algo``, leaving ``main`` (named "state") the
+    parameters' initializers alone."""
+    algo.node.extend(main.node)
+    algo.input.extend(main.input)
+    algo.output.extend(main.output)
+    algo.value_info.extend(main.value_info)
+    algo.initializer.extend(t for t in main.initializer if t.name not in params)
+    kept = [t for t in main.initializer if t.name in params]
+    for field in ("node", "input", "output", "value_info", "initializer"):
+        main.ClearField(field)
+    main.initializer.extend(kept)
+    main.name = "state"
 
 
 def _with_parameters(forward: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx.ModelProto:
