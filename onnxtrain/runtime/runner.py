@@ -298,9 +298,8 @@ class ProgramRunner:
         if self.options.check_finite or program.bound_copies or self.store.pinned:
             return
         shapes = self._last_shapes.get(id(program))
-        executor = self.executor(program)
-        if shapes is not None:
-            executor = self.specialized(program, shapes) or executor
+        executor = self.specialized(program, shapes) if shapes is not None else None
+        executor = executor or self.executor(program)
         outputs = program.bound_values
 
         def bind(state_in: dict, targets: list) -> Any:
