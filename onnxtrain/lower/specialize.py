@@ -33,12 +33,13 @@ turns specialization off.
 >>> import numpy as np
 >>> from onnx import TensorProto, helper
 >>> g = helper.make_graph(
-...     [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Reshape", ["x", "s"], ["y"])],
+...     [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Reshape", ["x", "s"], ["r"]),
+...      helper.make_node("Relu", ["r"], ["y"])],
 ...     "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
 ...     [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
 >>> m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
->>> [n.op_type for n in specialize(m, {"x": (2, 3)}).graph.node]
-['Identity']
+>>> [n.op_type for n in m.graph.node], [n.op_type for n in specialize(m, {"x": (2, 3)}).graph.node]
+(['Shape', 'Reshape', 'Relu'], ['Relu'])
 """
 
 from __future__ import annotations
