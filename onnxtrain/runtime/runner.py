@@ -18,9 +18,11 @@ per-variable Python work.
 
 A program run with feeds whose shapes its model leaves open (no shape, a
 symbolic dimension) runs *specialized* to the shapes of those feeds
-(``lower.specialize``): its shape arithmetic folded away, compiled once per
-shape seen (at most ``specialize.MAX_SPECIALIZATIONS``; further shapes run
-the general program).  ``ONNXTRAIN_SPECIALIZE=0`` turns this off.
+(``lower.specialize``): its shape arithmetic folded away, then made by its
+role's executed list as the general program is (the kernel choice, with the
+options the general one settled on), compiled once per shape seen (at most
+``specialize.MAX_SPECIALIZATIONS``; further shapes run the general
+program).  ``ONNXTRAIN_SPECIALIZE=0`` turns this off.
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ class ProgramRunner:
     def executor(self, program: Program, feeds: Mapping[str, Any] | None = None) -> Executor:
         """``program``'s executor, compiled on first use; with ``feeds``, the
         one specialized to their shapes where there is one (``specialized``)."""
-        if feeds is not None:
+        if feeds is not None and len(feeds) == len(program.feeds):  # (not with overrides)
             names = self.open_feeds(program)
             if names:
                 ex = self.specialized(program, specialize.shape_key(feeds, names))
@@ -152,13 +154,13 @@ class ProgramRunner:
             return cache[shapes]
         if len(cache) >= specialize.MAX_SPECIALIZATIONS:
             return None
+        general = self._execution(program)  # the general program's kernels, settled at the first run as ever
         model = specialize.specialize(program.model, dict(zip(self.open_feeds(program), shapes)))
         ex = None
         if model is not None:
-            # The specialized program runs the general one's executed list (its
-            # kernel choice, with the options the general one settled on).
-            run = execute(replace(program, model=model), self.programs.role(program),
-                          self._execution(program).options)
+            # The specialization runs its role's executed list too (the kernel
+            # choice...), with the options the general program settled on.
+            run = execute(replace(program, model=model), self.programs.role(program), general.options)
             try:
                 ex = self._compile(program, run)
             except TrainingModelError:
@@ -198,8 +200,9 @@ class ProgramRunner:
 
     @property
     def executors(self) -> list[Executor]:
-        """The executors compiled so far."""
-        return list(self._executors.values())
+        """The executors compiled so far (specializations included)."""
+        special = [ex for cache in self._special.values() for ex in cache.values() if ex is not None]
+        return list(self._executors.values()) + special
 
     def forget(self, programs: Iterable[Program]) -> None:
         """Drop the executors of ``programs`` (rarely run again: their weights' maps may go)."""
