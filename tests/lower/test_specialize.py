@@ -4,13 +4,18 @@ equals the general program's bit for bit."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import onnx
 import pytest
+from models import linear_regression
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
+from onnxtrain.kernels.fuse import KERNEL_DOMAIN
 from onnxtrain.lower import specialize
+from onnxtrain.runtime import runner
 from onnxtrain.runtime.runner import SPECIALIZE_ENV
 
 PREVIEW = "ai.onnx.preview.training"
@@ -87,6 +92,42 @@ def test_the_shape_arithmetic_of_an_unshaped_target_folds_away(monkeypatch):
     assert sess._runner.executor(program, feeds) is sess._runner.specialized(program, ((32, 10), (32, 1)))
     assert sess._runner.executor(program, feeds) is not sess._runner.executor(program)
     assert SHAPE_OPS <= {n.op_type for n in sess.programs()["training_info[0].algorithm"].graph.node}
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_a_specialization_runs_the_executed_list_of_its_role(monkeypatch):
+    """The spec's Adagrad runs as the fused kernel in the specialized program
+    too (the algorithm's executed list: the kernel choice), bit for bit as
+    without specialization; the standard programs stay as they were."""
+    tm = linear_regression("adagrad")
+    target = next(i for i in tm.training_info[0].algorithm.input if i.name == "T")
+    target.type.tensor_type.ClearField("shape")  # unshaped: its broadcast decided at run time
+    made, execute = [], runner.execute
+
+    def spy(program, role, options, check=None):
+        made.append(execute(program, role, options, check))
+        return made[-1]
+
+    monkeypatch.setattr(runner, "execute", spy)
+    rng = np.random.default_rng(1)
+    feeds = [{"X": rng.standard_normal((n, 3)).astype(np.float32),
+              "T": rng.standard_normal((n, 1)).astype(np.float32)} for n in (16, 16, 9, 16)]
+    sess = session(monkeypatch, True, tm)
+    losses = [sess.train_step(f)["loss"].tobytes() for f in feeds]
+    program = sess._programs.algorithms[0]
+    special = [ex for ex in made if ex.program.model is not program.model]
+    assert len(special) == 2  # one per feed shape
+    for ex in special:
+        fused = [n.op_type for n in ex.model.graph.node if n.domain == KERNEL_DOMAIN]
+        assert fused and ex.library is not None, fused
+        assert not SHAPE_OPS & {n.op_type for n in ex.model.graph.node}
+    assert all(sess._runner.specialized(program, ((n, 3), (n, 1))) is not None for n in (16, 9))
+    general = session(monkeypatch, False, tm)
+    assert losses == [general.train_step(f)["loss"].tobytes() for f in feeds]
+    assert all(np.array_equal(sess.state[k], general.state[k]) for k in sess.state)
+    standard = sess.programs()["training_info[0].algorithm"]
+    assert not any(n.domain == KERNEL_DOMAIN for n in standard.graph.node)
+    assert SHAPE_OPS <= {n.op_type for n in standard.graph.node}
 
 
 def test_bit_for_bit_across_batch_sizes_and_ranks(monkeypatch):
