@@ -217,10 +217,17 @@ def _run_reference(node: onnx.NodeProto, consts: Mapping[str, np.ndarray],
          for i in dict.fromkeys(inputs)],
         [helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in node.output if o])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    evaluator = None
     try:
-        values = ReferenceEvaluator(model).run(None, {i: consts[i] for i in inputs})
+        evaluator = ReferenceEvaluator(model)
+        values = evaluator.run(None, {i: consts[i] for i in inputs})
     except Exception:  # an op or a case the reference does not take: left to run
         return None
+    finally:
+        if evaluator is not None:
+            # Its nodes refer back to it (their log callback): a reference cycle
+            # that would hold this graph until the cycle collector runs.
+            evaluator.rt_nodes_ = []
     return [np.asarray(v) for v in values]
 
 
