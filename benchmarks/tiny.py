@@ -16,6 +16,12 @@ Variants (``--variants``, comma-separated):
 - ``onnxtrain-nofetch``: the same, ``train_step(feeds, fetch=False)``;
 - ``onnxtrain-spin``: default options with onnxruntime's spinning forced on;
 - ``onnxtrain-1thread``: default options with one intra-op thread;
+- ``onnxtrain-unshaped``: the same model with its target declared without a
+  shape (``make_tensor_value_info("Y", FLOAT, None)``, as hand-written
+  algorithm graphs often do), default options: the program is specialized to
+  the feed shapes (``onnxtrain.lower.specialize``);
+- ``onnxtrain-unshaped-general``: that model with ``ONNXTRAIN_SPECIALIZE=0``
+  (the general program, its broadcasting decided at run time);
 - ``ort-training``: ``onnxruntime.training.api`` with default options:
   ``loss = module(x, y); optimizer.step(); module.lazy_reset_grad()``, on
   artifacts from ``generate_artifacts`` (MSE, AdamW with eps 1e-6, no decay);
@@ -73,6 +79,9 @@ def prepare(root: Path) -> Path:
                 if a.name == "epsilon":
                     a.f = EPSILON
     onnx.save(training, str(root / "training.onnx"))
+    target = training.training_info[0].algorithm.input[0]
+    target.type.tensor_type.ClearField("shape")
+    onnx.save(training, str(root / "training-unshaped.onnx"))
     return root
 
 
@@ -115,7 +124,10 @@ def child(variant: str, root: Path, steps: int) -> dict:
 
             options = default_session_options()
             options.add_session_config_entry("session.intra_op.allow_spinning", "1")
-        sess = onnxtrain.TrainingSession(str(root / "training.onnx"), session_options=options)
+        if variant == "onnxtrain-unshaped-general":
+            os.environ["ONNXTRAIN_SPECIALIZE"] = "0"
+        path = root / ("training-unshaped.onnx" if "unshaped" in variant else "training.onnx")
+        sess = onnxtrain.TrainingSession(str(path), session_options=options)
         feeds = {"X": batch["X"], "Y": batch["Y"]}
 
         def step_loss():
@@ -173,7 +185,7 @@ def run_child(python: str, variant: str, root: Path, steps: int, baseline: str |
     env = dict(os.environ)
     if baseline:
         env["TINY_BASELINE_SRC"] = baseline
-    for var in ("ONNXTRAIN_THREADS", "OMP_NUM_THREADS"):
+    for var in ("ONNXTRAIN_THREADS", "OMP_NUM_THREADS", "ONNXTRAIN_SPECIALIZE", "ONNXTRAIN_SPINNING"):
         env.pop(var, None)
     env["PYTHONPATH"] = str(HERE.parent)
     out = subprocess.run([python, str(Path(__file__).resolve()), "child", variant, str(root),

@@ -43,7 +43,7 @@ from .runtime.executor import (
     device_of,
     state_device,
 )
-from .runtime.runner import ProgramRunner, RunOptions
+from .runtime.runner import ProgramRunner, RunOptions, specialize_default
 from .runtime.settings import Settings
 from .runtime.state import StateStore, StateView
 from .train import loop
@@ -162,7 +162,9 @@ class TrainingSession:
             large=tm.tensor_bytes() >= LARGE_MODEL_BYTES,
             # Built with recompute= (saving activation memory): no onnxruntime memory pattern.
             recompute=metadata.get("recompute") not in (None, False),
-            check_finite=check_finite))
+            check_finite=check_finite,
+            # Programs specialized to their feed shapes (``lower.specialize``) unless ONNXTRAIN_SPECIALIZE=0.
+            specialize=specialize_default()))
         self._parallel = DataParallelStep(dp, self._programs, self._runner, self._store) if dp else None
         self._settings = Settings(tm, metadata, self._store)
         #: Where the fit loop stands: {"epoch": epochs done, "batch": batches done
@@ -371,7 +373,7 @@ class TrainingSession:
         program = self._programs.loss(int(algorithm), loss, prediction)
         self._programs.check_names(feeds, "evaluate")
         checked = program.check_feeds(feeds, False, "evaluate")
-        executor = self._runner.executor(program)
+        executor = self._runner.executor(program, checked)
         with self._store.snapshot(program.state_inputs) as snap:
             return executor.run_bound(checked, snap, {}, program.outputs)
 
@@ -439,7 +441,7 @@ class TrainingSession:
             )
         user = program.check_feeds(feeds, True, "run")
         reads = [n for n in program.state_inputs if n not in user]
-        executor = self._runner.executor(program)
+        executor = self._runner.executor(program, user)
         with self._store.snapshot(reads) as snap:
             return executor.run_bound(user, snap, {}, names)
 

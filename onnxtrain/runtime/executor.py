@@ -101,11 +101,35 @@ def available_providers() -> list[str]:
     return list(ort.get_available_providers())
 
 
-#: "0": idle intra-op threads block instead of spinning (default: onnxruntime's, they spin).
+#: "0": idle intra-op threads block instead of spinning, "1": they spin, in
+#: every program (default: chosen per program, ``spins``).
 SPINNING_ENV = "ONNXTRAIN_SPINNING"
+#: The ops after which a program's idle intra-op threads block rather than spin (``spins``).
+BLOCKING_OPS = frozenset({"Conv", "ConvTranspose", "FusedConv", "QLinearConv", "ConvInteger"})
 
 
-def default_session_options(threads: int | None = None) -> ort.SessionOptions:
+def spins(model: onnx.ModelProto) -> bool:
+    """Whether a program's idle intra-op threads should spin (onnxruntime's
+    ``session.intra_op.allow_spinning``): yes, unless it holds a convolution
+    (``BLOCKING_OPS``).
+
+    Measured (docs/performance.md, *Spinning per program*): spinning saves
+    the wake-up of the pool's thread before each of the many small parallel
+    kernels of an MLP, an RNN or a decoder (W1, W4, W7 faster by 15-30%,
+    L1 and W6 level); a convolutional step spends its time in long
+    convolution kernels, beside which a spinning idle thread takes a core
+    from the thread that works (W2, W5 slower by 10-40% with spinning).
+    ``ONNXTRAIN_SPINNING`` overrides the choice for every program.
+
+    >>> from onnx import helper
+    >>> g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"])], "g", [], [])
+    >>> spins(helper.make_model(g)), spins(helper.make_model(helper.make_graph([], "h", [], [])))
+    (False, True)
+    """
+    return not any(n.op_type in BLOCKING_OPS for n in model.graph.node)
+
+
+def default_session_options(threads: int | None = None, spinning: bool | None = None) -> ort.SessionOptions:
     """Session options used unless the caller passes its own.
 
     - graph optimizations: ORT_ENABLE_ALL (constant folding, fusions such as
@@ -116,9 +140,10 @@ def default_session_options(threads: int | None = None) -> ort.SessionOptions:
       long chain of dependent kernels, parallel branches rarely pay;
     - the CPU memory arena and memory pattern planning stay on (the shapes of a
       training loop repeat, so buffers are reused from step to step);
-    - idle intra-op threads spin (onnxruntime's default) unless
-      ``ONNXTRAIN_SPINNING=0``: spinning was the faster setting measured on
-      every workload of docs/performance.md's sweep; a machine shared with
+    - idle intra-op threads spin as ``spinning`` says (the ``Executor``
+      passes ``spins(model)``: not in convolutional programs; None:
+      onnxruntime's default, they spin), unless ``ONNXTRAIN_SPINNING`` is
+      set (1 or 0), which decides for every program; a machine shared with
       other busy processes may prefer blocking waits.
     """
     so = ort.SessionOptions()
@@ -133,8 +158,9 @@ def default_session_options(threads: int | None = None) -> ort.SessionOptions:
     if spin:
         if spin not in ("0", "1", "true", "false", "on", "off", "yes", "no"):
             raise ValueError(f"{SPINNING_ENV}={spin!r}: use 1 (idle threads spin) or 0 (they block)")
-        on = spin in ("1", "true", "on", "yes")
-        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if on else "0")
+        spinning = spin in ("1", "true", "on", "yes")
+    if spinning is not None:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     # Errors come back as ExecutionError with onnxruntime's message: its own
     # logger would print them to stderr a second time.
     so.log_severity_level = 4
@@ -236,14 +262,15 @@ class Executor:
         runs a second session of the program pruned to those outputs, when
         pruning drops nodes (onnxruntime computes every output of a graph,
         bound or not: a builder's BatchNorm model would run its inference-mode
-        forward pass on every step for the outputs nobody fetched)."""
+        forward pass on every step for the outputs nobody fetched).
+        With default options, idle threads spin as ``spins(model)`` decides."""
         self.label = label
         if model.ir_version > MAX_IR_VERSION:
             capped = onnx.ModelProto()
             capped.CopyFrom(model)
             capped.ir_version = MAX_IR_VERSION
             model = capped
-        so = session_options or default_session_options()
+        so = session_options or default_session_options(spinning=spins(model))
         if (large or not mem_pattern) and session_options is None:
             so.enable_mem_pattern = False
         providers = list(providers) if providers else ["CPUExecutionProvider"]
@@ -334,6 +361,16 @@ class Executor:
         if total >= PREPACK_LIMIT:
             _set_default(so, "session.disable_prepacking", "1")
         return out
+
+    @property
+    def spinning(self) -> bool:
+        """Whether this session's idle intra-op threads spin (its
+        ``session.intra_op.allow_spinning``; onnxruntime's default: they do)."""
+        try:
+            value = self._sess.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
+        except Exception:  # not set: onnxruntime's default
+            return True
+        return value != "0"
 
     def _pruner(self):
         """What a binding asks for its pruned session (None: never pruned)."""

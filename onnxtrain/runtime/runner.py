@@ -15,22 +15,46 @@ committed step ``plan_steps`` prepares the two alternating double-buffer
 configurations of its program (``StateStore.plan_cycle``), and
 ``planned_step`` runs a step through one of them and installs it, with no
 per-variable Python work.
+
+A program run with feeds whose shapes its model leaves open (no shape, a
+symbolic dimension) runs *specialized* to the shapes of those feeds
+(``lower.specialize``): its shape arithmetic folded away, then made by its
+role's executed list as the general program is (the kernel choice, with the
+options the general one settled on), compiled once per shape seen (at most
+``specialize.MAX_SPECIALIZATIONS``; further shapes run the general
+program).  ``ONNXTRAIN_SPECIALIZE=0`` turns this off.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Container, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import onnx
 
 from ..errors import TrainingModelError
+from ..lower import specialize
 from ..lower.executed import ExecOptions, Execution, execute
 from ..lower.programs import ALGORITHM, FORWARD, INITIALIZATION, UPDATE, Program, ProgramSet
 from .executor import Executor, as_numpy, copy_into, device_of, nchwc_block
 from .state import StateStore
+
+#: "0": programs are not specialized to the shapes of their feeds (default: they are).
+SPECIALIZE_ENV = "ONNXTRAIN_SPECIALIZE"
+
+
+def specialize_default() -> bool:
+    """Whether programs are specialized to their feed shapes: yes, unless
+    ``ONNXTRAIN_SPECIALIZE`` is 0 (or false, off, no)."""
+    value = os.environ.get(SPECIALIZE_ENV, "").strip().lower()
+    if value in ("", "1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{SPECIALIZE_ENV}={value!r}: use 1 (specialize programs to their feed shapes) or 0")
 
 
 @dataclass(frozen=True)
@@ -41,7 +65,9 @@ class RunOptions:
     where the caller asks, state in place).  ``large``: weights past
     ``LARGE_MODEL_BYTES`` (onnxruntime frees step temporaries; no
     initialization program folds the values it fills).  ``recompute``: built
-    with activation recompute (no onnxruntime memory pattern anywhere)."""
+    with activation recompute (no onnxruntime memory pattern anywhere).
+    ``specialize``: programs run specialized to the shapes of their feeds
+    (``lower.specialize``; not for large models, whose copy would cost memory)."""
 
     providers: list | None = None
     session_options: Any = None
@@ -50,6 +76,7 @@ class RunOptions:
     large: bool = False
     recompute: bool = False
     check_finite: bool = False
+    specialize: bool = True
 
 
 class ProgramRunner:
@@ -65,8 +92,15 @@ class ProgramRunner:
         self._executors: dict[int, Executor] = {}
         #: What onnxruntime runs of each program (its executed list's result), by id.
         self._executed: dict[int, Execution] = {}
-        #: The prepared steps of the last committed program: (program, cycle, executor).
-        self._plans: tuple[Program, tuple, Executor] | None = None
+        #: The prepared steps of the last committed program: (program, cycle,
+        #: executor, the feed shapes it is specialized to or None).
+        self._plans: tuple[Program, tuple, Executor, tuple | None] | None = None
+        #: Specialization (``lower.specialize``), by id: the feeds whose shapes the
+        #: model leaves open, the executors by their shapes (None: the general
+        #: one), and the shapes of the last run (its executor: ``plan_steps``).
+        self._open_feeds: dict[int, tuple[str, ...]] = {}
+        self._special: dict[int, dict[tuple, Executor | None]] = {}
+        self._last_shapes: dict[int, tuple] = {}
 
     # ------------------------------------------------------------ compiling
     def executed_model(self, program: Program) -> onnx.ModelProto:
@@ -84,17 +118,62 @@ class ProgramRunner:
             self.fused_kernels_note = ex.note
         return ex
 
-    def executor(self, program: Program) -> Executor:
-        """``program``'s executor, compiled on first use."""
+    def executor(self, program: Program, feeds: Mapping[str, Any] | None = None) -> Executor:
+        """``program``'s executor, compiled on first use; with ``feeds``, the
+        one specialized to their shapes where there is one (``specialized``)."""
+        if feeds is not None and len(feeds) == len(program.feeds):  # (not with overrides)
+            names = self.open_feeds(program)
+            if names:
+                ex = self.specialized(program, specialize.shape_key(feeds, names))
+                if ex is not None:
+                    return ex
         ex = self._executors.get(id(program))
         if ex is None:
             ex = self._executors[id(program)] = self._compile(program)
         return ex
 
-    def _compile(self, program: Program) -> Executor:
+    def open_feeds(self, program: Program) -> tuple[str, ...]:
+        """The feeds of ``program`` whose shapes its model leaves open, where it
+        may be specialized to them (else none)."""
+        names = self._open_feeds.get(id(program))
+        if names is None:
+            names = ()
+            if (self.options.specialize and not self.options.large
+                    and self.programs.role(program) not in (INITIALIZATION, UPDATE)):
+                names = specialize.dynamic_feeds(i for i in program.model.graph.input if i.name in program.feeds)
+            self._open_feeds[id(program)] = names
+        return names
+
+    def specialized(self, program: Program, shapes: tuple) -> Executor | None:
+        """The executor of ``program`` specialized to feeds of ``shapes`` (in
+        ``open_feeds`` order), made on first use; None where the general one
+        runs them (nothing folds, ``MAX_SPECIALIZATIONS`` reached, or
+        onnxruntime refused the specialized model: the general one then says why)."""
+        cache = self._special.setdefault(id(program), {})
+        if shapes in cache:
+            return cache[shapes]
+        if len(cache) >= specialize.MAX_SPECIALIZATIONS:
+            return None
+        general = self._execution(program)  # the general program's kernels, settled at the first run as ever
+        model = specialize.specialize(program.model, dict(zip(self.open_feeds(program), shapes)))
+        ex = None
+        if model is not None:
+            # The specialization runs its role's executed list too (the kernel
+            # choice...), with the options the general program settled on.
+            run = execute(replace(program, model=model), self.programs.role(program), general.options)
+            try:
+                ex = self._compile(program, run)
+            except TrainingModelError:
+                ex = None
+        cache[shapes] = ex
+        return ex
+
+    def _compile(self, program: Program, special: Execution | None = None) -> Executor:
+        """Compile ``program`` (or ``special``, what its executed list made of a
+        specialization of it)."""
         opts = self.options
         role = self.programs.role(program)
-        run = self._execution(program)
+        run = special if special is not None else self._execution(program)
         # A large model's initialization folded would hold a copy of what it fills.
         # MatMulNBits' backward unpacks frozen codes (initializers only): folded,
         # every quantized weight would be held dequantized, in float (QLoRA).
@@ -111,7 +190,7 @@ class ProgramRunner:
                             large=opts.large, fold_constants=fold,
                             mem_pattern=mem_pattern, prune_unfetched=prune_unfetched)
         except TrainingModelError as exc:
-            if run.library is None or opts.fused_kernels:
+            if run.library is None or opts.fused_kernels or special is not None:
                 raise
             # The standard program always works where the fused one cannot load.
             self.fused_kernels_note = f"onnxruntime did not load the fused kernels: {exc}"
@@ -121,13 +200,15 @@ class ProgramRunner:
 
     @property
     def executors(self) -> list[Executor]:
-        """The executors compiled so far."""
-        return list(self._executors.values())
+        """The executors compiled so far (specializations included)."""
+        special = [ex for cache in self._special.values() for ex in cache.values() if ex is not None]
+        return list(self._executors.values()) + special
 
     def forget(self, programs: Iterable[Program]) -> None:
         """Drop the executors of ``programs`` (rarely run again: their weights' maps may go)."""
         for program in programs:
             self._executors.pop(id(program), None)
+            self._special.pop(id(program), None)
 
     def inplace_keys(self, program: Program) -> frozenset[str]:
         """The variables ``program`` (an update program) may write in place
@@ -173,7 +254,9 @@ class ProgramRunner:
         state_out = dict(zip(program.bound_values, targets))
         if extra_out:
             state_out.update(extra_out)
-        executor = self.executor(program)
+        executor = self.executor(program, feeds)
+        if self._open_feeds.get(id(program)):
+            self._last_shapes[id(program)] = specialize.shape_key(feeds, self._open_feeds[id(program)])
         try:
             outputs = executor.run_bound(feeds, state_in, state_out, program.returned if fetch else ())
         except RuntimeError as exc:
@@ -217,7 +300,9 @@ class ProgramRunner:
         self._plans = None
         if self.options.check_finite or program.bound_copies or self.store.pinned:
             return
-        executor = self.executor(program)
+        shapes = self._last_shapes.get(id(program))
+        executor = self.specialized(program, shapes) if shapes is not None else None
+        executor = executor or self.executor(program)
         outputs = program.bound_values
 
         def bind(state_in: dict, targets: list) -> Any:
@@ -225,7 +310,7 @@ class ProgramRunner:
 
         cycle = self.store.plan_cycle(program.state_inputs, program.bound_keys, bind)
         if cycle is not None:
-            self._plans = (program, cycle, executor)
+            self._plans = (program, cycle, executor, shapes)
 
     def planned_step(self, program: Program, feeds: dict, fetch: bool) -> dict | None:
         """A step through a plan, committed, or None when no plan applies (see
@@ -233,6 +318,8 @@ class ProgramRunner:
         plans = self._plans
         if plans is None or plans[0] is not program:
             return None
+        if plans[3] is not None and specialize.shape_key(feeds, self._open_feeds[id(program)]) != plans[3]:
+            return None  # feeds of other shapes: another specialization
         store = self.store
         plan = store.plan_for_current(plans[1])
         if plan is None:

@@ -213,5 +213,6 @@ def test_an_onnxruntime_failure_is_one_line(tmp_path):
     np.savez(tmp_path / "bad.npz", X=rng.normal(size=(8, 4)).astype(np.float32), label=np.full(8, 7))
     proc = cli("train", tmp_path / "hand.onnx", "--data", tmp_path / "bad.npz", "--epochs", 1,
                "-o", tmp_path / "t.onnx", "--no-progress")
-    one_line_error(proc, "training_info[0].algorithm: onnxruntime failed", "GatherElements")
+    # (the gather, or its gradient's scatter where the program runs specialized to the feed shapes)
+    one_line_error(proc, "training_info[0].algorithm: onnxruntime failed", "Elements")
     assert not (tmp_path / "t.onnx").exists()
