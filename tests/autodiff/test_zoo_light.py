@@ -65,6 +65,10 @@ from onnxtrain.core.graph import PREVIEW_DOMAIN
 from onnxtrain.core.names import NameGen
 from onnxtrain.runtime.executor import Executor, default_session_options
 
+#: Minutes of float64 oracles on 2 cores, about our rules and not the
+#: libraries' versions: CI runs them in its newest leg only (.ci/run).
+pytestmark = pytest.mark.heavy
+
 LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
 
 #: model -> input spatial size (None: the declared 224).

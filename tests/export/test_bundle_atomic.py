@@ -60,6 +60,7 @@ def _kill_loop(sess, values, path, kills: int, seed: int, one: float, known: dic
         seen[which] += 1
 
 
+@pytest.mark.heavy  # (a dozen killed writers: CI's newest leg only)
 def test_sigkill_during_save_leaves_the_old_or_the_new_bundle(tmp_path):
     sess = TrainingSession(mlp_classifier("sgd", sizes=(128, 512, 3)))  # 256 KiB of weights
     a = dict(sess.state)

@@ -178,6 +178,7 @@ def _kill_loop_forked(sess, values, path, kills: int, seed: int, checker: Checke
     return {"mid_write": mid_write, "export_s": one}
 
 
+@pytest.mark.heavy  # (dozens of killed writers: CI's newest leg only)
 @pytest.mark.parametrize("external", [False, True], ids=["inline", "external-data"])
 def test_sigkill_during_export_leaves_old_or_new_file(tmp_path, monkeypatch, external):
     if external:

@@ -235,6 +235,7 @@ def _big(tmp_path, rows, cols, what):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.heavy  # (gigabytes written and read: CI's newest leg only)
 def test_one_gib_external_model_within_the_memory_bound(tmp_path):
     """LoRA on a 1 GiB frozen weight: construction, initialize, steps, run and the
     merged export peak at ≤ 1.3·S + 300 MB over the import baseline."""
@@ -252,6 +253,7 @@ def test_one_gib_external_model_within_the_memory_bound(tmp_path):
     np.testing.assert_allclose(got, np.load(tmp_path / "y.npy"), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.heavy  # (gigabytes written and read: CI's newest leg only)
 def test_over_two_gib_checkpoint_and_merged_export_load_back(tmp_path):
     """A 2.1 GB model (over protobuf's limit) trains, exports both ways and loads back."""
     rows, cols = 32768, 16400
