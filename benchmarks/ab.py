@@ -53,12 +53,7 @@ def worker(version: str, workdir: Path, logdir: Path, baseline: Path) -> run.Wor
     env = run.child_env()
     if version == "before":
         env["PYTHONPATH"] = f"{baseline}:{env['PYTHONPATH']}"
-    plain = run.child_env
-    run.child_env = lambda: env  # Worker reads run's child_env
-    try:
-        return run.Worker("onnxtrain", workdir, logdir / version)
-    finally:
-        run.child_env = plain
+    return run.Worker("onnxtrain", workdir, logdir / version, env=env)
 
 
 def which_package(baseline: Path) -> str:

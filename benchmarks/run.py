@@ -115,7 +115,7 @@ def python_for(framework: str) -> str | None:
 class Worker:
     """A trainer child: JSON lines over its stdin/stdout, stderr into a log file."""
 
-    def __init__(self, framework: str, workdir: Path, logdir: Path) -> None:
+    def __init__(self, framework: str, workdir: Path, logdir: Path, env: dict[str, str] | None = None) -> None:
         self.framework = framework
         self.log_path = logdir / f"{workdir.name}-{framework}.log"
         self._log = open(self.log_path, "w")
@@ -123,7 +123,7 @@ class Worker:
             [python_for(framework), str(HERE / "worker.py"), "train", framework, str(workdir),
              "--check-steps", str(CHECK_STEPS)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-            env=child_env(), cwd=str(workdir),
+            env=env or child_env(), cwd=str(workdir),
         )
 
     def receive(self) -> dict:
