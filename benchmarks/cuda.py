@@ -53,12 +53,8 @@ def classic_onnxtrain(key: str, device: str, steps: int, warmup: int) -> dict:
     t0 = time.perf_counter()
     model, _ = training_model(inference, WORKLOADS[key], use_builder=True)
     sess = TrainingSession(model, providers=providers(device))
-    losses = [float(sess.train_step(batch)["loss"])]
-    first = time.perf_counter() - t0
-    losses += [float(sess.train_step(batch)["loss"]) for _ in range(2)]
-    return dict(first_s=first, losses=losses, **_timed(lambda: sess.train_step(batch, fetch=False),
-                                                       steps, warmup, None),
-                where=_where(device))
+    return _measure(lambda: float(sess.train_step(batch)["loss"]), lambda: sess.train_step(batch, fetch=False),
+                    t0, steps, warmup, None, lambda: _where(device))
 
 
 def _where(device: str) -> dict:
@@ -104,13 +100,7 @@ def classic_torch(key: str, device: str, steps: int, warmup: int) -> dict:
         opt.step()
         return loss
 
-    losses = [float(step().item())]
-    first = time.perf_counter() - t0
-    losses += [float(step().item()) for _ in range(2)]
-    sync = torch.cuda.synchronize if device == "cuda" else None
-    return dict(first_s=first, losses=losses, **_timed(step, steps, warmup, sync),
-                where={"device": device, "gpu_mib": _gpu_mib(),
-                       "max_allocated_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None})
+    return _measure(lambda: float(step().item()), step, t0, steps, warmup, *_torch_sync_where(device))
 
 
 # ------------------------------------------------------------------ L1
@@ -134,11 +124,8 @@ def l1_onnxtrain(device: str, steps: int, warmup: int, work: Path) -> dict:
     feeds = {"input_ids": tokens[0, :, :-1].copy(), "labels": tokens[0, :, 1:].copy()}
     t0 = time.perf_counter()
     sess = TrainingSession(build.training_model(files["onnx"], **llm.build_args(spec)), providers=providers(device))
-    losses = [float(sess.train_step(feeds)["loss"])]
-    first = time.perf_counter() - t0
-    losses += [float(sess.train_step(feeds)["loss"]) for _ in range(2)]
-    return dict(first_s=first, losses=losses, **_timed(lambda: sess.train_step(feeds, fetch=False),
-                                                       steps, warmup, None), where=_where(device))
+    return _measure(lambda: float(sess.train_step(feeds)["loss"]), lambda: sess.train_step(feeds, fetch=False),
+                    t0, steps, warmup, None, lambda: _where(device))
 
 
 def l1_torch(device: str, steps: int, warmup: int, work: Path) -> dict:
@@ -173,16 +160,31 @@ def l1_torch(device: str, steps: int, warmup: int, work: Path) -> dict:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    losses = [float(step().detach())]
-    first = time.perf_counter() - t0
-    losses += [float(step().detach()) for _ in range(2)]
-    sync = torch.cuda.synchronize if device == "cuda" else None
-    return dict(first_s=first, losses=losses, **_timed(step, steps, warmup, sync),
-                where={"device": device, "gpu_mib": _gpu_mib(),
-                       "max_allocated_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None})
+    return _measure(lambda: float(step().detach()), step, t0, steps, warmup, *_torch_sync_where(device))
 
 
 # ------------------------------------------------------------------ timing and the parent
+def _measure(loss_step, step, t0: float, steps: int, warmup: int, sync, where) -> dict:
+    """The first step's loss and time since ``t0`` (construction included),
+    two more losses (the equal-work check), the timed steps, then ``where()``
+    (read after them: the memory they used)."""
+    losses = [loss_step()]
+    first = time.perf_counter() - t0
+    losses += [loss_step() for _ in range(2)]
+    timed = _timed(step, steps, warmup, sync)
+    return dict(first_s=first, losses=losses, **timed, where=where())
+
+
+def _torch_sync_where(device: str) -> tuple:
+    """PyTorch's synchronization for timing, and where it ran (its GPU memory, read when called)."""
+    import torch
+
+    if device != "cuda":
+        return None, lambda: {"device": device, "gpu_mib": None, "max_allocated_mib": None}
+    return torch.cuda.synchronize, lambda: {"device": device, "gpu_mib": _gpu_mib(),
+                                            "max_allocated_mib": torch.cuda.max_memory_allocated() / 2**20}
+
+
 def _timed(step, steps: int, warmup: int, sync) -> dict:
     for _ in range(warmup):
         step()
