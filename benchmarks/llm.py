@@ -610,6 +610,18 @@ def section(report: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------ main
+def this_checkout() -> None:
+    """Measure this checkout's onnxtrain, here and in every worker: the peft
+    environment has onnxtrain installed editable from wherever
+    ``setup_peft.sh`` ran, which may be another working tree."""
+    root = str(HERE.parent)
+    if sys.path[1:2] != [root]:
+        sys.path.insert(1, root)
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root] + [p for p in paths if p])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="L1,L2,L3,L4")
@@ -627,6 +639,7 @@ def main(argv=None) -> int:
     ap.add_argument("--files", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    this_checkout()
 
     if args.worker:
         spec = spec_of(args.spec, args.quick)

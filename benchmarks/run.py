@@ -92,7 +92,9 @@ def child_env() -> dict[str, str]:
     else:
         env.pop("OMP_WAIT_POLICY", None)
         env["BENCH_ORT_SPIN"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE)] + [p for p in [env.get("PYTHONPATH")] if p])
+    # benchmarks/ for the workers; the root so that every interpreter (the peft
+    # environment's included) measures this checkout's onnxtrain.
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent)] + [p for p in [env.get("PYTHONPATH")] if p])
     # A startup cache of the run's own: each workload's first onnxtrain child starts cold.
     if CACHE_DIR["path"]:
         env["ONNXTRAIN_CACHE_DIR"] = CACHE_DIR["path"]
