@@ -13,7 +13,6 @@ value of the wrong type, KeyboardInterrupt) leaves the state as it was.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import warnings
@@ -30,8 +29,7 @@ from .errors import TrainingModelError
 from .export import model as model_export
 from .io import mapped
 from .io.metadata import model_metadata, read_position
-from .io.model import ModelLike, load, validate
-from .io.storage import hold
+from .io.model import ModelLike, held, load, validate
 from .lower.executed import check_fused_kernels
 from .lower.pipeline import note_exact_quantized_products
 from .lower.programs import ProgramSet
@@ -141,14 +139,8 @@ class TrainingSession:
                fused_kernels: bool | None, check_finite: bool, lean: bool, dp: DataParallel | None) -> None:
         """Load and validate the model, build every program and the parts that run them, seed the state."""
         proto, base = load(model)
-        tm = validate(proto, base, tensors_checked=True)  # load() did
-        # Every large tensor leaves the protobuf (storage.hold): the frozen weights
-        # live in one buffer that the programs and onnxruntime share, the starting
-        # values in a file the state store reads; the caller's model is not kept.
-        held = hold(proto, tm.state)
-        if held is not None:
-            tm = dataclasses.replace(tm, proto=held)
-        self._model = tm
+        # (held: no large tensor stays in its protobuf; the caller's model is not kept)
+        tm = self._model = held(validate(proto, base, tensors_checked=True))  # load() checked
         # The data files its weights are mapped from stay while it lives (storage).
         weakref.finalize(self, mapped.hold(tm.proto))
         providers = list(providers) if providers else None
