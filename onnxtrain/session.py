@@ -29,7 +29,7 @@ from .errors import TrainingModelError
 from .export import model as model_export
 from .io import mapped
 from .io.metadata import model_metadata, read_position
-from .io.model import ModelLike, load, validate
+from .io.model import ModelLike, held, load, validate
 from .lower.executed import check_fused_kernels
 from .lower.pipeline import note_exact_quantized_products
 from .lower.programs import ProgramSet
@@ -139,9 +139,10 @@ class TrainingSession:
                fused_kernels: bool | None, check_finite: bool, lean: bool, dp: DataParallel | None) -> None:
         """Load and validate the model, build every program and the parts that run them, seed the state."""
         proto, base = load(model)
-        tm = self._model = validate(proto, base, tensors_checked=True)  # load() did
+        # (held: no large tensor stays in its protobuf; the caller's model is not kept)
+        tm = self._model = held(validate(proto, base, tensors_checked=True))  # load() checked
         # The data files its weights are mapped from stay while it lives (storage).
-        weakref.finalize(self, mapped.hold(proto))
+        weakref.finalize(self, mapped.hold(tm.proto))
         providers = list(providers) if providers else None
         #: The transaction's lock: one writer at a time.
         self._lock = threading.RLock()

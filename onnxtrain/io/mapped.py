@@ -72,6 +72,16 @@ def trust(path: str | os.PathLike) -> str:
 
 #: Resolved data files that live sessions read from -> how many sessions.
 _held: dict[str, int] = {}
+#: Files onnxtrain wrote for its sessions (``storage.hold``): removed when the
+#: last session holding them lets go.
+_owned: set[str] = set()
+
+
+def own(path: str) -> None:
+    """Record a trusted file as onnxtrain's own: once no session holds it
+    (``hold``) any more, it is removed and no longer trusted."""
+    with _lock:
+        _owned.add(path)
 
 
 def hold(model: onnx.ModelProto) -> Callable[[], None]:
@@ -83,13 +93,24 @@ def hold(model: onnx.ModelProto) -> Callable[[], None]:
             _held[p] = _held.get(p, 0) + 1
 
     def release() -> None:
+        gone = []
         with _lock:
             for p in paths:
                 left = _held.get(p, 0) - 1
                 if left > 0:
                     _held[p] = left
-                else:
-                    _held.pop(p, None)
+                    continue
+                _held.pop(p, None)
+                if p in _owned:
+                    # (maps made of it stay valid: their pages go with them)
+                    _owned.discard(p)
+                    _trusted.pop(p, None)
+                    gone.append(p)
+        for p in gone:
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
 
     return release
 

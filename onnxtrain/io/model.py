@@ -24,7 +24,7 @@ re-exported here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +37,7 @@ from ..errors import TrainingModelError
 from . import mapped
 from .combine import combined_graph, copy_graph, uses_preview_ops
 from .loading import MAX_PROTO_BYTES, ModelLike, check_strings, load
-from .storage import load_external_data
+from .storage import hold, load_external_data
 from .tensors import check_sparse_tensor, check_tensor, check_tensors, data_type_name, memory_limit
 
 __all__ = [
@@ -472,3 +472,12 @@ def _data_free_initializers(*graphs: onnx.GraphProto) -> tuple[set[str], list[on
             names.add(t.name)
             stand_ins.append(onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims))
     return names, stand_ins
+
+
+def held(tm: TrainingModel) -> TrainingModel:
+    """``tm`` with no large tensor left in its protobuf (``storage.hold``): its
+    frozen weights in one shared-memory buffer that every program and
+    onnxruntime map, its starting values in a file the state store reads once
+    (issue 36: the weights held once). ``tm`` itself where nothing moves."""
+    proto = hold(tm.proto, tm.state)
+    return tm if proto is None else replace(tm, proto=proto)

@@ -43,7 +43,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from pathlib import Path, PureWindowsPath
 from typing import BinaryIO
 
@@ -252,10 +252,10 @@ def materialized(model: onnx.ModelProto, deferred: Mapping[str, mapped.Deferred]
 
 
 def came_external(model: onnx.ModelProto) -> bool:
-    """Whether some tensor of ``model`` maps a model's external data (not a spill file)."""
-    spilled = str(_spill_folder[0]) + os.sep if _spill_folder else None
-    return any(mapped.is_mapped(t) and not (spilled and mapped.source(t)[0].startswith(spilled))
-               for t in all_tensors(model))
+    """Whether some tensor of ``model`` maps a model's external data (not a
+    file of onnxtrain's own: ``spill``, ``hold``)."""
+    own = tuple(str(f) + os.sep for f in (*_spill_folder, *_held_folder))
+    return any(mapped.is_mapped(t) and not mapped.source(t)[0].startswith(own) for t in all_tensors(model))
 
 
 # ------------------------------------------------------------------ writing
@@ -460,6 +460,8 @@ class _DataSink:
         self.min_bytes = min_bytes
         self.select = select
         self.deferred = dict(deferred or {})
+        #: Inside an initialization graph (``_skeleton_model`` sets it; ``hold`` reads it).
+        self.cold = False
         self.file: BinaryIO | None = None
         self.offset = 0
         #: (path, offset, length) of a mapped range -> its offset in the data file.
@@ -508,17 +510,15 @@ class _DataSink:
             self.offset += pad
         return self.offset
 
-    def write(self, t: onnx.TensorProto) -> tuple[int, int]:
+    def write(self, t: onnx.TensorProto) -> tuple[str, int, int]:
+        """Append ``t``'s bytes: (location, offset, length) of where they went."""
         if self.placeholder(t):
-            return self._stream(t)
-        if t.HasField("raw_data"):
-            data = t.raw_data  # one copy of this tensor, released below
-        else:
-            data = numpy_helper.from_array(numpy_helper.to_array(t)).raw_data
+            return (self.location, *self._stream(t))
+        data = _tensor_data(t)
         start = self._align(len(data))
         self.file.write(data)
         self.offset += len(data)
-        return start, len(data)
+        return self.location, start, len(data)
 
     def _stream(self, t: onnx.TensorProto) -> tuple[int, int]:
         """A placeholder's bytes into the file without a protobuf copy: a
@@ -580,7 +580,9 @@ def _skeleton_model(model: onnx.ModelProto, sink: _DataSink) -> onnx.ModelProto:
         copy_fields(ti, new, ("initialization", "algorithm"))
         for field in ("initialization", "algorithm"):
             if ti.HasField(field):
+                sink.cold = field == "initialization"
                 _skeleton_graph(getattr(ti, field), getattr(new, field), sink)
+                sink.cold = False
     return out
 
 
@@ -645,7 +647,131 @@ def _put_tensor(t: onnx.TensorProto, dst: onnx.TensorProto, sink: _DataSink) -> 
     if sink.placeholder(t) and not sink.streams(t):
         dst.raw_data = sink.inline(t)
         return
-    offset, length = sink.write(t)
+    location, offset, length = sink.write(t)
     dst.data_location = onnx.TensorProto.EXTERNAL
-    for key, value in (("location", sink.location), ("offset", offset), ("length", length)):
+    for key, value in (("location", location), ("offset", offset), ("length", length)):
         dst.external_data.add(key=key, value=str(value))
+
+
+def _tensor_data(t: onnx.TensorProto) -> bytes:
+    """The bytes of an inline tensor as raw data (one copy of it)."""
+    if t.HasField("raw_data"):
+        return t.raw_data
+    return numpy_helper.from_array(numpy_helper.to_array(t)).raw_data
+
+
+# ------------------------------------------------------------------ holding
+#: Inline tensors of at least this many bytes leave a session's model (``hold``).
+HOLD_FROM = mapped.MAP_FROM
+_held_folder: list[Path] = []
+
+
+def _held_dir() -> Path:
+    """This process's folder for held starting values: the temporary folder
+    (on disk, whose pages the system may reclaim); removed at exit."""
+    with _spill_lock:
+        if not _held_folder:
+            folder = Path(tempfile.mkdtemp(prefix=f"onnxtrain-{os.getpid()}-held-")).resolve()
+            atexit.register(shutil.rmtree, folder, True)
+            _held_folder.append(folder)
+        return _held_folder[0]
+
+
+def hold(model: onnx.ModelProto, state: Container[str]) -> onnx.ModelProto | None:
+    """A copy of ``model`` with no tensor of ``HOLD_FROM`` bytes or more in its
+    protobuf, or None when it has none (placeholders stay as they are).
+
+    - The frozen tensors (initializers of the main graph and of the
+      algorithms that are not in ``state``, and Constant values there),
+      which programs read at every run, go to one file in memory
+      (``/dev/shm`` where there is one, as ``spill``).
+    - The starting values (initializers in ``state`` and whatever the
+      initialization graphs hold), read once by the state store and then
+      only by ``initialize()``, go to a temporary file on disk, whose pages
+      the system may reclaim.
+
+    Each becomes a mapped placeholder (``onnxtrain.mapped``): the session,
+    every program and onnxruntime then share one copy, and no protobuf
+    holds another.  Equal tensors (a builder's starting value of a weight
+    and the weight itself) are written once.  A file is removed when the
+    last session holding it (``mapped.hold``) lets go, or at exit.  Where no
+    file can be written, the model stays as it is (None)."""
+    for memory in (_spill_dir, _held_dir):
+        sink = _HoldSink(state, memory)
+        try:
+            skeleton = _skeleton_model(model, sink)
+            sink.close()
+        except OSError:  # no room (a small /dev/shm): everything on disk, or nothing
+            sink.close(remove=True)
+            continue
+        if not sink.files:
+            return None
+        for held in sink.files.values():
+            mapped.own(mapped.trust(held.path))
+        return skeleton
+    return None
+
+
+class _HeldFile:
+    """A file of held tensors (``hold``), each written once."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = str(folder.resolve() / f"held-{secrets.token_hex(8)}.data")
+        self.file = open(self.path, "wb+")
+        self.offset = 0
+        #: (type, dims, length) -> offsets of tensors written with them.
+        self.written: dict[tuple, list[int]] = {}
+
+    def put(self, t: onnx.TensorProto) -> tuple[int, int]:
+        data = _tensor_data(t)
+        size = len(data)
+        key = (t.data_type, tuple(t.dims), size)
+        for start in self.written.get(key, ()):
+            if self._holds(start, data):
+                return start, size
+        pad = -self.offset % _PAGE
+        self.file.write(b"\0" * pad + data)
+        start = self.offset + pad
+        self.offset = start + size
+        self.written.setdefault(key, []).append(start)
+        return start, size
+
+    def _holds(self, start: int, data: bytes) -> bool:
+        """Whether the file holds ``data`` at ``start`` (compared in pieces)."""
+        self.file.flush()
+        view = memoryview(data)
+        step = 16 * 2**20
+        for at in range(0, len(data), step):
+            if os.pread(self.file.fileno(), min(step, len(data) - at), start + at) != view[at:at + step]:
+                return False
+        return True
+
+
+class _HoldSink(_DataSink):
+    """Where ``hold`` puts each tensor: frozen ones in memory, starting values on disk."""
+
+    def __init__(self, state: Container[str], memory: Callable[[], Path]) -> None:
+        super().__init__("", HOLD_FROM)
+        self.state = state
+        self.memory = memory
+        self.files: dict[bool, _HeldFile] = {}
+
+    def placeholder(self, t: onnx.TensorProto) -> bool:
+        return False  # placeholders stay as they are
+
+    def wants(self, t: onnx.TensorProto) -> bool:
+        return (t.data_location != onnx.TensorProto.EXTERNAL and mapped.mappable(t.data_type)
+                and (stored_bytes(t) or 0) >= HOLD_FROM)
+
+    def write(self, t: onnx.TensorProto) -> tuple[str, int, int]:
+        cold = self.cold or t.name in self.state
+        held = self.files.get(cold)
+        if held is None:
+            held = self.files[cold] = _HeldFile(_held_dir() if cold else self.memory())
+        return (held.path, *held.put(t))
+
+    def close(self, remove: bool = False) -> None:
+        for held in self.files.values():
+            held.file.close()
+            if remove:
+                unlink_quietly(Path(held.path))

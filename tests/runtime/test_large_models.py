@@ -373,3 +373,49 @@ def test_to_model_is_self_contained_below_the_threshold(external, tmp_path, monk
     big = sess.to_model(training=True)
     assert has_external(big) and np.array_equal(TrainingSession(big).state["W.lora_A"],
                                                 sess.state["W.lora_A"])
+
+
+def _inline_bytes(model: onnx.ModelProto) -> int:
+    """The largest tensor data held inside ``model``'s protobuf."""
+    from onnxtrain.io.storage import all_tensors
+
+    return max((len(t.raw_data) + 4 * len(t.float_data) for t in all_tensors(model)), default=0)
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_frozen_weights_held_once(tmp_path, monkeypatch, lora):
+    """Issue 36: a model whose weights are inside its protobuf (below the
+    builder's spill threshold): once the session exists no protobuf of it, nor
+    of any program, holds a large tensor; every program and onnxruntime read
+    one buffer; training is bit for bit the same; the files go with the session."""
+    import gc
+
+    from onnxtrain.io import storage
+
+    model = linear_model(512, 1024)
+    opts = dict(loss="mse", target="T", optimizer=build.AdamW(lr=1e-2))
+    if lora:
+        opts["lora"] = build.LoRA(rank=4, alpha=8)
+    monkeypatch.setattr(storage, "HOLD_FROM", 2**40)
+    plain = TrainingSession(build.training_model(model, **opts))
+    assert _inline_bytes(plain.model) >= 2**21  # (what the fix removes)
+    monkeypatch.setattr(storage, "HOLD_FROM", 2**20)
+    held = TrainingSession(build.training_model(model, **opts))
+    assert _inline_bytes(held.model) < 2**20
+    for step in range(3):
+        a, b = (s.train_step(batch(512, 1024, seed=step)) for s in (plain, held))
+        assert np.array_equal(a["loss"], b["loss"])
+    x = batch(512, 1024)["X"]
+    assert np.array_equal(plain.run({"X": x})["Y"], held.run({"X": x})["Y"])
+    for name, program in held.programs(executed=True).items():
+        assert _inline_bytes(program) < 2**20, name
+    files = {mapped.source(t)[0] for t in storage.all_tensors(held.model) if mapped.is_mapped(t)}
+    assert files and all(os.path.exists(f) for f in files)
+    if lora:  # the frozen weight: one OrtValue over one map, in every program
+        shared = [ex.shared for ex in held._runner.executors if ex.shared]
+        assert len(shared) >= 2 and len({id(s["W"]) for s in shared}) == 1
+    out = held.export(tmp_path / "m.onnx")
+    assert os.listdir(out.parent) == ["m.onnx"]
+    del held
+    gc.collect()
+    assert not any(os.path.exists(f) for f in files)
