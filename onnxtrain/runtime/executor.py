@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -210,6 +210,32 @@ _shared_values: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _shared_lock = threading.Lock()
 
 
+#: Products whose second input onnxruntime packs once, at session creation, when it is a constant.
+_PACKED_PRODUCTS = {("", "MatMul"), ("", "Gemm"), ("com.microsoft", "FusedMatMul")}
+
+
+def _packed_twice(graph: onnx.GraphProto, shared: Container[str]) -> bool:
+    """Whether some shared weight is the packed operand of two products (a
+    frozen weight's forward MatMul and its backward Gemm): onnxruntime would
+    keep a packed copy of it for each, besides the shared one (issue 36)."""
+    seen: set[str] = set()
+    for n in graph.node:
+        domain = "" if n.domain == "ai.onnx" else n.domain
+        if (domain, n.op_type) in _PACKED_PRODUCTS and len(n.input) > 1 and n.input[1] in shared:
+            if n.input[1] in seen:
+                return True
+            seen.add(n.input[1])
+    return False
+
+
+def _config_entry(sess: ort.InferenceSession, key: str, default: str) -> str:
+    """A session's config entry, or ``default`` where it was not set."""
+    try:
+        return sess.get_session_options().get_session_config_entry(key)
+    except Exception:  # not set
+        return default
+
+
 def _shared_value(t: onnx.TensorProto) -> ort.OrtValue:
     """One OrtValue per mapped range in the process (over ``mapped.array``)."""
     arr = mapped.array(t)
@@ -323,7 +349,8 @@ class Executor:
         might read itself is the right data.  Prepacking, which would copy
         each MatMul/Gemm weight into a packed buffer of the same size, is
         turned off when the shared weights reach ``PREPACK_LIMIT`` bytes (see
-        docs/large-models.md for its cost), unless the session options say
+        docs/large-models.md for its cost), or when one of them would be
+        packed twice (``_packed_twice``), unless the session options say
         otherwise."""
         out = onnx.ModelProto()
         out.CopyFrom(model)
@@ -358,19 +385,21 @@ class Executor:
             total += mapped.source(t)[2]
         mapped.rooted(out, copy=False)
         _set_default(so, "session.model_external_initializers_file_folder_path", "/")
-        if total >= PREPACK_LIMIT:
+        if total >= PREPACK_LIMIT or _packed_twice(out.graph, self.shared):
             _set_default(so, "session.disable_prepacking", "1")
         return out
+
+    @property
+    def prepacking(self) -> bool:
+        """Whether onnxruntime packs this session's constant product weights
+        (its ``session.disable_prepacking``; onnxruntime's default: it does)."""
+        return _config_entry(self._sess, "session.disable_prepacking", "0") != "1"
 
     @property
     def spinning(self) -> bool:
         """Whether this session's idle intra-op threads spin (its
         ``session.intra_op.allow_spinning``; onnxruntime's default: they do)."""
-        try:
-            value = self._sess.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
-        except Exception:  # not set: onnxruntime's default
-            return True
-        return value != "0"
+        return _config_entry(self._sess, "session.intra_op.allow_spinning", "1") != "0"
 
     def _pruner(self):
         """What a binding asks for its pruned session (None: never pruned)."""

@@ -419,3 +419,41 @@ def test_frozen_weights_held_once(tmp_path, monkeypatch, lora):
     del held
     gc.collect()
     assert not any(os.path.exists(f) for f in files)
+
+
+def two_layer_model(seed: int = 0) -> onnx.ModelProto:
+    """X [8, 512] -> MatMul W1 -> Relu -> MatMul W2 -> Y: W2's backward
+    reads it again (dR = dY · W2ᵀ), W1's does not (X needs no gradient)."""
+    rng = np.random.default_rng(seed)
+    weights = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32) / 30, n)
+               for n, s in (("W1", (512, 1024)), ("W2", (1024, 512)))]
+    nodes = [helper.make_node("MatMul", ["X", "W1"], ["H"]), helper.make_node("Relu", ["H"], ["R"]),
+             helper.make_node("MatMul", ["R", "W2"], ["Y"])]
+    graph = helper.make_graph(nodes, "two", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [8, 512])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [8, 512])], weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_frozen_weights_packed_once(monkeypatch):
+    """Issue 36: a frozen weight that the training program multiplies by twice
+    (forward MatMul, backward Gemm) is not packed twice by onnxruntime: that
+    program turns prepacking off; a program that reads each weight in one
+    product keeps it; training is bit for bit the same either way."""
+    from onnxtrain.io import storage
+    from onnxtrain.runtime import executor
+
+    monkeypatch.setattr(storage, "HOLD_FROM", 2**20)
+    opts = dict(loss="mse", target="T", optimizer=build.AdamW(lr=1e-2), lora=build.LoRA(rank=4, alpha=8))
+    rng = np.random.default_rng(2)
+    feeds = {"X": rng.standard_normal((8, 512)).astype(np.float32),
+             "T": rng.standard_normal((8, 512)).astype(np.float32)}
+    sess = TrainingSession(build.training_model(two_layer_model(), **opts))
+    losses = [sess.train_step(feeds)["loss"] for _ in range(2)]
+    sess.run({"X": feeds["X"]})
+    packing = {ex.label: ex.prepacking for ex in sess._runner.executors if ex.shared}
+    assert any(not p for p in packing.values()), packing  # the training program
+    assert any(packing.values()), packing  # inference: W1 and W2 once each
+    monkeypatch.setattr(executor, "_packed_twice", lambda graph, shared: False)
+    packed = TrainingSession(build.training_model(two_layer_model(), **opts))
+    assert all(ex.prepacking for ex in packed._runner.executors)
+    assert [packed.train_step(feeds)["loss"] for _ in range(2)] == losses
