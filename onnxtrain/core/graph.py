@@ -339,13 +339,19 @@ def _infer_with_seeds(model: onnx.ModelProto, data: bytes) -> tuple[dict[str, in
         g.value_info.extend(seeded)
         ig = _infer_in_place(model)
         dtypes, shapes = _collect(ig)
+    done: set[str] = set()
     for _ in range(len(g.node)):
         # Nor for onnxruntime's contrib ops (genai models): declare the outputs
         # whose input became known, infer again, until nothing changes.
-        seeded = _seed_contrib_outputs(g.node, dtypes, shapes)
+        seeded = [vi for vi in _seed_contrib_outputs(g.node, dtypes, shapes) if vi.name not in done]
         if not seeded:
             break
-        g.value_info.extend(seeded)
+        done.update(vi.name for vi in seeded)  # (each once: a seed inference disagrees with is not retried)
+        outputs = {o.name: o for o in g.output}  # (onnx reads a graph output's type from there)
+        for vi in seeded:
+            if vi.name in outputs:
+                outputs[vi.name].type.CopyFrom(vi.type)
+        g.value_info.extend(vi for vi in seeded if vi.name not in outputs)
         ig = _infer_in_place(model)
         dtypes, shapes = _collect(ig)
     return dtypes, shapes

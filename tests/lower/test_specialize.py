@@ -223,8 +223,8 @@ def test_shapes_reach_through_contrib_ops(monkeypatch):
     names = sess._runner.open_feeds(program)
     special = specialize.specialize(program.model, {n: feeds[n].shape for n in names})
     left = [n.op_type for n in special.graph.node]
-    for op in ("Shape", "NonZero", "ConstantOfShape"):
-        assert left.count(op) <= general.count(op) // 4, (op, left.count(op), general.count(op))
+    assert general.count("Shape") > 50 and general.count("NonZero") > 5
+    assert not {"Shape", "NonZero"} & set(left), [op for op in left if op in ("Shape", "NonZero")]
     off, _ = _qlora_llama(monkeypatch, False)
     keys = sorted(k for k in sess.state if k.endswith((".lora_A", ".lora_B")))
     for _ in range(2):
