@@ -20,7 +20,7 @@ or M ⊕ A_i pruned to the loss (``loss_graph``).  Then
 
 - FRONT makes it standard ops: ``state_to_inputs`` (state initializers
   become graph inputs, fed from the state), ``exact_quantized_products``
-  (MatMulNBits with trained scales, or differentiated: accuracy_level 4 -> 1),
+  (MatMulNBits with trained scales: accuracy_level 4 -> 1),
   ``expand_gradient_nodes`` (Gradient nodes become backward graphs),
   ``recompute_activations`` (where the model asks), ``lower_optimizer_nodes``
   (Adam / Momentum / Adagrad become calls of the update rules);
@@ -210,24 +210,15 @@ def runtime_scaled_nbits(nodes: Iterable[onnx.NodeProto], constant: set[str]) ->
 
 
 def exact_quantized_products(low: Lowering) -> None:
-    """Run at ``EXACT_NBITS_LEVEL`` instead of accuracy_level 4 every
-    MatMulNBits node whose scales come at run time (trained scales: state
-    variables, inputs here) and, in a program that differentiates
-    (a Gradient node: the training step and its data-parallel halves), every
-    one: its backward is the exact product's gradient (``contrib_quant``),
-    so the forward it differentiates is the exact product too, and on
-    onnxruntime's CPU kernels the float product is no slower than level 4's
-    int8 one (docs/performance.md, *Item 3: L3*).  The programs only: the
-    model, and so every export of it, keeps its nodes as they were
-    (``note_exact_quantized_products`` warns of the trained-scale ones)."""
+    """Run every MatMulNBits node whose scales come at run time (trained
+    scales: state variables, inputs here) at ``EXACT_NBITS_LEVEL`` instead of
+    accuracy_level 4.  The programs only: the model, and so every export of
+    it, keeps its nodes as they were (``note_exact_quantized_products`` says so)."""
     g = low.graph
-    if any(is_gradient(n) for n in g.node):
-        nodes = [n for n in g.node if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
-    else:
-        nodes = runtime_scaled_nbits(g.node, {t.name for t in g.initializer} - overridable_inputs(g))
-    for node in nodes:
+    constant = {t.name for t in g.initializer} - overridable_inputs(g)
+    for node in runtime_scaled_nbits(g.node, constant):
         for a in node.attribute:
-            if a.name == "accuracy_level" and a.i == 4:
+            if a.name == "accuracy_level":
                 a.i = EXACT_NBITS_LEVEL
 
 

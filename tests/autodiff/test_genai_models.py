@@ -151,27 +151,18 @@ def test_genai_int4_as_built_trains_its_scales_by_default(family, tmp_path):
         assert _levels(exported.graph) == levels
 
 
-def test_genai_llama_int4_as_built_trains_the_exact_product():
+def test_genai_llama_int4_as_built_is_straight_through():
     """The builder's int4 default, accuracy_level 4 (activations rounded to int8
-    inside MatMulNBits), its scales frozen constants: the training step runs
-    the products it differentiates at level 1, the float product whose
-    gradient the rule computes (``lower.pipeline.exact_quantized_products``),
-    so loss and gradients are PyTorch's on the dequantized weights, as the
-    level-1 model's are.  Inference (``run``) and the exports keep level 4."""
+    inside MatMulNBits): the loss is onnxruntime's, and the gradients are the
+    exact product's up to that rounding.  The scales stay frozen constants here,
+    so the nodes keep accuracy_level 4 (trained, they run at level 1: the test
+    above)."""
     ref, proto = _load("llama", "int4")
-    levels = _levels(proto.graph)
-    assert set(levels.values()) == {4}
+    assert any(a.name == "accuracy_level" and a.i == 4 for n in proto.graph.node for a in n.attribute)
     names = [n for n in _params(ref) if not n.endswith("_scales")]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        loss, before, after = _step("llama", proto, ref, names)
-    assert not [w for w in caught if "accuracy_level" in str(w.message)]  # nothing trained runs at level 4
-    _compare(ref, names, loss, before, after, rtol=1e-5, atol=2e-5)
-    tm = build.training_model(proto, loss="cross_entropy", output="logits", trainable=names)
-    programs = TrainingSession(tm).programs()
-    assert set(_levels(programs["inference"].graph).values()) == {4}
-    assert set(_levels(programs["training_info[0].algorithm"].graph).values()) == {1}
-    assert set(_levels(tm.graph).values()) == {4}
+    loss, before, after = _step("llama", proto, ref, names)
+    assert loss != pytest.approx(float(ref["loss"]), rel=1e-6, abs=0)  # the int8 rounding is there
+    _compare(ref, names, loss, before, after, rtol=1e-3, atol=1e-2)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
