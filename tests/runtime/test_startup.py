@@ -399,6 +399,45 @@ def test_the_optimization_level_is_part_of_the_key(private_cache):
     assert not cache.stats.get("ort.miss") and not cache.stats.get("ort.hit")
 
 
+# ------------------------------------------------------------------ large constants by reference
+def frozen_model(seed=0):
+    """A builder model whose frozen weights (W1 128 KiB, W2 96 KiB) are over
+    BY_REFERENCE_BYTES: a LoRA base model's weights in small."""
+    return build.training_model(mlp(sizes=(4, 8192, 3), seed=seed), loss="cross_entropy", target="label",
+                                optimizer=build.AdamW(lr=0.05), trainable=["b1", "b2"])
+
+
+def test_large_frozen_constants_are_cached_by_reference(private_cache):
+    model = frozen_model()
+    weights = {t.name: t.raw_data for t in model.graph.initializer if t.name in ("W1", "W2")}
+    assert min(len(w) for w in weights.values()) >= 64 << 10  # BY_REFERENCE_BYTES
+    cold = run(model)
+    files = entries(private_cache, "program")
+    assert cache.stats.get("program.miss") == 2 and files
+    for f in files:  # the entries hold the programs without the weights' data
+        data = f.read_bytes()
+        assert f.stat().st_size < 64 << 10
+        assert not any(w[:4096] in data for w in weights.values())
+    cache.stats.clear()
+    warm = run(frozen_model())  # another object, the same bytes: the data come from it
+    assert counts("program.hit", "program.miss", "fused.hit") == {
+        "program.hit": 2, "program.miss": 0, "fused.hit": 1}
+    assert warm == cold
+
+
+def test_the_data_of_constants_by_reference_is_in_the_key(private_cache):
+    a = run(frozen_model(seed=0), steps=1)
+    cache.flush()
+    cache.stats.clear()
+    b = run(frozen_model(seed=1), steps=1)  # other frozen weights, the same skeleton
+    assert counts("program.hit", "program.miss") == {"program.hit": 0, "program.miss": 2}
+    assert a[0] != b[0]
+    cache.flush()
+    cache.stats.clear()
+    again = run(frozen_model(seed=1), steps=1)
+    assert cache.stats.get("program.hit") == 2 and again == b
+
+
 # ------------------------------------------------------------------ limits and processes
 def test_models_over_the_entry_limit_are_not_cached(private_cache, monkeypatch):
     monkeypatch.setattr(cache, "MAX_ENTRY_BYTES", 64)
