@@ -3,8 +3,9 @@
     python benchmarks/first_steps.py [--workloads W5,W6,L1] [--runs 3] [--baseline DIR] [--json OUT]
 
 Every sample is a fresh process, imports excluded from the clock.  A round
-runs each variant of each workload once, one after the other (interleaved);
-round 0 fills the caches and is not kept.  Variants:
+runs each variant of each workload once, one after the other (interleaved,
+in the reverse order every other round); round 0 fills the caches and is
+not kept.  Variants:
 
 - ``cold`` and ``warm``: onnxtrain with its startup cache emptied before the
   run, and as the rounds before left it (``ONNXTRAIN_CACHE_DIR`` of its own;
@@ -187,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.runs + 1):
             loads.append(os.getloadavg()[0])
             for key in keys:
-                for variant in variants:
+                # odd rounds run the variants in the reverse order: no variant always follows another
+                for variant in (variants if r % 2 == 0 else variants[::-1]):
                     results[key][variant].append(
                         sample(key, variant, work[key], trees, caches, base_env, tmp, run, VENV_PYTHON))
                 print(f"round {r} {key}: " + ", ".join(
