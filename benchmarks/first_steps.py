@@ -165,12 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     from onnxtrain.kernels import library as kernels
 
     lib = kernels.library()
-    caches = {}
+    caches = {}  # one per tree and workload: a cold run empties its own only
     for t in trees:
-        caches[t] = tmp / f"cache-{t.strip() or 'now'}"
-        caches[t].mkdir()
-        if lib:
-            shutil.copy2(lib, caches[t] / Path(lib).name)
+        for key in keys:
+            caches[t, key] = tmp / f"cache-{t.strip() or 'now'}-{key}"
+            caches[t, key].mkdir()
+            if lib:
+                shutil.copy2(lib, caches[t, key] / Path(lib).name)
     base_env = run.child_env()
     base_env.pop("ONNXTRAIN_CACHE_DIR", None)
     work = {}
@@ -213,7 +214,7 @@ def sample(key, variant, wd, trees, caches, base_env, tmp, run, venv_python) -> 
             return run_child([str(venv_python), __file__, "--child-llm", "peft", str(wd)], env)
         return torch_sample(run, wd, tmp, dict(base_env))
     tree = "before " if variant.startswith("before ") else ""
-    cache = caches[tree]
+    cache = caches[tree, key]
     if variant.endswith("cold"):
         shutil.rmtree(cache / "startup", ignore_errors=True)
     env = dict(base_env, ONNXTRAIN_CACHE_DIR=str(cache), ONNXTRAIN_PROGRAM_CACHE="1",
