@@ -147,20 +147,23 @@ def _graph_skeleton(g: onnx.GraphProto, state: Any, big: dict) -> onnx.GraphProt
 
 def _detached(model: onnx.ModelProto, refs: dict) -> tuple[bytes, list[str]]:
     """The serialization of ``model`` without the data of each main-graph
-    initializer equal to the constant of its name in ``refs``, and their names."""
-    held, names = [], []
-    for t in model.graph.initializer:
-        src = refs.get(t.name)
-        if (src is not None and t.HasField("raw_data") and t.data_type == src.data_type
-                and list(t.dims) == list(src.dims) and t.raw_data == src.raw_data):
-            held.append(t)
-            names.append(t.name)
-            t.ClearField("raw_data")
-    try:
+    initializer equal to the constant of its name in ``refs``, and their names
+    (the model itself is left as it is: no copy of the data is made back)."""
+    names = [t.name for t in model.graph.initializer
+             if (src := refs.get(t.name)) is not None and t.HasField("raw_data")
+             and t.data_type == src.data_type and list(t.dims) == list(src.dims) and t.raw_data == src.raw_data]
+    if not names:
         return model.SerializeToString(), names
-    finally:
-        for t in held:
-            t.raw_data = refs[t.name].raw_data
+    out = onnx.ModelProto()
+    copy_fields(model, out, skip=("graph",))
+    copy_fields(model.graph, out.graph, skip=("initializer",))
+    wanted = set(names)
+    for t in model.graph.initializer:
+        if t.name in wanted:
+            copy_fields(t, out.graph.initializer.add(), skip=("raw_data",))
+        else:
+            out.graph.initializer.append(t)
+    return out.SerializeToString(), names
 
 
 def _attached(model: onnx.ModelProto, names: list, refs: dict) -> onnx.ModelProto:
