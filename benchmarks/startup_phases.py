@@ -55,21 +55,15 @@ PHASES = [
 
 
 # ------------------------------------------------------------------ child
-def child(workdir: Path) -> None:
+def instrument() -> tuple[dict, dict]:
+    """Wrap onnxtrain's pipeline functions and onnxruntime's session creation
+    with timers; returns (milliseconds so far by label, calls by label), filled
+    as the process goes.  ``first_steps.py`` uses it too."""
     import functools
     import time
     from collections import defaultdict
 
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "ONNXTRAIN_THREADS"):
-        os.environ.setdefault(var, "2")
-    sys.path.insert(0, str(HERE))
-    import worker
-
-    worker.import_framework("onnxtrain")
-    import onnx
     import onnxruntime
-    from training_model import training_model
-    from workloads import WORKLOADS
 
     import onnxtrain.autodiff.expand
     import onnxtrain.core.graph
@@ -91,7 +85,7 @@ def child(workdir: Path) -> None:
             try:
                 return fn(*a, **k)
             finally:
-                acc[label] += time.perf_counter() - t
+                acc[label] += (time.perf_counter() - t) * 1e3
                 count[label] += 1
         return wrapper
 
@@ -119,7 +113,25 @@ def child(workdir: Path) -> None:
     PS.READ_ONLY = frozenset(timed_step[f] for f in PS.READ_ONLY)
     init = onnxruntime.InferenceSession.__init__
     onnxruntime.InferenceSession.__init__ = timed("ort.InferenceSession", init)
+    return acc, count
 
+
+def child(workdir: Path) -> None:
+    import time
+
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "ONNXTRAIN_THREADS"):
+        os.environ.setdefault(var, "2")
+    sys.path.insert(0, str(HERE))
+    import worker
+
+    worker.import_framework("onnxtrain")
+    import onnx
+    from training_model import training_model
+    from workloads import WORKLOADS
+
+    import onnxtrain
+
+    acc, count = instrument()
     spec, params, batch = worker.load_workdir(workdir)
     so = worker.onnxtrain_session_options()
     t0 = time.perf_counter()
@@ -131,10 +143,11 @@ def child(workdir: Path) -> None:
     t3 = time.perf_counter()
     loss = float(sess.train_step(dict(batch))["loss"])
     t4 = time.perf_counter()
-    out = {k: v * 1e3 for k, v in acc.items()}
+    out = dict(acc)
+    sess.train_step(dict(batch))  # a steady step, to compare the first run with
     out.update({"how": how, "loss": loss, "onnx.load": (t1 - t0) * 1e3, "training_model()": (t2 - t1) * 1e3,
                 "TrainingSession()": (t3 - t2) * 1e3, "first_step": (t4 - t3) * 1e3,
-                "startup_ms": (t4 - t0) * 1e3,
+                "second_step": (time.perf_counter() - t4) * 1e3, "startup_ms": (t4 - t0) * 1e3,
                 "onnx.infer_shapes.count": float(count.get("onnx.infer_shapes", 0))})
     out["first_run"] = out["first_step"] - out.get("executed.execute", 0) - out.get("ort.InferenceSession", 0)
     print(json.dumps(out))

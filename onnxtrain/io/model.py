@@ -88,6 +88,8 @@ class TrainingModel:
     state: dict[str, StateVar] = field(default_factory=dict)
     #: The program cache's key of this model (``onnxtrain.lower.program_cache.model_key``, computed on first use).
     cache_key: bytes | None = field(default=None, repr=False, compare=False)
+    #: The constants that key holds by reference (name -> TensorProto; ``program_cache.model_key``).
+    cache_refs: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def training_info(self):

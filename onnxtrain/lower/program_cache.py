@@ -14,6 +14,13 @@ never reads a state variable's value (state variables become graph inputs
 before any pass runs) nor an initialization graph, so a checkpoint of the
 same model finds the entries its initial version wrote.  A model error is
 never cached: a program is stored only after it was built.
+
+Large constants (``BY_REFERENCE_BYTES`` or more: a LoRA base model's frozen
+weights) are kept by reference: the skeleton holds the SHA-256 of their
+data instead of the data, an entry stores a program without the data of
+each initializer that equals the model's constant of that name, and a hit
+takes that data from the model again.  So a model of any size is cached,
+and an entry stays the size of its graph.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ __fingerprint__ = False
 #: with ``__fingerprint__ = False``.
 LOWERING_LAYERS = ("core", "io", "autodiff", "optim", "kernels", "lower")
 _lock = threading.Lock()
+#: Non-state initializers of at least this many bytes of raw_data are kept by reference.
+BY_REFERENCE_BYTES = 1 << 16
 
 
 def runtime_digest() -> bytes:
@@ -60,25 +69,28 @@ def runtime_digest() -> bytes:
     return h.digest()
 
 
-def model_digest(proto: onnx.ModelProto, state: Any) -> bytes | None:
+def model_digest(proto: onnx.ModelProto, state: Any, refs: dict | None = None) -> bytes | None:
     """SHA-256 of the model's skeleton: its serialization with the data of
     the dense state initializers ``state`` left out (name, type and dims
     kept, in place), and without the initialization graphs (whose programs
     are not cached: they hold a model's initial weights as constants, and
-    lowering them is cheap).  Everything else, other initializers, sparse
-    ones, metadata and bindings included, is hashed as it is.  None when
-    the skeleton is over diskcache.MAX_ENTRY_BYTES (frozen weights: programs that
-    large are not cached)."""
+    lowering them is cheap).  Other initializers of ``BY_REFERENCE_BYTES``
+    or more count by the digest of their data, and go into ``refs`` (name ->
+    TensorProto) when given.  Everything else, the smaller initializers,
+    sparse ones, metadata and bindings included, is hashed as it is.  None
+    when the skeleton is over diskcache.MAX_ENTRY_BYTES (programs that large
+    are not cached)."""
     if _frozen_raw_bytes(proto, state) > diskcache.MAX_ENTRY_BYTES:
         return None  # known without copying the frozen weights into a skeleton
     h = hashlib.sha256(b"model\n")
+    big: dict[str, onnx.TensorProto] = {}
     top = onnx.ModelProto()
     copy_fields(proto, top, skip=("graph", "training_info"))
-    parts = [top, _graph_skeleton(proto.graph, state)]
+    parts = [top, _graph_skeleton(proto.graph, state, big)]
     for ti in proto.training_info:
         rest = onnx.TrainingInfoProto()
         copy_fields(ti, rest, skip=("algorithm", "initialization"))
-        parts += [rest, _graph_skeleton(ti.algorithm, state)]
+        parts += [rest, _graph_skeleton(ti.algorithm, state, big)]
     # Serialized once: ByteSize serializes too (protobuf's upb build).
     total = 0
     for p in parts:
@@ -88,31 +100,85 @@ def model_digest(proto: onnx.ModelProto, state: Any) -> bytes | None:
             return None
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
+    for name, t in big.items():  # in the skeleton's order
+        h.update(f"\nref {name}\n".encode())
+        h.update(hashlib.sha256(t.raw_data).digest())
+    if refs is not None:
+        refs.update(big)
     return h.digest()
+
+
+def _by_reference(t: onnx.TensorProto) -> bool:
+    return t.data_location != onnx.TensorProto.EXTERNAL and (stored_bytes(t) or 0) >= BY_REFERENCE_BYTES \
+        and t.HasField("raw_data")
 
 
 def _frozen_raw_bytes(proto: onnx.ModelProto, state: Any) -> int:
     """A lower bound of the skeleton's size: the raw_data bytes of the
-    initializers it keeps (not state, in the graphs it holds), from their
-    dims (``load`` checked that raw_data holds exactly that many)."""
+    initializers it keeps (not state, not by reference, in the graphs it
+    holds), from their dims (``load`` checked that raw_data holds exactly
+    that many)."""
     total = 0
     for g in [proto.graph, *(ti.algorithm for ti in proto.training_info)]:
         for t in g.initializer:
             if (t.data_location != onnx.TensorProto.EXTERNAL and t.name not in state
                     and t.HasField("raw_data")):
-                total += stored_bytes(t) or 0
+                size = stored_bytes(t) or 0
+                total += 0 if size >= BY_REFERENCE_BYTES else size
     return total
 
 
-def _graph_skeleton(g: onnx.GraphProto, state: Any) -> onnx.GraphProto:
+def _graph_skeleton(g: onnx.GraphProto, state: Any, big: dict) -> onnx.GraphProto:
+    """``g`` with the data of its state initializers left out, and of those
+    kept by reference (added to ``big``; a name twice is an error of the model
+    that validation reports: its second tensor is hashed as it is)."""
     out = onnx.GraphProto()
     copy_fields(g, out, skip=("initializer",))
     for t in g.initializer:
         if t.name in state:
             out.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)
+        elif _by_reference(t) and t.name not in big:
+            big[t.name] = t
+            out.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)
         else:
             out.initializer.append(t)
     return out
+
+
+def _detached(model: onnx.ModelProto, refs: dict) -> tuple[bytes, list[str]]:
+    """The serialization of ``model`` without the data of each main-graph
+    initializer equal to the constant of its name in ``refs``, and their names
+    (the model itself is left as it is: no copy of the data is made back)."""
+    names = [t.name for t in model.graph.initializer
+             if (src := refs.get(t.name)) is not None and t.HasField("raw_data")
+             and t.data_type == src.data_type and list(t.dims) == list(src.dims) and t.raw_data == src.raw_data]
+    if not names:
+        return model.SerializeToString(), names
+    out = onnx.ModelProto()
+    copy_fields(model, out, skip=("graph",))
+    copy_fields(model.graph, out.graph, skip=("initializer",))
+    wanted = set(names)
+    for t in model.graph.initializer:
+        if t.name in wanted:
+            copy_fields(t, out.graph.initializer.add(), skip=("raw_data",))
+        else:
+            out.graph.initializer.append(t)
+    return out.SerializeToString(), names
+
+
+def _attached(model: onnx.ModelProto, names: list, refs: dict) -> onnx.ModelProto:
+    """``model`` (parsed from an entry) with the data of ``names`` put back from ``refs``."""
+    wanted = set(names)
+    for t in model.graph.initializer:
+        if t.name in wanted:
+            src = refs[t.name]  # a KeyError: the entry is not this model's
+            if t.HasField("raw_data") or t.data_type != src.data_type or list(t.dims) != list(src.dims):
+                raise ValueError(f"reference {t.name!r} does not match")
+            t.raw_data = src.raw_data
+            wanted.discard(t.name)
+    if wanted:
+        raise ValueError(f"references {sorted(wanted)} not in the program")
+    return model
 
 def model_key(tm: Any) -> bytes | None:
     """The cache key prefix of a TrainingModel (computed once), or None when
@@ -124,9 +190,10 @@ def model_key(tm: Any) -> bytes | None:
     if key is None:
         # Another domain's ops may lean on schemas registered at run time
         # (``onnx.defs.register_schema``), which no key covers: not cached.
-        digest = model_digest(tm.proto, tm.state) if standard_domains(tm.proto) else None
+        refs: dict = {}
+        digest = model_digest(tm.proto, tm.state, refs) if standard_domains(tm.proto) else None
         key = b"" if digest is None else diskcache.make_key("model", code_digest(), runtime_digest(), digest)
-        tm.cache_key = key
+        tm.cache_key, tm.cache_refs = key, refs
     return key or None
 
 
@@ -137,28 +204,29 @@ def program_model(tm: Any, label: str, build: Callable[[], onnx.ModelProto]) -> 
     prefix = model_key(tm)
     if prefix is None:
         return build()
+    refs = getattr(tm, "cache_refs", {})
     key = diskcache.make_key("program", prefix, label)
     entry = diskcache.read("program", key)
     if entry is not None:
         meta, payload = entry
         try:
-            model = _parse_program(meta, payload, label)
+            model = _attached(_parse_program(meta, payload, label), meta.get("refs", []), refs)
         except Exception:
             model = None
             diskcache.count("program.corrupt")
             diskcache.remove(diskcache.entry_path("program", key))
         if model is not None:
             diskcache.count("program.hit")
-            _watch_fused(model, key, meta, payload)
+            _watch_fused(model, key, meta, payload, refs)
             return model
     diskcache.count("program.miss")
     model = build()
-    if model.ByteSize() > diskcache.MAX_ENTRY_BYTES:
+    blob, names = _detached(model, refs)
+    if len(blob) > diskcache.MAX_ENTRY_BYTES:
         return model
-    blob = model.SerializeToString()
-    meta = {"label": label, "program": len(blob)}
+    meta = {"label": label, "program": len(blob), "refs": names}
     diskcache.write("program", key, meta, blob)
-    _watch_fused(model, key, meta, blob)
+    _watch_fused(model, key, meta, blob, refs)
     return model
 
 
@@ -178,7 +246,7 @@ _fused: OrderedDict[int, tuple] = OrderedDict()
 _FUSED_KEEP = 64
 
 
-def _watch_fused(model: onnx.ModelProto, key: bytes, meta: dict, payload: bytes) -> None:
+def _watch_fused(model: onnx.ModelProto, key: bytes, meta: dict, payload: bytes, refs: dict) -> None:
     known = None
     if "fused" in meta:
         try:
@@ -187,11 +255,12 @@ def _watch_fused(model: onnx.ModelProto, key: bytes, meta: dict, payload: bytes)
             if count == 0:
                 known = (model, 0)
             elif m > 0 and n + m == len(payload):
-                known = (onnx.ModelProto.FromString(payload[n:n + m]), count)
+                fused = onnx.ModelProto.FromString(payload[n:n + m])
+                known = (_attached(fused, meta.get("fused_refs", []), refs), count)
         except Exception:
             known = None
     with _lock:
-        _fused[id(model)] = (model, key, meta, payload, known)
+        _fused[id(model)] = (model, key, meta, payload, known, refs)
         while len(_fused) > _FUSED_KEEP:
             _fused.popitem(last=False)
 
@@ -206,7 +275,7 @@ def fused_for(model: onnx.ModelProto, compute: Callable[[onnx.ModelProto], tuple
         watched = _fused.pop(id(model), None)
     if watched is None or watched[0] is not model:
         return compute(model)
-    _, key, meta, payload, known = watched
+    _, key, meta, payload, known, refs = watched
     if known is not None and int(meta.get("variant", 0)) != variant:
         known = None
     if known is not None:
@@ -218,8 +287,10 @@ def fused_for(model: onnx.ModelProto, compute: Callable[[onnx.ModelProto], tuple
     diskcache.count("fused.miss")
     if diskcache.enabled():
         n = int(meta["program"])
-        extra = b"" if count == 0 or fused is model else fused.SerializeToString()
-        new_meta = dict(meta, fused=len(extra), fused_count=int(count), variant=int(variant))
+        extra, names = (b"", []) if count == 0 or fused is model else _detached(fused, refs)
+        if n + len(extra) > diskcache.MAX_ENTRY_BYTES:
+            return result
+        new_meta = dict(meta, fused=len(extra), fused_count=int(count), variant=int(variant), fused_refs=names)
         diskcache.write("program", key, new_meta, payload[:n] + extra)
     return result
 

@@ -342,12 +342,16 @@ ROLES = (INFERENCE, ALGORITHM, FORWARD, UPDATE, INITIALIZATION, EVALUATE)
 class ProgramSet:
     """Every program of one training model, each built once, and its role.
 
-    Built at construction, so that model errors surface there: inference,
-    every algorithm (with ``data_parallel``, its cut into a forward and an
-    update half as well) and any initialization graph with training ops.
-    The other initialization programs (only ``initialize()`` runs them; a
-    builder's holds its starting values as constants, nothing that can fail
-    to lower) and ``evaluate``'s loss programs are built on first use.
+    Built at construction, so that model errors surface there: every
+    algorithm (with ``data_parallel``, its cut into a forward and an update
+    half as well; each lowers the main graph too) and any initialization
+    graph with training ops.  The inference program (what ``run`` and
+    ``programs()`` use, not a training step: L1's costs 0.3 s with a cold
+    cache), the other initialization programs (only ``initialize()`` runs
+    them; a builder's holds its starting values as constants, nothing that
+    can fail to lower) and ``evaluate``'s loss programs are built on first
+    use.  A model without training_info has only the inference program: it
+    is built at once.
 
     >>> import numpy as np
     >>> from onnx import TensorProto, helper, numpy_helper
@@ -373,7 +377,9 @@ class ProgramSet:
         self.check = check
         self._metadata = metadata
         self._roles: dict[int, str] = {}
-        self.inference = self._add(inference_program(tm, check), INFERENCE)
+        self._inference: Program | None = None
+        if not tm.training_info:
+            self._build_inference()
         built = [algorithm_programs(tm, i, _cut_options(tm, metadata, i) if data_parallel else None, check)
                  for i in range(len(tm.training_info))]
         self.algorithms = [self._add(program, ALGORITHM) for program, _ in built]
@@ -388,7 +394,8 @@ class ProgramSet:
                for ti in tm.proto.training_info):
             self._build_initializations()
         self._losses: dict[tuple[int, str, str | None], Program] = {}
-        names = set(self.inference.feeds) | set(self.inference.optional_feeds)
+        # the inference program's feeds are the main graph's declared inputs that are not state
+        names = {i.name for i in tm.proto.graph.input if i.name not in tm.state}
         for p in self.algorithms:
             names |= set(p.feeds) | set(p.optional_feeds)
         #: What the caller may feed: the inputs of any program, and state variables.
@@ -398,6 +405,19 @@ class ProgramSet:
     def _add(self, program: Program, role: str) -> Program:
         self._roles[id(program)] = role
         return program
+
+    @property
+    def inference(self) -> Program:
+        """The inference program (the main graph), built on first use."""
+        return self._inference if self._inference is not None else self._build_inference()
+
+    @property
+    def built_inference(self) -> bool:
+        return self._inference is not None
+
+    def _build_inference(self) -> Program:
+        self._inference = self._add(inference_program(self.model, self.check), INFERENCE)
+        return self._inference
 
     def _build_initializations(self) -> list[Program | None]:
         tm = self.model

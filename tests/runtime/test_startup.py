@@ -72,6 +72,14 @@ def run(model, steps=3, **kwargs):
     return losses, h.hexdigest(), {k: v.tobytes() for k, v in pred.items()}
 
 
+def sessions(model):
+    """A session of ``model`` with its two programs built: the algorithm, and
+    the inference program (built when ``run`` first needs it)."""
+    sess = TrainingSession(model)
+    sess.run({"X": FEEDS["X"]})
+    return sess
+
+
 def entries(folder: Path, kind: str) -> list[Path]:
     cache.flush()
     return sorted(folder.glob(f"{kind}-*")) if folder.exists() else []
@@ -106,7 +114,7 @@ def test_a_fresh_session_of_an_equal_model_hits(private_cache):
     cache.flush()
     cache.stats.clear()
     model = built_model()  # built again: another object, the same bytes
-    TrainingSession(model)
+    sessions(model)
     assert cache.stats.get("program.hit") == 2
 
 
@@ -125,19 +133,19 @@ def test_disabled_cache_reads_and_writes_nothing(private_cache, monkeypatch):
 # ------------------------------------------------------------------ keys
 def test_state_values_do_not_change_the_key_but_structure_does(private_cache):
     model = built_model()
-    sess = TrainingSession(model)
+    sess = sessions(model)
     sess.train_step(FEEDS)
     checkpoint = sess.to_model(training=True)  # other state values, same structure
     cache.flush()
     cache.stats.clear()
-    TrainingSession(checkpoint)
+    sessions(checkpoint)
     assert cache.stats.get("program.hit") == 2
 
     other = onnx.ModelProto()
     other.CopyFrom(model)
     other.graph.node[0].name = "renamed"  # not state: a new key
     cache.stats.clear()
-    TrainingSession(other)
+    sessions(other)
     assert cache.stats.get("program.miss") == 2 and not cache.stats.get("program.hit")
 
 
@@ -167,7 +175,7 @@ def test_a_replaced_module_constant_changes_the_key(private_cache, monkeypatch):
     cache.flush()
     cache.stats.clear()
     monkeypatch.setattr(fuse, "BATCH_BELOW", 1)
-    TrainingSession(model)
+    sessions(model)
     assert cache.stats.get("program.miss") == 2
 
 
@@ -222,8 +230,9 @@ def test_a_lowering_error_is_never_cached(private_cache):
 
 
 def test_a_failed_lowering_is_rebuilt_every_time(private_cache, monkeypatch):
-    """A model whose algorithm cannot be lowered: its inference program is
-    cached, the error comes back at every construction."""
+    """A model whose algorithm cannot be lowered: the error comes back at
+    every construction (the inference program, built on first use, is not
+    built)."""
     import onnxtrain.lower.pipeline as passes
 
     model = spec_model()
@@ -247,10 +256,10 @@ def test_a_failed_lowering_is_rebuilt_every_time(private_cache, monkeypatch):
             TrainingSession(model)
         cache.flush()
     assert len([c for c in calls if "algorithm" in c]) == 2
-    assert cache.stats.get("program.hit") == 1  # the inference program, the second time
+    assert not cache.stats.get("program.hit") and cache.stats.get("program.miss") == 2
     monkeypatch.setattr(passes, "PASS_LISTS", unpatched)
     cache.stats.clear()
-    TrainingSession(model)  # the patched pass lists were part of the key: nothing stale
+    sessions(model)  # the patched pass lists were part of the key: nothing stale
     assert cache.stats.get("program.miss") == 2
 
 
@@ -397,6 +406,45 @@ def test_the_optimization_level_is_part_of_the_key(private_cache):
     cache.stats.clear()
     assert run(model, session_options=so) == good
     assert not cache.stats.get("ort.miss") and not cache.stats.get("ort.hit")
+
+
+# ------------------------------------------------------------------ large constants by reference
+def frozen_model(seed=0):
+    """A builder model whose frozen weights (W1 128 KiB, W2 96 KiB) are over
+    BY_REFERENCE_BYTES: a LoRA base model's weights in small."""
+    return build.training_model(mlp(sizes=(4, 8192, 3), seed=seed), loss="cross_entropy", target="label",
+                                optimizer=build.AdamW(lr=0.05), trainable=["b1", "b2"])
+
+
+def test_large_frozen_constants_are_cached_by_reference(private_cache):
+    model = frozen_model()
+    weights = {t.name: t.raw_data for t in model.graph.initializer if t.name in ("W1", "W2")}
+    assert min(len(w) for w in weights.values()) >= 64 << 10  # BY_REFERENCE_BYTES
+    cold = run(model)
+    files = entries(private_cache, "program")
+    assert cache.stats.get("program.miss") == 2 and files
+    for f in files:  # the entries hold the programs without the weights' data
+        data = f.read_bytes()
+        assert f.stat().st_size < 64 << 10
+        assert not any(w[:4096] in data for w in weights.values())
+    cache.stats.clear()
+    warm = run(frozen_model())  # another object, the same bytes: the data come from it
+    assert counts("program.hit", "program.miss", "fused.hit") == {
+        "program.hit": 2, "program.miss": 0, "fused.hit": 1}
+    assert warm == cold
+
+
+def test_the_data_of_constants_by_reference_is_in_the_key(private_cache):
+    a = run(frozen_model(seed=0), steps=1)
+    cache.flush()
+    cache.stats.clear()
+    b = run(frozen_model(seed=1), steps=1)  # other frozen weights, the same skeleton
+    assert counts("program.hit", "program.miss") == {"program.hit": 0, "program.miss": 2}
+    assert a[0] != b[0]
+    cache.flush()
+    cache.stats.clear()
+    again = run(frozen_model(seed=1), steps=1)
+    assert cache.stats.get("program.hit") == 2 and again == b
 
 
 # ------------------------------------------------------------------ limits and processes

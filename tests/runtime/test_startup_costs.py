@@ -295,3 +295,46 @@ def test_an_initialization_graph_with_training_ops_is_lowered_at_construction(mo
     with pytest.raises(TrainingModelError, match="Bogus"):
         TrainingSession(tm)
     assert made == [0]
+
+
+# ------------------------------------------------------------------ what the first step builds
+def test_the_inference_program_is_built_when_first_needed(monkeypatch):
+    """A training step lowers no inference program (L1's costs 0.3 s cold):
+    ``run`` builds it, once."""
+    from models import mlp_classifier
+
+    from onnxtrain import TrainingSession
+    from onnxtrain.lower import programs
+
+    built = []
+    real = programs.inference_program
+    monkeypatch.setattr(programs, "inference_program", lambda tm, check=None: built.append(1) or real(tm, check))
+    x = np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32)
+    sess = TrainingSession(mlp_classifier())
+    sess.train_step({"X": x, "label": np.zeros(6, np.int64)})
+    assert built == []
+    out = sess.run({"X": x})
+    assert built == [1] and out
+    sess.run({"X": x})
+    assert built == [1]
+
+
+@pytest.mark.parametrize("make", ["linear_regression", "mlp_classifier", "overridable_regression", "builder"])
+def test_the_names_a_model_may_be_fed_need_no_inference_program(make):
+    """``input_names``, known before the inference program is built, are what it and the algorithms take."""
+    import models
+
+    from onnxtrain.lower.programs import ProgramSet
+
+    if make == "builder":
+        model = build.training_model(mlp(batch_norm=True), loss="cross_entropy", target="label",
+                                     optimizer=build.AdamW(lr=0.1))
+    else:
+        model = getattr(models, make)()
+    progs = ProgramSet(validate(model, None), {})
+    before = progs.input_names
+    inf = progs.inference
+    names = set(inf.feeds) | set(inf.optional_feeds)
+    for p in progs.algorithms:
+        names |= set(p.feeds) | set(p.optional_feeds)
+    assert before == names
