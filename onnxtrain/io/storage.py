@@ -690,7 +690,7 @@ def hold(model: onnx.ModelProto, state: Container[str]) -> onnx.ModelProto | Non
       only by ``initialize()``, go to a temporary file on disk, whose pages
       the system may reclaim.
 
-    Each becomes a mapped placeholder (``onnxtrain.mapped``): the session,
+    Each becomes a mapped placeholder (``onnxtrain.io.mapped``): the session,
     every program and onnxruntime then share one copy, and no protobuf
     holds another.  Equal tensors (a builder's starting value of a weight
     and the weight itself) are written once.  A file is removed when the
