@@ -339,19 +339,13 @@ def _infer_with_seeds(model: onnx.ModelProto, data: bytes) -> tuple[dict[str, in
         g.value_info.extend(seeded)
         ig = _infer_in_place(model)
         dtypes, shapes = _collect(ig)
-    done: set[str] = set()
     for _ in range(len(g.node)):
         # Nor for onnxruntime's contrib ops (genai models): declare the outputs
         # whose input became known, infer again, until nothing changes.
-        seeded = [vi for vi in _seed_contrib_outputs(g.node, dtypes, shapes) if vi.name not in done]
+        seeded = _seed_contrib_outputs(g.node, dtypes, shapes)
         if not seeded:
             break
-        done.update(vi.name for vi in seeded)  # (each once: a seed inference disagrees with is not retried)
-        outputs = {o.name: o for o in g.output}  # (onnx reads a graph output's type from there)
-        for vi in seeded:
-            if vi.name in outputs:
-                outputs[vi.name].type.CopyFrom(vi.type)
-        g.value_info.extend(vi for vi in seeded if vi.name not in outputs)
+        g.value_info.extend(seeded)
         ig = _infer_in_place(model)
         dtypes, shapes = _collect(ig)
     return dtypes, shapes
@@ -437,28 +431,22 @@ _BROADCAST = frozenset(
 def _seed_contrib_outputs(
     nodes: Sequence[onnx.NodeProto], dtypes: dict[str, int], shapes: dict[str, tuple | None]
 ) -> list[onnx.ValueInfoProto]:
-    """Value infos for the outputs of onnxruntime's contrib ops in ``_CONTRIB_RANKS``
-    (com.microsoft, and ``_ONNX_DOMAIN_CONTRIB``) that inference left untyped and whose input 0 it typed: input 0's
-    element type, the rank the table gives, and the dims where
-    ``_contrib_dims`` knows them (a program specialized to its feeds' shapes
-    folds the shape arithmetic after these ops only when they have them)."""
+    """Value infos for the outputs of com.microsoft ops in ``_CONTRIB_RANKS``
+    that inference left untyped and whose input 0 it typed: input 0's
+    element type, the rank the table gives."""
     out = []
     for node in nodes:
-        if node.op_type not in _CONTRIB_RANKS or not node.input or not (
-                node.domain == "com.microsoft" or (node.domain in DEFAULT_DOMAINS and node.op_type in _ONNX_DOMAIN_CONTRIB)):
+        if node.domain != "com.microsoft" or node.op_type not in _CONTRIB_RANKS or not node.input:
             continue
         x = node.input[0]
         if not x or not dtypes.get(x) or shapes.get(x) is None:
             continue
         for i, name in enumerate(node.output):
-            if not name:
+            if not name or dtypes.get(name):
                 continue
-            dims = _contrib_dims(node, i, shapes[x])
-            if dtypes.get(name) and (not dims or shapes.get(name) == tuple(dims)):
-                continue  # typed, and no static dims to add
             rank = _CONTRIB_RANKS[node.op_type](i, len(shapes[x]))
             if rank is not None:
-                out.append(helper.make_tensor_value_info(name, dtypes[x], dims if dims else [None] * rank))
+                out.append(helper.make_tensor_value_info(name, dtypes[x], [None] * rank))
     return out
 
 
@@ -474,35 +462,6 @@ _CONTRIB_RANKS = {
     "FastGelu": lambda i, r: r, "QuickGelu": lambda i, r: r, "BiasGelu": lambda i, r: r,
     "Gelu": lambda i, r: r,
 }
-#: onnxruntime's contrib ops it registers in the ONNX domain, which onnx has no schema for.
-_ONNX_DOMAIN_CONTRIB = frozenset({"SimplifiedLayerNormalization"})
-#: com.microsoft ops whose output 0 has input 0's shape (their other seeded outputs: ``_contrib_dims``).
-_SAME_SHAPE = frozenset("""SkipSimplifiedLayerNormalization SkipLayerNormalization SimplifiedLayerNormalization
-    RotaryEmbedding FastGelu QuickGelu BiasGelu Gelu""".split())
-
-
-def _contrib_dims(node: onnx.NodeProto, index: int, x: tuple) -> list[int] | None:
-    """The static dims of output ``index`` of the contrib ``node`` whose
-    input 0 has the static shape ``x``, where onnxruntime's schema fixes them
-    (the elementwise ones and the norms' sum output 3: x's shape;
-    MatMulNBits: x's with the last dim N; GroupQueryAttention's output 0:
-    batch, sequence, num_heads·head_size), else None."""
-    if not all(type(d) is int for d in x):
-        return None
-    op = node.op_type
-    if op in _SAME_SHAPE and index in (0, 3):
-        return list(x)
-    attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
-    if op == "MatMulNBits" and index == 0 and "N" in attrs:
-        return [*x[:-1], attrs["N"]]
-    if op == "GroupQueryAttention" and index == 0 and len(x) == 3 and "num_heads" in attrs:
-        heads, kv_heads = attrs["num_heads"], attrs.get("kv_num_heads", 0)
-        packed = len(node.input) < 2 or not node.input[1]
-        width = heads + 2 * kv_heads if packed else heads
-        if width <= 0 or x[2] % width:
-            return None
-        return [x[0], x[1], heads * (x[2] // width)]
-    return None
 
 
 def _propagate_ranks(

@@ -36,23 +36,17 @@ VOCABULARY = 256
 
 
 def _zeros_like(ix: Index, name: str, of: str) -> list[onnx.NodeProto] | None:
-    """[ConstantOfShape, Shape] where ``name`` = ConstantOfShape(Shape(of)) of +0.0 float;
-    [ConstantOfShape] where its shape is a constant, ``of``'s static shape (a
-    specialized program's folded Shape)."""
+    """[ConstantOfShape, Shape] where ``name`` = ConstantOfShape(Shape(of)) of +0.0 float."""
     cos = ix.node(name, "ConstantOfShape")
-    if cos is None:
-        return None
-    shape = ix.node(cos.input[0], "Shape")
-    if shape is not None and (shape.input[0] != of or len(shape.attribute)):
-        return None
-    if shape is None and (ix.shape(of) is None or ix.ints(cos.input[0]) != list(ix.shape(of))):
+    shape = ix.node(cos.input[0], "Shape") if cos is not None else None
+    if shape is None or shape.input[0] != of or len(shape.attribute):
         return None
     value = ix.attr(cos, "value")
     if value is not None:
         v = numpy_helper.to_array(value)
         if v.dtype != np.float32 or v.size != 1 or v.reshape(-1)[0] != 0 or np.signbit(v.reshape(-1)[0]):
             return None
-    return [cos, shape] if shape is not None else [cos]
+    return [cos, shape]
 
 
 def _unsqueezed(ix: Index, name: str) -> tuple[str, onnx.NodeProto] | None:

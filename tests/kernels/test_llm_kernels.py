@@ -145,19 +145,7 @@ ROW_SUMS = [
      ["CrossEntropyF32", "CrossEntropyGradF32"]),
     ("cross-entropy, large logits", lambda: cross_entropy(16, 300, ignored=0, seed=8, scale=60.0),
      ["CrossEntropyF32", "CrossEntropyGradF32"]),
-    ("cross-entropy, specialized", lambda: _specialized(cross_entropy(40, 500, ignored=5, seed=10)),
-     ["CrossEntropyF32", "CrossEntropyGradF32"]),
 ]
-
-
-def _specialized(chain):
-    """``chain`` as a program specialized to its feeds' shapes (``lower.specialize``):
-    the gradient's zeros are a ConstantOfShape of a constant, its Shape folded."""
-    from onnxtrain.lower import specialize
-
-    model = specialize.specialize(chain.model, {k: v.shape for k, v in chain.feeds.items()})
-    assert model is not None and "Shape" not in {n.op_type for n in model.graph.node}
-    return type(chain)(model, chain.feeds, chain.outputs, chain.reference)
 
 
 @pytest.mark.parametrize("label,make,kinds", ROW_SUMS, ids=[e[0] for e in ROW_SUMS])

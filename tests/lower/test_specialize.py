@@ -5,7 +5,6 @@ equals the general program's bit for bit."""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -190,45 +189,3 @@ def test_nothing_to_fold_gives_none():
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     assert specialize.specialize(m, {"x": (2, 3)}) is None
-
-
-GENAI = Path(__file__).resolve().parent.parent / "data" / "genai"
-
-
-def _qlora_llama(monkeypatch, on: bool):
-    """The genai builder's int4 Llama (MatMulNBits, GroupQueryAttention,
-    SkipSimplifiedLayerNormalization: contrib ops whose outputs onnx cannot
-    infer) with QLoRA on every projection, and one batch of it."""
-    ref = np.load(GENAI / "llama_int4.npz")
-    proto = onnx.load(str(GENAI / "llama_int4" / "model.onnx"))
-    tm = onnxtrain.build.training_model(
-        proto, loss="cross_entropy", output="logits", optimizer=onnxtrain.build.AdamW(lr=1e-2),
-        lora=onnxtrain.build.LoRA(rank=2, alpha=4.0, targets=lambda name: "lm_head" not in name, seed=0))
-    monkeypatch.setenv(SPECIALIZE_ENV, "1" if on else "0")
-    sess = onnxtrain.TrainingSession(tm)
-    empty = np.zeros((2, 1, 0, 16), np.float32)
-    feeds = {"input_ids": ref["input_ids"], "attention_mask": ref["attention_mask"],
-             "past_key_values.0.key": empty, "past_key_values.0.value": empty, "target": ref["labels"]}
-    return sess, feeds
-
-
-def test_shapes_reach_through_contrib_ops(monkeypatch):
-    """Specialized, the int4 genai model's shape arithmetic folds after its
-    contrib ops too (``core.graph`` seeds their outputs' static dims): the
-    Shape, NonZero and ConstantOfShape nodes of its symbolic batch and
-    sequence go, and the specialized steps are the general ones bit for bit."""
-    sess, feeds = _qlora_llama(monkeypatch, True)
-    program = sess._programs.algorithms[0]
-    general = [n.op_type for n in program.model.graph.node]
-    names = sess._runner.open_feeds(program)
-    special = specialize.specialize(program.model, {n: feeds[n].shape for n in names})
-    left = [n.op_type for n in special.graph.node]
-    assert general.count("Shape") > 50 and general.count("NonZero") > 5
-    assert not {"Shape", "NonZero"} & set(left), [op for op in left if op in ("Shape", "NonZero")]
-    off, _ = _qlora_llama(monkeypatch, False)
-    keys = sorted(k for k in sess.state if k.endswith((".lora_A", ".lora_B")))
-    for _ in range(2):
-        assert sess.train_step(feeds)["loss"].tobytes() == off.train_step(feeds)["loss"].tobytes()
-    for k in keys:
-        assert np.asarray(sess.state[k]).tobytes() == np.asarray(off.state[k]).tobytes(), k
-    assert sess._runner.executor(program, feeds) is not sess._runner.executor(program)
