@@ -189,3 +189,18 @@ def test_nothing_to_fold_gives_none():
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     assert specialize.specialize(m, {"x": (2, 3)}) is None
+
+
+def test_a_program_over_max_nodes_runs_general(monkeypatch):
+    """A program of more than ``MAX_NODES`` nodes is not specialized (its first
+    step would pay shape inference and the kernel choice again, the genai int4
+    decoder's 11 s); it trains bit for bit as the specialized one does."""
+    feeds = batches([(8, (8, 1)), (8, (8, 1))])
+    small = session(monkeypatch, True)
+    expected = trace(small, feeds)
+    big_model = w3_like()
+    monkeypatch.setattr(specialize, "MAX_NODES", len(big_model.training_info[0].algorithm.node) - 1)
+    big = session(monkeypatch, True, big_model)
+    assert trace(big, feeds) == expected
+    assert list(big._runner._special[id(big._programs.algorithms[0])].values()) == [None]
+    assert any(v is not None for v in small._runner._special[id(small._programs.algorithms[0])].values())
