@@ -146,6 +146,21 @@ def is_mapped(t: onnx.TensorProto) -> bool:
     return os.path.isabs(location) and location in _trusted
 
 
+def is_owned(t: onnx.TensorProto) -> bool:
+    """Whether ``t`` is a mapped placeholder of a file onnxtrain wrote for
+    its sessions (``own``): a location that names this process's file, not
+    the data."""
+    if not is_mapped(t):
+        return False
+    with _lock:
+        return _info(t)["location"] in _owned
+
+
+def location(t: onnx.TensorProto) -> str:
+    """The location an external tensor names ("" where it names none)."""
+    return _info(t).get("location", "")
+
+
 def is_deferred(t: onnx.TensorProto) -> bool:
     return t.data_location == _T.EXTERNAL and _info(t).get("location", "").startswith(DEFERRED)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -88,8 +89,8 @@ class TrainingModel:
     state: dict[str, StateVar] = field(default_factory=dict)
     #: The program cache's key of this model (``onnxtrain.lower.program_cache.model_key``, computed on first use).
     cache_key: bytes | None = field(default=None, repr=False, compare=False)
-    #: The constants that key holds by reference (name -> TensorProto; ``program_cache.model_key``).
-    cache_refs: dict = field(default_factory=dict, repr=False, compare=False)
+    #: What that key holds by reference (``program_cache.References``, set with it).
+    cache_refs: Any = field(default=None, repr=False, compare=False)
 
     @property
     def training_info(self):
@@ -482,4 +483,4 @@ def held(tm: TrainingModel) -> TrainingModel:
     onnxruntime map, its starting values in a file the state store reads once
     (issue 36: the weights held once). ``tm`` itself where nothing moves."""
     proto = hold(tm.proto, tm.state)
-    return tm if proto is None else replace(tm, proto=proto)
+    return tm if proto is None else replace(tm, proto=proto, cache_key=None, cache_refs=None)

@@ -20,7 +20,10 @@ weights) are kept by reference: the skeleton holds the SHA-256 of their
 data instead of the data, an entry stores a program without the data of
 each initializer that equals the model's constant of that name, and a hit
 takes that data from the model again.  So a model of any size is cached,
-and an entry stays the size of its graph.
+and an entry stays the size of its graph.  The placeholders of the files
+``storage.hold`` wrote for a session count by their data's SHA-256 too,
+in the key and in an entry, and a hit points them at this process's file
+(``References``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import onnx
 from ..autodiff import REGISTRY
 from ..core import diskcache
 from ..core.fingerprint import code_digest, describe, module_digest, standard_domains
+from ..core.protos import all_tensors
+from ..io import mapped
 from ..io.tensors import copy_fields, stored_bytes
 
 #: Module state that changes at run time: not part of any cache key.
@@ -49,6 +54,8 @@ LOWERING_LAYERS = ("core", "io", "autodiff", "optim", "kernels", "lower")
 _lock = threading.Lock()
 #: Non-state initializers of at least this many bytes of raw_data are kept by reference.
 BY_REFERENCE_BYTES = 1 << 16
+#: The location a held placeholder names in a key or an entry: then its data's SHA-256.
+HELD = "onnxtrain:held/"
 
 
 def runtime_digest() -> bytes:
@@ -69,43 +76,127 @@ def runtime_digest() -> bytes:
     return h.digest()
 
 
-def model_digest(proto: onnx.ModelProto, state: Any, refs: dict | None = None) -> bytes | None:
+def model_digest(proto: onnx.ModelProto, state: Any, refs: References | None = None) -> bytes | None:
     """SHA-256 of the model's skeleton: its serialization with the data of
     the dense state initializers ``state`` left out (name, type and dims
     kept, in place), and without the initialization graphs (whose programs
     are not cached: they hold a model's initial weights as constants, and
     lowering them is cheap).  Other initializers of ``BY_REFERENCE_BYTES``
-    or more count by the digest of their data, and go into ``refs`` (name ->
-    TensorProto) when given.  Everything else, the smaller initializers,
+    or more count by the digest of their data, and go into ``refs`` when
+    given; so do the placeholders of the files ``storage.hold`` wrote for
+    this process, anywhere in the model (``mapped.is_owned``: their location
+    differs in every process).  Everything else, the smaller initializers,
     sparse ones, metadata and bindings included, is hashed as it is.  None
     when the skeleton is over diskcache.MAX_ENTRY_BYTES (programs that large
     are not cached)."""
     if _frozen_raw_bytes(proto, state) > diskcache.MAX_ENTRY_BYTES:
         return None  # known without copying the frozen weights into a skeleton
-    h = hashlib.sha256(b"model\n")
+    refs = References() if refs is None else refs
+    skeleton = onnx.ModelProto()
+    copy_fields(proto, skeleton, skip=("graph", "training_info"))
     big: dict[str, onnx.TensorProto] = {}
-    top = onnx.ModelProto()
-    copy_fields(proto, top, skip=("graph", "training_info"))
-    parts = [top, _graph_skeleton(proto.graph, state, big)]
+    _graph_skeleton(proto.graph, state, big, skeleton.graph)
     for ti in proto.training_info:
-        rest = onnx.TrainingInfoProto()
+        rest = skeleton.training_info.add()
         copy_fields(ti, rest, skip=("algorithm", "initialization"))
-        parts += [rest, _graph_skeleton(ti.algorithm, state, big)]
-    # Serialized once: ByteSize serializes too (protobuf's upb build).
-    total = 0
-    for p in parts:
-        data = p.SerializeToString()
-        total += len(data)
-        if total > diskcache.MAX_ENTRY_BYTES:
-            return None
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
+        _graph_skeleton(ti.algorithm, state, big, rest.algorithm)
+    refs.neutralize(skeleton)
+    data = skeleton.SerializeToString()
+    if len(data) > diskcache.MAX_ENTRY_BYTES:
+        return None
+    h = hashlib.sha256(b"model\n")
+    h.update(data)
     for name, t in big.items():  # in the skeleton's order
         h.update(f"\nref {name}\n".encode())
         h.update(hashlib.sha256(t.raw_data).digest())
-    if refs is not None:
-        refs.update(big)
+    refs.constants.update(big)
     return h.digest()
+
+
+class References:
+    """What a model's cache key holds by reference, and how a program entry
+    leaves it out and a hit puts it back:
+
+    - ``constants``: large inline constants by name (``BY_REFERENCE_BYTES``):
+      an entry drops the data of each main-graph initializer equal to the
+      model's of that name (``detached``), and a hit copies it back
+      (``attached``).
+    - held placeholders (``mapped.is_owned``), by the SHA-256 of their data:
+      an entry and a key name ``HELD`` + that digest instead of this
+      process's file, and a hit points them at this process's file again.
+    """
+
+    def __init__(self) -> None:
+        self.constants: dict[str, onnx.TensorProto] = {}
+        self._digests: dict[tuple[str, int, int], str] = {}  # source -> digest
+        self._sources: dict[str, tuple[str, int, int]] = {}  # digest -> source
+
+    def neutralize(self, model: onnx.ModelProto) -> int:
+        """Point every held placeholder of ``model`` at its digest instead of
+        its file (in place); how many there were."""
+        count = 0
+        for t in all_tensors(model):
+            if mapped.is_owned(t):
+                _, _, length = source = mapped.source(t)
+                digest = self._digests.get(source)
+                if digest is None:
+                    digest = hashlib.sha256(memoryview(mapped.array(t)).cast("B")).hexdigest()
+                    self._digests[source] = digest
+                    self._sources.setdefault(digest, source)
+                mapped.point(t, HELD + digest, 0, length)
+                count += 1
+        return count
+
+    def restore(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        """``model`` (parsed from an entry) with each placeholder ``neutralize``
+        left pointed at this process's file again (in place)."""
+        for t in all_tensors(model):
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                location = mapped.location(t)
+                if location.startswith(HELD):
+                    source = self._sources.get(location[len(HELD):])
+                    if source is None:  # the entry is not this model's
+                        raise ValueError(f"held data of {t.name!r} not in the model")
+                    mapped.point(t, *source)
+        return model
+
+    def detached(self, model: onnx.ModelProto) -> tuple[bytes, list[str]]:
+        """The serialization of ``model`` without the data of each main-graph
+        initializer equal to the constant of its name, and their names, its
+        held placeholders neutralized (the model itself is left as it is)."""
+        names = [t.name for t in model.graph.initializer
+                 if (src := self.constants.get(t.name)) is not None and t.HasField("raw_data")
+                 and t.data_type == src.data_type and list(t.dims) == list(src.dims)
+                 and t.raw_data == src.raw_data]
+        held = any(mapped.is_owned(t) for t in all_tensors(model))
+        if not names and not held:
+            return model.SerializeToString(), names
+        out = onnx.ModelProto()
+        copy_fields(model, out, skip=("graph",))
+        copy_fields(model.graph, out.graph, skip=("initializer",))
+        wanted = set(names)
+        for t in model.graph.initializer:
+            if t.name in wanted:
+                copy_fields(t, out.graph.initializer.add(), skip=("raw_data",))
+            else:
+                out.graph.initializer.append(t)
+        self.neutralize(out)
+        return out.SerializeToString(), names
+
+    def attached(self, model: onnx.ModelProto, names: list) -> onnx.ModelProto:
+        """``model`` (parsed from an entry) with the data of ``names`` put
+        back, and its held placeholders restored (in place)."""
+        wanted = set(names)
+        for t in model.graph.initializer:
+            if t.name in wanted:
+                src = self.constants[t.name]  # a KeyError: the entry is not this model's
+                if t.HasField("raw_data") or t.data_type != src.data_type or list(t.dims) != list(src.dims):
+                    raise ValueError(f"reference {t.name!r} does not match")
+                t.raw_data = src.raw_data
+                wanted.discard(t.name)
+        if wanted:
+            raise ValueError(f"references {sorted(wanted)} not in the program")
+        return self.restore(model)
 
 
 def _by_reference(t: onnx.TensorProto) -> bool:
@@ -128,11 +219,11 @@ def _frozen_raw_bytes(proto: onnx.ModelProto, state: Any) -> int:
     return total
 
 
-def _graph_skeleton(g: onnx.GraphProto, state: Any, big: dict) -> onnx.GraphProto:
-    """``g`` with the data of its state initializers left out, and of those
-    kept by reference (added to ``big``; a name twice is an error of the model
-    that validation reports: its second tensor is hashed as it is)."""
-    out = onnx.GraphProto()
+def _graph_skeleton(g: onnx.GraphProto, state: Any, big: dict, out: onnx.GraphProto) -> None:
+    """``g`` into ``out`` with the data of its state initializers left out,
+    and of those kept by reference (added to ``big``; a name twice is an
+    error of the model that validation reports: its second tensor is hashed
+    as it is)."""
     copy_fields(g, out, skip=("initializer",))
     for t in g.initializer:
         if t.name in state:
@@ -142,43 +233,7 @@ def _graph_skeleton(g: onnx.GraphProto, state: Any, big: dict) -> onnx.GraphProt
             out.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)
         else:
             out.initializer.append(t)
-    return out
 
-
-def _detached(model: onnx.ModelProto, refs: dict) -> tuple[bytes, list[str]]:
-    """The serialization of ``model`` without the data of each main-graph
-    initializer equal to the constant of its name in ``refs``, and their names
-    (the model itself is left as it is: no copy of the data is made back)."""
-    names = [t.name for t in model.graph.initializer
-             if (src := refs.get(t.name)) is not None and t.HasField("raw_data")
-             and t.data_type == src.data_type and list(t.dims) == list(src.dims) and t.raw_data == src.raw_data]
-    if not names:
-        return model.SerializeToString(), names
-    out = onnx.ModelProto()
-    copy_fields(model, out, skip=("graph",))
-    copy_fields(model.graph, out.graph, skip=("initializer",))
-    wanted = set(names)
-    for t in model.graph.initializer:
-        if t.name in wanted:
-            copy_fields(t, out.graph.initializer.add(), skip=("raw_data",))
-        else:
-            out.graph.initializer.append(t)
-    return out.SerializeToString(), names
-
-
-def _attached(model: onnx.ModelProto, names: list, refs: dict) -> onnx.ModelProto:
-    """``model`` (parsed from an entry) with the data of ``names`` put back from ``refs``."""
-    wanted = set(names)
-    for t in model.graph.initializer:
-        if t.name in wanted:
-            src = refs[t.name]  # a KeyError: the entry is not this model's
-            if t.HasField("raw_data") or t.data_type != src.data_type or list(t.dims) != list(src.dims):
-                raise ValueError(f"reference {t.name!r} does not match")
-            t.raw_data = src.raw_data
-            wanted.discard(t.name)
-    if wanted:
-        raise ValueError(f"references {sorted(wanted)} not in the program")
-    return model
 
 def model_key(tm: Any) -> bytes | None:
     """The cache key prefix of a TrainingModel (computed once), or None when
@@ -190,7 +245,7 @@ def model_key(tm: Any) -> bytes | None:
     if key is None:
         # Another domain's ops may lean on schemas registered at run time
         # (``onnx.defs.register_schema``), which no key covers: not cached.
-        refs: dict = {}
+        refs = References()
         digest = model_digest(tm.proto, tm.state, refs) if standard_domains(tm.proto) else None
         key = b"" if digest is None else diskcache.make_key("model", code_digest(), runtime_digest(), digest)
         tm.cache_key, tm.cache_refs = key, refs
@@ -204,13 +259,13 @@ def program_model(tm: Any, label: str, build: Callable[[], onnx.ModelProto]) -> 
     prefix = model_key(tm)
     if prefix is None:
         return build()
-    refs = getattr(tm, "cache_refs", {})
+    refs = tm.cache_refs
     key = diskcache.make_key("program", prefix, label)
     entry = diskcache.read("program", key)
     if entry is not None:
         meta, payload = entry
         try:
-            model = _attached(_parse_program(meta, payload, label), meta.get("refs", []), refs)
+            model = refs.attached(_parse_program(meta, payload, label), meta.get("refs", []))
         except Exception:
             model = None
             diskcache.count("program.corrupt")
@@ -221,7 +276,7 @@ def program_model(tm: Any, label: str, build: Callable[[], onnx.ModelProto]) -> 
             return model
     diskcache.count("program.miss")
     model = build()
-    blob, names = _detached(model, refs)
+    blob, names = refs.detached(model)
     if len(blob) > diskcache.MAX_ENTRY_BYTES:
         return model
     meta = {"label": label, "program": len(blob), "refs": names}
@@ -246,7 +301,7 @@ _fused: OrderedDict[int, tuple] = OrderedDict()
 _FUSED_KEEP = 64
 
 
-def _watch_fused(model: onnx.ModelProto, key: bytes, meta: dict, payload: bytes, refs: dict) -> None:
+def _watch_fused(model: onnx.ModelProto, key: bytes, meta: dict, payload: bytes, refs: References) -> None:
     known = None
     if "fused" in meta:
         try:
@@ -256,7 +311,7 @@ def _watch_fused(model: onnx.ModelProto, key: bytes, meta: dict, payload: bytes,
                 known = (model, 0)
             elif m > 0 and n + m == len(payload):
                 fused = onnx.ModelProto.FromString(payload[n:n + m])
-                known = (_attached(fused, meta.get("fused_refs", []), refs), count)
+                known = (refs.attached(fused, meta.get("fused_refs", [])), count)
         except Exception:
             known = None
     with _lock:
@@ -287,7 +342,7 @@ def fused_for(model: onnx.ModelProto, compute: Callable[[onnx.ModelProto], tuple
     diskcache.count("fused.miss")
     if diskcache.enabled():
         n = int(meta["program"])
-        extra, names = (b"", []) if count == 0 or fused is model else _detached(fused, refs)
+        extra, names = (b"", []) if count == 0 or fused is model else refs.detached(fused)
         if n + len(extra) > diskcache.MAX_ENTRY_BYTES:
             return result
         new_meta = dict(meta, fused=len(extra), fused_count=int(count), variant=int(variant), fused_refs=names)

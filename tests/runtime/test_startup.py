@@ -27,6 +27,7 @@ from onnxtrain import TrainingSession, build
 from onnxtrain.core import diskcache as cache
 from onnxtrain.core.graph import infer_types
 from onnxtrain.errors import TrainingModelError
+from onnxtrain.io import mapped
 from onnxtrain.kernels import fuse
 from onnxtrain.lower import program_cache
 from onnxtrain.runtime import ortcache
@@ -416,25 +417,39 @@ def frozen_model(seed=0):
                                 optimizer=build.AdamW(lr=0.05), trainable=["b1", "b2"])
 
 
-def test_large_frozen_constants_are_cached_by_reference(private_cache):
+@pytest.fixture(params=["inline", "held"])
+def holding(request, monkeypatch):
+    """Frozen weights left in the protobuf, or held (``storage.hold``: in a
+    file of this process, which another session or process does not share)."""
+    from onnxtrain.io import storage
+
+    monkeypatch.setattr(storage, "HOLD_FROM", 2**30 if request.param == "inline" else 64 << 10)
+    return request.param
+
+
+def test_large_frozen_constants_are_cached_by_reference(private_cache, holding):
     model = frozen_model()
     weights = {t.name: t.raw_data for t in model.graph.initializer if t.name in ("W1", "W2")}
-    assert min(len(w) for w in weights.values()) >= 64 << 10  # BY_REFERENCE_BYTES
+    assert min(len(w) for w in weights.values()) >= 64 << 10  # BY_REFERENCE_BYTES, HOLD_FROM
     cold = run(model)
     files = entries(private_cache, "program")
     assert cache.stats.get("program.miss") == 2 and files
-    for f in files:  # the entries hold the programs without the weights' data
+    for f in files:  # the entries hold the programs without the weights' data, or this process's files
         data = f.read_bytes()
         assert f.stat().st_size < 64 << 10
         assert not any(w[:4096] in data for w in weights.values())
+        assert f"onnxtrain-{os.getpid()}-".encode() not in data
     cache.stats.clear()
     warm = run(frozen_model())  # another object, the same bytes: the data come from it
     assert counts("program.hit", "program.miss", "fused.hit") == {
         "program.hit": 2, "program.miss": 0, "fused.hit": 1}
     assert warm == cold
+    sess = TrainingSession(model)
+    held = [t.name for t in sess.model.graph.initializer if mapped.is_owned(t)]
+    assert held == (["W1", "W2"] if holding == "held" else [])
 
 
-def test_the_data_of_constants_by_reference_is_in_the_key(private_cache):
+def test_the_data_of_constants_by_reference_is_in_the_key(private_cache, holding):
     a = run(frozen_model(seed=0), steps=1)
     cache.flush()
     cache.stats.clear()
