@@ -8,7 +8,7 @@ of the program's role makes of it (``EXECUTED``), and merely executes it:
 role            steps
 ==============  ==========================================================
 algorithm       KERNELS, device_batch_norm
-forward         device_batch_norm
+forward         KERNELS, device_batch_norm
 evaluate        device_batch_norm
 update          KERNELS, scratch_outputs, inplace_plan
 (others)        none: the program as it is
@@ -200,7 +200,7 @@ KERNELS = (*REWRITES, kernel_library)
 EXECUTED: dict[str, tuple[Callable[[Execution], None], ...]] = {
     INFERENCE: (),
     ALGORITHM: (*KERNELS, device_batch_norm),
-    FORWARD: (device_batch_norm,),
+    FORWARD: (*KERNELS, device_batch_norm),
     UPDATE: (*KERNELS, scratch_outputs, inplace_plan),
     INITIALIZATION: (),
     EVALUATE: (device_batch_norm,),

@@ -286,3 +286,25 @@ def test_a_decoder_trains_with_the_kernels_only_in_the_executed_program():
     np.testing.assert_allclose(runs[None][0], runs[False][0], rtol=2e-6)
     for k, v in runs[False][1].items():
         np.testing.assert_allclose(runs[None][1][k], v, rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_lean_memory_runs_the_kernels_in_its_forward_half():
+    """memory="lean" (and data-parallel training) runs the algorithm cut in
+    two: its forward + backward half gets the decoder kernels as the whole
+    algorithm does, and trains as the default session, bit for bit."""
+    from test_llm_exports import feeds_of, load
+
+    from onnxtrain import TrainingSession, build
+
+    case, model, arrays = load("llama__dynamo")
+    tm = build.training_model(model, loss=case["loss"], optimizer=build.AdamW(lr=1e-3))
+    feeds, _ = feeds_of(arrays, tm)
+    runs = {}
+    for memory in ("safe", "lean"):
+        sess = TrainingSession(tm, memory=memory)
+        losses = [float(sess.train_step(feeds)["loss"]) for _ in range(3)]
+        runs[memory] = losses, {k: np.asarray(v).tobytes() for k, v in sess.state.items()}
+    forward = sess.programs(executed=True)["training_info[0].algorithm[forward+backward]"]
+    kinds = {n.op_type for n in forward.graph.node if n.domain == KERNEL_DOMAIN}
+    assert kinds >= {"RmsNormF32", "RmsNormGradF32", "SiluMulGradF32", "RopeGradF32", "SoftmaxGradF32"}, kinds
+    assert runs["lean"] == runs["safe"]
