@@ -1,6 +1,7 @@
 """Step time of this onnxtrain against another commit's, side by side.
 
     python benchmarks/ab.py --baseline COMMIT [--workloads W1,W2,W3,W4,W5,W6,W7] [--rounds 8] [--scale 0.5]
+                            [--no-builder]
 
 For a restructuring that must not change speed ("the performance of W1-W7
 unchanged within noise, measured side by side against the commit before"):
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--scale", type=float, default=0.5, help="timed steps: the workload's default times this")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--no-builder", action="store_true", help="the hand-written training models, as run.py's")
     args = ap.parse_args(argv)
     keys = run.parse_workloads(args.workloads)
     with tempfile.TemporaryDirectory(prefix="onnxtrain-ab-") as tmp:
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {}
         for key in keys:
             try:
-                workdir = run.prepare(key, root / "work", use_builder=True)
+                workdir = run.prepare(key, root / "work", use_builder=not args.no_builder)
             except Exception as exc:  # W5/W6 without their exports
                 print(f"{key}: skipped ({str(exc).splitlines()[0][:100]})", flush=True)
                 continue
