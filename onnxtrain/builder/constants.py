@@ -67,20 +67,37 @@ def _domain(node: onnx.NodeProto) -> str:
 
 
 def _values(t: onnx.TensorProto) -> np.ndarray | None:
+    """The tensor's values in its own type (each test widens what it needs to
+    float64: most weights fail a test on their first elements)."""
     size = int(np.prod(t.dims)) if t.dims else 1
     if size > _MAX_ELEMENTS or t.data_location == onnx.TensorProto.EXTERNAL:
         return None
     try:
-        return numpy_helper.to_array(t).astype(np.float64)
+        return numpy_helper.to_array(t)
     except Exception:  # unreadable storage: judged by its uses alone
         return None
 
 
+def _wide(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float64, copy=False)
+
+
+def _on_circle(a: np.ndarray, b: np.ndarray) -> bool:
+    a, b = _wide(a), _wide(b)
+    return bool(np.all(np.abs(a * a + b * b - 1.0) <= _TOL))
+
+
+#: Elements ``_unit_circle`` tests before the whole tensors.
+_PROBE = 16
+
+
 def _unit_circle(a: np.ndarray, b: np.ndarray) -> bool:
     """cos/sin of angles that vary: a**2 + b**2 == 1 everywhere, neither constant
-    (a norm's ones beside a bias of zeros is no positional table)."""
-    return (a.shape == b.shape and a.size > 1 and bool(np.ptp(a) > 0) and bool(np.ptp(b) > 0)
-            and bool(np.all(np.abs(a * a + b * b - 1.0) <= _TOL)))
+    (a norm's ones beside a bias of zeros is no positional table).  The first
+    elements are tested alone first: what fails there fails everywhere."""
+    if a.shape != b.shape or a.size <= 1 or not _on_circle(a.flat[:_PROBE], b.flat[:_PROBE]):
+        return False
+    return bool(np.ptp(_wide(a)) > 0) and bool(np.ptp(_wide(b)) > 0) and _on_circle(a, b)
 
 
 def _sinusoidal(x: np.ndarray) -> bool:
@@ -99,7 +116,7 @@ def _frequencies(x: np.ndarray, name: str) -> bool:
         return False
     if name.rsplit(".", 1)[-1] == "inv_freq":
         return True
-    v = x.reshape(-1)
+    v = _wide(x.reshape(-1))
     if abs(v[0] - 1.0) > 1e-6 or not np.all(v > 0):
         return False
     ratio = v[1:] / v[:-1]
@@ -107,10 +124,13 @@ def _frequencies(x: np.ndarray, name: str) -> bool:
 
 
 def _broadcast_copy(x: np.ndarray) -> bool:
+    """Every row equal to the first (the second row tested first), which varies."""
     if x.ndim < 2 or x.shape[0] < 2:
         return False
     first = x[0]
-    return bool(np.all(x == first)) and bool(np.ptp(first) > 0) if first.size > 1 else False
+    if first.size <= 1 or not np.array_equal(x[1], first):
+        return False
+    return bool(np.all(x == first)) and bool(np.ptp(_wide(first)) > 0)
 
 
 def constant_reasons(graph: onnx.GraphProto, names: list[str]) -> dict[str, str]:
@@ -219,12 +239,12 @@ def _cos_sin_pairs(values: dict[str, np.ndarray], out: dict[str, str]) -> None:
     (models hold hundreds of norm vectors)."""
     by_shape: dict[tuple, list[str]] = {}
     for n, x in values.items():
-        if n not in out and x.size > 1 and np.abs(x).max() <= 1.0 + _TOL and np.ptp(x) > 0:
+        if n not in out and x.size > 1 and float(np.abs(x).max()) <= 1.0 + _TOL and float(np.ptp(x)) > 0:
             by_shape.setdefault(x.shape, []).append(n)
     for group in by_shape.values():
         for k, a in enumerate(group):
             for b in group[k + 1:]:
-                first = values[a].flat[0] ** 2 + values[b].flat[0] ** 2
+                first = float(values[a].flat[0]) ** 2 + float(values[b].flat[0]) ** 2
                 if abs(first - 1.0) <= _TOL and _unit_circle(values[a], values[b]):
                     out.setdefault(a, "positional")
                     out.setdefault(b, "positional")

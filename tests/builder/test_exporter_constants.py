@@ -96,3 +96,28 @@ def test_rope_angles_read_by_cos_and_sin_are_positional():
                       "W": rng.standard_normal((8, 8))}, [x], [y])
     m.graph.initializer.append(numpy_helper.from_array(np.array([1, 4, 8], np.int64), "shape"))
     assert reasons(m) == {"angles": (False, "positional"), "phase": (True, "weight"), "W": (True, "weight")}
+
+
+def _added(table):
+    """A graph that adds ``table`` to its input, then multiplies by W."""
+    x = helper.make_tensor_value_info("x", F32, list(table.shape))
+    y = helper.make_tensor_value_info("y", F32, None)
+    nodes = [helper.make_node("Add", ["x", "table"], ["h"]), helper.make_node("MatMul", ["h", "W"], ["y"])]
+    w = np.random.default_rng(3).standard_normal((table.shape[-1], 4))
+    return model(nodes, {"table": table, "W": w}, [x], [y])
+
+
+def test_value_tests_look_past_their_first_elements():
+    """The value tests try a table's first elements alone before all of it:
+    a table whose first rows are a sinusoidal table or a broadcast copy and
+    whose last row is not is a weight; the whole tables are constants."""
+    t = np.arange(40)[:, None] * np.array([1.0, 0.1, 0.01, 0.001])[None]
+    table = np.concatenate([np.cos(t), np.sin(t)], -1)  # [40, 8], halves
+    assert reasons(_added(table))["table"] == (False, "positional")
+    off = table.copy()
+    off[-1, 0] = 0.5
+    assert reasons(_added(off))["table"] == (True, "weight")
+    copy = np.tile(np.linspace(-1.0, 1.0, 8), (5, 1))  # the same row over a batch of 5
+    assert reasons(_added(copy))["table"] == (False, "broadcast")
+    copy[-1, 3] += 1.0
+    assert reasons(_added(copy))["table"] == (True, "weight")
