@@ -737,13 +737,15 @@ class _HeldFile:
         return start, size
 
     def _holds(self, start: int, data: bytes) -> bool:
-        """Whether the file holds ``data`` at ``start`` (compared in pieces)."""
+        """Whether the file holds ``data`` at ``start``, compared in pieces,
+        the first of one page: weights of one shape differ there already."""
         self.file.flush()
         view = memoryview(data)
-        step = 16 * 2**20
-        for at in range(0, len(data), step):
+        at, step = 0, _PAGE
+        while at < len(data):
             if os.pread(self.file.fileno(), min(step, len(data) - at), start + at) != view[at:at + step]:
                 return False
+            at, step = at + step, 16 * 2**20
         return True
 
 

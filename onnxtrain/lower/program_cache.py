@@ -29,9 +29,11 @@ in the key and in an entry, and a hit points them at this process's file
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import onnx
@@ -134,18 +136,14 @@ class References:
     def neutralize(self, model: onnx.ModelProto) -> int:
         """Point every held placeholder of ``model`` at its digest instead of
         its file (in place); how many there were."""
-        count = 0
-        for t in all_tensors(model):
-            if mapped.is_owned(t):
-                _, _, length = source = mapped.source(t)
-                digest = self._digests.get(source)
-                if digest is None:
-                    digest = hashlib.sha256(memoryview(mapped.array(t)).cast("B")).hexdigest()
-                    self._digests[source] = digest
-                    self._sources.setdefault(digest, source)
-                mapped.point(t, HELD + digest, 0, length)
-                count += 1
-        return count
+        held = [(t, mapped.source(t)) for t in all_tensors(model) if mapped.is_owned(t)]
+        todo = {source: t for t, source in held if source not in self._digests}
+        for source, digest in zip(todo, _digests(list(todo.values()))):
+            self._digests[source] = digest
+            self._sources.setdefault(digest, source)
+        for t, source in held:
+            mapped.point(t, HELD + self._digests[source], 0, source[2])
+        return len(held)
 
     def restore(self, model: onnx.ModelProto) -> onnx.ModelProto:
         """``model`` (parsed from an entry) with each placeholder ``neutralize``
@@ -217,6 +215,23 @@ def _frozen_raw_bytes(proto: onnx.ModelProto, state: Any) -> int:
                 size = stored_bytes(t) or 0
                 total += 0 if size >= BY_REFERENCE_BYTES else size
     return total
+
+
+#: Held bytes from which ``_digests`` hashes on several threads (hashlib lets
+#: go of the interpreter while it hashes).
+PARALLEL_HASH_BYTES = 16 * 2**20
+
+
+def _digests(tensors: list[onnx.TensorProto]) -> list[str]:
+    """The SHA-256 (hex) of each mapped tensor's data, in order."""
+    def digest(t: onnx.TensorProto) -> str:
+        return hashlib.sha256(memoryview(mapped.array(t)).cast("B")).hexdigest()
+
+    workers = min(4, os.cpu_count() or 1, len(tensors))
+    if workers < 2 or sum(mapped.source(t)[2] for t in tensors) < PARALLEL_HASH_BYTES:
+        return [digest(t) for t in tensors]
+    with ThreadPoolExecutor(workers, thread_name_prefix="onnxtrain-hash") as pool:
+        return list(pool.map(digest, tensors))
 
 
 def _graph_skeleton(g: onnx.GraphProto, state: Any, big: dict, out: onnx.GraphProto) -> None:

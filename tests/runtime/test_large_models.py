@@ -457,3 +457,29 @@ def test_frozen_weights_packed_once(monkeypatch):
     packed = TrainingSession(build.training_model(two_layer_model(), **opts))
     assert all(ex.prepacking for ex in packed._runner.executors)
     assert [packed.train_step(feeds)["loss"] for _ in range(2)] == losses
+
+
+def test_held_tensors_are_written_once_when_equal_only():
+    """``storage.hold`` writes equal tensors once, and compares the first page
+    before the rest: a tensor that agrees with an earlier one there and
+    differs later gets its own data."""
+    from onnxtrain.io import storage
+
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((512, 1024)).astype(np.float32)  # 2 MiB
+    late = a.copy()
+    late[-1, -1] += 1.0  # the same first page, another last element
+    inits = [numpy_helper.from_array(v, n) for n, v in (("A", a), ("B", a.copy()), ("C", late))]
+    nodes = [helper.make_node("Add", ["X", n], [f"Y{n}"]) for n in "ABC"]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [512, 1024])],
+                              [helper.make_tensor_value_info(f"Y{n}", TensorProto.FLOAT, [512, 1024]) for n in "ABC"],
+                              inits)
+    held = storage.hold(helper.make_model(graph), state=set())
+    release = mapped.hold(held)
+    try:
+        t = {x.name: x for x in held.graph.initializer}
+        assert all(mapped.is_owned(x) for x in t.values())
+        assert mapped.source(t["A"]) == mapped.source(t["B"]) != mapped.source(t["C"])
+        assert np.array_equal(mapped.array(t["B"]), a) and np.array_equal(mapped.array(t["C"]), late)
+    finally:
+        release()
