@@ -138,12 +138,17 @@ def _info(t: onnx.TensorProto) -> dict[str, str]:
     return {e.key: e.value for e in t.external_data}
 
 
+def location(t: onnx.TensorProto) -> str:
+    """The location an external tensor names ("" where it names none)."""
+    return _info(t).get("location", "")
+
+
 def is_mapped(t: onnx.TensorProto) -> bool:
     """Whether ``t`` is a placeholder for a range of a trusted file."""
     if t.data_location != _T.EXTERNAL:
         return False
-    location = _info(t).get("location", "")
-    return os.path.isabs(location) and location in _trusted
+    where = location(t)
+    return os.path.isabs(where) and where in _trusted
 
 
 def is_owned(t: onnx.TensorProto) -> bool:
@@ -153,16 +158,11 @@ def is_owned(t: onnx.TensorProto) -> bool:
     if not is_mapped(t):
         return False
     with _lock:
-        return _info(t)["location"] in _owned
-
-
-def location(t: onnx.TensorProto) -> str:
-    """The location an external tensor names ("" where it names none)."""
-    return _info(t).get("location", "")
+        return location(t) in _owned
 
 
 def is_deferred(t: onnx.TensorProto) -> bool:
-    return t.data_location == _T.EXTERNAL and _info(t).get("location", "").startswith(DEFERRED)
+    return t.data_location == _T.EXTERNAL and location(t).startswith(DEFERRED)
 
 
 def source(t: onnx.TensorProto) -> tuple[str, int, int]:

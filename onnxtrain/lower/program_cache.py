@@ -133,9 +133,9 @@ class References:
         self._digests: dict[tuple[str, int, int], str] = {}  # source -> digest
         self._sources: dict[str, tuple[str, int, int]] = {}  # digest -> source
 
-    def neutralize(self, model: onnx.ModelProto) -> int:
+    def neutralize(self, model: onnx.ModelProto) -> None:
         """Point every held placeholder of ``model`` at its digest instead of
-        its file (in place); how many there were."""
+        its file (in place)."""
         held = [(t, mapped.source(t)) for t in all_tensors(model) if mapped.is_owned(t)]
         todo = {source: t for t, source in held if source not in self._digests}
         for source, digest in zip(todo, _digests(list(todo.values()))):
@@ -143,7 +143,6 @@ class References:
             self._sources.setdefault(digest, source)
         for t, source in held:
             mapped.point(t, HELD + self._digests[source], 0, source[2])
-        return len(held)
 
     def restore(self, model: onnx.ModelProto) -> onnx.ModelProto:
         """``model`` (parsed from an entry) with each placeholder ``neutralize``
