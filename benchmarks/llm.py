@@ -1,6 +1,6 @@
 """LLM fine-tuning workloads L1-L4: onnxtrain against PyTorch + peft and PyTorch.
 
-    python benchmarks/llm.py [--workloads L1,L2,L3,L4] [--quick] [--json OUT]
+    python benchmarks/llm.py [--workloads L1,L2,L3,L3r,L4] [--quick] [--json OUT]
 
 (``benchmarks/run.py`` runs it for its L workloads and puts the tables in
 ``docs/benchmarks.md``.)
@@ -16,6 +16,8 @@
   builder in int4 (``-p int4 -e cpu``, its defaults), LoRA on its projections.
   Peer: peft LoRA on the fp32 model, what a CPU user would otherwise run (the
   L1 peft runs, interleaved with it).
+- **L3r**: L3 with ``recompute="blocks"``: the activation memory it saves
+  (peak RSS) and what that costs a step.
 - **L4**: a full fine-tune of L1 (AdamW, ``memory="lean"``) against
   ``torch.optim.AdamW``.
 
@@ -80,6 +82,8 @@ WORKLOADS = {
     "L3": dict(model="32m", mode="qlora", batch=4, seq=256, steps=10, warmup=2, runs=3,
                title="QLoRA r=16 on L1's decoder built in int4 by the onnxruntime-genai builder; "
                      "peer: peft LoRA on the fp32 model"),
+    "L3r": dict(model="32m", mode="qlora", recompute="blocks", batch=4, seq=256, steps=10, warmup=2, runs=3,
+                title="L3 with recompute=\"blocks\" (activation memory); peer: peft LoRA on the fp32 model"),
     "L4": dict(model="32m", mode="full", batch=4, seq=256, steps=10, warmup=2, runs=3,
                title="full fine-tune of L1's decoder, AdamW, memory=\"lean\"; peer: torch.optim.AdamW"),
 }
@@ -226,6 +230,8 @@ def build_args(spec: dict) -> dict:
         # the genai builder packs q, k, v into one qkv_proj: every projection but the LM head
         targets = list(PROJECTIONS) if spec["mode"] == "lora" else (lambda name: "lm_head" not in name)
         args["lora"] = build.LoRA(rank=RANK, alpha=ALPHA, targets=targets, dropout=0.0, seed=SEED)
+    if spec.get("recompute"):
+        args["recompute"] = spec["recompute"]
     return args
 
 
@@ -451,16 +457,22 @@ def summarize(runs: list[dict], warmup: int, tokens: int) -> dict:
 
 
 def run_all(keys: list[str], quick: bool, runs_override: int | None, log=print) -> dict:
-    """Run the workloads ``keys``; L3 shares L1's peft runs when both are asked for."""
+    """Run the workloads ``keys``; the int4 ones (L3, L3r) share L1's peft runs
+    when it is asked for, and one peft peer otherwise."""
     report = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "load_before": os.getloadavg()[0], "workloads": {}, "rank": RANK, "alpha": ALPHA,
               "lr": LR, "weight_decay": WD, "quick": quick}
     work = Path(tempfile.mkdtemp(prefix="onnxtrain-llm-"))
     try:
-        # L3's peer is L1's peft: one group of interleaved runs when both are asked for
-        groups = [[k] for k in keys if not (k == "L3" and "L1" in keys)]
-        if "L3" in keys and "L1" in keys:
-            next(g for g in groups if g == ["L1"]).append("L3")
+        # the int4 workloads' peer is L1's peft: one group of interleaved runs
+        int4 = [k for k in keys if WORKLOADS[k]["mode"] == "qlora"]
+        groups = [[k] for k in keys if k not in int4]
+        if int4:
+            host = next((g for g in groups if g == ["L1"]), None)
+            if host is None:
+                groups.append(int4)
+            else:
+                host.extend(int4)
         for group in groups:
             _run_group(group, quick, runs_override, work, report, log)
     finally:
@@ -624,7 +636,7 @@ def this_checkout() -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workloads", default="L1,L2,L3,L4")
+    ap.add_argument("--workloads", default="L1,L2,L3,L3r,L4")
     ap.add_argument("--quick", action="store_true", help="a tiny Llama, seconds (development)")
     ap.add_argument("--runs", type=int, help="fresh processes per framework (default: per workload)")
     ap.add_argument("--json", help="write the results here")
@@ -650,7 +662,8 @@ def main(argv=None) -> int:
         return 0
 
     in_peft_venv(__file__)
-    keys = [k.strip().upper() for k in args.workloads.split(",") if k.strip()]
+    named = {k.upper(): k for k in WORKLOADS}
+    keys = [named.get(k.strip().upper(), k.strip()) for k in args.workloads.split(",") if k.strip()]
     bad = [k for k in keys if k not in WORKLOADS]
     if bad:
         raise SystemExit(f"unknown workload(s) {bad}; choose from {', '.join(WORKLOADS)}")

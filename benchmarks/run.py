@@ -59,7 +59,7 @@ ONNX2TORCH_PYTHON = HERE / ".venv-onnx2torch" / "bin" / "python"
 PEFT_PYTHON = HERE / ".venv-peft" / "bin" / "python"
 PEFT_CHECK = "import torch, transformers, peft, onnxscript, onnxruntime_genai, onnxtrain"
 #: LLM fine-tuning workloads, run by ``llm.py`` (fresh processes, PyTorch + peft as the peer).
-LLM_KEYS = ["L1", "L2", "L3", "L4"]
+LLM_KEYS = ["L1", "L2", "L3", "L3r", "L4"]
 #: Peers that train a converted model; their losses must match torch's to count.
 CONVERTERS = ("onnx2torch",)
 #: Workloads exported from PyTorch modules (``export_models.py``, in the ORT training environment).
@@ -734,7 +734,7 @@ def parse_workloads(text: str | None) -> list[str]:
     if not text:
         return list(WORKLOADS) + LLM_KEYS
     keys: list[str] = []
-    aliases = dict(ALIASES, L=LLM_KEYS)
+    aliases = dict(ALIASES, L=LLM_KEYS, **{k.upper(): [k] for k in LLM_KEYS})
     for part in text.split(","):
         part = part.strip()
         for k in aliases.get(part.upper(), [part.upper()]):
@@ -751,7 +751,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few steps and rounds (development)")
     ap.add_argument("--workloads", help="comma-separated: W1 (with W1-SGD), W1-SGD, W2, W3, W4, W5, W6, "
-                                        "W7 (W7-LSTM and W7-GRU), L1, L2, L3, L4 (L: all four)")
+                                        "W7 (W7-LSTM and W7-GRU), L1, L2, L3, L3r, L4 (L: all five)")
     ap.add_argument("--steps", type=int, help="timed steps per framework and workload")
     ap.add_argument("--rounds", type=int, help="interleaved rounds (default 10, quick 3)")
     ap.add_argument("--frameworks", default=",".join(FRAMEWORKS),
@@ -973,7 +973,7 @@ def run_llm(keys: list[str], quick: bool, tmp: Path) -> dict:
            "--threads", str(THREADS)] + (["--quick"] if quick else [])
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr.splitlines():
-        if line[:2] in ("L1", "L2", "L3", "L4") or line.startswith("  run "):
+        if line.split(":")[0] in LLM_KEYS or line.startswith("  run "):
             log("  " + line.strip())
     if not out.exists():
         return {"error": (proc.stderr or proc.stdout)[-1500:]}

@@ -48,10 +48,11 @@ training algorithm, right after the Gradient node is expanded):
   (Gelu's output from its input, which Gelu's gradient saves anyway; a
   LayerNormalization output from its input).  MatMul/Conv outputs are never
   recomputed.  Costs little time; saves what such pairs hold;
-- ``"blocks"``: checkpointing at the narrow points of the forward pass (a
-  value that alone carries everything later nodes read, e.g. the residual
-  stream of a transformer between and inside its blocks, the activation
-  between two layers of an MLP or CNN); the checkpoints are chosen to
+- ``"blocks"``: checkpointing at the narrow points of the forward pass (one
+  or two values that carry everything later nodes read, e.g. the residual
+  stream of a transformer between and inside its blocks, with its normalized
+  copy where a fused norm hands on both, the activation between two layers
+  of an MLP or CNN); the checkpoints are chosen to
   minimize (bytes of the checkpoints + bytes saved by the largest segment),
   the sqrt(n) rule of Chen et al. 2016 with real sizes.  Costs about one
   more forward pass;
@@ -112,8 +113,16 @@ RANDOM_OPS = frozenset({
     "Multinomial", "Bernoulli",
 })
 
-#: Readers that only look at a value's shape: they read the original, which
-#: onnxruntime frees right after (or folds away when the shape is static).
+#: Contrib ops a copy recomputes exactly (deterministic kernels, no state).
+COPYABLE_CONTRIB = frozenset(("com.microsoft", op) for op in (
+    "MatMulNBits", "GroupQueryAttention", "SkipSimplifiedLayerNormalization",
+    "SkipLayerNormalization", "SimplifiedLayerNormalization", "RotaryEmbedding",
+    "FusedMatMul", "Gelu", "FastGelu", "BiasGelu", "QuickGelu",
+))
+
+#: Readers that only look at a value's shape: they read the copy where there
+#: is one (with shapes open until run time, onnxruntime would keep the
+#: original alive until the reader runs), else the original.
 SHAPE_READERS = frozenset({"Shape", "Size"})
 
 _NUMERIC = frozenset({
@@ -124,6 +133,10 @@ _NUMERIC = frozenset({
 
 #: Most cut positions the checkpoint search weighs (it is quadratic in them).
 _MAX_CANDIDATES = 128
+
+#: Most values a checkpoint cut may hold (a decoder block built of contrib
+#: norms hands on two: the normalized value and the residual sum).
+_MAX_CUT_VALUES = 2
 
 #: Size assumed for a symbolic dimension when estimating bytes.
 _SYMBOLIC_DIM = 64
@@ -194,18 +207,25 @@ class _Forward:
                 self.probe[i] = probe
         self.ys = list(ys)
         # Saved activations: forward value -> its backward readers.
+        # Backward readers of a value's shape alone: {forward value: their positions}.
         self.readers: dict[str, list[onnx.NodeProto]] = {}
-        for n in self.nodes:
-            if self.is_forward[id(n)] or n.op_type in SHAPE_READERS:
+        self.shape_reads: dict[str, list[int]] = {}
+        for i, n in enumerate(self.nodes):
+            if self.is_forward[id(n)]:
                 continue
             for v in node_inputs(n):
                 p = self.producer.get(v)
-                if p is not None and self.is_forward[id(p)] and not self.fixed(v):
+                if p is None or not self.is_forward[id(p)] or self.fixed(v):
+                    continue
+                if n.op_type in SHAPE_READERS:
+                    self.shape_reads.setdefault(v, []).append(i)
+                else:
                     self.readers.setdefault(v, []).append(n)
         self.saved = sorted(self.readers, key=lambda v: self.fpos[id(self.producer[v])])
 
     def copyable(self, n: onnx.NodeProto) -> bool:
-        return (n.domain in ("", "ai.onnx") and n.op_type not in RANDOM_OPS
+        return ((n.domain in ("", "ai.onnx") or (n.domain, n.op_type) in COPYABLE_CONTRIB)
+                and n.op_type not in RANDOM_OPS
                 and n.op_type != "Constant" and not subgraphs(n))
 
     def fixed(self, v: str) -> bool:
@@ -305,7 +325,8 @@ def _crossings(fw: _Forward) -> list[set[str]]:
 
 
 def _segment_plan(fw: _Forward, segments: int | None) -> tuple[set[str], list[str]]:
-    """Checkpoints at single-value cuts of the forward pass.
+    """Checkpoints at cuts of the forward pass that hold at most
+    ``_MAX_CUT_VALUES`` values.
 
     saved(a, b) = bytes the backward reads of values made after cut a up to
     cut b, the checkpoint at b left out (it is kept anyway).
@@ -319,7 +340,7 @@ def _segment_plan(fw: _Forward, segments: int | None) -> tuple[set[str], list[st
         saved_at[fw.fpos[id(fw.producer[v])]] += fw.nbytes(v)
     prefix = [int(x) for x in np.cumsum(saved_at)] if saved_at else []
     total = prefix[-1] if prefix else 0
-    cands = [b for b, c in enumerate(crossings) if len(c) == 1 and 0 < prefix[b] < total]
+    cands = [b for b, c in enumerate(crossings) if 0 < len(c) <= _MAX_CUT_VALUES and 0 < prefix[b] < total]
     if not cands or total == 0:
         return set(fw.saved), []
     cut_cost = {b: sum(fw.nbytes(v) for v in crossings[b]) for b in cands}
@@ -505,6 +526,8 @@ def _deadlines(fw: _Forward, targets: list[str], copies: list[onnx.NodeProto]) -
     for n in copies:
         for u in node_inputs(n):
             consumers.setdefault(u, []).append(n)
+    for v, places in fw.shape_reads.items():
+        first_read[v] = min(first_read.get(v, len(fw.nodes)), *places)
     for n in reversed(copies):
         d = min((first_read[o] for o in n.output if o in first_read), default=len(fw.nodes))
         for o in n.output:
@@ -593,9 +616,11 @@ def _place(graph: onnx.GraphProto, fw: _Forward, targets: list[str], renamed: di
     out: list[onnx.NodeProto] = []
     for i, n in enumerate(fw.nodes):
         out.extend(placed.get(i, ()))
-        if not fw.is_forward[id(n)] and n.op_type not in SHAPE_READERS:
+        if not fw.is_forward[id(n)]:
+            # A shape reader reads any copy there is, so the original dies with the forward.
+            moved = renamed if n.op_type in SHAPE_READERS else target_set
             for k, v in enumerate(n.input):
-                if v in target_set:
+                if v in moved:
                     n.input[k] = renamed[v]
         out.append(n)
     out.extend(placed.get(len(fw.nodes), ()))

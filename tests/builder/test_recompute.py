@@ -259,6 +259,65 @@ def test_copies_run_after_the_forward(tmp_path):
     assert b1 < b0
 
 
+def skip_norm_stack(blocks=3, d=16, ffn=32, seed=0):
+    """Residual MLP blocks around com.microsoft SkipSimplifiedLayerNormalization,
+    as onnxruntime-genai builds a decoder: the norm hands on two values (the
+    normalized one and the residual sum), so every cut between blocks holds
+    two.  The batch and sequence dimensions are symbolic: the gradient reads
+    shapes at run time (``Shape`` of forward values)."""
+    rng = np.random.default_rng(seed)
+    inits, nodes = [], []
+    h, res = "X", None
+    for i in range(blocks):
+        inits += [numpy_helper.from_array((1 + 0.1 * rng.standard_normal(d)).astype(np.float32), f"g{i}"),
+                  numpy_helper.from_array((rng.standard_normal((d, ffn)) / 4).astype(np.float32), f"up{i}"),
+                  numpy_helper.from_array((rng.standard_normal((ffn, d)) / 6).astype(np.float32), f"down{i}")]
+        if res is None:
+            nodes.append(helper.make_node("SimplifiedLayerNormalization", [h, f"g{i}"], [f"n{i}"], axis=-1))
+            res = h
+        else:
+            nodes.append(helper.make_node("SkipSimplifiedLayerNormalization", [h, res, f"g{i}"],
+                                          [f"n{i}", "", "", f"sum{i}"], domain="com.microsoft"))
+            res = f"sum{i}"
+        nodes += [helper.make_node("MatMul", [f"n{i}", f"up{i}"], [f"u{i}"]),
+                  helper.make_node("Tanh", [f"u{i}"], [f"t{i}"]),
+                  helper.make_node("MatMul", [f"t{i}", f"down{i}"], [f"h{i}"])]
+        h = f"h{i}"
+    nodes.append(helper.make_node("Add", [h, res], ["Y"]))
+    dims = ["B", "S", d]
+    g = helper.make_graph(nodes, "skip_norm_stack", [helper.make_tensor_value_info("X", F32, dims)],
+                          [helper.make_tensor_value_info("Y", F32, dims)], inits)
+    # (what onnx's shape inference cannot say of contrib ops, as the genai builder writes it)
+    g.value_info.extend(helper.make_tensor_value_info(v, F32, dims) for i in range(blocks)
+                        for v in (f"n{i}", f"sum{i}") if v != "sum0")
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    feeds = {"X": rng.standard_normal((2, 5, d)).astype(np.float32),
+             "target": rng.standard_normal((2, 5, d)).astype(np.float32)}
+    return m, feeds
+
+
+def test_blocks_cut_and_copy_contrib_decoders():
+    """A decoder built of contrib ops is cut at its two-valued norms, its
+    contrib nodes are copied, it trains bit for bit as without recompute, and
+    no backward ``Shape``/``Size`` reads a forward value that has a copy (the
+    original would live until that reader: the whole forward, for L3)."""
+    model, feeds = skip_norm_stack()
+    level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    _, plain = session(model, "mse", "Y", None, level=level)
+    _, sess = session(model, "mse", "Y", "blocks", level=level)
+    l0, w0 = trajectory(plain, feeds)
+    l1, w1 = trajectory(sess, feeds)
+    assert [a.tobytes() for a in l0] == [b.tobytes() for b in l1]
+    assert all(np.array_equal(w0[k], w1[k]) for k in w0)
+    copied = copies(sess)
+    assert ("com.microsoft", "SkipSimplifiedLayerNormalization") in {(n.domain, n.op_type) for n in copied}
+    program = sess.programs(executed=True)[ALGORITHM]
+    recomputed = {o[: -len("/recompute")] for n in copied for o in n.output if o.endswith("/recompute")}
+    shape_reads = [n.input[0] for n in program.graph.node if n.op_type in rc.SHAPE_READERS]
+    assert any(v.endswith("/recompute") for v in shape_reads)
+    assert not recomputed & set(shape_reads), recomputed & set(shape_reads)
+
+
 def test_gradient_check_with_recompute():
     """float64 MLP, SGD with lr = 1: the update is the gradient; it matches
     central differences of the loss along random directions."""
