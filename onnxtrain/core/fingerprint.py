@@ -5,9 +5,9 @@
   versions of the libraries it runs on, by a stat each, not a read;
 - ``module_digest``: a module's constants and tables as they are now (a test
   or a user may have replaced one since it was imported);
-- ``standard_domains``: whether a model imports only domains whose schemas are
-  onnx's own (another domain may register schemas at run time, which no key
-  covers).
+- ``standard_domains``: whether every op of a model means what onnx's build
+  (and onnxtrain's rules, in the runtime digest) says: an op of another
+  domain with a schema registered at run time is in no key.
 """
 
 from __future__ import annotations
@@ -171,12 +171,37 @@ def _sources(folder: str) -> list[tuple[str, os.stat_result]]:
 
 
 
-#: Domains whose op schemas are onnx's own (in ``onnx_build``).  A model
-#: that imports another one may rely on schemas registered at run time
-#: (``onnx.defs.register_schema``): nothing about it is cached.
+#: Domains whose op schemas are onnx's own (in ``onnx_build``).
 _STANDARD_DOMAINS = frozenset(("", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training"))
 
 
 def standard_domains(model: onnx.ModelProto) -> bool:
+    """Whether no op of ``model`` leans on a schema registered at run time
+    (``onnx.defs.register_schema``), which no key covers: its ops are of
+    onnx's domains, or of others (onnxruntime's contrib ops) that onnx has
+    no schema for, whose meaning is then onnxtrain's rules alone."""
     imports = list(model.opset_import) + [o for f in model.functions for o in f.opset_import]
-    return all(o.domain in _STANDARD_DOMAINS for o in imports)
+    if all(o.domain in _STANDARD_DOMAINS for o in imports):
+        return True
+    return not any(onnx.defs.has(op, domain) for domain, op in _foreign_ops(model))
+
+
+def _foreign_ops(model: onnx.ModelProto) -> set[tuple[str, str]]:
+    """(domain, op type) of every node outside onnx's domains: in the graph,
+    the training graphs, the functions and every subgraph."""
+    found: set[tuple[str, str]] = set()
+    graphs = [model.graph] + [g for t in model.training_info for g in (t.initialization, t.algorithm)]
+    nodes = [n for f in model.functions for n in f.node]
+    while graphs or nodes:
+        if graphs:
+            nodes.extend(graphs.pop().node)
+            continue
+        n = nodes.pop()
+        if n.domain not in _STANDARD_DOMAINS:
+            found.add((n.domain, n.op_type))
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                graphs.append(a.g)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                graphs.extend(a.graphs)
+    return found

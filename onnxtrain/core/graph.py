@@ -355,8 +355,8 @@ def _infer_with_seeds(model: onnx.ModelProto, data: bytes) -> tuple[dict[str, in
 def _types_key(model: onnx.ModelProto, data: bytes, extra: bytes) -> bytes | None:
     """The disk-cache key of ``infer_types``'s answer for the inference model
     ``model`` (serialized: ``data``) and ``extra`` (what else it reads), or
-    None when not cached (cache off; a domain whose schemas may be
-    registered at run time)."""
+    None when not cached (cache off; an op with a schema registered at
+    run time)."""
     if not diskcache.enabled() or not standard_domains(model):
         return None
     return diskcache.make_key("infer", onnx_build(), code_digest(), module_digest(__name__), data, extra)

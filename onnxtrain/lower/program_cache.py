@@ -251,13 +251,14 @@ def _graph_skeleton(g: onnx.GraphProto, state: Any, big: dict, out: onnx.GraphPr
 
 def model_key(tm: Any) -> bytes | None:
     """The cache key prefix of a TrainingModel (computed once), or None when
-    the cache is off or does not take the model (it imports an op domain of
-    its own, or holds over diskcache.MAX_ENTRY_BYTES of non-state data)."""
+    the cache is off or does not take the model (an op of it has a schema
+    registered at run time, or it holds over diskcache.MAX_ENTRY_BYTES of
+    non-state data)."""
     if not diskcache.enabled():
         return None
     key = getattr(tm, "cache_key", None)
     if key is None:
-        # Another domain's ops may lean on schemas registered at run time
+        # An op may lean on a schema registered at run time
         # (``onnx.defs.register_schema``), which no key covers: not cached.
         refs = References()
         digest = model_digest(tm.proto, tm.state, refs) if standard_domains(tm.proto) else None

@@ -25,6 +25,7 @@ from test_build import blobs, mlp
 
 from onnxtrain import TrainingSession, build
 from onnxtrain.core import diskcache as cache
+from onnxtrain.core.fingerprint import standard_domains
 from onnxtrain.core.graph import infer_types
 from onnxtrain.errors import TrainingModelError
 from onnxtrain.io import mapped
@@ -32,6 +33,8 @@ from onnxtrain.kernels import fuse
 from onnxtrain.lower import program_cache
 from onnxtrain.runtime import ortcache
 from onnxtrain.runtime.executor import default_session_options
+
+GENAI = Path(__file__).resolve().parent.parent / "data" / "genai"
 
 
 @pytest.fixture(autouse=True)
@@ -226,8 +229,35 @@ def test_a_lowering_error_is_never_cached(private_cache):
         with pytest.raises(TrainingModelError, match="Mystery"):
             TrainingSession(model)
         cache.flush()
-    # a model importing a domain of its own is never cached (run-time schemas)
-    assert not cache.stats.get("program.hit") and not cache.stats.get("program.miss")
+    # (the op has no onnx schema, so the model is keyed: a miss each time, nothing stored)
+    assert not cache.stats.get("program.hit") and not cache.stats.get("program.write")
+
+
+def test_contrib_models_are_cached_unless_onnx_has_a_schema_for_their_ops(private_cache):
+    """An onnxruntime-genai model (com.microsoft ops) means what onnxtrain's
+    rules say: its programs are cached.  Once onnx has a schema for one of its
+    ops (registered at run time, in no key), it is not."""
+    proto = onnx.load(str(GENAI / "llama_int4" / "model.onnx"))
+
+    def session():
+        sess = TrainingSession(build.training_model(proto, loss="cross_entropy", output="logits"))
+        cache.flush()
+        return sess
+
+    first = session().programs()
+    assert cache.stats.get("program.miss") and not cache.stats.get("program.hit")
+    again = session().programs()
+    assert cache.stats.get("program.hit")
+    assert {k: m.SerializeToString() for k, m in first.items()} == {
+        k: m.SerializeToString() for k, m in again.items()}
+    tm = build.training_model(proto, loss="cross_entropy", output="logits")
+    assert standard_domains(tm)
+    schema = onnx.defs.OpSchema("GroupQueryAttention", "com.microsoft", 1, doc="registered by a test")
+    onnx.defs.register_schema(schema)
+    try:
+        assert not standard_domains(tm)
+    finally:
+        onnx.defs.deregister_schema("GroupQueryAttention", 1, "com.microsoft")
 
 
 def test_a_failed_lowering_is_rebuilt_every_time(private_cache, monkeypatch):
