@@ -24,6 +24,7 @@ import onnx
 
 from .._version import __version__
 from .diskcache import FORMAT
+from .walk import graphs_within, walk_graphs
 
 #: Descriptions memoized here change at run time: not part of any key.
 __fingerprint__ = False
@@ -189,19 +190,6 @@ def standard_domains(model: onnx.ModelProto) -> bool:
 def _foreign_ops(model: onnx.ModelProto) -> set[tuple[str, str]]:
     """(domain, op type) of every node outside onnx's domains: in the graph,
     the training graphs, the functions and every subgraph."""
-    found: set[tuple[str, str]] = set()
-    graphs = [model.graph] + [g for t in model.training_info for g in (t.initialization, t.algorithm)]
-    nodes = [n for f in model.functions for n in f.node]
-    while graphs or nodes:
-        if graphs:
-            nodes.extend(graphs.pop().node)
-            continue
-        n = nodes.pop()
-        if n.domain not in _STANDARD_DOMAINS:
-            found.add((n.domain, n.op_type))
-        for a in n.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                graphs.append(a.g)
-            elif a.type == onnx.AttributeProto.GRAPHS:
-                graphs.extend(a.graphs)
-    return found
+    functions = [onnx.GraphProto(node=f.node) for f in model.functions]
+    return {(n.domain, n.op_type) for g in walk_graphs(model) + graphs_within(functions)
+            for n in g.node if n.domain not in _STANDARD_DOMAINS}

@@ -14,20 +14,10 @@ from onnx import TensorProto, helper, numpy_helper
 from ..errors import TrainingModelError
 from . import diskcache
 from .fingerprint import code_digest, module_digest, onnx_build, standard_domains
+from .walk import subgraphs
 
 PREVIEW_DOMAIN = "ai.onnx.preview.training"
 DEFAULT_DOMAINS = ("", "ai.onnx")
-
-
-def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
-    """Graph-valued attributes of a node (If branches, Loop/Scan bodies)."""
-    out: list[onnx.GraphProto] = []
-    for a in node.attribute:
-        if a.type == onnx.AttributeProto.GRAPH:
-            out.append(a.g)
-        elif a.type == onnx.AttributeProto.GRAPHS:
-            out.extend(a.graphs)
-    return out
 
 
 def graph_names(graph: onnx.GraphProto) -> set[str]:

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import onnx
 
-from .graph import subgraphs
+from .walk import subgraphs, walk_graphs
 
 
 def all_graphs(model: onnx.ModelProto) -> list[tuple[str, onnx.GraphProto]]:
@@ -47,30 +47,6 @@ _SPARSE_TENSOR, _SPARSE_TENSORS = _A.SPARSE_TENSOR, _A.SPARSE_TENSORS
 _GRAPH, _GRAPHS = _A.GRAPH, _A.GRAPHS
 #: Attribute types that hold a tensor or a graph (every other type is skipped).
 _HOLDERS = frozenset((_TENSOR, _TENSORS, _SPARSE_TENSOR, _SPARSE_TENSORS, _GRAPH, _GRAPHS))
-
-
-def walk_graphs(model: onnx.ModelProto) -> list[onnx.GraphProto]:
-    """``all_graphs`` without the labels: the same graphs in the same order."""
-    out = [model.graph]
-    for ti in model.training_info:
-        if ti.HasField("initialization"):
-            out.append(ti.initialization)
-        if ti.HasField("algorithm"):
-            out.append(ti.algorithm)
-    stack = list(out)
-    while stack:
-        g = stack.pop()
-        for n in g.node:
-            for a in n.attribute:
-                t = a.type
-                if t == _GRAPH:
-                    out.append(a.g)
-                    stack.append(a.g)
-                elif t == _GRAPHS:
-                    for sg in a.graphs:
-                        out.append(sg)
-                        stack.append(sg)
-    return out
 
 
 def _graph_tensors(g: onnx.GraphProto) -> list[onnx.TensorProto]:
