@@ -303,8 +303,8 @@ GQA_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(GQA_CASES))
-def test_group_query_attention(case):
+def gqa_case(case):
+    """(inputs, attrs, decomposition, cfg) of one of GQA_CASES."""
     cfg = dict(n=4, nkv=2, h=16, packed=True, rotary=False, interleaved=False, softcap=0.0, scale=0.0,
                window=-1, smooth=False, lengths=(6, 6), rot_half=None, causal=1, bias=None, sink=False,
                past=0, swc=0)
@@ -334,6 +334,13 @@ def test_group_query_attention(case):
                       cfg["window"], cfg["rotary"], cfg["interleaved"], cfg["smooth"], bool(cfg["causal"]),
                       attention_bias, head_sink)
 
+    return inputs, attrs, f, cfg
+
+
+@pytest.mark.parametrize("case", list(GQA_CASES))
+def test_group_query_attention(case):
+    inputs, attrs, f, cfg = gqa_case(case)
+    s = 6
     valid = np.arange(s)[None, :] < np.array(cfg["lengths"])[:, None]  # [B, S]: rows onnxruntime specifies
 
     def rows(k, a):
@@ -348,6 +355,29 @@ def test_group_query_attention(case):
     wrt += ["cos_cache", "sin_cache"] if cfg["rotary"] else []
     wrt += [x for x in ("attention_bias", "head_sink") if inputs[x] is not None]
     check_grad("GroupQueryAttention", inputs, attrs, f, wrt, n_out=3, diff_outputs=(0,), rtol=1e-5)
+
+
+DIRECT_CASES = [c for c, cfg in GQA_CASES.items() if not (cfg.get("bias") or cfg.get("sink") or cfg.get("smooth"))]
+
+
+@pytest.mark.parametrize("case", DIRECT_CASES)
+def test_group_query_attention_direct(case, monkeypatch):
+    """The direct gradient (caches not differentiated) against float64 differences
+    and against the differentiated standard-op rewrite, to float64's rounding."""
+    from onnxtrain.autodiff.rules import contrib_attention
+
+    inputs, attrs, f, cfg = gqa_case(case)
+    wrt = ["query"] + (["key", "value"] if not cfg["packed"] else [])
+    calls = []
+    direct = contrib_attention.gqa_backward
+    monkeypatch.setattr(contrib_attention, "gqa_backward", lambda *a: calls.append(a[-1]) or direct(*a))
+    got = check_grad("GroupQueryAttention", inputs, attrs, f, wrt, n_out=3, diff_outputs=(0,), rtol=1e-5)
+    assert len(calls) == 1 and (calls[0] is None) == bool(cfg["swc"]), "the direct form ran, reading present"
+    monkeypatch.setattr(contrib_attention, "DIRECT", False)
+    want = check_grad("GroupQueryAttention", inputs, attrs, f, wrt, n_out=3, diff_outputs=(0,), rtol=1e-5)
+    assert len(calls) == 1
+    for x in wrt:
+        np.testing.assert_allclose(got[x], want[x], rtol=1e-9, atol=1e-12, err_msg=x)
 
 
 def test_group_query_attention_refuses_present_gradient():

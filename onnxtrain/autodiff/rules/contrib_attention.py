@@ -1,15 +1,22 @@
 """Gradient rules: onnxruntime's attention ops as onnxruntime-genai writes them:
-com.microsoft GroupQueryAttention (prompt mode), com.microsoft RotaryEmbedding
-and the ONNX RotaryEmbedding (opset 23); and com.microsoft MultiHeadAttention
-(separate 3-D query/key/value, see ``mha_forward``).
+com.microsoft GroupQueryAttention (prompt mode) and com.microsoft
+MultiHeadAttention (separate 3-D query/key/value, see ``mha_forward``).  The
+rotary embeddings they use are in ``contrib_rotary``.
 
-RotaryEmbedding is a rotation of pairs of channels, linear in its input: its
-gradient is the inverse rotation (sine negated), written with standard ops.
+The forward node itself stays onnxruntime's fused kernel.  The gradient is
+written in standard ops from a recomputation of what the backward reads:
 
-GroupQueryAttention's (and MultiHeadAttention's) gradient differentiates a standard-op rewrite of its
-forward pass (``gqa_forward``), recomputed inside the backward pass through
-``ctx.vjp_of_graph``: the forward node itself stays onnxruntime's fused
-kernel.  Supported is the prompt (prefill) call a training step makes:
+* **Directly** (``gqa_backward``), for GroupQueryAttention without
+  ``attention_bias``, ``head_sink``, ``smooth_softmax`` or gradients to the
+  cos/sin caches: the probabilities are recomputed once, and the softmax's,
+  the products' and the rotation's gradients are written out, heads grouped
+  by reshaping (no repeated keys, no sums over groups).  The rotated keys and
+  the values are read from the node's present outputs where the past is empty.
+* **By differentiating** a standard-op rewrite of the forward pass
+  (``gqa_forward``, ``mha_forward``) through ``ctx.vjp_of_graph``, otherwise.
+  The direct form is tested against this one and against float64.
+
+Supported is the prompt (prefill) call a training step makes:
 
 * past key/value empty (fed with a zero-length sequence axis; with
   ``sliding_window_cache=1``, as Gemma-2 models have it, onnxruntime wants a
@@ -44,141 +51,29 @@ import numpy as np
 from ...core.emitter import Emitter, np_dtype
 from ...errors import GradientError
 from ..registry import VJPContext, vjp
-from ._common import scatter_add_axis
+from .contrib_rotary import rotate
 
 MS = "com.microsoft"
-_BIG = 2**62
-
-
-# ------------------------------------------------------------------- rotary
-def rotate(e: Emitter, x: str, cos: str, sin: str, interleaved: bool) -> str:
-    """Rotate the leading 2 * half channels of x [..., D] by the angles whose
-    cosines and sines are ``cos``/``sin`` [..., half] (broadcast against
-    x[..., :half]); channels past 2 * half pass through.
-
-    Halves:       y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin  (x1 = x[:half], x2 = x[half:2 half])
-    Interleaved:  the same on the pairs (x[2i], x[2i+1])."""
-    half = e.shape_of(cos, -1)
-    rot = e.Mul(half, e.ints([2]))
-    axis = -1
-    xr = e.Slice(x, e.ints([0]), rot, e.ints([axis]))
-    rest = e.Slice(x, rot, e.ints([_BIG]), e.ints([axis]))
-    if interleaved:
-        pairs = e.Reshape(xr, e.Concat(e.shape_of(xr, 0, -1), half, e.ints([2]), axis=0))
-        x1, x2 = e.split(pairs, [1, 1], axis=-1)
-        c, s = e.unsqueeze(cos, [-1]), e.unsqueeze(sin, [-1])
-        y1 = e.Sub(e.Mul(x1, c), e.Mul(x2, s))
-        y2 = e.Add(e.Mul(x2, c), e.Mul(x1, s))
-        yr = e.Reshape(e.Concat(y1, y2, axis=-1), e.Shape(xr))
-    else:
-        x1 = e.Slice(x, e.ints([0]), half, e.ints([axis]))
-        x2 = e.Slice(x, half, rot, e.ints([axis]))
-        yr = e.Concat(
-            e.Sub(e.Mul(x1, cos), e.Mul(x2, sin)), e.Add(e.Mul(x2, cos), e.Mul(x1, sin)), axis=-1
-        )
-    return e.Concat(yr, rest, axis=-1)
-
-
-def _pairs(e: Emitter, t: str, half: str, interleaved: bool) -> tuple[str, str]:
-    """(t1, t2), the two members of each rotated pair of t [..., D], each [..., half]."""
-    if interleaved:
-        rot = e.Slice(t, e.ints([0]), e.Mul(half, e.ints([2])), e.ints([-1]))
-        pairs = e.Reshape(rot, e.Concat(e.shape_of(rot, 0, -1), half, e.ints([2]), axis=0))
-        t1, t2 = e.split(pairs, [1, 1], axis=-1)
-        return e.squeeze(t1, [-1]), e.squeeze(t2, [-1])
-    return (e.Slice(t, e.ints([0]), half, e.ints([-1])),
-            e.Slice(t, half, e.Mul(half, e.ints([2])), e.ints([-1])))
-
-
-def _rotary_vjp(ctx: VJPContext, dy: str, position_ids: str | None, cos: str, sin: str, onnx_op: bool,
-                cache_index: int) -> tuple[str | None, str | None, str | None]:
-    """(dx, dcos, dsin) of y = R(p) x, in the op's own layouts.
-
-    dx = R^T dy, the rotation by the negated angle.  With (x1, x2) and
-    (g1, g2) the pairs of x and dy: y1 = x1 c - x2 s, y2 = x2 c + x1 s, so
-    dc[p] = sum over heads and tokens at position p of g1 x1 + g2 x2 and
-    ds[p] = the same of g2 x1 - g1 x2 (scattered back into the cache rows).
-
-    Layouts: 4-D input [B, N, S, H]; 3-D input [B, S, N * H] with N from
-    ``num_heads`` (else H = 2 * half, full rotation).  The caches are
-    [max_pos, half] indexed by position_ids, or (ONNX op without position_ids)
-    [B, S, half] already gathered.  com.microsoft position_ids may be one offset
-    (shape [1]): positions offset + 0..S-1."""
-    e = ctx.emit
-    x = ctx.inputs[0]
-    rank = ctx.require_rank(x)
-    interleaved = bool(ctx.attr("interleaved", 0))
-    heads = int(ctx.attr("num_heads", 0) or 0)
-    half = e.shape_of(cos, -1)
-
-    def heads_view(t: str) -> str:  # -> [B, S, N, H]
-        if rank == 4:
-            return e.Transpose(t, perm=[0, 2, 1, 3])
-        head = e.ints([-1]) if heads else e.Mul(half, e.ints([2]))
-        return e.Reshape(t, e.Concat(e.ints([0, 0, heads if heads else -1]), head, axis=0))
-
-    g = heads_view(dy)
-    seq = e.shape_of(g, 1, 2)
-    pos = None
-    if position_ids is not None and ctx.rank(position_ids) == 1:  # one offset (com.microsoft)
-        pos = e.Add(e.arange(seq), e.cast_to(e.reshape(position_ids, []), 7))  # [S]
-    elif position_ids is not None:
-        pos = e.cast_to(position_ids, 7)  # [B, S]
-    c, s = (e.Gather(cos, pos, axis=0), e.Gather(sin, pos, axis=0)) if pos is not None else (cos, sin)
-    c, s = e.unsqueeze(c, [-2]), e.unsqueeze(s, [-2])  # broadcast over heads
-    dx = None
-    if ctx.needs(0):
-        dx = rotate(e, g, c, e.Neg(s), interleaved)
-        dx = e.Transpose(dx, perm=[0, 2, 1, 3]) if rank == 4 else e.Reshape(dx, e.Shape(x))
-    d_cache: list[str | None] = [None, None]
-    if ctx.needs(cache_index) or ctx.needs(cache_index + 1):
-        x1, x2 = _pairs(e, heads_view(x), half, interleaved)
-        g1, g2 = _pairs(e, g, half, interleaved)
-        per_token = [e.reduce_sum(e.Add(e.Mul(g1, x1), e.Mul(g2, x2)), [2], keepdims=False),  # [B, S, half]
-                     e.reduce_sum(e.Sub(e.Mul(g2, x1), e.Mul(g1, x2)), [2], keepdims=False)]
-        for k, (cache, d) in enumerate(zip((cos, sin), per_token)):
-            if not ctx.needs(cache_index + k):
-                continue
-            if pos is None:  # the ONNX op's gathered [B, S, half] caches
-                d_cache[k] = d
-                continue
-            if ctx.rank(position_ids) == 1:
-                d, idx = e.reduce_sum(d, [0], keepdims=False), pos  # [S, half], [S]
-            else:
-                d = e.Reshape(d, e.Concat(e.ints([-1]), half, axis=0))  # [B S, half]
-                idx = e.reshape(pos, [-1])
-            d_cache[k] = scatter_add_axis(ctx, d, idx, e.shape_of(cache, 0, 1), 0, 2, e.Shape(cache))
-    return dx, d_cache[0], d_cache[1]
-
-
-@vjp("RotaryEmbedding", domain=MS)
-def ms_rotary_embedding_vjp(ctx, dy):
-    """y = R(p) x: pairs of channels rotated by angle(p) (cos/sin_cache[p]), p the
-    token's position (position_ids, or offset + s); inputs input, position_ids,
-    cos_cache, sin_cache
-    ->  dx = R(p)^T dy = the same rotation with sin negated; the caches' rows
-        get the products of the pairs (see ``_rotary_vjp``); position_ids none"""
-    if ctx.attr("is_packed_batching", 0):
-        raise GradientError(f"gradient of RotaryEmbedding node {ctx.node.name!r}: packed batching is not supported")
-    if float(ctx.attr("scale", 1.0) or 1.0) != 1.0:
-        raise GradientError(f"gradient of RotaryEmbedding node {ctx.node.name!r}: scale != 1 is not supported")
-    dx, dcos, dsin = _rotary_vjp(ctx, dy, ctx.inputs[1], ctx.inputs[2], ctx.inputs[3], False, 2)
-    return dx, None, dcos, dsin
-
-
-@vjp("RotaryEmbedding")
-def rotary_embedding_vjp(ctx, dy):
-    """y = R(p) x (ONNX RotaryEmbedding, opset 23; inputs X, cos_cache, sin_cache,
-    position_ids)  ->  dx = R(p)^T dy = the same rotation with sin negated;
-    dcos, dsin as for com.microsoft's (gathered [B, S, half] caches without
-    position_ids get the per-token sums directly)"""
-    dx, dcos, dsin = _rotary_vjp(ctx, dy, ctx.input(3), ctx.inputs[1], ctx.inputs[2], True, 1)
-    return dx, dcos, dsin, None
 
 
 # ------------------------------------------------------- GroupQueryAttention
 _GQA_REFUSED = {14: "q_norm_weight", 15: "k_norm_weight", 16: "query_seqlens", 12: "k_scale", 13: "v_scale",
                 9: "position_ids"}
+
+
+def _visible(e: Emitter, attrs: dict, seq: str, seqlens_k: str, rank: int) -> str:
+    """Which key j query row i of entry b sees, [B, 1, .., S, S] of ``rank`` dims:
+    j < seqlens_k[b] + 1, j <= i if causal, j > i - local_window_size if > 0."""
+    pos = e.arange(seq)
+    row, col = e.unsqueeze(pos, [1]), e.unsqueeze(pos, [0])  # [S, 1], [1, S]
+    total = e.unsqueeze(e.Add(e.cast_to(seqlens_k, 7), e.ints([1])), list(range(1, rank)))  # [B, 1, ..]
+    visible = e.Less(col, total)
+    if int(attrs.get("causal", 1)):
+        visible = e.And(visible, e.LessOrEqual(col, row))
+    window = int(attrs.get("local_window_size", -1))
+    if window > 0:
+        visible = e.And(visible, e.Greater(col, e.Sub(row, e.ints([window]))))
+    return visible
 
 
 def gqa_forward(e: Emitter, attrs: dict, q: str, k: str | None, v: str | None, seqlens_k: str,
@@ -231,15 +126,7 @@ def gqa_forward(e: Emitter, attrs: dict, q: str, k: str | None, v: str | None, s
         scores = e.Mul(e.Tanh(e.Div(scores, c)), c)
     if attn_bias is not None:
         scores = e.Add(scores, attn_bias)
-    pos = e.arange(seq)
-    row, col = e.unsqueeze(pos, [1]), e.unsqueeze(pos, [0])  # [S, 1], [1, S]
-    total = e.unsqueeze(e.Add(e.cast_to(seqlens_k, 7), e.ints([1])), [1, 2, 3])  # [B, 1, 1, 1]
-    visible = e.Less(col, total)
-    if int(attrs.get("causal", 1)):
-        visible = e.And(visible, e.LessOrEqual(col, row))
-    window = int(attrs.get("local_window_size", -1))
-    if window > 0:
-        visible = e.And(visible, e.Greater(col, e.Sub(row, e.ints([window]))))
+    visible = _visible(e, attrs, seq, seqlens_k, 4)  # [B, 1, S, S]
     lowest = e.const(np.finfo(np_dtype(et)).min, dtype=et)
     scores = e.Where(visible, scores, lowest)
     if head_sink is not None or int(attrs.get("smooth_softmax", 0)):
@@ -256,6 +143,91 @@ def gqa_forward(e: Emitter, attrs: dict, q: str, k: str | None, v: str | None, s
     p = e.Mul(p, e.Cast(visible, to=et))
     out = e.Transpose(e.MatMul(p, vv), perm=[0, 2, 1, 3])
     return e.Reshape(out, e.ints([0, 0, -1])), k4, v4
+
+
+# --------------------------------------------- GroupQueryAttention, directly
+#: Whether GroupQueryAttention's gradient takes the direct form where it
+#: applies (tests set it False to compare with the differentiated rewrite).
+DIRECT = True
+
+
+def _direct_applies(ctx: VJPContext, attrs: dict) -> bool:
+    """The direct form covers all but the bias, the sink and the caches' gradients."""
+    if ctx.input(10) is not None or ctx.input(11) is not None or int(attrs.get("smooth_softmax", 0)):
+        return False
+    return not any(ctx.input(i) is not None and ctx.needs(i) for i in (7, 8))
+
+
+def _heads(e: Emitter, t: str, heads: int) -> str:
+    """[B, S, heads H] -> [B, S, heads, H]."""
+    return e.Reshape(t, e.ints([0, 0, heads, -1]))
+
+
+def gqa_backward(e: Emitter, attrs: dict, q: str, k: str | None, v: str | None, seqlens_k: str,
+                 cos: str | None, sin: str | None, et: int, dy: str,
+                 present: tuple[str, str] | None) -> tuple[str, str | None, str | None]:
+    """(dq, dk, dv) of GroupQueryAttention's prompt call, in standard ops (for
+    packed QKV, dq is the gradient of the packed input and dk, dv are None).
+
+    With the g = N / Nkv query heads of one key head stacked, Qg [B, Nkv, g S, H]
+    (scaled by alpha), K, V [B, Nkv, S, H] (K rotated; from ``present`` when given):
+      scores = Qg K^T, c tanh(scores / c) with a softcap c; masked entries get the
+      lowest float (added), so that P = softmax(scores) is exactly 0 there
+      dV = P^T dOg;  dP = dOg V^T;  dS = P (dP - rowsum(dP P)), times 1 - tanh^2
+      under a softcap;  dQg = alpha dS K;  dK = dS^T Qg
+    and the rotation's gradient is the inverse rotation of dQ and dK."""
+    n, nkv = int(attrs["num_heads"]), int(attrs["kv_num_heads"])
+    g = n // nkv
+    if k is None:
+        qkv = e.Reshape(q, e.ints([0, 0, n + 2 * nkv, -1]))
+        q4, k4, v4 = e.split(qkv, [n, nkv, nkv], axis=2)
+    else:
+        q4, k4, v4 = _heads(e, q, n), _heads(e, k, nkv), _heads(e, v, nkv)
+    seq = e.shape_of(q4, 1, 2)
+    rotary = bool(attrs.get("do_rotary"))
+    inter = bool(attrs.get("rotary_interleaved", 0))
+    if rotary:
+        c = e.unsqueeze(e.Slice(cos, e.ints([0]), seq, e.ints([0])), [1])  # [S, 1, half]
+        s = e.unsqueeze(e.Slice(sin, e.ints([0]), seq, e.ints([0])), [1])
+        q4 = rotate(e, q4, c, s, inter)
+    if present is not None:
+        kt, vt = present  # [B, Nkv, S, H]: the rotated keys, the values
+    else:
+        kt = e.Transpose(rotate(e, k4, c, s, inter) if rotary else k4, perm=[0, 2, 1, 3])
+        vt = e.Transpose(v4, perm=[0, 2, 1, 3])
+    scale = float(attrs.get("scale", 0.0) or 0.0)
+    alpha = e.const(scale, dtype=et) if scale else e.Reciprocal(e.Sqrt(e.Cast(e.shape_of(q4, 3, 4), to=et)))
+    grouped = e.ints([0, nkv, -1, 0])  # [B, N, S, H] -> [B, Nkv, g S, H]
+    qg = e.Mul(e.Reshape(e.Transpose(q4, perm=[0, 2, 1, 3]), grouped), alpha)
+    scores = e.MatMul(qg, e.Transpose(kt, perm=[0, 1, 3, 2]))  # [B, Nkv, g S, S]
+    cap = float(attrs.get("softcap", 0.0) or 0.0)
+    if cap > 0:
+        cc = e.const(cap, dtype=et)
+        t = e.Tanh(e.Div(scores, cc))
+        scores = e.Mul(t, cc)
+    five = e.Concat(e.ints([0, 0, g, -1]), e.shape_of(scores, 3, 4), axis=0)  # [B, Nkv, g, S, S]
+    visible = _visible(e, attrs, seq, seqlens_k, 5)  # [B, 1, 1, S, S]
+    window = int(attrs.get("local_window_size", -1))
+    lowest = e.const(np.finfo(np_dtype(et)).min, dtype=et)
+    masked = e.Where(visible, e.const(0.0, dtype=et), lowest)  # [B, 1, 1, S, S]
+    p = e.Softmax(e.Add(e.Reshape(scores, five), masked), axis=-1)
+    if window > 0:  # a padding row may see no key at all: its probabilities are 0
+        p = e.Mul(p, e.Cast(visible, to=et))
+    p = e.Reshape(p, e.Shape(scores))
+    do = e.Reshape(e.Transpose(_heads(e, dy, n), perm=[0, 2, 1, 3]), grouped)  # [B, Nkv, g S, H]
+    dvt = e.MatMul(e.Transpose(p, perm=[0, 1, 3, 2]), do)  # [B, Nkv, S, H]
+    dp = e.MatMul(do, e.Transpose(vt, perm=[0, 1, 3, 2]))
+    ds = e.Mul(p, e.Sub(dp, e.reduce_sum(e.Mul(dp, p), [-1], keepdims=True)))
+    if cap > 0:
+        ds = e.Mul(ds, e.Sub(e.const(1.0, dtype=et), e.Mul(t, t)))
+    dqt = e.Reshape(e.Mul(e.MatMul(ds, kt), alpha), e.ints([0, n, -1, 0]))  # [B, N, S, H]
+    dkt = e.MatMul(e.Transpose(ds, perm=[0, 1, 3, 2]), qg)
+    dq4, dk4, dv4 = (e.Transpose(x, perm=[0, 2, 1, 3]) for x in (dqt, dkt, dvt))  # [B, S, heads, H]
+    if rotary:
+        dq4, dk4 = rotate(e, dq4, c, e.Neg(s), inter), rotate(e, dk4, c, e.Neg(s), inter)
+    if k is None:
+        return e.Reshape(e.Concat(dq4, dk4, dv4, axis=2), e.Shape(q)), None, None
+    return e.Reshape(dq4, e.Shape(q)), e.Reshape(dk4, e.Shape(k)), e.Reshape(dv4, e.Shape(v))
 
 
 @vjp("GroupQueryAttention", domain=MS)
@@ -292,6 +264,17 @@ def group_query_attention_vjp(ctx, dy, d_present_k=None, d_present_v=None, *d_re
     seqlens, cos, sin = ctx.inputs[5], ctx.input(7), ctx.input(8)
     attn_bias, head_sink = ctx.input(10), ctx.input(11)
     et = ctx.dtype(q)
+    if DIRECT and _direct_applies(ctx, attrs):
+        present = None
+        if not ctx.attr("sliding_window_cache", 0) and len(ctx.outputs) > 2 and all(ctx.outputs[1:3]):
+            present = (ctx.outputs[1], ctx.outputs[2])
+        grads = gqa_backward(e, attrs, q, k, v, seqlens, cos, sin, et, dy, present)
+        result = [None] * len(ctx.inputs)
+        for i, g in zip((0, 1, 2), grads):
+            if g is not None and ctx.input(i) is not None and ctx.needs(i):
+                e.dtypes[g] = et
+                result[i] = g
+        return tuple(result)
     sub = Emitter(e.opset, e.names, dtypes=dict(e.dtypes), hint=f"{name or 'gqa'}/fwd")
     out, _, _ = gqa_forward(sub, attrs, q, k, v, seqlens, cos, sin, et, attn_bias, head_sink)
     wrt = [i for i in (0, 1, 2, 7, 8, 10, 11) if ctx.input(i) is not None and ctx.needs(i)]
