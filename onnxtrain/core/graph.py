@@ -421,12 +421,14 @@ _BROADCAST = frozenset(
 def _seed_contrib_outputs(
     nodes: Sequence[onnx.NodeProto], dtypes: dict[str, int], shapes: dict[str, tuple | None]
 ) -> list[onnx.ValueInfoProto]:
-    """Value infos for the outputs of com.microsoft ops in ``_CONTRIB_RANKS``
+    """Value infos for the outputs of onnxruntime's ops in ``_CONTRIB_SHAPES``
+    (com.microsoft, and SimplifiedLayerNormalization in the default domain)
     that inference left untyped and whose input 0 it typed: input 0's
-    element type, the rank the table gives."""
+    element type, and the shape the table gives (dims of input 0 carried
+    over, symbolic ones included, so that inference goes on with them)."""
     out = []
     for node in nodes:
-        if node.domain != "com.microsoft" or node.op_type not in _CONTRIB_RANKS or not node.input:
+        if node.domain not in ("com.microsoft", "", "ai.onnx") or node.op_type not in _CONTRIB_SHAPES or not node.input:
             continue
         x = node.input[0]
         if not x or not dtypes.get(x) or shapes.get(x) is None:
@@ -434,23 +436,52 @@ def _seed_contrib_outputs(
         for i, name in enumerate(node.output):
             if not name or dtypes.get(name):
                 continue
-            rank = _CONTRIB_RANKS[node.op_type](i, len(shapes[x]))
-            if rank is not None:
-                out.append(helper.make_tensor_value_info(name, dtypes[x], [None] * rank))
+            shape = _CONTRIB_SHAPES[node.op_type](i, tuple(shapes[x]), node)
+            if shape is not None:
+                out.append(helper.make_tensor_value_info(name, dtypes[x], list(shape)))
     return out
 
 
-#: com.microsoft ops: output index, rank of input 0 -> rank of that output (None: unknown).
-_CONTRIB_RANKS = {
-    "MatMulNBits": lambda i, r: r,
-    "SkipSimplifiedLayerNormalization": lambda i, r: r if i in (0, 3) else None,
-    "SkipLayerNormalization": lambda i, r: r if i in (0, 3) else None,
-    "SimplifiedLayerNormalization": lambda i, r: r if i == 0 else None,
-    "GroupQueryAttention": lambda i, r: r if i == 0 else 4,
-    "MultiHeadAttention": lambda i, r: r if i == 0 else 4,
-    "RotaryEmbedding": lambda i, r: r,
-    "FastGelu": lambda i, r: r, "QuickGelu": lambda i, r: r, "BiasGelu": lambda i, r: r,
-    "Gelu": lambda i, r: r,
+def _same(i: int, x: tuple, node: onnx.NodeProto, outputs: tuple = (0,)) -> tuple | None:
+    return x if i in outputs else None
+
+
+def _nbits_shape(i: int, x: tuple, node: onnx.NodeProto) -> tuple | None:
+    """MatMulNBits: A [.., K] -> Y [.., N]."""
+    n = next((a.i for a in node.attribute if a.name == "N"), None)
+    return (*x[:-1], n) if x else x
+
+
+def _attention_shape(i: int, x: tuple, node: onnx.NodeProto) -> tuple | None:
+    """GroupQueryAttention: output 0 [B, S, N H] from the query [B, S, N H]
+    (packed: [B, S, (N + 2 Nkv) H]); MultiHeadAttention: [B, S, ?] (the
+    value's width); the present key/value: rank 4."""
+    if i != 0:
+        return (None,) * 4
+    if len(x) != 3:
+        return (None,) * len(x)
+    width = None
+    if node.op_type == "GroupQueryAttention":
+        attrs = {a.name: a.i for a in node.attribute if a.name in ("num_heads", "kv_num_heads")}
+        n, nkv, d = attrs.get("num_heads", 0), attrs.get("kv_num_heads", 0), x[2]
+        packed = len(node.input) < 2 or not node.input[1]
+        if not packed:
+            width = d
+        elif isinstance(d, int) and n and d % (n + 2 * nkv) == 0:
+            width = d // (n + 2 * nkv) * n
+    return (x[0], x[1], width)
+
+
+#: com.microsoft ops: (output index, input 0's dims, attributes) -> that output's dims (None: unknown).
+_CONTRIB_SHAPES = {
+    "MatMulNBits": _nbits_shape,
+    "SkipSimplifiedLayerNormalization": lambda i, x, a: _same(i, x, a, (0, 3)),
+    "SkipLayerNormalization": lambda i, x, a: _same(i, x, a, (0, 3)),
+    "SimplifiedLayerNormalization": _same,
+    "GroupQueryAttention": _attention_shape,
+    "MultiHeadAttention": _attention_shape,
+    "RotaryEmbedding": _same,
+    "FastGelu": _same, "QuickGelu": _same, "BiasGelu": _same, "Gelu": _same,
 }
 
 

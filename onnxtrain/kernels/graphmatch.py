@@ -143,6 +143,15 @@ class Index:
             return None
         return tuple(s)
 
+    def dims(self, name: str) -> tuple | None:
+        """The shape of ``name`` with symbolic dims (strings: equal names, equal
+        sizes) where every dim is known or named, else None.  For matches whose
+        kernels check the sizes they are given at run time."""
+        s = self._inference()[1].get(name)
+        if s is None or any(d is None for d in s):
+            return None
+        return tuple(s)
+
     def all_float(self, *names: str) -> bool:
         return all(self.dtype(n) == TensorProto.FLOAT for n in names)
 

@@ -20,7 +20,9 @@ and backward, by one kernel each, only in the program onnxruntime runs
 | ``DequantizeNBitsF32`` | ``nbits``: MatMulNBits' weight unpacked for its gradient dA = dY W | yes |
 
 Each match is the exact chain the exporter and the rules write, in either
-operand order of Add and Mul, on float32 values of static shape; anything
+operand order of Add and Mul, on float32 values of static shape (SiLU, and
+the cross-entropy's rows: named dims too, which their kernels check at run
+time); anything
 else keeps its standard ops.  ``graphmatch.apply`` makes a match only where
 nothing outside the fused chains reads what it drops.  tests/kernels/
 compares each kernel with its standard chain (bit for bit where claimed) and
@@ -237,7 +239,7 @@ def _silu_backward(ix: Index, a: str, s: str, silu: str):
                 for dh, b in ix.operands(mul12, "Mul"):
                     fwd = [n for n, other in ix.partners(silu, "Mul") if other == b]
                     db = [n for n, other in ix.partners(silu, "Mul") if other == dh]
-                    if len(fwd) == 1 and len(db) == 1 and fwd[0] is not db[0] and ix.shape(b) == ix.shape(a):
+                    if len(fwd) == 1 and len(db) == 1 and fwd[0] is not db[0] and ix.dims(b) == ix.dims(a):
                         return fwd[0], b, dh, db[0], [mul12, db[0], mul15, mul16, sub, mul17, mul18, root[0]]
     return None
 
@@ -249,14 +251,14 @@ def silu_muls(ix: Index, domain: str) -> list[Fusion]:
         a = sig.input[0]
         for silu_node in [n for n, other in ix.partners(s, "Mul") if other == a]:
             silu = silu_node.output[0]
-            shape = ix.shape(a)
+            shape = ix.dims(a)
             if shape is None or not ix.all_float(a, s):
                 continue
             back = _silu_backward(ix, a, s, silu)
             if back is not None:
                 h_node, b, dh, db_node, nodes = back
             else:
-                hs = [(n, other) for n, other in ix.partners(silu, "Mul") if ix.shape(other) == shape]
+                hs = [(n, other) for n, other in ix.partners(silu, "Mul") if ix.dims(other) == shape]
                 if len(hs) != 1:
                     continue
                 h_node, b = hs[0]
@@ -265,11 +267,11 @@ def silu_muls(ix: Index, domain: str) -> list[Fusion]:
             fusions.append(Fusion([silu_node, h_node],
                                   [kernel_node("SiluMulF32", [a, s, b], [h_node.output[0], silu],
                                                sig.name + "/silu_mul", domain)], optional={silu}))
-            if back is None or ix.shape(dh) != shape:
+            if back is None or ix.dims(dh) != shape:
                 continue
             inputs = [dh, a, b, s]
             add = ix.node(dh, "Add", 2)
-            if (add is not None and ix.shape(add.input[0]) == shape and ix.shape(add.input[1]) == shape
+            if (add is not None and ix.dims(add.input[0]) == shape and ix.dims(add.input[1]) == shape
                     and {id(n) for n in ix.readers.get(dh, [])} == {id(nodes[0]), id(db_node)}
                     and dh not in ix.outputs):
                 inputs = [add.input[0], a, b, s, add.input[1]]  # dh's two parts, added in the kernel

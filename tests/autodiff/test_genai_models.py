@@ -191,3 +191,36 @@ def test_genai_packed_qkv_lora_matches_pytorch(family):
     np.testing.assert_allclose(sess.state[f"{target}.lora_B"], expected_b, rtol=0,
                                atol=2e-5 * np.abs(expected_b).max())
     np.testing.assert_array_equal(sess.state[f"{target}.lora_A"], a0)
+
+
+def test_genai_shapes_reach_through_the_contrib_ops():
+    """Shape inference goes on through MatMulNBits, GroupQueryAttention and
+    the skip norms with the model's named dims (onnx has no schema for them),
+    even without the value_info the builder writes, so that the MLP's SiLU
+    chain runs the kernel library's fused kernel in the executed program."""
+    from onnxtrain.core.graph import infer_types
+    from onnxtrain.kernels import library
+
+    _, proto = _load("llama", "int4")
+    del proto.graph.value_info[:]
+    _, shapes = infer_types(proto.graph, proto.opset_import)
+    seen = set()
+    for node in proto.graph.node:
+        x, y = shapes.get(node.input[0]) if node.input else None, shapes.get(node.output[0])
+        if node.op_type == "MatMulNBits":
+            n = next(a.i for a in node.attribute if a.name == "N")
+            assert y == (*x[:-1], n), node.name
+        elif node.op_type == "GroupQueryAttention":  # packed [B, S, (2 + 2) 16] -> [B, S, 2 16]
+            assert (x, y) == (("batch_size", "sequence_length", 64), ("batch_size", "sequence_length", 32))
+        elif node.op_type in ("SkipSimplifiedLayerNormalization", "Sigmoid"):
+            assert y == x and x[:2] == ("batch_size", "sequence_length"), node.name
+        else:
+            continue
+        seen.add(node.op_type)
+    assert seen == {"MatMulNBits", "GroupQueryAttention", "SkipSimplifiedLayerNormalization", "Sigmoid"}
+    if library.library() is None:
+        pytest.skip(f"kernel library: {library.status()}")
+    sess = TrainingSession(build.training_model(proto, loss="cross_entropy", output="logits"))
+    executed = sess.programs(executed=True)["training_info[0].algorithm"]
+    fused = {n.op_type for n in executed.graph.node if n.domain == "ai.onnxtrain.kernels"}
+    assert {"SiluMulF32", "SiluMulGradF32"} <= fused, fused

@@ -62,7 +62,14 @@ def _const(name: str, value, dtype=np.float32) -> onnx.NodeProto:
     return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.asarray(value, dtype), name))
 
 
-def _program(nodes, feeds: dict[str, np.ndarray], y: list[str], xs: list[str], cotangents: dict[str, str]) -> tuple:
+def _dims(name: str, a: np.ndarray, named: dict[str, list] | None) -> list:
+    """The declared dims of feed ``name``: ``named``'s where given (symbolic
+    dims as strings, as an exporter leaves batch and sequence), else the array's."""
+    return list(named[name]) if named and name in named else list(a.shape)
+
+
+def _program(nodes, feeds: dict[str, np.ndarray], y: list[str], xs: list[str], cotangents: dict[str, str],
+             named: dict[str, list] | None = None) -> tuple:
     """nodes + loss = sum of sum(y_k * t_k) + Gradient(xs) -> (model, outputs)."""
     nodes = list(nodes)
     terms = []
@@ -78,7 +85,7 @@ def _program(nodes, feeds: dict[str, np.ndarray], y: list[str], xs: list[str], c
     outputs = y + grads
     graph = helper.make_graph(
         nodes, "chain",
-        [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape))
+        [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), _dims(k, v, named))
          for k, v in feeds.items()],
         [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs])
     imports = [helper.make_opsetid("", OPSET), helper.make_opsetid(PREVIEW_DOMAIN, 1)]
@@ -133,9 +140,9 @@ def rms_norm(shape=(2, 5, 64), residual: bool = False, seed: int = 0, eps: float
 
 
 # ------------------------------------------------------------ SiLU * gate
-def silu_mul(shape=(2, 5, 48), two_readers: bool = False, seed: int = 0) -> Chain:
+def silu_mul(shape=(2, 5, 48), two_readers: bool = False, seed: int = 0, named: bool = False) -> Chain:
     """h = (a * sigmoid(a)) * b; with ``two_readers`` the loss reads h twice, so
-    dh is an Add of two parts."""
+    dh is an Add of two parts; ``named``: batch and sequence declared as named dims."""
     rng = np.random.default_rng(seed)
     feeds = {k: (rng.standard_normal(shape) * 3).astype(np.float32) for k in ("a", "b", "t", "u")}
     if not two_readers:
@@ -147,7 +154,8 @@ def silu_mul(shape=(2, 5, 48), two_readers: bool = False, seed: int = 0) -> Chai
     if two_readers:
         nodes.append(helper.make_node("Identity", ["h"], ["h2"]))
         cot["h2"] = "u"
-    model, outputs = _program(nodes, feeds, ["h"], ["a", "b"], cot)
+    dims = {k: ["batch", "sequence", *shape[2:]] for k in feeds} if named else None
+    model, outputs = _program(nodes, feeds, ["h"], ["a", "b"], cot, dims)
 
     def reference(f):
         a, b = f["a"].astype(np.float64), f["b"].astype(np.float64)
@@ -216,9 +224,11 @@ def guarded_softmax(shape=(2, 3, 6, 6), masked_rows: int = 1, seed: int = 0) -> 
 
 
 # ------------------------------------------------------------ cross-entropy
-def cross_entropy(n: int = 12, c: int = 300, ignored: int = 3, seed: int = 0, scale: float = 3.0) -> Chain:
+def cross_entropy(n: int = 12, c: int = 300, ignored: int = 3, seed: int = 0, scale: float = 3.0,
+                  named: bool = False) -> Chain:
     """loss = SoftmaxCrossEntropyLoss(scores, labels), mean, ignore_index -100
-    on ``ignored`` rows."""
+    on ``ignored`` rows; ``named``: the rows of scores and labels declared as two
+    different named dims (as reshaping logits and labels separately leaves them)."""
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, c, n).astype(np.int64)
     labels[:ignored] = -100
@@ -229,8 +239,8 @@ def cross_entropy(n: int = 12, c: int = 300, ignored: int = 3, seed: int = 0, sc
                                             xs=["scores"], y="loss")]
     graph = helper.make_graph(
         graph_nodes, "chain",
-        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, [n, c]),
-         helper.make_tensor_value_info("labels", TensorProto.INT64, [n])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["rows" if named else n, c]),
+         helper.make_tensor_value_info("labels", TensorProto.INT64, ["targets" if named else n])],
         [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("loss", "grad_scores")])
     imports = [helper.make_opsetid("", OPSET), helper.make_opsetid(PREVIEW_DOMAIN, 1)]
     expand_gradients(graph, imports, NameGen.from_graph(graph), list(feeds))

@@ -45,6 +45,8 @@ EXACT = [
     ("silu", lambda: silu_mul(), ["SiluMulF32", "SiluMulGradF32"]),
     ("silu, dh in two parts", lambda: silu_mul(two_readers=True), ["SiluMulF32", "SiluMulGradF32"]),
     ("silu, split over threads", lambda: silu_mul((4, 256, 1408), seed=1), ["SiluMulF32", "SiluMulGradF32"]),
+    ("silu, named batch and sequence", lambda: silu_mul(two_readers=True, named=True),
+     ["SiluMulF32", "SiluMulGradF32"]),
     ("rope", lambda: rope(), ["RopeF32", "RopeGradF32"]),
     ("rope, [S, D] tables", lambda: rope(table_rank=2), ["RopeF32", "RopeGradF32"]),
     ("rope, [1, S, D] tables", lambda: rope((2, 4, 9, 8), table_rank=3), ["RopeF32", "RopeGradF32"]),
@@ -144,6 +146,8 @@ ROW_SUMS = [
     ("cross-entropy, a vocabulary, split", lambda: cross_entropy(600, 8000, ignored=17, seed=6, scale=4.0),
      ["CrossEntropyF32", "CrossEntropyGradF32"]),
     ("cross-entropy, large logits", lambda: cross_entropy(16, 300, ignored=0, seed=8, scale=60.0),
+     ["CrossEntropyF32", "CrossEntropyGradF32"]),
+    ("cross-entropy, named rows", lambda: cross_entropy(40, 300, ignored=5, seed=9, named=True),
      ["CrossEntropyF32", "CrossEntropyGradF32"]),
 ]
 
@@ -258,6 +262,16 @@ def test_kernels_report_bad_inputs():
     chain.feeds["labels"] = np.array([0, 1, 300, 2], np.int64)
     with pytest.raises(Exception, match="CrossEntropyF32: a target is out of range"):
         run(fused, chain)
+    # Named dims are matched on trust: the kernels check the sizes they get.
+    chain = cross_entropy(4, 300, ignored=0, named=True)
+    fused, _ = chain.fused()
+    chain.feeds["labels"] = np.array([0, 1, 2], np.int64)
+    with pytest.raises(Exception, match="CrossEntropyF32"):
+        run(fused, chain)
+    chain = silu_mul(named=True)
+    fused, _ = chain.fused()
+    with pytest.raises(Exception, match="SiluMulF32: a, s and b must have one size"):
+        session(fused).run(None, {**chain.feeds, "b": chain.feeds["b"][:, :1].copy()})
 
 
 # ------------------------------------------------------------ in a session
