@@ -363,7 +363,10 @@ DIRECT_CASES = [c for c, cfg in GQA_CASES.items() if not (cfg.get("bias") or cfg
 @pytest.mark.parametrize("case", DIRECT_CASES)
 def test_group_query_attention_direct(case, monkeypatch):
     """The direct gradient (caches not differentiated) against float64 differences
-    and against the differentiated standard-op rewrite, to float64's rounding."""
+    and against the differentiated standard-op rewrite, to 1e-7 of the largest
+    entry: with onnxruntime 1.32 the two agree to about 1e-15, while 1.31's
+    float64 kernels leave both about 2e-8 from central differences in the
+    windowed cases (each its own way)."""
     from onnxtrain.autodiff.rules import contrib_attention
 
     inputs, attrs, f, cfg = gqa_case(case)
@@ -377,7 +380,7 @@ def test_group_query_attention_direct(case, monkeypatch):
     want = check_grad("GroupQueryAttention", inputs, attrs, f, wrt, n_out=3, diff_outputs=(0,), rtol=1e-5)
     assert len(calls) == 1
     for x in wrt:
-        np.testing.assert_allclose(got[x], want[x], rtol=1e-9, atol=1e-12, err_msg=x)
+        np.testing.assert_allclose(got[x], want[x], rtol=0, atol=1e-7 * np.abs(want[x]).max(), err_msg=x)
 
 
 def test_group_query_attention_refuses_present_gradient():
