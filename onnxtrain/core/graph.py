@@ -472,7 +472,7 @@ def _attention_shape(i: int, x: tuple, node: onnx.NodeProto) -> tuple | None:
     return (x[0], x[1], width)
 
 
-#: com.microsoft ops: (output index, input 0's dims, attributes) -> that output's dims (None: unknown).
+#: onnxruntime's ops: (output index, input 0's dims, the node) -> that output's dims (None: unknown).
 _CONTRIB_SHAPES = {
     "MatMulNBits": _nbits_shape,
     "SkipSimplifiedLayerNormalization": lambda i, x, a: _same(i, x, a, (0, 3)),

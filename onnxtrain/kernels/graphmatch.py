@@ -138,10 +138,8 @@ class Index:
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         """The static shape of ``name`` (every dim known), else None."""
-        s = self._inference()[1].get(name)
-        if s is None or not all(isinstance(d, int) for d in s):
-            return None
-        return tuple(s)
+        d = self.dims(name)
+        return d if d is not None and all(isinstance(x, int) for x in d) else None
 
     def dims(self, name: str) -> tuple | None:
         """The shape of ``name`` with symbolic dims (strings: equal names, equal

@@ -22,9 +22,8 @@ and backward, by one kernel each, only in the program onnxruntime runs
 Each match is the exact chain the exporter and the rules write, in either
 operand order of Add and Mul, on float32 values of static shape (SiLU, and
 the cross-entropy's rows: named dims too, which their kernels check at run
-time); anything
-else keeps its standard ops.  ``graphmatch.apply`` makes a match only where
-nothing outside the fused chains reads what it drops.  tests/kernels/
+time); anything else keeps its standard ops.  ``graphmatch.apply`` makes a
+match only where nothing outside the fused chains reads what it drops.  tests/kernels/
 compares each kernel with its standard chain (bit for bit where claimed) and
 both with float64.
 """
