@@ -117,7 +117,7 @@ static OrtStatus *llm_output(const LlmOp *op, Args *a, size_t k, const int64_t *
     return API(API_GetTensorMutableData, MutableDataFn)(value, out);
 }
 
-static OrtStatus *llm_compute(void *kernel, OrtKernelContext *ctx) {
+static OrtStatus *llm_compute_in(void *kernel, OrtKernelContext *ctx) {
     const LlmOp *op = (const LlmOp *)kernel;
     Args a;
     memset(&a, 0, sizeof(a));
@@ -625,6 +625,8 @@ static OrtStatus *dequantize_nbits(const LlmOp *op, Args *a) {
     split_work_from(dequantize_rows, &j, n, n * k * 4, LLM_SPLIT_MIN_BYTES);
     return NULL;
 }
+
+static OrtStatus *llm_compute(void *kernel, OrtKernelContext *ctx) { COMPUTE_WITH(ctx, llm_compute_in(kernel, ctx)); }
 
 /* ------------------------------------------------------------ op table */
 static const LlmOp *as_llm(const CustomOp *op) { return (const LlmOp *)op; }

@@ -100,6 +100,7 @@
 #include "ort_api.h"
 
 const OrtApi *g_api = NULL;
+int g_pool = 0;
 
 enum { KIND_ADAM_UPDATE, KIND_SPEC_ADAM, KIND_MOMENTUM, KIND_NESTEROV, KIND_ADAGRAD, KIND_MAX_POOL, KIND_RELU_GRAD,
        KIND_IM2COL, KIND_REORDER_FILTER, KIND_BN_GRAD, KIND_SCATTER_ADD, KIND_COL2IM, KIND_STEP_SIZE };
@@ -1080,7 +1081,7 @@ static OrtStatus *step_size_compute(const OpDef *def, OrtKernelContext *ctx) {
     return NULL;
 }
 
-static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
+static OrtStatus *compute_kind(void *kernel, OrtKernelContext *ctx) {
     const OpDef *def = (const OpDef *)kernel;
     if (def->kind == KIND_STEP_SIZE) return step_size_compute(def, ctx);
     if (def->kind == KIND_SCATTER_ADD) return scatter_add_compute(def, ctx);
@@ -1092,6 +1093,8 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     if (def->kind == KIND_RELU_GRAD) return relu_grad_compute(def, ctx);
     return def->kind == KIND_ADAM_UPDATE ? adam_compute(kernel, ctx) : spec_compute(def, ctx);
 }
+
+static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) { COMPUTE_WITH(ctx, compute_kind(kernel, ctx)); }
 
 /* ------------------------------------------------------------ op table */
 static const OpDef *as_def(const CustomOp *op) { return (const OpDef *)op; }
@@ -1195,6 +1198,7 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
     const OrtApi *api = base->GetApi(16);
     if (!api) return NULL; /* too old: the domain stays unregistered and loading fails cleanly */
     g_api = api;
+    g_pool = base->GetApi(17) != NULL && getenv("ONNXTRAIN_KERNEL_POOL_OFF") == NULL;
     if (!api_looks_right()) {
         g_api = NULL;
         return NULL;

@@ -14,6 +14,7 @@
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef struct OrtStatus OrtStatus;
@@ -53,9 +54,12 @@ enum {
     API_KernelContext_GetOutput = 91,
     API_ReleaseStatus = 93,
     API_ReleaseTensorTypeAndShapeInfo = 99,
+    API_KernelContext_ParallelFor = 274, /* from API version 17 (g_pool) */
 };
 
 extern const OrtApi *g_api;
+/* Whether the runtime has KernelContext_ParallelFor (API version 17, onnxruntime 1.17). */
+extern int g_pool;
 #define API(index, type) ((type)(((void *const *)g_api)[index]))
 
 typedef OrtStatus *(*CreateStatusFn)(int, const char *);
@@ -75,6 +79,7 @@ typedef OrtStatus *(*InputCountFn)(const OrtKernelContext *, size_t *);
 typedef OrtStatus *(*GetInputFn)(const OrtKernelContext *, size_t, const OrtValue **);
 typedef OrtStatus *(*GetOutputFn)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **);
 typedef void (*ReleaseInfoFn)(OrtTensorTypeAndShapeInfo *);
+typedef OrtStatus *(*ParallelForFn)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *);
 
 /* OrtCustomOp, layout of API version 16 onwards (later fields unused). */
 typedef struct CustomOp {
@@ -162,19 +167,27 @@ static OrtStatus *output_data(OrtKernelContext *ctx, size_t index, const int64_t
 /* ------------------------------------------------------------ threads */
 /* The optimizer updates and the layer kernels are bound by memory traffic,
  * which one core does not saturate.  A large one is split into contiguous
- * ranges of items, run by this thread and SPLIT_THREADS - 1 short-lived
- * helpers (a few tens of microseconds to start, paid only above
- * SPLIT_MIN_BYTES).  Each output element is written by one thread, in the
- * order one thread would: the results do not depend on the split.  (An
- * update in place, whose outputs share its inputs' buffers, runs in one
- * pass on this thread.) */
+ * ranges of items.  Inside a compute call (t_ctx set) the ranges run on the
+ * session's own intra-op pool (KernelContext_ParallelFor): its threads are
+ * awake between kernels (spinning) or a wake-up away, and a session of one
+ * thread runs them in turn.  Otherwise (an older runtime) this thread and
+ * SPLIT_THREADS - 1 short-lived helpers run them, from a larger size: a
+ * helper costs a few tens of microseconds to start, and it contends with the
+ * pool's spinning threads.  Each output element is written by one range, in
+ * the order one thread would: the results do not depend on the split.  (An
+ * update in place, whose outputs share its inputs' buffers, runs in one pass
+ * on this thread.) */
 #ifndef SPLIT_THREADS
 #define SPLIT_THREADS 2
 #endif
+/* Ranges handed to the pool: enough for a pool of a few threads to balance. */
+#define POOL_PARTS 8
+/* From this much traffic a kernel splits over the pool. */
+#define POOL_SPLIT_MIN_BYTES (1 << 20)
 #define SPLIT_MIN_BYTES (1 << 20)
-/* An optimizer update splits from more traffic than that: it is short, and
- * below this a helper's start costs about what the second core saves (W1's
- * 784x512 AdamW update, 11 MB, ran 1-2% slower split). */
+/* An optimizer update splits over helpers from more traffic than that: it is
+ * short, and below this a helper's start costs about what the second core
+ * saves (W1's 784x512 AdamW update, 11 MB, ran 1-2% slower split). */
 #define OPT_SPLIT_MIN_BYTES (16 << 20)
 
 typedef void (*PartFn)(void *, int64_t, int64_t);
@@ -184,13 +197,48 @@ typedef struct {
     int64_t begin, end;
 } Part;
 
+/* The kernel context of the compute call running on this thread: each
+ * library's compute entry sets it (COMPUTE_WITH) for the call's length. */
+static __thread OrtKernelContext *t_ctx;
+#define COMPUTE_WITH(ctx, call)                  \
+    do {                                         \
+        OrtKernelContext *saved_ = t_ctx;        \
+        t_ctx = (ctx);                           \
+        OrtStatus *st_ = (call);                 \
+        t_ctx = saved_;                          \
+        return st_;                              \
+    } while (0)
+
 static void *run_part(void *p) {
     Part *part = (Part *)p;
     part->fn(part->arg, part->begin, part->end);
     return NULL;
 }
 
+typedef struct {
+    PartFn fn;
+    void *arg;
+    int64_t items, parts;
+} Split;
+
+static void run_split(void *p, size_t k) {
+    const Split *s = (const Split *)p;
+    s->fn(s->arg, s->items * (int64_t)k / s->parts, s->items * ((int64_t)k + 1) / s->parts);
+}
+
+/* Over the session's pool; 0 where there is none to use (no context, an
+ * older runtime, or the call failed before running anything). */
+static int split_on_pool(PartFn fn, void *arg, int64_t items, int64_t bytes) {
+    if (!t_ctx || !g_pool || bytes < POOL_SPLIT_MIN_BYTES || items < 2) return 0;
+    Split s = {fn, arg, items, items < POOL_PARTS ? items : POOL_PARTS};
+    OrtStatus *st = API(API_KernelContext_ParallelFor, ParallelForFn)(t_ctx, run_split, (size_t)s.parts, 0, &s);
+    if (!st) return 1;
+    API(API_ReleaseStatus, ReleaseStatusFn)(st);
+    return 0;
+}
+
 static void split_work_from(PartFn fn, void *arg, int64_t items, int64_t bytes, int64_t min_bytes) {
+    if (split_on_pool(fn, arg, items, bytes)) return;
     int parts = bytes >= min_bytes ? SPLIT_THREADS : 1;
     if (parts > items) parts = (int)items;
     if (parts <= 1) {
