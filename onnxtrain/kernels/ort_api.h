@@ -180,10 +180,12 @@ static OrtStatus *output_data(OrtKernelContext *ctx, size_t index, const int64_t
 #ifndef SPLIT_THREADS
 #define SPLIT_THREADS 2
 #endif
-/* Ranges handed to the pool: enough for a pool of a few threads to balance. */
-#define POOL_PARTS 8
-/* From this much traffic a kernel splits over the pool. */
-#define POOL_SPLIT_MIN_BYTES (1 << 20)
+/* From this much traffic a kernel splits over the pool, into ranges of at
+ * least POOL_PART_BYTES, at most POOL_PARTS of them (the pool's threads take
+ * them as they come free). */
+#define POOL_SPLIT_MIN_BYTES (256 << 10)
+#define POOL_PART_BYTES (128 << 10)
+#define POOL_PARTS 16
 #define SPLIT_MIN_BYTES (1 << 20)
 /* An optimizer update splits over helpers from more traffic than that: it is
  * short, and below this a helper's start costs about what the second core
@@ -230,7 +232,10 @@ static void run_split(void *p, size_t k) {
  * older runtime, or the call failed before running anything). */
 static int split_on_pool(PartFn fn, void *arg, int64_t items, int64_t bytes) {
     if (!t_ctx || !g_pool || bytes < POOL_SPLIT_MIN_BYTES || items < 2) return 0;
-    Split s = {fn, arg, items, items < POOL_PARTS ? items : POOL_PARTS};
+    int64_t parts = bytes / POOL_PART_BYTES;
+    if (parts > POOL_PARTS) parts = POOL_PARTS;
+    if (parts > items) parts = items;
+    Split s = {fn, arg, items, parts};
     OrtStatus *st = API(API_KernelContext_ParallelFor, ParallelForFn)(t_ctx, run_split, (size_t)s.parts, 0, &s);
     if (!st) return 1;
     API(API_ReleaseStatus, ReleaseStatusFn)(st);
