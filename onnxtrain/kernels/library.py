@@ -55,7 +55,7 @@ _SOURCES = (_HERE / "optim_kernels.c", _HERE / "llm_kernels.c")
 _HEADERS = (_HERE / "ort_api.h",)
 #: -ffp-contract=off: no fused multiply-adds, so results match the standard
 #: kernels bit for bit; -fno-math-errno lets sqrt vectorize (errno only).
-_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden"]
+_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden"]
 #: Built without function multi-versioning where the compiler refuses it.
 _FALLBACK_FLAGS = [*_FLAGS, "-DONNXTRAIN_NO_CLONES"]
 

@@ -53,9 +53,9 @@
  * sums: run in double in one order, they are as close to float64 as the
  * float sums they replace (tests/kernels/ checks both claims).  The library
  * is compiled with -ffp-contract=off, so no fused multiply-add changes a
- * rounding.  Kernels over LLM_SPLIT_MIN_BYTES of traffic split their rows
- * over two threads; a row is computed by one thread, so the split changes
- * nothing.
+ * rounding.  A kernel splits its rows into ranges (ort_api.h: over the
+ * session's intra-op pool); a row is computed by one thread, so the split
+ * changes nothing.
  */
 
 #include "ort_api.h"
@@ -70,11 +70,6 @@
 #endif
 
 #define MAX_IO 16
-/* A kernel splits its rows over two threads from this much memory traffic:
- * below it (RMSNorm and RoPE at L1's sizes, a few milliseconds) a helper
- * thread's start, and on a loaded machine its wait for a core, cost more
- * than the second core saves (benchmarks/llm_kernels.py, docs/fused-kernels.md). */
-#define LLM_SPLIT_MIN_BYTES (16 << 20)
 
 typedef struct Args {
     size_t n_in, n_out;
@@ -217,7 +212,7 @@ static OrtStatus *rms_norm(const LlmOp *op, Args *a) {
     if (!st) st = llm_output(op, a, 3, a->dims[0], rank, (void **)&j.n);
     if (st) return st;
     const int64_t rows = (int64_t)a->count[0] / d;
-    split_work_from(rms_norm_rows, &j, rows, (int64_t)a->count[0] * 12, LLM_SPLIT_MIN_BYTES);
+    split_work(rms_norm_rows, &j, rows, (int64_t)a->count[0] * 12);
     return NULL;
 }
 
@@ -276,7 +271,7 @@ static OrtStatus *rms_norm_grad(const LlmOp *op, Args *a) {
     for (int t = 0; t < terms; ++t) j.dys[t] = a->data[6 + t];
     OrtStatus *st = llm_output(op, a, 0, a->dims[0], rank, (void **)&j.dx);
     if (st) return st;
-    split_work_from(rms_norm_grad_rows, &j, rows, (int64_t)a->count[0] * (12 + 4 * terms), LLM_SPLIT_MIN_BYTES);
+    split_work(rms_norm_grad_rows, &j, rows, (int64_t)a->count[0] * (12 + 4 * terms));
     return NULL;
 }
 
@@ -312,7 +307,7 @@ static OrtStatus *silu_mul(const LlmOp *op, Args *a) {
     OrtStatus *st = llm_output(op, a, 0, a->dims[0], a->rank[0], (void **)&j.h);
     if (!st) st = llm_output(op, a, 1, a->dims[0], a->rank[0], (void **)&j.silu);
     if (st) return st;
-    split_work_from(silu_mul_part, &j, (int64_t)a->count[0], (int64_t)a->count[0] * 20, LLM_SPLIT_MIN_BYTES);
+    split_work(silu_mul_part, &j, (int64_t)a->count[0], (int64_t)a->count[0] * 20);
     return NULL;
 }
 
@@ -324,7 +319,7 @@ static OrtStatus *silu_mul_grad(const LlmOp *op, Args *a) {
     OrtStatus *st = llm_output(op, a, 0, a->dims[1], a->rank[1], (void **)&j.da);
     if (!st) st = llm_output(op, a, 1, a->dims[2], a->rank[2], (void **)&j.db);
     if (st) return st;
-    split_work_from(silu_mul_grad_part, &j, (int64_t)n, (int64_t)n * 28, LLM_SPLIT_MIN_BYTES);
+    split_work(silu_mul_grad_part, &j, (int64_t)n, (int64_t)n * 28);
     return NULL;
 }
 
@@ -378,7 +373,7 @@ static OrtStatus *rope(const LlmOp *op, Args *a) {
     memset(&j, 0, sizeof(j));
     OrtStatus *st = rope_common(op, a, &j);
     if (st) return st;
-    split_work_from(rope_rows, &j, (int64_t)a->count[0] / j.d, (int64_t)a->count[0] * 8, LLM_SPLIT_MIN_BYTES);
+    split_work(rope_rows, &j, (int64_t)a->count[0] / j.d, (int64_t)a->count[0] * 8);
     return NULL;
 }
 
@@ -387,7 +382,7 @@ static OrtStatus *rope_grad(const LlmOp *op, Args *a) {
     memset(&j, 0, sizeof(j));
     OrtStatus *st = rope_common(op, a, &j);
     if (st) return st;
-    split_work_from(rope_grad_rows, &j, (int64_t)a->count[0] / j.d, (int64_t)a->count[0] * 8, LLM_SPLIT_MIN_BYTES);
+    split_work(rope_grad_rows, &j, (int64_t)a->count[0] / j.d, (int64_t)a->count[0] * 8);
     return NULL;
 }
 
@@ -428,7 +423,7 @@ static OrtStatus *softmax_guard(const LlmOp *op, Args *a) {
     SoftmaxJob j = {a->data[0], NULL, NULL, 0};
     OrtStatus *st = llm_output(op, a, 0, a->dims[0], a->rank[0], (void **)&j.out);
     if (st) return st;
-    split_work_from(guard_part, &j, (int64_t)a->count[0], (int64_t)a->count[0] * 8, LLM_SPLIT_MIN_BYTES);
+    split_work(guard_part, &j, (int64_t)a->count[0], (int64_t)a->count[0] * 8);
     return NULL;
 }
 
@@ -439,7 +434,7 @@ static OrtStatus *softmax_grad(const LlmOp *op, Args *a) {
     if (j.d <= 0) return llm_fail(op, "y must have a non-empty last axis");
     OrtStatus *st = llm_output(op, a, 0, a->dims[1], rank, (void **)&j.out);
     if (st) return st;
-    split_work_from(softmax_grad_rows, &j, (int64_t)a->count[1] / j.d, (int64_t)a->count[1] * 12, LLM_SPLIT_MIN_BYTES);
+    split_work(softmax_grad_rows, &j, (int64_t)a->count[1] / j.d, (int64_t)a->count[1] * 12);
     return NULL;
 }
 
@@ -518,7 +513,7 @@ static OrtStatus *xent(const LlmOp *op, Args *a) {
     OrtStatus *st = llm_output(op, a, 0, NULL, 0, (void **)&loss);
     if (!st) st = llm_output(op, a, 1, a->dims[1], 1, (void **)&j.lse);
     if (st) return st;
-    split_work_from(xent_rows, &j, n, (int64_t)a->count[0] * 4, LLM_SPLIT_MIN_BYTES);
+    split_work(xent_rows, &j, n, (int64_t)a->count[0] * 4);
     double total = 0.0, kept = 0.0; /* in row order, whatever the split */
     for (int64_t row = 0; row < n; ++row)
         if (t[row] != ignore) {
@@ -559,7 +554,7 @@ static OrtStatus *xent_grad(const LlmOp *op, Args *a) {
     XentJob j = {a->data[0], a->data[3], t, NULL, a->data[1], NULL, c};
     OrtStatus *st = llm_output(op, a, 0, a->dims[0], 2, (void **)&j.out);
     if (st) return st;
-    split_work_from(xent_grad_rows, &j, n, (int64_t)a->count[0] * 8, LLM_SPLIT_MIN_BYTES);
+    split_work(xent_grad_rows, &j, n, (int64_t)a->count[0] * 8);
     return NULL;
 }
 
@@ -622,7 +617,7 @@ static OrtStatus *dequantize_nbits(const LlmOp *op, Args *a) {
     const int64_t dims[2] = {n, k};
     OrtStatus *st = llm_output(op, a, 0, dims, 2, (void **)&j.w);
     if (st) return st;
-    split_work_from(dequantize_rows, &j, n, n * k * 4, LLM_SPLIT_MIN_BYTES);
+    split_work(dequantize_rows, &j, n, n * k * 4);
     return NULL;
 }
 

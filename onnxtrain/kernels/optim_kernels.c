@@ -168,8 +168,8 @@ typedef struct OpDef {
             adam_##SUFFIX##_any(n, in[0], in[1], in[2], in[3], out[0], out[1], out[2], s); \
         } else {                                                                           \
             AdamJob_##SUFFIX job = {(T *const *)in, (T *const *)out, s};                   \
-            split_work_from(adam_##SUFFIX##_part, &job, (int64_t)n,                        \
-                            (int64_t)(n * sizeof(T) * (N_TENSORS + N_OUTPUTS)), OPT_SPLIT_MIN_BYTES); \
+            split_work(adam_##SUFFIX##_part, &job, (int64_t)n,                             \
+                       (int64_t)(n * sizeof(T) * (N_TENSORS + N_OUTPUTS)));                \
         }                                                                                  \
     }
 
@@ -428,8 +428,7 @@ static OrtStatus *spec_compute(const OpDef *def, OrtKernelContext *ctx) {
                        loops_f64[kind][nc][post][!overlap], {in[0], in[1], in[2], in[3]},
                        {out[0], out[1], out[2]}, sf, sd};
         if (overlap) spec_part(&job, 0, (int64_t)count0); /* in place: one pass, in order */
-        else split_work_from(spec_part, &job, (int64_t)count0, (int64_t)(count0 * width * (pi + po)),
-                             OPT_SPLIT_MIN_BYTES);
+        else split_work(spec_part, &job, (int64_t)count0, (int64_t)(count0 * width * (pi + po)));
     }
     return NULL;
 }
@@ -1198,7 +1197,7 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
     const OrtApi *api = base->GetApi(16);
     if (!api) return NULL; /* too old: the domain stays unregistered and loading fails cleanly */
     g_api = api;
-    g_pool = base->GetApi(17) != NULL && getenv("ONNXTRAIN_KERNEL_POOL_OFF") == NULL;
+    g_pool = base->GetApi(17) != NULL;
     if (!api_looks_right()) {
         g_api = NULL;
         return NULL;

@@ -2,8 +2,10 @@
  * sources (optim_kernels.c, llm_kernels.c): no onnxruntime headers.
  *
  * The onnxruntime C API is a table of function pointers that only ever grows
- * at its end (its ABI contract); the few entries used here sit in the part
- * frozen since API version 1, so they are addressed by index.  The
+ * at its end (its ABI contract), so the few entries used here are addressed
+ * by index: all in the part frozen since API version 1 but one,
+ * KernelContext_ParallelFor, from version 17 (used where the runtime's table
+ * has it: g_pool).  The
  * OrtCustomOp struct below is declared in the layout of API version 16, the
  * first with status-returning kernels.  g_api is set when the library
  * registers its ops (optim_kernels.c, RegisterCustomOps). */
@@ -11,10 +13,8 @@
 #define ONNXTRAIN_ORT_API_H
 
 #include <math.h>
-#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 typedef struct OrtStatus OrtStatus;
@@ -34,7 +34,7 @@ typedef struct OrtApiBase {
 enum { ELEM_FLOAT = 1, ELEM_UINT8 = 2, ELEM_INT64 = 7, ELEM_DOUBLE = 11 };
 enum { STATUS_FAIL = 1, STATUS_INVALID_ARGUMENT = 2 };
 
-/* Indices into the OrtApi table (all in the version-1 part). */
+/* Indices into the OrtApi table (the version-1 part, and one of version 17). */
 enum {
     API_CreateStatus = 0,
     API_GetErrorCode = 1,
@@ -166,56 +166,34 @@ static OrtStatus *output_data(OrtKernelContext *ctx, size_t index, const int64_t
 
 /* ------------------------------------------------------------ threads */
 /* The optimizer updates and the layer kernels are bound by memory traffic,
- * which one core does not saturate.  A large one is split into contiguous
- * ranges of items.  Inside a compute call (t_ctx set) the ranges run on the
- * session's own intra-op pool (KernelContext_ParallelFor): its threads are
- * awake between kernels (spinning) or a wake-up away, and a session of one
- * thread runs them in turn.  Otherwise (an older runtime) this thread and
- * SPLIT_THREADS - 1 short-lived helpers run them, from a larger size: a
- * helper costs a few tens of microseconds to start, and it contends with the
- * pool's spinning threads.  Each output element is written by one range, in
- * the order one thread would: the results do not depend on the split.  (An
- * update in place, whose outputs share its inputs' buffers, runs in one pass
- * on this thread.) */
-#ifndef SPLIT_THREADS
-#define SPLIT_THREADS 2
-#endif
-/* From this much traffic a kernel splits over the pool, into ranges of at
- * least POOL_PART_BYTES, at most POOL_PARTS of them (the pool's threads take
- * them as they come free). */
-#define POOL_SPLIT_MIN_BYTES (256 << 10)
-#define POOL_PART_BYTES (128 << 10)
+ * which one core does not saturate.  From POOL_SPLIT_MIN_BYTES of traffic a
+ * kernel splits its items into contiguous ranges of at least POOL_PART_BYTES
+ * (at most POOL_PARTS), which the session's own intra-op pool runs
+ * (KernelContext_ParallelFor), its threads taking them as they come free:
+ * they are awake between kernels (spinning) or a wake-up away, and a session
+ * of one thread runs the ranges in turn.  (Short-lived helper threads, which
+ * the library started before, cost tens of microseconds each and contended
+ * with the pool's spinning threads: docs/fused-kernels.md.)  Each output
+ * element is written by one range, in the order one thread would: the results
+ * do not depend on the split.  (An update in place, whose outputs share its
+ * inputs' buffers, runs in one pass on this thread.) */
+#define POOL_SPLIT_MIN_BYTES (64 << 10)
+#define POOL_PART_BYTES (32 << 10)
 #define POOL_PARTS 16
-#define SPLIT_MIN_BYTES (1 << 20)
-/* An optimizer update splits over helpers from more traffic than that: it is
- * short, and below this a helper's start costs about what the second core
- * saves (W1's 784x512 AdamW update, 11 MB, ran 1-2% slower split). */
-#define OPT_SPLIT_MIN_BYTES (16 << 20)
 
 typedef void (*PartFn)(void *, int64_t, int64_t);
-typedef struct {
-    PartFn fn;
-    void *arg;
-    int64_t begin, end;
-} Part;
 
 /* The kernel context of the compute call running on this thread: each
  * library's compute entry sets it (COMPUTE_WITH) for the call's length. */
 static __thread OrtKernelContext *t_ctx;
-#define COMPUTE_WITH(ctx, call)                  \
-    do {                                         \
-        OrtKernelContext *saved_ = t_ctx;        \
-        t_ctx = (ctx);                           \
-        OrtStatus *st_ = (call);                 \
-        t_ctx = saved_;                          \
-        return st_;                              \
+#define COMPUTE_WITH(ctx, call)           \
+    do {                                  \
+        OrtKernelContext *saved_ = t_ctx; \
+        t_ctx = (ctx);                    \
+        OrtStatus *st_ = (call);          \
+        t_ctx = saved_;                   \
+        return st_;                       \
     } while (0)
-
-static void *run_part(void *p) {
-    Part *part = (Part *)p;
-    part->fn(part->arg, part->begin, part->end);
-    return NULL;
-}
 
 typedef struct {
     PartFn fn;
@@ -223,52 +201,25 @@ typedef struct {
     int64_t items, parts;
 } Split;
 
-static void run_split(void *p, size_t k) {
+static void run_range(void *p, size_t k) {
     const Split *s = (const Split *)p;
     s->fn(s->arg, s->items * (int64_t)k / s->parts, s->items * ((int64_t)k + 1) / s->parts);
 }
 
-/* Over the session's pool; 0 where there is none to use (no context, an
- * older runtime, or the call failed before running anything). */
-static int split_on_pool(PartFn fn, void *arg, int64_t items, int64_t bytes) {
-    if (!t_ctx || !g_pool || bytes < POOL_SPLIT_MIN_BYTES || items < 2) return 0;
-    int64_t parts = bytes / POOL_PART_BYTES;
+/* fn(arg, begin, end) over [0, items), ``bytes`` the memory it moves: split
+ * over the pool, or in one call (small work, no pool, or the pool refused
+ * before running anything). */
+static void split_work(PartFn fn, void *arg, int64_t items, int64_t bytes) {
+    int64_t parts = bytes >= POOL_SPLIT_MIN_BYTES ? bytes / POOL_PART_BYTES : 1;
     if (parts > POOL_PARTS) parts = POOL_PARTS;
     if (parts > items) parts = items;
-    Split s = {fn, arg, items, parts};
-    OrtStatus *st = API(API_KernelContext_ParallelFor, ParallelForFn)(t_ctx, run_split, (size_t)s.parts, 0, &s);
-    if (!st) return 1;
-    API(API_ReleaseStatus, ReleaseStatusFn)(st);
-    return 0;
-}
-
-static void split_work_from(PartFn fn, void *arg, int64_t items, int64_t bytes, int64_t min_bytes) {
-    if (split_on_pool(fn, arg, items, bytes)) return;
-    int parts = bytes >= min_bytes ? SPLIT_THREADS : 1;
-    if (parts > items) parts = (int)items;
-    if (parts <= 1) {
-        fn(arg, 0, items);
-        return;
+    if (parts > 1 && t_ctx && g_pool) {
+        Split s = {fn, arg, items, parts};
+        OrtStatus *st = API(API_KernelContext_ParallelFor, ParallelForFn)(t_ctx, run_range, (size_t)parts, 0, &s);
+        if (!st) return;
+        API(API_ReleaseStatus, ReleaseStatusFn)(st);
     }
-    Part work[SPLIT_THREADS];
-    pthread_t threads[SPLIT_THREADS];
-    int started[SPLIT_THREADS] = {0};
-    for (int k = 0; k < parts; ++k) {
-        work[k].fn = fn;
-        work[k].arg = arg;
-        work[k].begin = items * k / parts;
-        work[k].end = items * (k + 1) / parts;
-    }
-    for (int k = 1; k < parts; ++k) started[k] = pthread_create(&threads[k], NULL, run_part, &work[k]) == 0;
-    run_part(&work[0]);
-    for (int k = 1; k < parts; ++k) {
-        if (started[k]) pthread_join(threads[k], NULL);
-        else run_part(&work[k]); /* no thread to be had: this one does it */
-    }
-}
-
-static void split_work(PartFn fn, void *arg, int64_t items, int64_t bytes) {
-    split_work_from(fn, arg, items, bytes, SPLIT_MIN_BYTES);
+    fn(arg, 0, items);
 }
 
 /* OrtCustomOp members every op of the library shares: the kernel is the op
