@@ -325,6 +325,7 @@ class ProgramRunner:
         if plan is None:
             return None
         executor = plans[2]
+        store.prefault(plan)
         names = program.returned if fetch else ()
         try:
             outputs = executor.run_binding(plan.binding, feeds, names, len(program.bound_values))

@@ -33,6 +33,10 @@ import numpy as np
 
 from .executor import as_numpy, contiguous, empty_like, new_buffer, wrap_buffer
 
+#: The smallest page size of the systems onnxruntime runs on: ``prefault``
+#: writes one byte in every span of it.
+PAGE_BYTES = 4096
+
 
 @dataclass
 class StepPlan:
@@ -45,6 +49,9 @@ class StepPlan:
     state_in: dict
     next_current: dict
     next_spare: dict
+    #: The buffers its step writes, and whether ``StateStore.prefault`` has seen them.
+    targets: list
+    faulted: bool = False
 
 
 class StateStore:
@@ -62,12 +69,17 @@ class StateStore:
         self._spare: dict[str, Any] = {}
         self._pins: dict[int, int] = {}
         self.version = 0
+        #: The ids of the buffers made here, until a step is about to write them
+        #: (``prefault``; an id reused by a later buffer costs one more pass, no more).
+        self._unwritten: set[int] = set()
         for name, arr in arrays.items():
             if name in adopt and device[0] == "cpu" and arr.flags.c_contiguous and arr.flags.writeable:
                 self._current[name] = wrap_buffer(arr)
             else:
                 self._current[name] = new_buffer(contiguous(arr), device)
             self._spare[name] = None
+            if device[0] == "cpu":
+                self._unwritten.add(id(self._current[name]))
 
     # ----------------------------------------------------------- access
     def names(self) -> list[str]:
@@ -93,6 +105,7 @@ class StateStore:
             fresh = None
             for n in names:
                 if n in inplace and not (pins and pins.get(id(self._current[n]))):
+                    self._prefault_one(self._current[n])
                     out.append(self._current[n])
                     continue
                 spare = spares[n]
@@ -101,10 +114,32 @@ class StateStore:
                     if fresh is None:
                         fresh = dict(spares)  # installed maps are never changed in place
                     fresh[n] = spare
+                self._prefault_one(spare)
                 out.append(spare)
             if fresh is not None:
                 self._spare = fresh
         return out
+
+    def prefault(self, plan: StepPlan) -> None:
+        """Before ``plan``'s first step: fault in the pages of its targets
+        that are still the starting buffers.  A state variable that starts at
+        zero (a moment) is memory the system has not given yet, read as the
+        shared zero page until written, and the optimizer's kernels then pay
+        for every page as they write it, at a high price (W6's second step,
+        docs/performance.md: 55 ms more than a steady one, where writing one
+        byte per page here takes 17)."""
+        if not plan.faulted:
+            for target in plan.targets:
+                self._prefault_one(target)
+            plan.faulted = True
+
+    def _prefault_one(self, target: Any) -> None:
+        """Write one byte per page of ``target``, a starting buffer the step is
+        about to write, its value kept (an update in place writes current state)."""
+        if id(target) in self._unwritten:
+            self._unwritten.discard(id(target))
+            touched = as_numpy(target).reshape(-1).view(np.uint8)[::PAGE_BYTES]
+            touched[...] = touched.copy()
 
     def commit(self, staged: Mapping[str, Any]) -> None:
         """Make the staged buffers current (all at once); the old current
@@ -189,7 +224,7 @@ class StateStore:
             for key, target in zip(bound_keys, targets):
                 nxt_spare[key] = current[key]
                 nxt_current[key] = target
-            return StepPlan(current, bind(state_in, targets), state_in, nxt_current, nxt_spare)
+            return StepPlan(current, bind(state_in, targets), state_in, nxt_current, nxt_spare, targets)
 
         first = plan(self._current, self._spare)
         if first is None:
