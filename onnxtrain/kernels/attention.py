@@ -20,6 +20,15 @@ The softmax rule's gradient through the guard, ``Where(IsNaN(p), 0, dq)``,
 p recomputed as guarded, then ``q * (e - sum(e * q))``, is
 ``SoftmaxGradF32`` from dq and p: the same operations but for the row sum,
 which runs in double.
+
+**The masked softmax.**  ``Softmax(scores + mask)`` over the last axis, the
+mask broadcast over heads (the exporter's attention; GroupQueryAttention's
+recomputed probabilities in its gradient), is ``MaskedSoftmaxF32``: one pass
+per row that never writes ``scores + mask``, broadcasting the two as the Add
+does (so named dims match: the kernel sees the sizes at run time).  The Add's sums are the same
+bits; the softmax uses the library's exp and a row sum in double, so it is
+compared with float64, not bit for bit.  A row with a NaN, or all -inf, is
+NaN as the standard Softmax makes it (the guard above then zeroes it).
 """
 
 from __future__ import annotations
@@ -207,4 +216,23 @@ def softmaxes(ix: Index, domain: str) -> list[Fusion]:
         for g in _softmax_grad(ix, p, where.input[0]):
             fusions.append(Fusion(g["nodes"], [kernel_node("SoftmaxGradF32", [g["dq"], p], [g["dx"]],
                                                            g["nodes"][-1].name + "/softmax_grad", domain)]))
+    return fusions
+
+
+# ------------------------------------------------------------ masked softmax
+def masked_softmaxes(ix: Index, domain: str) -> list[Fusion]:
+    """Softmax(Add(a, b)) over the last axis of float32 values whose ranks are
+    known (the kernel broadcasts a and b as the Add does, named dims included),
+    the sum read only by the Softmax."""
+    fusions = []
+    for sm in [n for n in ix.nodes if n.op_type == "Softmax" and n.domain in ("", "ai.onnx")]:
+        add = ix.node(sm.input[0], "Add", 2)
+        out = ix.dims(sm.input[0]) if add is not None else None
+        if out is None or not 1 <= len(out) <= 8 or not ix.all_float(*add.input):
+            continue
+        axis = ix.attr(sm, "axis", -1 if ix.opset() >= 13 else 1)  # (1 before opset 13, and 2-D rows)
+        if axis % len(out) != len(out) - 1:
+            continue
+        fusions.append(Fusion([add, sm], [kernel_node("MaskedSoftmaxF32", list(add.input), [sm.output[0]],
+                                                      sm.name + "/masked", domain)]))
     return fusions

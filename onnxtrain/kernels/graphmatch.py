@@ -102,6 +102,11 @@ class Index:
             return list(found)
         return [n for n in found if n.op_type == op_type and _default(n)]
 
+    def opset(self, domain: str = "") -> int:
+        """The graph's version of ``domain`` ("" and "ai.onnx" alike), 0 if none."""
+        want = {"", "ai.onnx"} if domain in ("", "ai.onnx") else {domain}
+        return max((int(o.version) for o in self._opsets if o.domain in want), default=0)
+
     def attr(self, node: onnx.NodeProto, name: str, default=None):
         for a in node.attribute:
             if a.name == name:

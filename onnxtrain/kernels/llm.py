@@ -16,6 +16,7 @@ and backward, by one kernel each, only in the program onnxruntime runs
 | ``SiluMulGradF32`` | the rule's 8 kernels (and the Add of dh's two parts) | yes |
 | ``RopeF32`` / ``RopeGradF32`` | ``attention``: rotate-half RoPE and its gradient | yes |
 | ``SoftmaxGuardF32`` / ``SoftmaxGradF32`` | ``attention``: Where(IsNaN(p), 0, p) and the guarded softmax's gradient | yes / no (row sum) |
+| ``MaskedSoftmaxF32`` | ``attention``: Softmax(scores + mask), the mask broadcast | no: the library's exp, the row sum in double |
 | ``CrossEntropyF32`` / ``CrossEntropyGradF32`` | ``xent``: SoftmaxCrossEntropyLoss and its gradient | no: double sums, the library's exp |
 | ``DequantizeNBitsF32`` | ``nbits``: MatMulNBits' weight unpacked for its gradient dA = dY W | yes |
 
@@ -57,7 +58,8 @@ def rewrite(graph: onnx.GraphProto, opset_imports: Sequence[onnx.OperatorSetIdPr
     ix = Index(graph, opset_imports, inferred)
     names = NameGen.from_graph(graph)
     fusions = (rms_norms(ix, names, domain) + silu_muls(ix, domain) + attention.ropes(ix, names, domain)
-               + attention.softmaxes(ix, domain) + xent.cross_entropies(ix, names, domain)
+               + attention.softmaxes(ix, domain) + attention.masked_softmaxes(ix, domain)
+               + xent.cross_entropies(ix, names, domain)
                + nbits.dequantizations(ix, names, domain))
     count = apply(graph, fusions)
     if count:

@@ -31,6 +31,11 @@
  *       q = guard(y), e = isnan(y) ? 0 : dq, t = sum(e * q) over the row
  *       (double, rounded once), dx = q * (e - t): the rule's Where, Where,
  *       Mul, ReduceSum, Sub, Mul but for the row sum.
+ *   MaskedSoftmaxF32 a, b (broadcast together, as Add's) -> y
+ *       y = Softmax(a + b) over the last axis: the Add's float sums, the
+ *       row's max, e^(v - max) (the library's exp, as the cross-entropy's),
+ *       their sum in double, y = e * (1 / sum); the Add and the Softmax
+ *       without writing a + b.  A row with a NaN or all -inf is NaN.
  *   CrossEntropyF32     scores [N, C], target (int64 [N]), ignore (int64 [1])
  *                       -> loss [], lse (double [N])
  *       lse = log sum exp over each row; loss = mean over the rows whose
@@ -443,8 +448,9 @@ static OrtStatus *softmax_grad(const LlmOp *op, Args *a) {
  * n * ln2's high part is exact), e^r by its Taylor polynomial of degree 7
  * (truncation below 6e-9), times 2^n from the exponent bits.  0 below -87.3
  * (under FLT_MIN), NaN stays NaN.  No branches: the loops calling it vectorize. */
+#define EXP_ZERO_BELOW (-87.3f)
 static inline float exp_of(float a) {
-    const float x = a < -87.3f ? -87.3f : (a > 88.0f ? 88.0f : a);
+    const float x = a < EXP_ZERO_BELOW ? EXP_ZERO_BELOW : (a > 88.0f ? 88.0f : a);
     const float shift = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
     const float n = (x * 1.44269504f + shift) - shift;
     const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
@@ -460,7 +466,101 @@ static inline float exp_of(float a) {
     float scale;
     memcpy(&scale, &bits, sizeof(scale));
     const float v = p * scale;
-    return a != a ? a : (a < -87.3f ? 0.0f : v);
+    return a != a ? a : (a < EXP_ZERO_BELOW ? 0.0f : v);
+}
+
+/* The largest of x[0..d) (eight running maxima; a NaN never wins a comparison). */
+static inline float row_max(const float *x, int64_t d) {
+    float m[8];
+    for (int k = 0; k < 8; ++k) m[k] = x[0];
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8)
+        for (int k = 0; k < 8; ++k) m[k] = x[i + k] > m[k] ? x[i + k] : m[k];
+    for (; i < d; ++i) m[0] = x[i] > m[0] ? x[i] : m[0];
+    float mx = m[0];
+    for (int k = 1; k < 8; ++k) mx = m[k] > mx ? m[k] : mx;
+    return mx;
+}
+
+/* out[i] = e^(x[i] - mx) (out may be x); their sum in double (SUM8's order). */
+static inline double exp_sum(const float *x, float mx, float *out, int64_t d) {
+    for (int64_t i = 0; i < d; ++i) out[i] = exp_of(x[i] - mx);
+    double sum;
+    SUM8(sum, d, t, (double)out[t]);
+    return sum;
+}
+
+/* ------------------------------------------------------------ masked softmax */
+typedef struct {
+    const float *in[2];
+    float *y;
+    int64_t d, rank;
+    int64_t dims[8], stride[2][8]; /* y's dims; each input's strides, 0 where it broadcasts */
+} MaskedJob;
+
+/* Each row: v = a + b (the Add's float sums, broadcast), its max (eight
+ * running maxima), e^(v - max), the sum in double, y = e * (1 / sum): the Add
+ * and the Softmax over the last axis without writing a + b.  A row with a
+ * NaN, or all -inf (a fully masked row), is NaN, as the standard Softmax's is. */
+CLONES static void masked_softmax_rows(void *arg, int64_t b, int64_t e) {
+    const MaskedJob *j = (const MaskedJob *)arg;
+    const int64_t d = j->d, sa = j->stride[0][j->rank - 1], sb = j->stride[1][j->rank - 1];
+    for (int64_t row = b; row < e; ++row) {
+        int64_t off[2] = {0, 0}, rest = row;
+        for (int64_t k = j->rank - 2; k >= 0; --k) {
+            const int64_t at = rest % j->dims[k];
+            off[0] += at * j->stride[0][k];
+            off[1] += at * j->stride[1][k];
+            rest /= j->dims[k];
+        }
+        const float *x = j->in[0] + off[0], *m = j->in[1] + off[1];
+        float *y = j->y + row * d;
+        if (sa && sb)
+            for (int64_t i = 0; i < d; ++i) y[i] = x[i] + m[i];
+        else
+            for (int64_t i = 0; i < d; ++i) y[i] = x[i * sa] + m[i * sb];
+        /* A row's masked tail (a causal mask's keys after the query) is e^(v - max)
+         * = 0 by exp_of's own test, so it is written as 0 without the exp; the
+         * sum is unchanged (its terms there are +0).  A NaN row scales it too. */
+        const float mx = row_max(y, d);
+        int64_t hi = d;
+        while (hi > 0 && y[hi - 1] - mx < EXP_ZERO_BELOW) --hi;
+        const float inv = (float)(1.0 / exp_sum(y, mx, y, hi));
+        for (int64_t i = hi; i < d; ++i) y[i] = 0.0f;
+        const int64_t end = inv != inv ? d : hi;
+        for (int64_t i = 0; i < end; ++i) y[i] = y[i] * inv;
+    }
+}
+
+static OrtStatus *masked_softmax(const LlmOp *op, Args *a) {
+    const size_t rank = a->rank[0] > a->rank[1] ? a->rank[0] : a->rank[1];
+    if (rank < 1 || rank > 8) return llm_fail(op, "expects inputs of rank 1 to 8");
+    MaskedJob j;
+    memset(&j, 0, sizeof(j));
+    j.in[0] = a->data[0];
+    j.in[1] = a->data[1];
+    j.rank = (int64_t)rank;
+    int64_t stride[2] = {1, 1};
+    for (int64_t k = (int64_t)rank - 1; k >= 0; --k) {
+        int64_t dk[2];
+        for (int t = 0; t < 2; ++t) {
+            const int64_t at = k - ((int64_t)rank - (int64_t)a->rank[t]);
+            dk[t] = at >= 0 ? a->dims[t][at] : 1;
+        }
+        if (dk[0] != dk[1] && dk[0] != 1 && dk[1] != 1) return llm_fail(op, "the inputs do not broadcast together");
+        j.dims[k] = dk[0] == 1 ? dk[1] : dk[0];
+        for (int t = 0; t < 2; ++t) {
+            j.stride[t][k] = dk[t] == 1 ? 0 : stride[t];
+            stride[t] *= dk[t];
+        }
+    }
+    j.d = j.dims[rank - 1];
+    OrtStatus *st = llm_output(op, a, 0, j.dims, rank, (void **)&j.y);
+    int64_t count = 1;
+    for (size_t k = 0; k < rank; ++k) count *= j.dims[k];
+    if (st || count == 0) return st;
+    split_work(masked_softmax_rows, &j, count / j.d, count * 8);
+    return NULL;
 }
 
 typedef struct {
@@ -472,8 +572,8 @@ typedef struct {
     int64_t c;
 } XentJob;
 
-/* Each row: its max (eight running maxima), e^(x - max) into a row buffer,
- * its sum in double: lse = max + log(sum).  A NaN anywhere makes the sum NaN. */
+/* Each row: its max, e^(x - max) into a row buffer, its sum in double:
+ * lse = max + log(sum).  A NaN anywhere makes the sum NaN. */
 CLONES static void xent_rows(void *arg, int64_t b, int64_t e) {
     const XentJob *j = (const XentJob *)arg;
     const int64_t c = j->c;
@@ -484,18 +584,8 @@ CLONES static void xent_rows(void *arg, int64_t b, int64_t e) {
             j->lse[row] = NAN; /* (no memory: xent() reports it) */
             continue;
         }
-        float m[8];
-        for (int k = 0; k < 8; ++k) m[k] = x[0];
-        int64_t i = 0;
-        for (; i + 8 <= c; i += 8)
-            for (int k = 0; k < 8; ++k) m[k] = x[i + k] > m[k] ? x[i + k] : m[k];
-        for (; i < c; ++i) m[0] = x[i] > m[0] ? x[i] : m[0];
-        float mx = m[0];
-        for (int k = 1; k < 8; ++k) mx = m[k] > mx ? m[k] : mx;
-        for (i = 0; i < c; ++i) buf[i] = exp_of(x[i] - mx);
-        double sum;
-        SUM8(sum, c, t, (double)buf[t]);
-        j->lse[row] = (double)mx + log(sum);
+        const float mx = row_max(x, c);
+        j->lse[row] = (double)mx + log(exp_sum(x, mx, buf, c));
     }
     free(buf);
 }
@@ -663,6 +753,7 @@ static LlmOp g_llm_ops[] = {
     LLM_OP("RopeGradF32", 3, L(F, F, F), 0, 1, L(F), 0, rope_grad),
     LLM_OP("SoftmaxGuardF32", 1, L(F), 0, 1, L(F), 0, softmax_guard),
     LLM_OP("SoftmaxGradF32", 2, L(F, F), 0, 1, L(F), 0, softmax_grad),
+    LLM_OP("MaskedSoftmaxF32", 2, L(F, F), 0, 1, L(F), 0, masked_softmax),
     LLM_OP("CrossEntropyF32", 3, L(F, I, I), 0, 2, L(F, D), 0, xent),
     LLM_OP("CrossEntropyGradF32", 4, L(F, D, I, F), 0, 1, L(F), 0, xent_grad),
     LLM_OP("DequantizeNBitsF32", 5, L(ELEM_UINT8, F, I, ELEM_UINT8, F), 0x18u, 1, L(F), 0, dequantize_nbits),

@@ -223,6 +223,45 @@ def guarded_softmax(shape=(2, 3, 6, 6), masked_rows: int = 1, seed: int = 0) -> 
     return Chain(model, feeds, outputs, reference)
 
 
+def masked_softmax(shape=(2, 3, 6, 6), mask_shape=(2, 1, 6, 6), guard: bool = True, seed: int = 0,
+                   lowest: float = -np.inf) -> Chain:
+    """p = Softmax(scores + mask) over the last axis (the exporter's attention:
+    a causal mask of 0 and ``lowest``, broadcast over heads), guarded as the
+    exporter writes it when ``guard``; the mask's last rows of the first batch
+    fully masked (NaN in p, 0 in q with -inf).  A mask without a row axis
+    masks random keys instead (padding)."""
+    rng = np.random.default_rng(seed)
+    scores = (rng.standard_normal(shape) * 2).astype(np.float32)
+    s, d = (shape[-2] if len(shape) > 1 else 1), shape[-1]
+    if len(mask_shape) >= 2 and mask_shape[-2] == s:  # causal
+        causal = np.where(np.arange(d)[None, :] > np.arange(s)[:, None] + (d - s), lowest, 0.0)
+        mask = np.broadcast_to(causal, mask_shape).astype(np.float32).copy()
+    else:  # keys of padding
+        mask = np.where(rng.random(mask_shape) < 0.3, lowest, 0.0).astype(np.float32)
+    if len(mask_shape) >= 3 and mask_shape[-2] > 1:
+        mask[(0,) * (len(mask_shape) - 2) + (slice(-1, None),)] = lowest
+    feeds = {"scores": scores, "mask": mask, "t": rng.standard_normal(shape).astype(np.float32)}
+    nodes = [helper.make_node("Add", ["scores", "mask"], ["sum"]),
+             helper.make_node("Softmax", ["sum"], ["p"], axis=-1)]
+    out = "p"
+    if guard:
+        nodes += [_const("zero", 0.0), helper.make_node("IsNaN", ["p"], ["nan"]),
+                  helper.make_node("Where", ["nan", "zero", "p"], ["q"])]
+        out = "q"
+    model, outputs = _program(nodes, feeds, [out], ["scores"], {out: "t"})
+
+    def reference(f):
+        v = f["scores"].astype(np.float64) + f["mask"].astype(np.float64)
+        t = f["t"].astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            e = np.exp(v - v.max(-1, keepdims=True))
+            p = e / e.sum(-1, keepdims=True)
+        if guard:
+            p = np.nan_to_num(p, nan=0.0)
+        return {out: p, "grad_scores": p * (t - (t * p).sum(-1, keepdims=True))}
+    return Chain(model, feeds, outputs, reference)
+
+
 # ------------------------------------------------------------ cross-entropy
 def cross_entropy(n: int = 12, c: int = 300, ignored: int = 3, seed: int = 0, scale: float = 3.0,
                   named: bool = False) -> Chain:

@@ -5,8 +5,8 @@ chains and float64.
   replace, their gradients too: compared byte for byte with onnxruntime
   running the standard program, on random values, special values (+-0, +-inf,
   NaN) and tensors large enough for the kernels' two-thread split.
-- RMSNorm, the guarded softmax's gradient and the cross-entropy sum rows in
-  double: compared with float64 references, their error at most about the
+- RMSNorm, the masked softmax, the guarded softmax's gradient and the
+  cross-entropy sum rows in double: compared with float64 references, their error at most about the
   standard chain's (twice it, or a few float32 ulps of the largest value).
 - The rewrite applies only to the program onnxruntime runs, only to exact
   matches, and a model trains with the kernels as without them.
@@ -18,7 +18,7 @@ import shutil
 
 import numpy as np
 import pytest
-from chains import cross_entropy, guarded_softmax, rms_norm, rope, run, session, silu_mul
+from chains import cross_entropy, guarded_softmax, masked_softmax, rms_norm, rope, run, session, silu_mul
 from onnx import helper
 
 from onnxtrain.kernels.fuse import KERNEL_DOMAIN
@@ -142,6 +142,17 @@ ROW_SUMS = [
     ("softmax", lambda: guarded_softmax(), ["SoftmaxGradF32", "SoftmaxGuardF32"]),
     ("softmax, split", lambda: guarded_softmax((4, 8, 256, 256), masked_rows=5, seed=5),
      ["SoftmaxGradF32", "SoftmaxGuardF32"]),
+    ("masked softmax, guarded", lambda: masked_softmax(),
+     ["MaskedSoftmaxF32", "SoftmaxGradF32", "SoftmaxGuardF32"]),
+    ("masked softmax, L1's attention, split", lambda: masked_softmax((4, 8, 256, 256), (4, 1, 256, 256), seed=5),
+     ["MaskedSoftmaxF32", "SoftmaxGradF32", "SoftmaxGuardF32"]),
+    ("masked softmax, an [S, S] mask, odd rows", lambda: masked_softmax((3, 2, 7, 13), (7, 13), seed=6),
+     ["MaskedSoftmaxF32", "SoftmaxGradF32", "SoftmaxGuardF32"]),
+    ("masked softmax, a row of mask values", lambda: masked_softmax((3, 2, 7, 13), (3, 1, 1, 13), seed=7),
+     ["MaskedSoftmaxF32", "SoftmaxGradF32", "SoftmaxGuardF32"]),
+    ("masked softmax, GQA's 5-D lowest-float mask, no guard",
+     lambda: masked_softmax((2, 2, 2, 16, 16), (2, 1, 1, 16, 16), guard=False, seed=8,
+                            lowest=float(np.finfo(np.float32).min)), ["MaskedSoftmaxF32"]),
     ("cross-entropy", lambda: cross_entropy(), ["CrossEntropyF32", "CrossEntropyGradF32"]),
     ("cross-entropy, a vocabulary, split", lambda: cross_entropy(600, 8000, ignored=17, seed=6, scale=4.0),
      ["CrossEntropyF32", "CrossEntropyGradF32"]),
@@ -185,6 +196,31 @@ def test_fully_masked_rows_get_zero_gradient():
     assert np.all(grad[..., :2, :] == 0) and np.all(np.signbit(grad[..., :2, :]) == 0)
 
 
+def test_the_masked_softmax_keeps_the_standard_nans():
+    """A fully masked row (all -inf) and a row with a NaN score are NaN rows,
+    as onnxruntime's Softmax makes them; the guard then zeroes them."""
+    chain = masked_softmax((2, 3, 6, 6), (2, 1, 6, 6), guard=False)
+    chain.feeds["scores"][1, 2, 3, 4] = np.nan
+    fused, _ = chain.fused()
+    assert _kernels(fused) == ["MaskedSoftmaxF32"]
+    standard, ours = run(chain.model, chain)["p"], run(fused, chain)["p"]
+    assert np.array_equal(np.isnan(ours), np.isnan(standard))
+    assert np.isnan(ours[0, :, -1]).all() and np.isnan(ours[1, 2, 3]).all()
+    assert np.isfinite(ours[1, 2, :3]).all()
+
+
+@pytest.mark.parametrize("shapes", [((2, 1, 6, 6), (1, 3, 6, 6)), ((2, 3, 6, 1), (6,)), ((6,), (2, 3, 1, 6))],
+                         ids=["both grow", "scores' last axis grows", "the mask is the larger"])
+def test_the_masked_softmax_broadcasts_as_the_add(shapes):
+    chain = masked_softmax(*shapes, guard=False, lowest=-30.0)
+    fused, _ = chain.fused()
+    assert _kernels(fused) == ["MaskedSoftmaxF32"]
+    standard, ours = run(chain.model, chain), run(fused, chain)
+    for out in chain.outputs:
+        assert ours[out].shape == standard[out].shape
+        np.testing.assert_allclose(ours[out], standard[out], rtol=1e-5, atol=1e-6)
+
+
 def test_cross_entropy_with_every_row_ignored_is_nan_as_the_standard_mean():
     chain = cross_entropy(4, 300, ignored=4)
     fused, _ = chain.fused()
@@ -219,6 +255,8 @@ REFUSED = [
     ("a rotation on the other halves", lambda: _variant(rope(), "Concat", lambda n: n.input.__setitem__(1, "hi")),
      "y"),
     ("a guard with 1, not 0", lambda: _const_value(guarded_softmax(), "zero", 1.0), "q"),
+    ("a softmax over another axis", lambda: _variant(masked_softmax(), "Softmax", lambda n: n.attribute[0].__setattr__(
+        "i", 2)), "p"),
 ]
 
 
@@ -268,6 +306,15 @@ def test_kernels_report_bad_inputs():
     chain.feeds["labels"] = np.array([0, 1, 2], np.int64)
     with pytest.raises(Exception, match="CrossEntropyF32"):
         run(fused, chain)
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("MaskedSoftmaxF32", ["x", "m"], ["y"], domain=KERNEL_DOMAIN)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+         helper.make_tensor_value_info("m", TensorProto.FLOAT, [2, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(KERNEL_DOMAIN, 1)])
+    model.ir_version = 8
+    with pytest.raises(Exception, match="MaskedSoftmaxF32: the inputs do not broadcast together"):
+        session(model).run(None, {"x": np.ones((2, 3), np.float32), "m": np.ones((2, 2), np.float32)})
     chain = silu_mul(named=True)
     fused, _ = chain.fused()
     with pytest.raises(Exception, match="SiluMulF32: a, s and b must have one size"):
@@ -293,8 +340,8 @@ def test_a_decoder_trains_with_the_kernels_only_in_the_executed_program():
         executed = sess.programs(executed=True)["training_info[0].algorithm"]
         assert not any(n.domain == KERNEL_DOMAIN for n in standard.graph.node)
         kinds = {n.op_type for n in executed.graph.node if n.domain == KERNEL_DOMAIN}
-        assert (kinds >= {"RmsNormF32", "RmsNormGradF32", "SiluMulGradF32", "RopeGradF32", "SoftmaxGradF32"}) == (
-            fused is None), kinds
+        assert (kinds >= {"RmsNormF32", "RmsNormGradF32", "SiluMulGradF32", "RopeGradF32", "SoftmaxGradF32",
+                          "MaskedSoftmaxF32"}) == (fused is None), kinds
         losses = [float(sess.train_step(feeds)["loss"]) for _ in range(4)]
         runs[fused] = losses, {k: np.asarray(v) for k, v in sess.state.items()}
     np.testing.assert_allclose(runs[None][0], runs[False][0], rtol=2e-6)
