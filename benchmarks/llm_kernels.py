@@ -38,6 +38,8 @@ CASES = {
     "rope": ("RoPE and its gradient, [4, 8, 256, 64]", lambda: chains.rope((4, 8, 256, 64), table_rank=4)),
     "softmax": ("guarded softmax and its gradient, [4, 8, 256, 256]",
                 lambda: chains.guarded_softmax((4, 8, 256, 256), masked_rows=0)),
+    "masked": ("causal-masked softmax (the mask added), guarded, and its gradient, [4, 8, 256, 256]",
+               lambda: chains.masked_softmax((4, 8, 256, 256), (4, 1, 256, 256))),
     "xent": ("cross-entropy and its gradient, [1024, 8000]",
              lambda: chains.cross_entropy(1024, 8000, ignored=0, scale=2.0)),
 }
