@@ -29,6 +29,14 @@ does (so named dims match: the kernel sees the sizes at run time).  The Add's su
 bits; the softmax uses the library's exp and a row sum in double, so it is
 compared with float64, not bit for bit.  A row with a NaN, or all -inf, is
 NaN as the standard Softmax makes it (the guard above then zeroes it).
+The gradient ``p * (dp - sum(dp * p))`` without a guard (GroupQueryAttention's
+rule) is ``SoftmaxGradPlainF32``, the guarded kernel's operations less the
+Wheres; its row sum runs in double.
+
+**The rules' rotation.**  ``autodiff.rules.contrib_rotary.rotate`` (halves)
+writes ``Concat(Concat(x1 c - x2 s, x2 c + x1 s), rest)`` from three Slices
+of x whose bounds it computes from cos's last dim; ``RotateHalvesF32`` is
+that in one pass, the same bits (each element's Mul, Mul, Sub or Add).
 """
 
 from __future__ import annotations
@@ -235,4 +243,114 @@ def masked_softmaxes(ix: Index, domain: str) -> list[Fusion]:
             continue
         fusions.append(Fusion([add, sm], [kernel_node("MaskedSoftmaxF32", list(add.input), [sm.output[0]],
                                                       sm.name + "/masked", domain)]))
+    return fusions
+
+
+def _plain_softmax_grad(ix: Index, red: onnx.NodeProto) -> dict | None:
+    """dx = p * (dp - ReduceSum(dp * p, last axis, keepdims)) from its ReduceSum,
+    dp and p of one known rank, neither a guard's Where (``softmaxes`` takes
+    the guarded form), else None."""
+    mul = ix.node(red.input[0], "Mul")
+    dims = ix.dims(red.input[0]) if mul is not None else None
+    if dims is None or ix.axes(red) is None or int(ix.attr(red, "keepdims", 1)) != 1:
+        return None
+    if [a % len(dims) for a in ix.axes(red)] != [len(dims) - 1]:
+        return None
+    for dp, p in ix.operands(mul, "Mul"):
+        if ix.node(dp, "Where") or ix.node(p, "Where") or not ix.all_float(dp, p):
+            continue
+        if ix.dims(dp) is None or ix.dims(p) is None or not len(ix.dims(dp)) == len(ix.dims(p)) == len(dims):
+            continue
+        sub = next((n for n in ix.reader_nodes(red.output[0], "Sub") if list(n.input) == [dp, red.output[0]]), None)
+        out = next((n for n, other in ix.partners(sub.output[0], "Mul") if other == p), None) if sub else None
+        if out is not None:
+            return {"dq": dp, "p": p, "dx": out.output[0], "nodes": [mul, red, sub, out]}
+    return None
+
+
+def plain_softmax_grads(ix: Index, domain: str) -> list[Fusion]:
+    """The softmax gradient without a guard, as GroupQueryAttention's rule
+    writes it: ``SoftmaxGradPlainF32(dp, p)``, which checks at run time that
+    the two have one shape (their dims may be named differently)."""
+    fusions = []
+    for red in [n for n in ix.nodes if n.op_type == "ReduceSum" and n.domain in ("", "ai.onnx")]:
+        g = _plain_softmax_grad(ix, red)
+        if g is not None:
+            fusions.append(Fusion(g["nodes"], [kernel_node("SoftmaxGradPlainF32", [g["dq"], g["p"]], [g["dx"]],
+                                                           g["nodes"][-1].name + "/softmax_grad", domain)]))
+    return fusions
+
+
+# ------------------------------------------------------------ the rules' rotation
+def _shape_last(ix: Index, name: str) -> str | None:
+    """t where ``name`` = Shape(t, start=-1) (its last dim, a 1-D tensor), else None."""
+    node = ix.node(name, "Shape")
+    if node is None or ix.attr(node, "start") != -1 or ix.attr(node, "end") is not None:
+        return None
+    return node.input[0]
+
+
+def _sliced(ix: Index, name: str, start: str | int, end: str | int) -> str | None:
+    """x where ``name`` = Slice(x, start, end) on the last axis, step 1 (an int
+    bound: a constant of that value, a str: that tensor), else None."""
+    node = ix.node(name, "Slice")
+    if node is None or len(node.input) < 4 or (len(node.input) > 4 and node.input[4]
+                                               and ix.ints(node.input[4]) != [1]):
+        return None
+    x = node.input[0]
+    dims = ix.dims(x)
+    if dims is None or ix.ints(node.input[3]) not in ([-1], [len(dims) - 1]):
+        return None
+    for bound, given in ((start, node.input[1]), (end, node.input[2])):
+        if isinstance(bound, str) and given != bound:
+            return None
+        if isinstance(bound, int):
+            v = ix.ints(given)
+            if v is None or len(v) != 1 or (v[0] != bound if bound < 2**31 else v[0] < 2**31):
+                return None
+    return x
+
+
+def _rotation(ix: Index, cat: onnx.NodeProto) -> dict | None:
+    """The rules' ``rotate`` (halves) from its outer Concat(Concat(x1 c - x2 s,
+    x2 c + x1 s), rest), half = Shape(c, start=-1), else None."""
+    if len(cat.input) != 2 or ix.attr(cat, "axis") != -1:
+        return None
+    inner = ix.node(cat.input[0], "Concat", 2)
+    sub = ix.node(inner.input[0], "Sub") if inner is not None and ix.attr(inner, "axis") == -1 else None
+    add = ix.node(inner.input[1], "Add", 2) if sub is not None else None
+    m1, m2 = (ix.node(i, "Mul", 2) for i in sub.input) if add is not None else (None, None)
+    if m1 is None or m2 is None:
+        return None
+    for x1, c in ix.operands(m1, "Mul"):
+        halves = [r.output[0] for r in ix.reader_nodes(c, "Shape") if _shape_last(ix, r.output[0]) == c]
+        half = next((h for h in halves if _sliced(ix, x1, 0, h) is not None), None)
+        x = _sliced(ix, x1, 0, half) if half is not None else None
+        for x2, sn in ix.operands(m2, "Mul") if x is not None else ():
+            rot = next((n.output[0] for n, two in ix.partners(half, "Mul") if ix.ints(two) == [2]), None)
+            if x is None or rot is None or _sliced(ix, x2, half, rot) != x or _sliced(ix, cat.input[1], rot, 2**62) != x:
+                continue
+            m3, m4 = (ix.node(i, "Mul", 2) for i in add.input)
+            want = {(x2, c), (c, x2)}, {(x1, sn), (sn, x1)}
+            terms = [set(ix.operands(m, "Mul")) for m in (m3, m4)]
+            if not ((terms[0] & want[0] and terms[1] & want[1]) or (terms[0] & want[1] and terms[1] & want[0])):
+                continue
+            if not ix.all_float(x, c, sn) or ix.dims(x) is None or not 1 <= len(ix.dims(x)) <= 8:
+                continue
+            slices = [ix.producer[n] for n in (x1, x2, cat.input[1])]
+            return {"x": x, "cos": c, "sin": sn, "y": cat.output[0],
+                    "nodes": [*slices, m1, m2, m3, m4, sub, add, inner, cat]}
+    return None
+
+
+def rotations(ix: Index, names: NameGen, domain: str) -> list[Fusion]:
+    """The attention rules' rotation (``autodiff.rules.contrib_rotary.rotate``,
+    halves) -> ``RotateHalvesF32``: GroupQueryAttention's gradient rotates the
+    recomputed queries and, inversely, dq and dk with it."""
+    fusions = []
+    for cat in [n for n in ix.nodes if n.op_type == "Concat" and n.domain in ("", "ai.onnx")]:
+        r = _rotation(ix, cat)
+        if r is not None:
+            fusions.append(Fusion(r["nodes"], [kernel_node("RotateHalvesF32", [r["x"], r["cos"], r["sin"]], [r["y"]],
+                                                           names.fresh("rotate"), domain)]))
     return fusions

@@ -17,13 +17,16 @@ and backward, by one kernel each, only in the program onnxruntime runs
 | ``RopeF32`` / ``RopeGradF32`` | ``attention``: rotate-half RoPE and its gradient | yes |
 | ``SoftmaxGuardF32`` / ``SoftmaxGradF32`` | ``attention``: Where(IsNaN(p), 0, p) and the guarded softmax's gradient | yes / no (row sum) |
 | ``MaskedSoftmaxF32`` | ``attention``: Softmax(scores + mask), the mask broadcast | no: the library's exp, the row sum in double |
+| ``SoftmaxGradPlainF32`` | ``attention``: p * (dp - sum(dp * p)), no guard (GroupQueryAttention's rule) | no: row sum |
+| ``RotateHalvesF32`` | ``attention``: the attention rules' rotation (halves: Slices, Muls, Sub, Add, Concats) | yes |
 | ``CrossEntropyF32`` / ``CrossEntropyGradF32`` | ``xent``: SoftmaxCrossEntropyLoss and its gradient | no: double sums, the library's exp |
 | ``DequantizeNBitsF32`` | ``nbits``: MatMulNBits' weight unpacked for its gradient dA = dY W | yes |
 
 Each match is the exact chain the exporter and the rules write, in either
 operand order of Add and Mul, on float32 values of static shape (SiLU, and
 the cross-entropy's rows: named dims too, which their kernels check at run
-time); anything else keeps its standard ops.  ``graphmatch.apply`` makes a
+time; the masked softmax: any known rank, its kernel broadcasting as the Add
+does); anything else keeps its standard ops.  ``graphmatch.apply`` makes a
 match only where nothing outside the fused chains reads what it drops.  tests/kernels/
 compares each kernel with its standard chain (bit for bit where claimed) and
 both with float64.
@@ -59,6 +62,7 @@ def rewrite(graph: onnx.GraphProto, opset_imports: Sequence[onnx.OperatorSetIdPr
     names = NameGen.from_graph(graph)
     fusions = (rms_norms(ix, names, domain) + silu_muls(ix, domain) + attention.ropes(ix, names, domain)
                + attention.softmaxes(ix, domain) + attention.masked_softmaxes(ix, domain)
+               + attention.plain_softmax_grads(ix, domain) + attention.rotations(ix, names, domain)
                + xent.cross_entropies(ix, names, domain)
                + nbits.dequantizations(ix, names, domain))
     count = apply(graph, fusions)

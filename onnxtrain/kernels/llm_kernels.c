@@ -26,11 +26,18 @@
  *       with dy * cos: bit for bit.  At each element one of the Sum's terms
  *       is a Pad's +0, so any order of its two additions gives the same bits
  *       (a zero total is +0 in every order).
+ *   RotateHalvesF32 x [.., D], cos, sin [.., half] (one shape, broadcast into x[.., :half]) -> y
+ *       y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin (x1 = x[:half], x2 = x[half:2 half]),
+ *       the rest of x copied: the attention rules' rotate (Slices, four Muls,
+ *       Sub, Add, two Concats), bit for bit.
  *   SoftmaxGuardF32 y -> isnan(y) ? 0 : y      (IsNaN + Where, bit for bit)
  *   SoftmaxGradF32  dq, y -> dx   (the last axis)
  *       q = guard(y), e = isnan(y) ? 0 : dq, t = sum(e * q) over the row
  *       (double, rounded once), dx = q * (e - t): the rule's Where, Where,
  *       Mul, ReduceSum, Sub, Mul but for the row sum.
+ *   SoftmaxGradPlainF32  dq, y -> dx   (the last axis; one shape)
+ *       t = sum(dq * y) over the row (double, rounded once), dx = y * (dq - t):
+ *       the unguarded rule's Mul, ReduceSum, Sub, Mul but for the row sum.
  *   MaskedSoftmaxF32 a, b (broadcast together, as Add's) -> y
  *       y = Softmax(a + b) over the last axis: the Add's float sums, the
  *       row's max, e^(v - max) (the library's exp, as the cross-entropy's),
@@ -328,6 +335,33 @@ static OrtStatus *silu_mul_grad(const LlmOp *op, Args *a) {
     return NULL;
 }
 
+/* ------------------------------------------------------------ broadcasting */
+/* The strides of a tensor of dims in[0..in_rank) broadcast into dims[0..rank)
+ * (right-aligned; 0 along a dim of 1): 0 if it does not broadcast into them. */
+static int broadcast_into(const int64_t *dims, size_t rank, const int64_t *in, size_t in_rank, int64_t *stride) {
+    if (in_rank > rank) return 0;
+    int64_t step = 1;
+    for (int64_t k = (int64_t)rank - 1; k >= 0; --k) {
+        const int64_t at = k - ((int64_t)rank - (int64_t)in_rank);
+        const int64_t d = at >= 0 ? in[at] : 1;
+        if (d != 1 && d != dims[k]) return 0;
+        stride[k] = d == 1 ? 0 : step;
+        step *= d;
+    }
+    return 1;
+}
+
+/* The offset, by ``stride``, of row ``row`` of dims[0..lead) (the rows of a
+ * tensor whose last axis is not counted in lead). */
+static inline int64_t row_offset(int64_t row, const int64_t *dims, int64_t lead, const int64_t *stride) {
+    int64_t off = 0;
+    for (int64_t k = lead - 1; k >= 0; --k) {
+        off += (row % dims[k]) * stride[k];
+        row /= dims[k];
+    }
+    return off;
+}
+
 /* ------------------------------------------------------------ RoPE */
 typedef struct {
     const float *x, *cos, *sin;
@@ -391,11 +425,60 @@ static OrtStatus *rope_grad(const LlmOp *op, Args *a) {
     return NULL;
 }
 
+/* The rotation of the attention rules' gradients (autodiff's ``rotate``):
+ * x [.., D], cos and sin [.., half] broadcast into x's leading dims; the first
+ * 2 half channels rotated by halves, the rest copied. */
+typedef struct {
+    const float *x, *cos, *sin;
+    float *y;
+    int64_t d, h, lead;
+    int64_t dims[8], stride[8];
+} RotateJob;
+
+CLONES static void rotate_rows(void *arg, int64_t b, int64_t e) {
+    const RotateJob *j = (const RotateJob *)arg;
+    const int64_t d = j->d, h = j->h;
+    for (int64_t row = b; row < e; ++row) {
+        const int64_t off = row_offset(row, j->dims, j->lead, j->stride);
+        const float *x = j->x + row * d, *c = j->cos + off, *sn = j->sin + off;
+        float *y = j->y + row * d;
+        for (int64_t i = 0; i < h; ++i) y[i] = x[i] * c[i] - x[i + h] * sn[i];
+        for (int64_t i = 0; i < h; ++i) y[i + h] = x[i + h] * c[i] + x[i] * sn[i];
+        for (int64_t i = 2 * h; i < d; ++i) y[i] = x[i];
+    }
+}
+
+static OrtStatus *rotate_halves(const LlmOp *op, Args *a) {
+    const size_t rank = a->rank[0], crank = a->rank[1];
+    if (rank < 1 || rank > 8 || crank < 1 || a->rank[2] != crank ||
+        memcmp(a->dims[1], a->dims[2], crank * sizeof(int64_t)))
+        return llm_fail(op, "expects x of rank 1 to 8, and cos and sin of one shape");
+    RotateJob j;
+    memset(&j, 0, sizeof(j));
+    j.x = a->data[0];
+    j.cos = a->data[1];
+    j.sin = a->data[2];
+    j.d = a->dims[0][rank - 1];
+    j.h = a->dims[1][crank - 1];
+    j.lead = (int64_t)rank - 1;
+    memcpy(j.dims, a->dims[0], rank * sizeof(int64_t));
+    int64_t stride[8];
+    j.dims[rank - 1] = j.h; /* cos, sin broadcast into x[.., :half] */
+    if (2 * j.h > j.d || !broadcast_into(j.dims, rank, a->dims[1], crank, stride))
+        return llm_fail(op, "cos and sin must broadcast into x[..., :half], 2 half <= D");
+    memcpy(j.stride, stride, sizeof(stride));
+    OrtStatus *st = llm_output(op, a, 0, a->dims[0], rank, (void **)&j.y);
+    if (st || a->count[0] == 0 || j.d == 0) return st;
+    split_work(rotate_rows, &j, (int64_t)a->count[0] / j.d, (int64_t)a->count[0] * 8);
+    return NULL;
+}
+
 /* ------------------------------------------------------------ softmax */
 typedef struct {
     const float *y, *dq;
     float *out;
     int64_t d;
+    int plain; /* 1: no guard (y has no NaN to zero: SoftmaxGradPlainF32) */
 } SoftmaxJob;
 
 /* onnxruntime's Where(c, 0, v): v as it is (-0 stays -0) where c is false, +0
@@ -415,6 +498,12 @@ CLONES static void softmax_grad_rows(void *arg, int64_t b, int64_t e) {
         const float *y = j->y + row * d, *dq = j->dq + row * d;
         float *dx = j->out + row * d;
         double sum;
+        if (j->plain) {
+            SUM8(sum, d, i, (double)(dq[i] * y[i]));
+            const float t = (float)sum;
+            for (int64_t i = 0; i < d; ++i) dx[i] = y[i] * (dq[i] - t);
+            continue;
+        }
         SUM8(sum, d, i, (double)(where_zero(y[i] != y[i], dq[i]) * where_zero(y[i] != y[i], y[i])));
         const float t = (float)sum;
         for (int64_t i = 0; i < d; ++i) {
@@ -425,22 +514,33 @@ CLONES static void softmax_grad_rows(void *arg, int64_t b, int64_t e) {
 }
 
 static OrtStatus *softmax_guard(const LlmOp *op, Args *a) {
-    SoftmaxJob j = {a->data[0], NULL, NULL, 0};
+    SoftmaxJob j = {a->data[0], NULL, NULL, 0, 0};
     OrtStatus *st = llm_output(op, a, 0, a->dims[0], a->rank[0], (void **)&j.out);
     if (st) return st;
     split_work(guard_part, &j, (int64_t)a->count[0], (int64_t)a->count[0] * 8);
     return NULL;
 }
 
+static OrtStatus *softmax_grad_plain(const LlmOp *op, Args *a);
+
 static OrtStatus *softmax_grad(const LlmOp *op, Args *a) {
     const size_t rank = a->rank[1];
     if (rank < 1 || a->count[0] != a->count[1]) return llm_fail(op, "dq and y must have one size");
-    SoftmaxJob j = {a->data[1], a->data[0], NULL, a->dims[1][rank - 1]};
+    SoftmaxJob j = {a->data[1], a->data[0], NULL, a->dims[1][rank - 1], op->compute == softmax_grad_plain};
     if (j.d <= 0) return llm_fail(op, "y must have a non-empty last axis");
     OrtStatus *st = llm_output(op, a, 0, a->dims[1], rank, (void **)&j.out);
     if (st) return st;
     split_work(softmax_grad_rows, &j, (int64_t)a->count[1] / j.d, (int64_t)a->count[1] * 12);
     return NULL;
+}
+
+/* The gradient as the rule writes it without a guard (GroupQueryAttention's,
+ * whose probabilities have no NaN row): dq and y must have one shape, as
+ * the kernel does not broadcast them (matched on named dims, on trust). */
+static OrtStatus *softmax_grad_plain(const LlmOp *op, Args *a) {
+    if (a->rank[0] != a->rank[1] || memcmp(a->dims[0], a->dims[1], a->rank[0] * sizeof(int64_t)))
+        return llm_fail(op, "dq and y must have one shape");
+    return softmax_grad(op, a);
 }
 
 /* ------------------------------------------------------------ cross-entropy */
@@ -506,14 +606,8 @@ CLONES static void masked_softmax_rows(void *arg, int64_t b, int64_t e) {
     const MaskedJob *j = (const MaskedJob *)arg;
     const int64_t d = j->d, sa = j->stride[0][j->rank - 1], sb = j->stride[1][j->rank - 1];
     for (int64_t row = b; row < e; ++row) {
-        int64_t off[2] = {0, 0}, rest = row;
-        for (int64_t k = j->rank - 2; k >= 0; --k) {
-            const int64_t at = rest % j->dims[k];
-            off[0] += at * j->stride[0][k];
-            off[1] += at * j->stride[1][k];
-            rest /= j->dims[k];
-        }
-        const float *x = j->in[0] + off[0], *m = j->in[1] + off[1];
+        const float *x = j->in[0] + row_offset(row, j->dims, j->rank - 1, j->stride[0]);
+        const float *m = j->in[1] + row_offset(row, j->dims, j->rank - 1, j->stride[1]);
         float *y = j->y + row * d;
         if (sa && sb)
             for (int64_t i = 0; i < d; ++i) y[i] = x[i] + m[i];
@@ -540,20 +634,17 @@ static OrtStatus *masked_softmax(const LlmOp *op, Args *a) {
     j.in[0] = a->data[0];
     j.in[1] = a->data[1];
     j.rank = (int64_t)rank;
-    int64_t stride[2] = {1, 1};
-    for (int64_t k = (int64_t)rank - 1; k >= 0; --k) {
+    for (int64_t k = (int64_t)rank - 1; k >= 0; --k) { /* the Add's output dims */
         int64_t dk[2];
         for (int t = 0; t < 2; ++t) {
             const int64_t at = k - ((int64_t)rank - (int64_t)a->rank[t]);
             dk[t] = at >= 0 ? a->dims[t][at] : 1;
         }
-        if (dk[0] != dk[1] && dk[0] != 1 && dk[1] != 1) return llm_fail(op, "the inputs do not broadcast together");
         j.dims[k] = dk[0] == 1 ? dk[1] : dk[0];
-        for (int t = 0; t < 2; ++t) {
-            j.stride[t][k] = dk[t] == 1 ? 0 : stride[t];
-            stride[t] *= dk[t];
-        }
     }
+    if (!broadcast_into(j.dims, rank, a->dims[0], a->rank[0], j.stride[0]) ||
+        !broadcast_into(j.dims, rank, a->dims[1], a->rank[1], j.stride[1]))
+        return llm_fail(op, "the inputs do not broadcast together");
     j.d = j.dims[rank - 1];
     OrtStatus *st = llm_output(op, a, 0, j.dims, rank, (void **)&j.y);
     int64_t count = 1;
@@ -751,8 +842,10 @@ static LlmOp g_llm_ops[] = {
     LLM_OP("SiluMulGradF32", 5, L(F, F, F, F, F), 0x10u, 2, L(F, F), 0x2u, silu_mul_grad),
     LLM_OP("RopeF32", 3, L(F, F, F), 0, 1, L(F), 0, rope),
     LLM_OP("RopeGradF32", 3, L(F, F, F), 0, 1, L(F), 0, rope_grad),
+    LLM_OP("RotateHalvesF32", 3, L(F, F, F), 0, 1, L(F), 0, rotate_halves),
     LLM_OP("SoftmaxGuardF32", 1, L(F), 0, 1, L(F), 0, softmax_guard),
     LLM_OP("SoftmaxGradF32", 2, L(F, F), 0, 1, L(F), 0, softmax_grad),
+    LLM_OP("SoftmaxGradPlainF32", 2, L(F, F), 0, 1, L(F), 0, softmax_grad_plain),
     LLM_OP("MaskedSoftmaxF32", 2, L(F, F), 0, 1, L(F), 0, masked_softmax),
     LLM_OP("CrossEntropyF32", 3, L(F, I, I), 0, 2, L(F, D), 0, xent),
     LLM_OP("CrossEntropyGradF32", 4, L(F, D, I, F), 0, 1, L(F), 0, xent_grad),

@@ -262,6 +262,35 @@ def masked_softmax(shape=(2, 3, 6, 6), mask_shape=(2, 1, 6, 6), guard: bool = Tr
     return Chain(model, feeds, outputs, reference)
 
 
+def rotation(shape=(2, 5, 3, 16), half: int = 8, table=(5, 1, 8), seed: int = 0, neg_sin: bool = False) -> Chain:
+    """y = the attention rules' ``rotate`` (halves) of x [B, S, N, H] by cos and
+    sin tables [S, 1, half] (``neg_sin``: by Neg(sin), the inverse rotation of
+    the rules' dq and dk); channels past 2 half pass through."""
+    from onnxtrain.autodiff.rules.contrib_rotary import rotate
+    from onnxtrain.core.emitter import Emitter
+
+    rng = np.random.default_rng(seed)
+    ang = rng.uniform(-3, 3, table).astype(np.float32)
+    feeds = {"x": (rng.standard_normal(shape) * 2).astype(np.float32), "cos": np.cos(ang), "sin": np.sin(ang)}
+    e = Emitter(OPSET, NameGen(list(feeds)), {k: TensorProto.FLOAT for k in feeds})
+    sin = e.Neg("sin") if neg_sin else "sin"
+    out = rotate(e, "x", "cos", sin, False)
+    # (the rotation is written inside the rules' backward: no gradient of it here)
+    graph = helper.make_graph(
+        [*e.nodes, helper.make_node("Identity", [out], ["y"])], "chain",
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, list(v.shape)) for k, v in feeds.items()],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = 8
+
+    def reference(f):
+        x, c, s = (f[k].astype(np.float64) for k in ("x", "cos", "sin"))
+        s = -s if neg_sin else s
+        x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+        return {"y": np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], -1)}
+    return Chain(model, feeds, ["y"], reference)
+
+
 # ------------------------------------------------------------ cross-entropy
 def cross_entropy(n: int = 12, c: int = 300, ignored: int = 3, seed: int = 0, scale: float = 3.0,
                   named: bool = False) -> Chain:

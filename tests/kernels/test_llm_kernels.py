@@ -18,7 +18,7 @@ import shutil
 
 import numpy as np
 import pytest
-from chains import cross_entropy, guarded_softmax, masked_softmax, rms_norm, rope, run, session, silu_mul
+from chains import cross_entropy, guarded_softmax, masked_softmax, rms_norm, rope, rotation, run, session, silu_mul
 from onnx import helper
 
 from onnxtrain.kernels.fuse import KERNEL_DOMAIN
@@ -84,6 +84,29 @@ def test_exact_kernels_keep_the_chains_special_values(make):
     standard, ours = run(chain.model, chain), run(fused, chain)
     for out in chain.outputs:
         assert _same_bits(standard[out], ours[out]), out
+
+
+ROTATIONS = [
+    ("the rules' rotation, GQA's tables", lambda: rotation()),
+    ("inverse, by Neg(sin)", lambda: rotation(neg_sin=True, seed=1)),
+    ("channels past 2 half", lambda: rotation((2, 5, 3, 20), seed=2)),
+    ("[S, half] tables", lambda: rotation((2, 7, 16), table=(7, 8), seed=3)),
+    ("split over threads", lambda: rotation((4, 256, 8, 64), 32, (256, 1, 32), seed=4)),
+]
+
+
+@pytest.mark.parametrize("make", [r[1] for r in ROTATIONS], ids=[r[0] for r in ROTATIONS])
+def test_the_rules_rotation_is_one_kernel_bit_for_bit(make):
+    chain = make()
+    fused, _ = chain.fused()
+    assert "RotateHalvesF32" in _kernels(fused)
+    standard, ours = run(chain.model, chain), run(fused, chain)
+    ref = chain.reference(chain.feeds)
+    for out in chain.outputs:
+        assert _same_bits(standard[out], ours[out]), out
+        np.testing.assert_allclose(ours[out], ref[out], rtol=1e-5, atol=1e-5 * np.abs(ref[out]).max())
+    chain.feeds["x"] = _special(chain.feeds["x"].shape, np.random.default_rng(5))
+    assert _same_bits(run(chain.model, chain)["y"], run(fused, chain)["y"])
 
 
 @pytest.mark.parametrize("order", [(0, 1, 2), (0, 2, 1), (1, 0, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0)])
@@ -152,7 +175,9 @@ ROW_SUMS = [
      ["MaskedSoftmaxF32", "SoftmaxGradF32", "SoftmaxGuardF32"]),
     ("masked softmax, GQA's 5-D lowest-float mask, no guard",
      lambda: masked_softmax((2, 2, 2, 16, 16), (2, 1, 1, 16, 16), guard=False, seed=8,
-                            lowest=float(np.finfo(np.float32).min)), ["MaskedSoftmaxF32"]),
+                            lowest=float(np.finfo(np.float32).min)), ["MaskedSoftmaxF32", "SoftmaxGradPlainF32"]),
+    ("softmax without a guard, split", lambda: masked_softmax((4, 8, 256, 256), (256, 256), guard=False, seed=9,
+                                                               lowest=-1e9), ["MaskedSoftmaxF32", "SoftmaxGradPlainF32"]),
     ("cross-entropy", lambda: cross_entropy(), ["CrossEntropyF32", "CrossEntropyGradF32"]),
     ("cross-entropy, a vocabulary, split", lambda: cross_entropy(600, 8000, ignored=17, seed=6, scale=4.0),
      ["CrossEntropyF32", "CrossEntropyGradF32"]),
@@ -202,7 +227,7 @@ def test_the_masked_softmax_keeps_the_standard_nans():
     chain = masked_softmax((2, 3, 6, 6), (2, 1, 6, 6), guard=False)
     chain.feeds["scores"][1, 2, 3, 4] = np.nan
     fused, _ = chain.fused()
-    assert _kernels(fused) == ["MaskedSoftmaxF32"]
+    assert _kernels(fused) == ["MaskedSoftmaxF32", "SoftmaxGradPlainF32"]
     standard, ours = run(chain.model, chain)["p"], run(fused, chain)["p"]
     assert np.array_equal(np.isnan(ours), np.isnan(standard))
     assert np.isnan(ours[0, :, -1]).all() and np.isnan(ours[1, 2, 3]).all()
@@ -214,7 +239,7 @@ def test_the_masked_softmax_keeps_the_standard_nans():
 def test_the_masked_softmax_broadcasts_as_the_add(shapes):
     chain = masked_softmax(*shapes, guard=False, lowest=-30.0)
     fused, _ = chain.fused()
-    assert _kernels(fused) == ["MaskedSoftmaxF32"]
+    assert _kernels(fused) == ["MaskedSoftmaxF32", "SoftmaxGradPlainF32"]
     standard, ours = run(chain.model, chain), run(fused, chain)
     for out in chain.outputs:
         assert ours[out].shape == standard[out].shape
@@ -245,6 +270,17 @@ def _const_value(chain, name, value):
     return chain
 
 
+def _axes_constant(chain, axes):
+    """The gradient's ReduceSum over ``axes`` instead of the last axis."""
+    from onnx import numpy_helper
+
+    for node in chain.model.graph.node:
+        if node.op_type == "Constant" and node.output[0] == "grad/Constant":
+            node.attribute[0].t.CopyFrom(numpy_helper.from_array(np.asarray(axes, np.int64), node.output[0]))
+            return chain
+    raise AssertionError("no axes constant")
+
+
 REFUSED = [
     ("a few classes, not a vocabulary", lambda: cross_entropy(8, 20), "loss"),
     ("a cube, not a square", lambda: _const_value(rms_norm(), "two", 3.0), "y"),
@@ -257,6 +293,7 @@ REFUSED = [
     ("a guard with 1, not 0", lambda: _const_value(guarded_softmax(), "zero", 1.0), "q"),
     ("a softmax over another axis", lambda: _variant(masked_softmax(), "Softmax", lambda n: n.attribute[0].__setattr__(
         "i", 2)), "p"),
+    ("a gradient's sum over another axis", lambda: _axes_constant(masked_softmax(guard=False), [2]), "grad_scores"),
 ]
 
 
@@ -315,6 +352,25 @@ def test_kernels_report_bad_inputs():
     model.ir_version = 8
     with pytest.raises(Exception, match="MaskedSoftmaxF32: the inputs do not broadcast together"):
         session(model).run(None, {"x": np.ones((2, 3), np.float32), "m": np.ones((2, 2), np.float32)})
+    plain = helper.make_model(helper.make_graph(
+        [helper.make_node("SoftmaxGradPlainF32", ["dq", "y"], ["dx"], domain=KERNEL_DOMAIN)], "g",
+        [helper.make_tensor_value_info("dq", TensorProto.FLOAT, ["a", 3]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 2])],
+        [helper.make_tensor_value_info("dx", TensorProto.FLOAT, None)]),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(KERNEL_DOMAIN, 1)])
+    plain.ir_version = 8
+    rot = helper.make_model(helper.make_graph(
+        [helper.make_node("RotateHalvesF32", ["x", "c", "s"], ["y"], domain=KERNEL_DOMAIN)], "g",
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, None) for k in ("x", "c", "s")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(KERNEL_DOMAIN, 1)])
+    rot.ir_version = 8
+    x = np.ones((2, 5, 3, 16), np.float32)
+    for c, s_ in (((4, 1, 8), (4, 1, 8)), ((5, 1, 9), (5, 1, 9)), ((5, 1, 8), (5, 8))):
+        with pytest.raises(Exception, match="RotateHalvesF32: (cos and sin must broadcast|expects x of rank)"):
+            session(rot).run(None, {"x": x, "c": np.ones(c, np.float32), "s": np.ones(s_, np.float32)})
+    with pytest.raises(Exception, match="SoftmaxGradPlainF32: dq and y must have one shape"):
+        session(plain).run(None, {"dq": np.ones((2, 3), np.float32), "y": np.ones((3, 2), np.float32)})
     chain = silu_mul(named=True)
     fused, _ = chain.fused()
     with pytest.raises(Exception, match="SiluMulF32: a, s and b must have one size"):
