@@ -30,6 +30,12 @@
  *       y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin (x1 = x[:half], x2 = x[half:2 half]),
  *       the rest of x copied: the attention rules' rotate (Slices, four Muls,
  *       Sub, Add, two Concats), bit for bit.
+ *   LowRankMatMulAddF32 c [.., N], a [.., K], b [K, N] -> y = c + a b
+ *       a product of few columns K (LoRA's up-projection: K = its rank) and
+ *       the Add of its result, in one pass over c and y: each y[., j] is
+ *       c + fma(a_k-1, b_k-1,j, ... fma(a1, b1j, a0 b0j)), k in order.  Not
+ *       onnxruntime's product (its order): tests/kernels/ checks it against
+ *       float64.
  *   SoftmaxGuardF32 y -> isnan(y) ? 0 : y      (IsNaN + Where, bit for bit)
  *   SoftmaxGradF32  dq, y -> dx   (the last axis)
  *       q = guard(y), e = isnan(y) ? 0 : dq, t = sum(e * q) over the row
@@ -543,6 +549,74 @@ static OrtStatus *softmax_grad_plain(const LlmOp *op, Args *a) {
     return softmax_grad(op, a);
 }
 
+/* ------------------------------------------------------------ low-rank product plus a sum */
+typedef struct {
+    const float *c, *a, *b;
+    float *y;
+    int64_t k, n, rows;
+} LowRankJob;
+
+#define LOWRANK_COLS 32
+#define LOWRANK_ROWS 4
+
+/* Rows [r, r + LOWRANK_ROWS) x columns [j0, j0 + LOWRANK_COLS): each y is
+ * c + the k products accumulated in order by fused multiply-adds (fmaf: one
+ * rounding each, so every clone gives the same bits).  The block's sums stay
+ * in registers over the k products, each row of b read once for its rows. */
+static inline __attribute__((always_inline)) void lowrank_block(const LowRankJob *j, int64_t r, int64_t j0) {
+    float acc[LOWRANK_ROWS][LOWRANK_COLS];
+    const float *b = j->b + j0, *a = j->a + r * j->k;
+    for (int q = 0; q < LOWRANK_ROWS; ++q)
+        for (int t = 0; t < LOWRANK_COLS; ++t) acc[q][t] = a[q * j->k] * b[t];
+    for (int64_t kk = 1; kk < j->k; ++kk) {
+        const float *br = b + kk * j->n;
+        for (int q = 0; q < LOWRANK_ROWS; ++q) {
+            const float av = a[q * j->k + kk];
+            for (int t = 0; t < LOWRANK_COLS; ++t) acc[q][t] = fmaf(av, br[t], acc[q][t]);
+        }
+    }
+    for (int q = 0; q < LOWRANK_ROWS; ++q) {
+        const float *c = j->c + (r + q) * j->n + j0;
+        float *y = j->y + (r + q) * j->n + j0;
+        for (int t = 0; t < LOWRANK_COLS; ++t) y[t] = c[t] + acc[q][t];
+    }
+}
+
+/* One element the same way (the rows and columns past whole blocks). */
+static inline __attribute__((always_inline)) void lowrank_one(const LowRankJob *j, int64_t r, int64_t t) {
+    const float *a = j->a + r * j->k;
+    float acc = a[0] * j->b[t];
+    for (int64_t kk = 1; kk < j->k; ++kk) acc = fmaf(a[kk], j->b[kk * j->n + t], acc);
+    j->y[r * j->n + t] = j->c[r * j->n + t] + acc;
+}
+
+/* Items are groups of LOWRANK_ROWS rows (the last group may be short). */
+FMA_CLONES static void lowrank_rows(void *arg, int64_t b, int64_t e) {
+    const LowRankJob *j = (const LowRankJob *)arg;
+    const int64_t n = j->n, cols = n - n % LOWRANK_COLS;
+    for (int64_t g = b; g < e; ++g) {
+        const int64_t r0 = g * LOWRANK_ROWS, r1 = r0 + LOWRANK_ROWS < j->rows ? r0 + LOWRANK_ROWS : j->rows;
+        if (r1 - r0 == LOWRANK_ROWS)
+            for (int64_t j0 = 0; j0 < cols; j0 += LOWRANK_COLS) lowrank_block(j, r0, j0);
+        for (int64_t r = r0; r < r1; ++r)
+            for (int64_t t = r1 - r0 == LOWRANK_ROWS ? cols : 0; t < n; ++t) lowrank_one(j, r, t);
+    }
+}
+
+static OrtStatus *lowrank_add(const LlmOp *op, Args *a) {
+    const size_t rank = a->rank[0];
+    if (rank < 1 || a->rank[2] != 2 || a->rank[1] != rank) return llm_fail(op, "expects c [.., N], a [.., K], b [K, N]");
+    const int64_t k = a->dims[2][0], n = a->dims[2][1];
+    if (k < 1 || a->dims[1][rank - 1] != k || a->dims[0][rank - 1] != n ||
+        memcmp(a->dims[0], a->dims[1], (rank - 1) * sizeof(int64_t)))
+        return llm_fail(op, "expects c [.., N], a [.., K], b [K, N] with one leading shape");
+    LowRankJob j = {a->data[0], a->data[1], a->data[2], NULL, k, n, n ? (int64_t)a->count[0] / n : 0};
+    OrtStatus *st = llm_output(op, a, 0, a->dims[0], rank, (void **)&j.y);
+    if (st || a->count[0] == 0) return st;
+    split_work(lowrank_rows, &j, (j.rows + LOWRANK_ROWS - 1) / LOWRANK_ROWS, (int64_t)a->count[0] * (8 + 2 * k));
+    return NULL;
+}
+
 /* ------------------------------------------------------------ cross-entropy */
 /* e^a to about a float ulp: a = n ln2 + r, |r| <= ln2 / 2 (ln2 in two parts, so
  * n * ln2's high part is exact), e^r by its Taylor polynomial of degree 7
@@ -843,6 +917,7 @@ static LlmOp g_llm_ops[] = {
     LLM_OP("RopeF32", 3, L(F, F, F), 0, 1, L(F), 0, rope),
     LLM_OP("RopeGradF32", 3, L(F, F, F), 0, 1, L(F), 0, rope_grad),
     LLM_OP("RotateHalvesF32", 3, L(F, F, F), 0, 1, L(F), 0, rotate_halves),
+    LLM_OP("LowRankMatMulAddF32", 3, L(F, F, F), 0, 1, L(F), 0, lowrank_add),
     LLM_OP("SoftmaxGuardF32", 1, L(F), 0, 1, L(F), 0, softmax_guard),
     LLM_OP("SoftmaxGradF32", 2, L(F, F), 0, 1, L(F), 0, softmax_grad),
     LLM_OP("SoftmaxGradPlainF32", 2, L(F, F), 0, 1, L(F), 0, softmax_grad_plain),

@@ -160,8 +160,12 @@ static OrtStatus *output_data(OrtKernelContext *ctx, size_t index, const int64_t
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(ONNXTRAIN_NO_CLONES)
 #define CLONES __attribute__((target_clones("avx2", "default")))
+/* For products written with fmaf (one rounding: the same bits in every
+ * clone, the default one calling libm's): clones with the FMA instructions. */
+#define FMA_CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
 #else
 #define CLONES
+#define FMA_CLONES
 #endif
 
 /* ------------------------------------------------------------ threads */

@@ -291,6 +291,29 @@ def rotation(shape=(2, 5, 3, 16), half: int = 8, table=(5, 1, 8), seed: int = 0,
     return Chain(model, feeds, ["y"], reference)
 
 
+def low_rank(shape=(2, 5, 48), k: int = 16, seed: int = 0, named: bool = False, swap: bool = False) -> Chain:
+    """y = base + MatMul(h, B), h [.., k], B [k, N] (LoRA's up-projection and
+    its Add; ``swap``: Add(delta, base)), base, h and B trained; ``named``: the
+    leading dims of base and h named (batch, seq), as an onnxruntime-genai
+    model leaves them."""
+    rng = np.random.default_rng(seed)
+    lead, n = shape[:-1], shape[-1]
+    feeds = {"base": rng.standard_normal(shape).astype(np.float32),
+             "h": rng.standard_normal((*lead, k)).astype(np.float32),
+             "B": (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32),
+             "t": rng.standard_normal(shape).astype(np.float32)}
+    nodes = [helper.make_node("MatMul", ["h", "B"], ["delta"]),
+             helper.make_node("Add", ["delta", "base"] if swap else ["base", "delta"], ["y"])]
+    dims = {"base": ["batch", "seq", n], "h": ["batch", "seq", k]} if named else None
+    model, outputs = _program(nodes, feeds, ["y"], ["base", "h", "B"], {"y": "t"}, dims)
+
+    def reference(f):
+        base, h, b, t = (f[x].astype(np.float64) for x in ("base", "h", "B", "t"))
+        return {"y": base + h @ b, "grad_base": t, "grad_h": t @ b.T,
+                "grad_B": h.reshape(-1, h.shape[-1]).T @ t.reshape(-1, t.shape[-1])}
+    return Chain(model, feeds, outputs, reference)
+
+
 # ------------------------------------------------------------ cross-entropy
 def cross_entropy(n: int = 12, c: int = 300, ignored: int = 3, seed: int = 0, scale: float = 3.0,
                   named: bool = False) -> Chain:

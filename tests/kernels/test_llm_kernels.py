@@ -18,7 +18,18 @@ import shutil
 
 import numpy as np
 import pytest
-from chains import cross_entropy, guarded_softmax, masked_softmax, rms_norm, rope, rotation, run, session, silu_mul
+from chains import (
+    cross_entropy,
+    guarded_softmax,
+    low_rank,
+    masked_softmax,
+    rms_norm,
+    rope,
+    rotation,
+    run,
+    session,
+    silu_mul,
+)
 from onnx import helper
 
 from onnxtrain.kernels.fuse import KERNEL_DOMAIN
@@ -178,6 +189,11 @@ ROW_SUMS = [
                             lowest=float(np.finfo(np.float32).min)), ["MaskedSoftmaxF32", "SoftmaxGradPlainF32"]),
     ("softmax without a guard, split", lambda: masked_softmax((4, 8, 256, 256), (256, 256), guard=False, seed=9,
                                                                lowest=-1e9), ["MaskedSoftmaxF32", "SoftmaxGradPlainF32"]),
+    ("low rank, LoRA's up-projection", lambda: low_rank(), ["LowRankMatMulAddF32"]),
+    ("low rank, L1's gate, split", lambda: low_rank((4, 256, 1408), seed=1), ["LowRankMatMulAddF32"]),
+    ("low rank, odd columns and rows, Add(delta, base)", lambda: low_rank((3, 7, 77), 5, seed=2, swap=True),
+     ["LowRankMatMulAddF32"]),
+    ("low rank, named dims, rank 64", lambda: low_rank((2, 9, 40), 64, seed=3, named=True), ["LowRankMatMulAddF32"]),
     ("cross-entropy", lambda: cross_entropy(), ["CrossEntropyF32", "CrossEntropyGradF32"]),
     ("cross-entropy, a vocabulary, split", lambda: cross_entropy(600, 8000, ignored=17, seed=6, scale=4.0),
      ["CrossEntropyF32", "CrossEntropyGradF32"]),
@@ -293,6 +309,7 @@ REFUSED = [
     ("a guard with 1, not 0", lambda: _const_value(guarded_softmax(), "zero", 1.0), "q"),
     ("a softmax over another axis", lambda: _variant(masked_softmax(), "Softmax", lambda n: n.attribute[0].__setattr__(
         "i", 2)), "p"),
+    ("a product of many columns", lambda: low_rank((2, 5, 48), 65), "y"),
     ("a gradient's sum over another axis", lambda: _axes_constant(masked_softmax(guard=False), [2]), "grad_scores"),
 ]
 
