@@ -20,6 +20,7 @@ and backward, by one kernel each, only in the program onnxruntime runs
 | ``SoftmaxGradPlainF32`` | ``attention``: p * (dp - sum(dp * p)), no guard (GroupQueryAttention's rule) | no: row sum |
 | ``RotateHalvesF32`` | ``attention``: the attention rules' rotation (halves: Slices, Muls, Sub, Add, Concats) | yes |
 | ``LowRankMatMulAddF32`` | ``lowrank``: c + a b for b [K, N] of few columns (LoRA's up-projection and its Add) | no: the product's order |
+| ``LowRankTransAF32`` | ``lowrank``: Gemm(a, b, transA) for a [M, K] of few columns (LoRA's dB = h^T dY) | no: the product's order |
 | ``CrossEntropyF32`` / ``CrossEntropyGradF32`` | ``xent``: SoftmaxCrossEntropyLoss and its gradient | no: double sums, the library's exp |
 | ``DequantizeNBitsF32`` | ``nbits``: MatMulNBits' weight unpacked for its gradient dA = dY W | yes |
 
@@ -65,7 +66,8 @@ def rewrite(graph: onnx.GraphProto, opset_imports: Sequence[onnx.OperatorSetIdPr
                + attention.softmaxes(ix, domain) + attention.masked_softmaxes(ix, domain)
                + attention.plain_softmax_grads(ix, domain) + attention.rotations(ix, names, domain)
                + xent.cross_entropies(ix, names, domain)
-               + nbits.dequantizations(ix, names, domain) + lowrank.low_rank_sums(ix, domain))
+               + nbits.dequantizations(ix, names, domain) + lowrank.low_rank_sums(ix, domain)
+               + lowrank.low_rank_gradients(ix, domain))
     count = apply(graph, fusions)
     if count:
         _drop_dead(graph, domain)

@@ -36,6 +36,9 @@
  *       c + fma(a_k-1, b_k-1,j, ... fma(a1, b1j, a0 b0j)), k in order.  Not
  *       onnxruntime's product (its order): tests/kernels/ checks it against
  *       float64.
+ *   LowRankTransAF32 a [M, K], b [M, N] -> a^T b [K, N]   (K few: LoRA's dB = h^T dY)
+ *       each element summed over chunks of 64 rows in order by fused
+ *       multiply-adds, the chunks' sums added in order.
  *   SoftmaxGuardF32 y -> isnan(y) ? 0 : y      (IsNaN + Where, bit for bit)
  *   SoftmaxGradF32  dq, y -> dx   (the last axis)
  *       q = guard(y), e = isnan(y) ? 0 : dq, t = sum(e * q) over the row
@@ -603,6 +606,76 @@ FMA_CLONES static void lowrank_rows(void *arg, int64_t b, int64_t e) {
     }
 }
 
+/* out [K, N] = a^T b for a [M, K] of few columns, b [M, N] (LoRA's gradient
+ * of its up-projection, dB = h^T dY): items are blocks of LOWRANK_TCOLS
+ * columns of out, each summed over the M rows in order by fused
+ * multiply-adds, LOWRANK_TROWS rows of out at a time in registers. */
+#define LOWRANK_TCOLS 32
+#define LOWRANK_TROWS 8
+
+typedef struct {
+    const float *a, *b;
+    float *out;
+    int64_t m, k, n;
+} LowRankTJob;
+
+/* Rows [i0, i1) of the sums of out's block (k0, j0), summed from 0 and then
+ * added to what the rows before left in out (a sum by chunks: closer to the
+ * exact sum than one running sum over all rows). */
+static inline __attribute__((always_inline)) void lowrank_t_block(const LowRankTJob *j, int64_t k0, int64_t j0,
+                                                                  int64_t i0, int64_t i1) {
+    float acc[LOWRANK_TROWS][LOWRANK_TCOLS];
+    float *out = j->out + k0 * j->n + j0;
+    for (int q = 0; q < LOWRANK_TROWS; ++q)
+        for (int t = 0; t < LOWRANK_TCOLS; ++t) acc[q][t] = 0.0f;
+    for (int64_t i = i0; i < i1; ++i) {
+        const float *ar = j->a + i * j->k + k0, *br = j->b + i * j->n + j0;
+        for (int q = 0; q < LOWRANK_TROWS; ++q)
+            for (int t = 0; t < LOWRANK_TCOLS; ++t) acc[q][t] = fmaf(ar[q], br[t], acc[q][t]);
+    }
+    for (int q = 0; q < LOWRANK_TROWS; ++q)
+        for (int t = 0; t < LOWRANK_TCOLS; ++t) out[q * j->n + t] = i0 ? out[q * j->n + t] + acc[q][t] : acc[q][t];
+}
+
+/* One element of out the same way (the rows and columns past whole blocks). */
+static inline __attribute__((always_inline)) void lowrank_t_one(const LowRankTJob *j, int64_t kk, int64_t t,
+                                                                int64_t i0, int64_t i1) {
+    float acc = 0.0f;
+    for (int64_t i = i0; i < i1; ++i) acc = fmaf(j->a[i * j->k + kk], j->b[i * j->n + t], acc);
+    j->out[kk * j->n + t] = i0 ? j->out[kk * j->n + t] + acc : acc;
+}
+
+/* Items: blocks of columns of out.  The rows go by chunks of LOWRANK_TCHUNK
+ * (their part of b stays in cache across the blocks); each element is summed
+ * over all rows in order, whatever the split. */
+#define LOWRANK_TCHUNK 64
+FMA_CLONES static void lowrank_t_cols(void *arg, int64_t b, int64_t e) {
+    const LowRankTJob *j = (const LowRankTJob *)arg;
+    const int64_t rows = j->k - j->k % LOWRANK_TROWS;
+    for (int64_t i0 = 0; i0 < j->m; i0 += LOWRANK_TCHUNK) {
+        const int64_t i1 = i0 + LOWRANK_TCHUNK < j->m ? i0 + LOWRANK_TCHUNK : j->m;
+        for (int64_t blk = b; blk < e; ++blk) {
+            const int64_t j0 = blk * LOWRANK_TCOLS;
+            const int64_t j1 = j0 + LOWRANK_TCOLS < j->n ? j0 + LOWRANK_TCOLS : j->n;
+            if (j1 - j0 == LOWRANK_TCOLS)
+                for (int64_t k0 = 0; k0 < rows; k0 += LOWRANK_TROWS) lowrank_t_block(j, k0, j0, i0, i1);
+            for (int64_t kk = j1 - j0 == LOWRANK_TCOLS ? rows : 0; kk < j->k; ++kk)
+                for (int64_t t = j0; t < j1; ++t) lowrank_t_one(j, kk, t, i0, i1);
+        }
+    }
+}
+
+static OrtStatus *lowrank_t(const LlmOp *op, Args *a) {
+    if (a->rank[0] != 2 || a->rank[1] != 2 || a->dims[0][0] != a->dims[1][0])
+        return llm_fail(op, "expects a [M, K] and b [M, N]");
+    LowRankTJob j = {a->data[0], a->data[1], NULL, a->dims[0][0], a->dims[0][1], a->dims[1][1]};
+    const int64_t dims[2] = {j.k, j.n};
+    OrtStatus *st = llm_output(op, a, 0, dims, 2, (void **)&j.out);
+    if (st || j.k == 0 || j.n == 0) return st;
+    split_work(lowrank_t_cols, &j, (j.n + LOWRANK_TCOLS - 1) / LOWRANK_TCOLS, (j.m * (j.n + j.k) + j.k * j.n) * 4);
+    return NULL;
+}
+
 static OrtStatus *lowrank_add(const LlmOp *op, Args *a) {
     const size_t rank = a->rank[0];
     if (rank < 1 || a->rank[2] != 2 || a->rank[1] != rank) return llm_fail(op, "expects c [.., N], a [.., K], b [K, N]");
@@ -918,6 +991,7 @@ static LlmOp g_llm_ops[] = {
     LLM_OP("RopeGradF32", 3, L(F, F, F), 0, 1, L(F), 0, rope_grad),
     LLM_OP("RotateHalvesF32", 3, L(F, F, F), 0, 1, L(F), 0, rotate_halves),
     LLM_OP("LowRankMatMulAddF32", 3, L(F, F, F), 0, 1, L(F), 0, lowrank_add),
+    LLM_OP("LowRankTransAF32", 2, L(F, F), 0, 1, L(F), 0, lowrank_t),
     LLM_OP("SoftmaxGuardF32", 1, L(F), 0, 1, L(F), 0, softmax_guard),
     LLM_OP("SoftmaxGradF32", 2, L(F, F), 0, 1, L(F), 0, softmax_grad),
     LLM_OP("SoftmaxGradPlainF32", 2, L(F, F), 0, 1, L(F), 0, softmax_grad_plain),

@@ -10,9 +10,17 @@ K products summed in order into a float per column, then c added.  Not the
 bits of onnxruntime's MatMul (its order, its fused multiply-adds); tests/
 kernels/ checks it against float64.
 
-Matched: MatMul(a, b) with b a 2-D [K, N] of K <= ``MAX_K``, a of rank 2 or
-more, float32, read only by an Add whose other operand has the product's
+Matched: MatMul(a, b) with b a 2-D [K, N] of K <= ``MAX_K`` and N >=
+``MIN_N``, a of rank 2 or more, float32, read only by an Add whose other operand has the product's
 dims (named dims alike: the kernel checks the sizes it gets at run time).
+
+The adapter's gradient ``dB = h^T dY`` (a Gemm with transA, h [M, r]) sums
+over the M rows into r x N values, which MLAS also runs well below its
+ceiling (47 GFLOP/s on L1).  ``LowRankTransAF32(a, b)`` writes ``a^T b`` for
+a of K <= ``MAX_K`` columns, blocks of 16 x 16 sums in registers, each summed
+over chunks of rows by fused multiply-adds.  Matched: Gemm(a, b, transA=1)
+without C, alpha 1, transB 0, a [M, K] of static K <= ``MAX_K``, b [M, N] of
+static N >= ``MIN_N``, M named or at least ``MIN_M``, float32.
 """
 
 from __future__ import annotations
@@ -23,6 +31,13 @@ from .graphmatch import Fusion, Index, kernel_node
 
 #: Most columns K rewritten: beyond, onnxruntime's MatMul is the better product.
 MAX_K = 64
+#: Fewest output columns N rewritten: the kernels compute blocks of 32 columns
+#: (the rest one by one), and narrow products are MLAS's (W1's last layer's
+#: dW = h^T dY, N = 10, ran 3% slower as a whole step with the kernel).
+MIN_N = 128
+#: Fewest rows M of the gradient's sum a^T b where M is static (a batch of 64
+#: rows is MLAS's: W1's and W7's dW; LoRA's M is a batch's tokens).
+MIN_M = 256
 
 
 def _operand(ix: Index, add: onnx.NodeProto, product: str) -> str | None:
@@ -37,7 +52,8 @@ def low_rank_sums(ix: Index, domain: str) -> list[Fusion]:
     for mm in [n for n in ix.nodes if n.op_type == "MatMul" and n.domain in ("", "ai.onnx")]:
         a, b = mm.input
         bd, ad = ix.shape(b), ix.dims(a)
-        if bd is None or len(bd) != 2 or not 1 <= bd[0] <= MAX_K or ad is None or len(ad) < 2 or ad[-1] != bd[0]:
+        if bd is None or len(bd) != 2 or not 1 <= bd[0] <= MAX_K or bd[1] < MIN_N or ad is None or len(ad) < 2 \
+                or ad[-1] != bd[0]:
             continue
         adds = ix.reader_nodes(mm.output[0], "Add")
         if len(adds) != 1 or len(ix.readers.get(mm.output[0], [])) != 1 or mm.output[0] in ix.outputs:
@@ -47,4 +63,26 @@ def low_rank_sums(ix: Index, domain: str) -> list[Fusion]:
             continue
         fusions.append(Fusion([mm, adds[0]], [kernel_node("LowRankMatMulAddF32", [c, a, b], [adds[0].output[0]],
                                                           adds[0].name + "/low_rank", domain)]))
+    return fusions
+
+
+def _gemm_ta(ix: Index, node: onnx.NodeProto) -> bool:
+    """Gemm(a, b) = a^T b: transA, no transB, alpha 1, no C."""
+    return (int(ix.attr(node, "transA", 0)) == 1 and int(ix.attr(node, "transB", 0)) == 0
+            and float(ix.attr(node, "alpha", 1.0)) == 1.0 and (len(node.input) < 3 or not node.input[2]))
+
+
+def low_rank_gradients(ix: Index, domain: str) -> list[Fusion]:
+    fusions = []
+    for g in [n for n in ix.nodes if n.op_type == "Gemm" and n.domain in ("", "ai.onnx")]:
+        a, b = g.input[0], g.input[1]
+        ad, bd = ix.dims(a), ix.dims(b)
+        if not _gemm_ta(ix, g) or ad is None or bd is None or len(ad) != 2 or len(bd) != 2:
+            continue
+        if not isinstance(ad[1], int) or not 1 <= ad[1] <= MAX_K or not isinstance(bd[1], int) or bd[1] < MIN_N:
+            continue
+        if (isinstance(ad[0], int) and ad[0] < MIN_M) or not ix.all_float(a, b):
+            continue
+        fusions.append(Fusion([g], [kernel_node("LowRankTransAF32", [a, b], list(g.output), g.name + "/low_rank_t",
+                                                domain)]))
     return fusions

@@ -166,6 +166,7 @@ def test_the_guard_is_where_isnan_bit_for_bit():
     assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
 
 
+LOW_RANK = ["LowRankMatMulAddF32", "LowRankTransAF32"]  # (the second: dB = h^T dY, from 256 rows or named)
 ROW_SUMS = [
     ("rms norm", lambda: rms_norm(), ["RmsNormF32", "RmsNormGradF32"]),
     ("rms norm, residual", lambda: rms_norm(residual=True), ["RmsNormF32", "RmsNormGradF32"]),
@@ -189,11 +190,12 @@ ROW_SUMS = [
                             lowest=float(np.finfo(np.float32).min)), ["MaskedSoftmaxF32", "SoftmaxGradPlainF32"]),
     ("softmax without a guard, split", lambda: masked_softmax((4, 8, 256, 256), (256, 256), guard=False, seed=9,
                                                                lowest=-1e9), ["MaskedSoftmaxF32", "SoftmaxGradPlainF32"]),
-    ("low rank, LoRA's up-projection", lambda: low_rank(), ["LowRankMatMulAddF32"]),
-    ("low rank, L1's gate, split", lambda: low_rank((4, 256, 1408), seed=1), ["LowRankMatMulAddF32"]),
-    ("low rank, odd columns and rows, Add(delta, base)", lambda: low_rank((3, 7, 77), 5, seed=2, swap=True),
+    ("low rank, LoRA's up-projection, 10 rows", lambda: low_rank((2, 5, 160)), ["LowRankMatMulAddF32"]),
+    ("low rank, L1's gate, split", lambda: low_rank((4, 256, 1408), seed=1), LOW_RANK),
+    ("low rank, odd columns and rows, Add(delta, base)", lambda: low_rank((3, 7, 141), 5, seed=2, swap=True),
      ["LowRankMatMulAddF32"]),
-    ("low rank, named dims, rank 64", lambda: low_rank((2, 9, 40), 64, seed=3, named=True), ["LowRankMatMulAddF32"]),
+    ("low rank, named dims, rank 64", lambda: low_rank((2, 9, 136), 64, seed=3, named=True), LOW_RANK),
+    ("low rank, rank 12, 300 rows by chunks, 150 columns", lambda: low_rank((3, 100, 150), 12, seed=4), LOW_RANK),
     ("cross-entropy", lambda: cross_entropy(), ["CrossEntropyF32", "CrossEntropyGradF32"]),
     ("cross-entropy, a vocabulary, split", lambda: cross_entropy(600, 8000, ignored=17, seed=6, scale=4.0),
      ["CrossEntropyF32", "CrossEntropyGradF32"]),
@@ -309,7 +311,8 @@ REFUSED = [
     ("a guard with 1, not 0", lambda: _const_value(guarded_softmax(), "zero", 1.0), "q"),
     ("a softmax over another axis", lambda: _variant(masked_softmax(), "Softmax", lambda n: n.attribute[0].__setattr__(
         "i", 2)), "p"),
-    ("a product of many columns", lambda: low_rank((2, 5, 48), 65), "y"),
+    ("a product of many columns", lambda: low_rank((2, 5, 160), 65), "y"),
+    ("a narrow product", lambda: low_rank((2, 5, 48)), "y"),
     ("a gradient's sum over another axis", lambda: _axes_constant(masked_softmax(guard=False), [2]), "grad_scores"),
 ]
 
