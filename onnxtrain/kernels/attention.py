@@ -25,7 +25,11 @@ which runs in double.
 mask broadcast over heads (the exporter's attention; GroupQueryAttention's
 recomputed probabilities in its gradient), is ``MaskedSoftmaxF32``: one pass
 per row that never writes ``scores + mask``, broadcasting the two as the Add
-does (so named dims match: the kernel sees the sizes at run time).  The Add's sums are the same
+does.  Both softmax kernels that round differently from onnxruntime take
+rows of ``MIN_ROW`` or more, or named rows in a GroupQueryAttention program
+(an onnxruntime-genai decoder, whose rows are its sequence): a small
+model's attention keeps onnxruntime's bits, as its bundle on
+onnxruntime-node reproduces them.  The Add's sums are the same
 bits; the softmax uses the library's exp and a row sum in double, so it is
 compared with float64, not bit for bit.  A row with a NaN, or all -inf, is
 NaN as the standard Softmax makes it (the guard above then zeroes it).
@@ -228,15 +232,26 @@ def softmaxes(ix: Index, domain: str) -> list[Fusion]:
 
 
 # ------------------------------------------------------------ masked softmax
-def masked_softmaxes(ix: Index, domain: str) -> list[Fusion]:
+#: Shortest softmax rows the two kernels that round differently from
+#: onnxruntime take (a static last dim): a small model's attention keeps
+#: onnxruntime's bits, which its bundle reproduces on onnxruntime-node.
+MIN_ROW = 64
+
+
+def _long_rows(dims: tuple, named: bool) -> bool:
+    """Rows of ``MIN_ROW`` or more, or named where ``named`` allows it."""
+    return dims[-1] >= MIN_ROW if isinstance(dims[-1], int) else named
+
+
+def masked_softmaxes(ix: Index, domain: str, named: bool = False) -> list[Fusion]:
     """Softmax(Add(a, b)) over the last axis of float32 values whose ranks are
-    known (the kernel broadcasts a and b as the Add does, named dims included),
-    the sum read only by the Softmax."""
+    known (the kernel broadcasts a and b as the Add does), the sum read only by
+    the Softmax, rows ``_long_rows``."""
     fusions = []
     for sm in [n for n in ix.nodes if n.op_type == "Softmax" and n.domain in ("", "ai.onnx")]:
         add = ix.node(sm.input[0], "Add", 2)
         out = ix.dims(sm.input[0]) if add is not None else None
-        if out is None or not 1 <= len(out) <= 8 or not ix.all_float(*add.input):
+        if out is None or not 1 <= len(out) <= 8 or not _long_rows(out, named) or not ix.all_float(*add.input):
             continue
         axis = ix.attr(sm, "axis", -1 if ix.opset() >= 13 else 1)  # (1 before opset 13, and 2-D rows)
         if axis % len(out) != len(out) - 1:
@@ -268,14 +283,15 @@ def _plain_softmax_grad(ix: Index, red: onnx.NodeProto) -> dict | None:
     return None
 
 
-def plain_softmax_grads(ix: Index, domain: str) -> list[Fusion]:
+def plain_softmax_grads(ix: Index, domain: str, named: bool = False) -> list[Fusion]:
     """The softmax gradient without a guard, as GroupQueryAttention's rule
-    writes it: ``SoftmaxGradPlainF32(dp, p)``, which checks at run time that
-    the two have one shape (their dims may be named differently)."""
+    and the Softmax rule write it: ``SoftmaxGradPlainF32(dp, p)``, which checks
+    at run time that the two have one shape (their dims may be named
+    differently), rows ``_long_rows``."""
     fusions = []
     for red in [n for n in ix.nodes if n.op_type == "ReduceSum" and n.domain in ("", "ai.onnx")]:
         g = _plain_softmax_grad(ix, red)
-        if g is not None:
+        if g is not None and _long_rows(ix.dims(g["p"]), named):
             fusions.append(Fusion(g["nodes"], [kernel_node("SoftmaxGradPlainF32", [g["dq"], g["p"]], [g["dx"]],
                                                            g["nodes"][-1].name + "/softmax_grad", domain)]))
     return fusions

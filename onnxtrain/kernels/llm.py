@@ -62,9 +62,10 @@ def rewrite(graph: onnx.GraphProto, opset_imports: Sequence[onnx.OperatorSetIdPr
         return 0
     ix = Index(graph, opset_imports, inferred)
     names = NameGen.from_graph(graph)
+    decoder = any(n.op_type == "GroupQueryAttention" for n in graph.node)  # (named softmax rows: its sequence)
     fusions = (rms_norms(ix, names, domain) + silu_muls(ix, domain) + attention.ropes(ix, names, domain)
-               + attention.softmaxes(ix, domain) + attention.masked_softmaxes(ix, domain)
-               + attention.plain_softmax_grads(ix, domain) + attention.rotations(ix, names, domain)
+               + attention.softmaxes(ix, domain) + attention.masked_softmaxes(ix, domain, decoder)
+               + attention.plain_softmax_grads(ix, domain, decoder) + attention.rotations(ix, names, domain)
                + xent.cross_entropies(ix, names, domain)
                + nbits.dequantizations(ix, names, domain) + lowrank.low_rank_sums(ix, domain)
                + lowrank.low_rank_gradients(ix, domain))

@@ -223,13 +223,14 @@ def guarded_softmax(shape=(2, 3, 6, 6), masked_rows: int = 1, seed: int = 0) -> 
     return Chain(model, feeds, outputs, reference)
 
 
-def masked_softmax(shape=(2, 3, 6, 6), mask_shape=(2, 1, 6, 6), guard: bool = True, seed: int = 0,
-                   lowest: float = -np.inf) -> Chain:
+def masked_softmax(shape=(2, 3, 6, 72), mask_shape=(2, 1, 6, 72), guard: bool = True, seed: int = 0,
+                   lowest: float = -np.inf, named: bool = False) -> Chain:
     """p = Softmax(scores + mask) over the last axis (the exporter's attention:
     a causal mask of 0 and ``lowest``, broadcast over heads), guarded as the
     exporter writes it when ``guard``; the mask's last rows of the first batch
     fully masked (NaN in p, 0 in q with -inf).  A mask without a row axis
-    masks random keys instead (padding)."""
+    masks random keys instead (padding).  ``named``: the scores' dims named
+    (as a small model's dynamic batch and sequence)."""
     rng = np.random.default_rng(seed)
     scores = (rng.standard_normal(shape) * 2).astype(np.float32)
     s, d = (shape[-2] if len(shape) > 1 else 1), shape[-1]
@@ -248,7 +249,11 @@ def masked_softmax(shape=(2, 3, 6, 6), mask_shape=(2, 1, 6, 6), guard: bool = Tr
         nodes += [_const("zero", 0.0), helper.make_node("IsNaN", ["p"], ["nan"]),
                   helper.make_node("Where", ["nan", "zero", "p"], ["q"])]
         out = "q"
-    model, outputs = _program(nodes, feeds, [out], ["scores"], {out: "t"})
+    dims = None
+    if named:  # (the mask's dims of 1 stay 1)
+        dims = {k: [f"d{i}" for i in range(len(shape))] for k in ("scores", "t")}
+        dims["mask"] = [1 if m == 1 else f"d{i + len(shape) - len(mask_shape)}" for i, m in enumerate(mask_shape)]
+    model, outputs = _program(nodes, feeds, [out], ["scores"], {out: "t"}, dims)
 
     def reference(f):
         v = f["scores"].astype(np.float64) + f["mask"].astype(np.float64)

@@ -181,12 +181,12 @@ ROW_SUMS = [
      ["MaskedSoftmaxF32", "SoftmaxGradF32", "SoftmaxGuardF32"]),
     ("masked softmax, L1's attention, split", lambda: masked_softmax((4, 8, 256, 256), (4, 1, 256, 256), seed=5),
      ["MaskedSoftmaxF32", "SoftmaxGradF32", "SoftmaxGuardF32"]),
-    ("masked softmax, an [S, S] mask, odd rows", lambda: masked_softmax((3, 2, 7, 13), (7, 13), seed=6),
+    ("masked softmax, an [S, S] mask, odd rows", lambda: masked_softmax((3, 2, 7, 77), (7, 77), seed=6),
      ["MaskedSoftmaxF32", "SoftmaxGradF32", "SoftmaxGuardF32"]),
-    ("masked softmax, a row of mask values", lambda: masked_softmax((3, 2, 7, 13), (3, 1, 1, 13), seed=7),
+    ("masked softmax, a row of mask values", lambda: masked_softmax((3, 2, 7, 77), (3, 1, 1, 77), seed=7),
      ["MaskedSoftmaxF32", "SoftmaxGradF32", "SoftmaxGuardF32"]),
     ("masked softmax, GQA's 5-D lowest-float mask, no guard",
-     lambda: masked_softmax((2, 2, 2, 16, 16), (2, 1, 1, 16, 16), guard=False, seed=8,
+     lambda: masked_softmax((2, 2, 2, 16, 80), (2, 1, 1, 16, 80), guard=False, seed=8,
                             lowest=float(np.finfo(np.float32).min)), ["MaskedSoftmaxF32", "SoftmaxGradPlainF32"]),
     ("softmax without a guard, split", lambda: masked_softmax((4, 8, 256, 256), (256, 256), guard=False, seed=9,
                                                                lowest=-1e9), ["MaskedSoftmaxF32", "SoftmaxGradPlainF32"]),
@@ -242,7 +242,7 @@ def test_fully_masked_rows_get_zero_gradient():
 def test_the_masked_softmax_keeps_the_standard_nans():
     """A fully masked row (all -inf) and a row with a NaN score are NaN rows,
     as onnxruntime's Softmax makes them; the guard then zeroes them."""
-    chain = masked_softmax((2, 3, 6, 6), (2, 1, 6, 6), guard=False)
+    chain = masked_softmax(guard=False)
     chain.feeds["scores"][1, 2, 3, 4] = np.nan
     fused, _ = chain.fused()
     assert _kernels(fused) == ["MaskedSoftmaxF32", "SoftmaxGradPlainF32"]
@@ -252,7 +252,7 @@ def test_the_masked_softmax_keeps_the_standard_nans():
     assert np.isfinite(ours[1, 2, :3]).all()
 
 
-@pytest.mark.parametrize("shapes", [((2, 1, 6, 6), (1, 3, 6, 6)), ((2, 3, 6, 1), (6,)), ((6,), (2, 3, 1, 6))],
+@pytest.mark.parametrize("shapes", [((2, 1, 6, 70), (1, 3, 6, 70)), ((2, 3, 6, 1), (70,)), ((70,), (2, 3, 1, 70))],
                          ids=["both grow", "scores' last axis grows", "the mask is the larger"])
 def test_the_masked_softmax_broadcasts_as_the_add(shapes):
     chain = masked_softmax(*shapes, guard=False, lowest=-30.0)
@@ -262,6 +262,19 @@ def test_the_masked_softmax_broadcasts_as_the_add(shapes):
     for out in chain.outputs:
         assert ours[out].shape == standard[out].shape
         np.testing.assert_allclose(ours[out], standard[out], rtol=1e-5, atol=1e-6)
+
+
+def test_named_softmax_rows_are_matched_in_a_decoder_only():
+    """Rows of a named length are a decoder's sequence in a GroupQueryAttention
+    program (``llm.rewrite`` passes ``named``), a small model's elsewhere."""
+    from onnxtrain.kernels import attention
+    from onnxtrain.kernels.graphmatch import Index
+
+    chain = masked_softmax(guard=False, named=True)
+    ix = Index(chain.model.graph, list(chain.model.opset_import))
+    for named, count in ((False, 0), (True, 1)):
+        assert len(attention.masked_softmaxes(ix, KERNEL_DOMAIN, named)) == count
+        assert len(attention.plain_softmax_grads(ix, KERNEL_DOMAIN, named)) == count
 
 
 def test_cross_entropy_with_every_row_ignored_is_nan_as_the_standard_mean():
@@ -309,6 +322,8 @@ REFUSED = [
     ("a rotation on the other halves", lambda: _variant(rope(), "Concat", lambda n: n.input.__setitem__(1, "hi")),
      "y"),
     ("a guard with 1, not 0", lambda: _const_value(guarded_softmax(), "zero", 1.0), "q"),
+    ("short rows (a small model's attention)", lambda: masked_softmax((2, 3, 6, 6), (2, 1, 6, 6), guard=False), "p"),
+    ("named rows outside a decoder", lambda: masked_softmax(guard=False, named=True), "p"),
     ("a softmax over another axis", lambda: _variant(masked_softmax(), "Softmax", lambda n: n.attribute[0].__setattr__(
         "i", 2)), "p"),
     ("a product of many columns", lambda: low_rank((2, 5, 160), 65), "y"),
@@ -416,8 +431,8 @@ def test_a_decoder_trains_with_the_kernels_only_in_the_executed_program():
         executed = sess.programs(executed=True)["training_info[0].algorithm"]
         assert not any(n.domain == KERNEL_DOMAIN for n in standard.graph.node)
         kinds = {n.op_type for n in executed.graph.node if n.domain == KERNEL_DOMAIN}
-        assert (kinds >= {"RmsNormF32", "RmsNormGradF32", "SiluMulGradF32", "RopeGradF32", "SoftmaxGradF32",
-                          "MaskedSoftmaxF32"}) == (fused is None), kinds
+        assert (kinds >= {"RmsNormF32", "RmsNormGradF32", "SiluMulGradF32", "RopeGradF32", "SoftmaxGradF32"}) == (
+            fused is None), kinds
         losses = [float(sess.train_step(feeds)["loss"]) for _ in range(4)]
         runs[fused] = losses, {k: np.asarray(v) for k, v in sess.state.items()}
     np.testing.assert_allclose(runs[None][0], runs[False][0], rtol=2e-6)
