@@ -17,7 +17,7 @@ and backward, by one kernel each, only in the program onnxruntime runs
 | ``RopeF32`` / ``RopeGradF32`` | ``attention``: rotate-half RoPE and its gradient | yes |
 | ``SoftmaxGuardF32`` / ``SoftmaxGradF32`` | ``attention``: Where(IsNaN(p), 0, p) and the guarded softmax's gradient | yes / no (row sum) |
 | ``MaskedSoftmaxF32`` | ``attention``: Softmax(scores + mask), the mask broadcast | no: the library's exp, the row sum in double |
-| ``SoftmaxGradPlainF32`` | ``attention``: p * (dp - sum(dp * p)), no guard (GroupQueryAttention's rule) | no: row sum |
+| ``SoftmaxGradPlainF32`` | ``attention``: p * (dp - sum(dp * p)), no guard (the Softmax and GroupQueryAttention rules) | no: row sum |
 | ``RotateHalvesF32`` | ``attention``: the attention rules' rotation (halves: Slices, Muls, Sub, Add, Concats) | yes |
 | ``LowRankMatMulAddF32`` | ``lowrank``: c + a b for b [K, N] of few columns (LoRA's up-projection and its Add) | no: the product's order |
 | ``LowRankTransAF32`` | ``lowrank``: Gemm(a, b, transA) for a [M, K] of few columns (LoRA's dB = h^T dY) | no: the product's order |
@@ -27,8 +27,9 @@ and backward, by one kernel each, only in the program onnxruntime runs
 Each match is the exact chain the exporter and the rules write, in either
 operand order of Add and Mul, on float32 values of static shape (SiLU, and
 the cross-entropy's rows: named dims too, which their kernels check at run
-time; the masked softmax: any known rank, its kernel broadcasting as the Add
-does); anything else keeps its standard ops.  ``graphmatch.apply`` makes a
+time; the two softmax kernels that round differently: rows of 64 or more,
+or named in a GroupQueryAttention program, the masked one broadcasting as
+the Add does); anything else keeps its standard ops.  ``graphmatch.apply`` makes a
 match only where nothing outside the fused chains reads what it drops.  tests/kernels/
 compares each kernel with its standard chain (bit for bit where claimed) and
 both with float64.

@@ -5,20 +5,21 @@ LoRA's forward adds its adapter's up-projection to the frozen product,
 [.., N] result onnxruntime writes only for one Add to read back.  At K = 16
 the product is a pass over its output more than arithmetic, and MLAS runs it
 well below its ceiling (L1: 8-47 GFLOP/s for these shapes).
-``LowRankMatMulAddF32(c, a, b)`` writes ``c + a b`` in one pass: per row, the
-K products summed in order into a float per column, then c added.  Not the
-bits of onnxruntime's MatMul (its order, its fused multiply-adds); tests/
-kernels/ checks it against float64.
+``LowRankMatMulAddF32(c, a, b)`` writes ``c + a b`` in one pass: blocks of
+4 rows x 32 columns of sums kept in registers, the K products accumulated in
+order by fused multiply-adds, then c added.  Not the bits of onnxruntime's
+MatMul (its order); tests/kernels/ checks it against float64.
 
 Matched: MatMul(a, b) with b a 2-D [K, N] of K <= ``MAX_K`` and N >=
-``MIN_N``, a of rank 2 or more, float32, read only by an Add whose other operand has the product's
-dims (named dims alike: the kernel checks the sizes it gets at run time).
+``MIN_N``, a of rank 2 or more, float32, read only by an Add whose other
+operand has the product's dims (named dims alike: the kernel checks the
+sizes it gets at run time).
 
 The adapter's gradient ``dB = h^T dY`` (a Gemm with transA, h [M, r]) sums
 over the M rows into r x N values, which MLAS also runs well below its
 ceiling (47 GFLOP/s on L1).  ``LowRankTransAF32(a, b)`` writes ``a^T b`` for
-a of K <= ``MAX_K`` columns, blocks of 16 x 16 sums in registers, each summed
-over chunks of rows by fused multiply-adds.  Matched: Gemm(a, b, transA=1)
+a of K <= ``MAX_K`` columns, blocks of 8 x 32 sums in registers, each summed
+over chunks of 64 rows by fused multiply-adds, the chunks then in order.  Matched: Gemm(a, b, transA=1)
 without C, alpha 1, transB 0, a [M, K] of static K <= ``MAX_K``, b [M, N] of
 static N >= ``MIN_N``, M named or at least ``MIN_M``, float32.
 """
