@@ -342,9 +342,11 @@ def _rotation(ix: Index, cat: onnx.NodeProto) -> dict | None:
         halves = [r.output[0] for r in ix.reader_nodes(c, "Shape") if _shape_last(ix, r.output[0]) == c]
         half = next((h for h in halves if _sliced(ix, x1, 0, h) is not None), None)
         x = _sliced(ix, x1, 0, half) if half is not None else None
-        for x2, sn in ix.operands(m2, "Mul") if x is not None else ():
-            rot = next((n.output[0] for n, two in ix.partners(half, "Mul") if ix.ints(two) == [2]), None)
-            if x is None or rot is None or _sliced(ix, x2, half, rot) != x or _sliced(ix, cat.input[1], rot, 2**62) != x:
+        rot = next((n.output[0] for n, two in ix.partners(half, "Mul") if ix.ints(two) == [2]), None) if x else None
+        if rot is None or _sliced(ix, cat.input[1], rot, 2**62) != x:
+            continue
+        for x2, sn in ix.operands(m2, "Mul"):
+            if _sliced(ix, x2, half, rot) != x:
                 continue
             m3, m4 = (ix.node(i, "Mul", 2) for i in add.input)
             want = {(x2, c), (c, x2)}, {(x1, sn), (sn, x1)}

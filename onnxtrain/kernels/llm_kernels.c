@@ -471,11 +471,9 @@ static OrtStatus *rotate_halves(const LlmOp *op, Args *a) {
     j.h = a->dims[1][crank - 1];
     j.lead = (int64_t)rank - 1;
     memcpy(j.dims, a->dims[0], rank * sizeof(int64_t));
-    int64_t stride[8];
     j.dims[rank - 1] = j.h; /* cos, sin broadcast into x[.., :half] */
-    if (2 * j.h > j.d || !broadcast_into(j.dims, rank, a->dims[1], crank, stride))
+    if (2 * j.h > j.d || !broadcast_into(j.dims, rank, a->dims[1], crank, j.stride))
         return llm_fail(op, "cos and sin must broadcast into x[..., :half], 2 half <= D");
-    memcpy(j.stride, stride, sizeof(stride));
     OrtStatus *st = llm_output(op, a, 0, a->dims[0], rank, (void **)&j.y);
     if (st || a->count[0] == 0 || j.d == 0) return st;
     split_work(rotate_rows, &j, (int64_t)a->count[0] / j.d, (int64_t)a->count[0] * 8);
@@ -530,12 +528,11 @@ static OrtStatus *softmax_guard(const LlmOp *op, Args *a) {
     return NULL;
 }
 
-static OrtStatus *softmax_grad_plain(const LlmOp *op, Args *a);
-
-static OrtStatus *softmax_grad(const LlmOp *op, Args *a) {
+/* The gradient's rows, guarded or ``plain``. */
+static OrtStatus *softmax_grad_run(const LlmOp *op, Args *a, int plain) {
     const size_t rank = a->rank[1];
     if (rank < 1 || a->count[0] != a->count[1]) return llm_fail(op, "dq and y must have one size");
-    SoftmaxJob j = {a->data[1], a->data[0], NULL, a->dims[1][rank - 1], op->compute == softmax_grad_plain};
+    SoftmaxJob j = {a->data[1], a->data[0], NULL, a->dims[1][rank - 1], plain};
     if (j.d <= 0) return llm_fail(op, "y must have a non-empty last axis");
     OrtStatus *st = llm_output(op, a, 0, a->dims[1], rank, (void **)&j.out);
     if (st) return st;
@@ -543,13 +540,15 @@ static OrtStatus *softmax_grad(const LlmOp *op, Args *a) {
     return NULL;
 }
 
+static OrtStatus *softmax_grad(const LlmOp *op, Args *a) { return softmax_grad_run(op, a, 0); }
+
 /* The gradient as the rule writes it without a guard (GroupQueryAttention's,
  * whose probabilities have no NaN row): dq and y must have one shape, as
  * the kernel does not broadcast them (matched on named dims, on trust). */
 static OrtStatus *softmax_grad_plain(const LlmOp *op, Args *a) {
     if (a->rank[0] != a->rank[1] || memcmp(a->dims[0], a->dims[1], a->rank[0] * sizeof(int64_t)))
         return llm_fail(op, "dq and y must have one shape");
-    return softmax_grad(op, a);
+    return softmax_grad_run(op, a, 1);
 }
 
 /* ------------------------------------------------------------ low-rank product plus a sum */
