@@ -92,13 +92,17 @@ def expand_gradients(
     names: NameGen,
     available: Sequence[str],
     functions: Sequence[onnx.FunctionProto] = (),
+    replace_forward: bool = True,
 ) -> None:
     """Replace every Gradient node of ``graph`` (in place) by standard ops.
 
     ``available`` lists the names defined outside the nodes (inputs,
     initializers); ``functions`` are the model's local functions.  Ops on a
     differentiated path that have no rule but an ONNX function body are
-    inlined first.  The node list ends topologically sorted."""
+    inlined first.  ``replace_forward=False``: no rule replaces its forward
+    node (``VJPContext.replace_forward``; where activations are recomputed,
+    a fused forward that keeps nothing is the better one).  The node list
+    ends topologically sorted."""
     opset = opset_version(opset_imports) or 1
     nodes = toposort([_copy(n) for n in graph.node], available)
     while True:
@@ -109,13 +113,14 @@ def expand_gradients(
         dtypes, shapes = infer_types(graph, opset_imports, functions=functions)
         constants = constant_values(graph)
         result = _expand_one(
-            nodes, idx, opset, names, dtypes, shapes, constants, opset_imports, functions, graph
+            nodes, idx, opset, names, dtypes, shapes, constants, opset_imports, functions, graph, replace_forward
         )
         if isinstance(result, _Inline):
             at = next(i for i, n in enumerate(nodes) if n is result.node)
             nodes = nodes[:at] + result.body + nodes[at + 1 :]
         else:
-            nodes = nodes[:idx] + result + nodes[idx + 1 :]
+            added, replaced = result
+            nodes = [n for n in nodes[:idx] + added + nodes[idx + 1 :] if id(n) not in replaced]
         nodes = toposort(nodes, available)
     _set_nodes(graph, nodes)
     if fold_masks(nodes, graph, names):  # (edits nodes in place; they may need a new order)
@@ -150,10 +155,12 @@ def _expand_one(
     opset_imports: Sequence[onnx.OperatorSetIdProto] = (),
     functions: Sequence[onnx.FunctionProto] = (),
     graph: onnx.GraphProto | None = None,
-) -> list[onnx.NodeProto] | _Inline:
+    replace_forward: bool = True,
+) -> tuple[list[onnx.NodeProto], set[int]] | _Inline:
     """The nodes that replace the Gradient node ``nodes[idx]`` (the steps of
-    the module doc), or an ``_Inline`` request for an op on its path that has
-    no rule but a function body."""
+    the module doc) with the ids of the forward nodes a rule replaced
+    (``VJPContext.replace_forward``: they go), or an ``_Inline`` request for
+    an op on its path that has no rule but a function body."""
     gnode = nodes[idx]
     xs, zs, y = _gradient_attrs(gnode)
     producer = {o: n for n in nodes for o in n.output if o}
@@ -164,7 +171,7 @@ def _expand_one(
     # 1. Substitution: inputs that are not the named tensors themselves.
     rename = {s: v for s, v in zip(sources, values) if v != s}
     if rename:
-        return _substitute(gnode, nodes, producer, position, xs, zs, y, rename, names)
+        return _substitute(gnode, nodes, producer, position, xs, zs, y, rename, names), set()
 
     # 2. The subgraph between the sources and y (sources are leaves), and the
     #    values on it that depend on an x.
@@ -188,9 +195,10 @@ def _expand_one(
 
     def subgraph_vjp(outer_emit, body_nodes, outputs, cotangents, wrt, types):
         return vjp_of_graph(
-            body_nodes, outputs, cotangents, wrt, types, opset_imports, names, functions
+            body_nodes, outputs, cotangents, wrt, types, opset_imports, names, functions, replace_forward
         )
 
+    replaced: set[int] = set()
     for n in reversed(relevant):
         dys = [emit.sum_all(grads[o]) if o and o in grads else None for o in n.output]
         if all(d is None for d in dys):
@@ -199,11 +207,16 @@ def _expand_one(
         if rule.kind == "zero":
             continue
         needs = [bool(i) and i in active for i in n.input]
-        ctx = VJPContext(n, emit, shapes, needs, names.fresh, active, subgraph_vjp, readers)
+        ctx = VJPContext(n, emit, shapes, needs, names.fresh, active, subgraph_vjp, readers, replace_forward)
         for o, d in zip(n.output, dys):
             if d is not None:
                 grads[o] = [d]
         _add_rule_gradients(ctx, rule, dys, needs, active, grads, dtypes, y)
+        if ctx.replacement is not None:  # the node's outputs now come from what the rule emitted
+            for old, new in zip(n.output, ctx.replacement):
+                if old:
+                    emit.op("Identity", [new], outputs=[old])
+            replaced.add(id(n))
 
     for k, out in enumerate(gnode.output):
         if not out:
@@ -211,7 +224,7 @@ def _expand_one(
         contributions = grads.get(xs[k])
         total = emit.sum_all(contributions) if contributions else emit.zeros_like(values[k])
         emit.op("Identity", [total], outputs=[out])
-    return emit.nodes
+    return emit.nodes, replaced
 
 
 def _upstream(y: str, leaves: set[str], producer: dict[str, onnx.NodeProto],
@@ -352,6 +365,7 @@ def vjp_of_graph(
     opset_imports: Sequence[onnx.OperatorSetIdProto],
     names: NameGen,
     functions: Sequence[onnx.FunctionProto] = (),
+    replace_forward: bool = True,
 ) -> tuple[list[onnx.NodeProto], list[str]]:
     """Differentiate a subgraph body: nodes computing the body's forward pass,
     then d/d(wrt) of sum_k <outputs[k], cotangents[k]>.
@@ -411,7 +425,7 @@ def vjp_of_graph(
         )
     scratch.node.extend(copies)
     if terms:
-        expand_gradients(scratch, opset_imports, names, free, functions)
+        expand_gradients(scratch, opset_imports, names, free, functions, replace_forward)
         nodes = list(scratch.node)
     else:
         emit = Emitter(opset_version(opset_imports) or 1, names, {w: types[w][0] for w in wrt})

@@ -33,7 +33,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..core.emitter import Emitter
-from ..errors import TrainingModelError
+from ..errors import GradientError, TrainingModelError
 
 Dim = int | str | None
 Shape = tuple[Dim, ...]
@@ -143,8 +143,11 @@ class VJPContext:
         active: frozenset[str] | set[str] = frozenset(),
         subgraph_vjp: Callable[..., tuple[list[onnx.NodeProto], list[str]]] | None = None,
         readers: dict[str, list[onnx.NodeProto]] | None = None,
+        may_replace: bool = True,
     ) -> None:
         self.node = node
+        #: Whether the rule may replace its forward node (``replace_forward``).
+        self.may_replace = may_replace
         self._readers = readers or {}
         self.emit = emit
         self.shapes = shapes
@@ -155,6 +158,8 @@ class VJPContext:
         self._attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         #: Gradients of implicit inputs (outer-scope names read by subgraphs).
         self.implicit_grads: dict[str, list[str]] = {}
+        #: Set by ``replace_forward``: the emitted names standing for the node's outputs.
+        self.replacement: list[str] | None = None
 
     # ------------------------------------------------- control flow support
     @property
@@ -271,6 +276,22 @@ class VJPContext:
             del self.node.output[:]
             self.node.output.extend(out)
         return out[i]
+
+    def replace_forward(self, outputs: Sequence[str]) -> None:
+        """Replace the forward node by nodes the rule emitted: ``outputs[i]``
+        (the same value, computed by those nodes) stands for its output i.
+
+        For a fused op whose backward needs what it computes inside (an
+        attention's probabilities): the rule emits that computation once, the
+        backward reads it, and the fused kernel no longer runs.  Every output
+        the node has is given; the node's output names stay defined (through
+        Identity), so its readers and the graph's outputs are unchanged."""
+        given = [o for o in self.node.output if o]
+        if not self.may_replace:
+            raise GradientError(f"{self.node.op_type} rule: its forward node may not be replaced here")
+        if len(outputs) < len(self.node.output) or any(o and not r for o, r in zip(self.node.output, outputs)):
+            raise GradientError(f"{self.node.op_type} rule: replace_forward needs a name for each of {given}")
+        self.replacement = list(outputs)
 
     # -------------------------------------------------------------- types
     def dtype(self, name: str) -> int:

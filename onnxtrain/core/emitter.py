@@ -92,6 +92,9 @@ class Emitter:
         self.sequence_types: dict[str, int] = {}
         #: Optional-valued names (gradients of optionals) -> element type.
         self.optional_types: dict[str, int] = {}
+        #: What rules emitted once for every node that asks the same, by a key of
+        #: their own (an attention mask all layers of a decoder share).
+        self.memo: dict[tuple, Any] = {}
 
     # ------------------------------------------------------------------ core
     def op(

@@ -51,6 +51,11 @@ from .layers import drop_unread
 
 #: Most dy terms RmsNormGradF32 sums itself (its inputs: 6, then the terms; 16 in all).
 MAX_TERMS = 10
+#: onnxruntime-genai's decoder ops: a program holding one (its GroupQueryAttention
+#: replaced or not, see contrib_attention) is a decoder, whose named softmax
+#: rows are its sequence.
+DECODER_OPS = frozenset({"GroupQueryAttention", "MatMulNBits", "SkipSimplifiedLayerNormalization",
+                         "SimplifiedLayerNormalization"})
 #: The op types a program must have for any rewrite here to apply.
 ANCHORS = frozenset({"Pow", "Sigmoid", "Softmax", "SoftmaxCrossEntropyLoss", "Concat", "MatMulNBits"})
 
@@ -63,7 +68,7 @@ def rewrite(graph: onnx.GraphProto, opset_imports: Sequence[onnx.OperatorSetIdPr
         return 0
     ix = Index(graph, opset_imports, inferred)
     names = NameGen.from_graph(graph)
-    decoder = any(n.op_type == "GroupQueryAttention" for n in graph.node)  # (named softmax rows: its sequence)
+    decoder = any(n.domain == "com.microsoft" and n.op_type in DECODER_OPS for n in graph.node)
     fusions = (rms_norms(ix, names, domain) + silu_muls(ix, domain) + attention.ropes(ix, names, domain)
                + attention.softmaxes(ix, domain) + attention.masked_softmaxes(ix, domain, decoder)
                + attention.plain_softmax_grads(ix, domain, decoder) + attention.rotations(ix, names, domain)

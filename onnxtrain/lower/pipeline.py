@@ -250,8 +250,9 @@ def expand_gradient_nodes(low: Lowering) -> None:
                     if out:
                         low.gradients[out] = x.decode()
                 low.differentiated += [a.s.decode() for a in node.attribute if a.name == "y"]
+        # (where activations are recomputed, a fused forward that keeps nothing stays)
         expand_gradients(low.graph, low.opset_imports, low.names, low.available,
-                         low.tm.proto.functions)
+                         low.tm.proto.functions, replace_forward=recompute_spec(low.tm.proto) is None)
 
 
 def recompute_activations(low: Lowering) -> None:

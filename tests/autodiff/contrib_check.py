@@ -11,7 +11,10 @@ Each op is paired with a float64 numpy transcription of its forward pass (the
   differences of the decomposition's loss ``L = sum_k sum(R_k * out_k)``.
   The model holds the op node, the loss and a Gradient; after expansion the
   op node itself is removed and its outputs are fed with the decomposition's
-  float64 values, so every node that runs is a standard op in float64.
+  float64 values, so every node that runs is a standard op in float64.  A
+  rule that replaces the op node (``VJPContext.replace_forward``) leaves
+  standard ops computing its outputs: those run instead of the feeds, and
+  ``forward_out`` receives what they computed.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def check_forward(op_type, inputs, attrs, decomposition: Callable, *, n_out=1, d
 def check_grad(op_type, inputs: Mapping[str, np.ndarray | None], attrs, decomposition: Callable, wrt: Sequence[str],
                *, n_out=1, diff_outputs: Sequence[int] = (0,), domain=MS, seed=0, eps=1e-6,
                rtol=1e-6, directions=2, weights: Mapping[int, np.ndarray] | None = None,
-               opset: int = 21, f32: bool = False) -> dict[str, np.ndarray]:
+               opset: int = 21, f32: bool = False, forward_out: dict | None = None) -> dict[str, np.ndarray]:
     """The rule's float64 gradient against central differences of the decomposition.
     Returns the analytic gradients.  ``f32``: the backward runs in float32 (for
     rules that emit ops onnxruntime has no float64 kernel for, such as Erf);
@@ -113,15 +116,22 @@ def check_grad(op_type, inputs: Mapping[str, np.ndarray | None], attrs, decompos
     model = _model(nodes, feeds_run, {g: feeds_run[x] for g, x in zip(grads, wrt)},
                    value_info={f"out{i}": low(o) for i, o in enumerate(outs)}, opset=opset)
     expand_gradients(model.graph, model.opset_import, NameGen.from_graph(model.graph), list(feeds) + list(r_feeds))
+    # The op's outputs are fed (its node removed) unless its rule replaced the node
+    # (replace_forward): then the standard ops that stand for it compute them.
     kept = [n for n in model.graph.node if n.name != "op"]
-    assert len(kept) == len(model.graph.node) - 1, "the op node is gone from the expanded graph"
     assert all(n.domain in ("", "ai.onnx") for n in kept), "the backward pass emits standard ops only"
     del model.graph.node[:]
     model.graph.node.extend(kept)
-    out_feeds = {f"out{i}": low(o) for i, o in enumerate(outs)}
+    made = {o for n in kept for o in n.output}
+    out_feeds = {f"out{i}": low(o) for i, o in enumerate(outs) if f"out{i}" not in made}
     model.graph.input.extend(_vi(k, v) for k, v in out_feeds.items())
+    computed = [f"out{i}" for i in range(len(outs)) if f"out{i}" in made]
+    model.graph.output.extend(_vi(k, low(outs[int(k[3:])])) for k in computed)
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    raw = dict(zip(wrt, sess.run(grads, {**feeds_run, **out_feeds})))
+    values = sess.run(grads + computed, {**feeds_run, **out_feeds})
+    raw = dict(zip(wrt, values))
+    if forward_out is not None:
+        forward_out.update(zip(computed, values[len(grads):]))
     for x, g in raw.items():
         assert g.shape == feeds[x].shape and g.dtype == feeds_run[x].dtype, f"gradient of {x}: {g.shape} {g.dtype}"
     analytic = {x: g.astype(np.float64) for x, g in raw.items()}

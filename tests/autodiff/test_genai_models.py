@@ -224,3 +224,28 @@ def test_genai_shapes_reach_through_the_contrib_ops():
     executed = sess.programs(executed=True)["training_info[0].algorithm"]
     fused = {n.op_type for n in executed.graph.node if n.domain == "ai.onnxtrain.kernels"}
     assert {"SiluMulF32", "SiluMulGradF32"} <= fused, fused
+
+
+def test_genai_attention_replaced_but_where_recomputed():
+    """Training, the GroupQueryAttention forward is replaced by the standard
+    ops its gradient reads (computed once); with ``recompute=`` the fused
+    kernel stays in the forward and the backward recomputes (it keeps
+    nothing).  Both take PyTorch's step, and inference keeps the fused kernel."""
+    ref, proto = _load("llama", "fp32")
+    names = _params(ref)
+    for recompute, fused in ((None, False), ("blocks", True)):
+        tm = build.training_model(proto, loss="cross_entropy", output="logits", optimizer=build.SGD(lr=LR),
+                                  trainable=names, recompute=recompute)
+        sess = TrainingSession(tm)
+        programs = sess.programs()
+        step = programs["training_info[0].algorithm"]
+        assert any(n.op_type == "GroupQueryAttention" for n in step.graph.node) == fused, recompute
+        assert any(n.op_type == "GroupQueryAttention" for n in programs["inference"].graph.node)
+        sess.initialize()
+        kv, past, head = PAST["llama"]
+        empty = np.zeros((2, kv, past, head), np.float32)
+        batch = {"input_ids": ref["input_ids"], "attention_mask": ref["attention_mask"],
+                 "past_key_values.0.key": empty, "past_key_values.0.value": empty, "target": ref["labels"]}
+        before = {n: np.array(sess.state[n]) for n in names}
+        loss = float(sess.train_step(batch)["loss"])
+        _compare(ref, names, loss, before, {n: np.array(sess.state[n]) for n in names}, rtol=1e-5, atol=2e-5)

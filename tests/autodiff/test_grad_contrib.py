@@ -360,27 +360,105 @@ def test_group_query_attention(case):
 DIRECT_CASES = [c for c, cfg in GQA_CASES.items() if not (cfg.get("bias") or cfg.get("sink") or cfg.get("smooth"))]
 
 
+@pytest.mark.parametrize("replace", [True, False], ids=["replacing", "recomputing"])
 @pytest.mark.parametrize("case", DIRECT_CASES)
-def test_group_query_attention_direct(case, monkeypatch):
+def test_group_query_attention_direct(case, replace, monkeypatch):
     """The direct gradient (caches not differentiated) against float64 differences
     and against the differentiated standard-op rewrite, to 1e-7 of the largest
     entry: with onnxruntime 1.32 the two agree to about 1e-15, while 1.31's
     float64 kernels leave both about 2e-8 from central differences in the
-    windowed cases (each its own way)."""
+    windowed cases (each its own way).  Replacing (the past empty, no cache
+    window): the node is gone and the standard ops standing for it compute its
+    three outputs as the float64 decomposition does; recomputing: the
+    backward reads the node's present outputs."""
     from onnxtrain.autodiff.rules import contrib_attention
 
+    monkeypatch.setattr(contrib_attention, "REPLACE", replace)
     inputs, attrs, f, cfg = gqa_case(case)
     wrt = ["query"] + (["key", "value"] if not cfg["packed"] else [])
     calls = []
-    direct = contrib_attention.gqa_backward
-    monkeypatch.setattr(contrib_attention, "gqa_backward", lambda *a: calls.append(a[-1]) or direct(*a))
-    got = check_grad("GroupQueryAttention", inputs, attrs, f, wrt, n_out=3, diff_outputs=(0,), rtol=1e-5)
-    assert len(calls) == 1 and (calls[0] is None) == bool(cfg["swc"]), "the direct form ran, reading present"
+    for fn in ("gqa_backward", "gqa_direct"):
+        direct = getattr(contrib_attention, fn)
+        monkeypatch.setattr(contrib_attention, fn,
+                            lambda *a, fn=fn, direct=direct, **k: calls.append((fn, a[-1])) or direct(*a, **k))
+    computed: dict = {}
+    got = check_grad("GroupQueryAttention", inputs, attrs, f, wrt, n_out=3, diff_outputs=(0,), rtol=1e-5,
+                     forward_out=computed)
+    replaced = replace and not cfg["swc"]
+    assert len(calls) == 1 and calls[0][0] == ("gqa_direct" if replaced else "gqa_backward")
+    if replaced:
+        want = f(**inputs)
+        valid = np.arange(6)[None, :] < np.array(cfg["lengths"])[:, None]  # rows onnxruntime specifies
+        for i, (name, w) in enumerate(zip(["out0", "out1", "out2"], want)):
+            g = computed[name]
+            g, w = (g[valid], w[valid]) if i == 0 else (g, w)
+            # (1e-7: the scale attribute is a float32, the decomposition's a float64)
+            np.testing.assert_allclose(g, w, rtol=0, atol=1e-7 * np.abs(w).max(), err_msg=name)
+    else:
+        assert (calls[0][1] is None) == bool(cfg["swc"]), "the recomputing form reads present"
     monkeypatch.setattr(contrib_attention, "DIRECT", False)
     want = check_grad("GroupQueryAttention", inputs, attrs, f, wrt, n_out=3, diff_outputs=(0,), rtol=1e-5)
     assert len(calls) == 1
     for x in wrt:
         np.testing.assert_allclose(got[x], want[x], rtol=0, atol=1e-7 * np.abs(want[x]).max(), err_msg=x)
+
+
+def _two_gqa_layers(replace: bool, monkeypatch):
+    """Two packed, rotary GroupQueryAttention layers (a MatMul between, the
+    past fed empty with an open length, as genai models take it), a loss and
+    its Gradient, expanded; run in float32: (expanded graph, loss and grads)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from onnxtrain.autodiff import expand_gradients
+    from onnxtrain.autodiff.rules import contrib_attention
+    from onnxtrain.core.graph import PREVIEW_DOMAIN
+    from onnxtrain.core.names import NameGen
+
+    monkeypatch.setattr(contrib_attention, "REPLACE", replace)
+    b, s, n, nkv, h = 2, 6, 4, 2, 16
+    rng = np.random.default_rng(3)
+    angles = rng.uniform(0, 3, size=(16, h // 2))
+    feeds = {"x": rng.standard_normal((b, s, (n + 2 * nkv) * h)),
+             "w": 0.2 * rng.standard_normal((n * h, (n + 2 * nkv) * h)),
+             "past": np.zeros((b, nkv, 0, h)),
+             "seqlens_k": np.array([s - 1, s - 1], np.int32),  # no padding rows (onnxruntime leaves them unspecified)
+             "total": np.array(s, np.int32), "cos": np.cos(angles), "sin": np.sin(angles),
+             "r": rng.standard_normal((b, s, n * h))}
+    feeds = {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in feeds.items()}
+    attrs = dict(num_heads=n, kv_num_heads=nkv, do_rotary=1, domain=MS)
+    io = ["past", "past", "seqlens_k", "total", "cos", "sin"]
+    nodes = [helper.make_node("GroupQueryAttention", ["x", "", "", *io], ["a1", "k1", "v1"], name="l1", **attrs),
+             helper.make_node("MatMul", ["a1", "w"], ["x2"]),
+             helper.make_node("GroupQueryAttention", ["x2", "", "", *io], ["a2", "k2", "v2"], name="l2", **attrs),
+             helper.make_node("Mul", ["a2", "r"], ["t"]), helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0),
+             helper.make_node("Gradient", ["x", "w"], ["dx", "dw"], domain=PREVIEW_DOMAIN, xs=["x", "w"], y="loss")]
+    shapes = {k: list(v.shape) for k, v in feeds.items()}
+    shapes["past"] = [b, nkv, "past_sequence_length", h]
+    types = {k: helper.np_dtype_to_tensor_dtype(v.dtype) for k, v in feeds.items()}
+    graph = helper.make_graph(nodes, "two", [helper.make_tensor_value_info(k, types[k], shapes[k]) for k in feeds],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("loss", "dx", "dw")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1),
+                                                    helper.make_opsetid(PREVIEW_DOMAIN, 1)])
+    model.ir_version = 10
+    expand_gradients(model.graph, model.opset_import, NameGen.from_graph(model.graph), list(feeds))
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return model.graph, dict(zip(["loss", "dx", "dw"], sess.run(["loss", "dx", "dw"], feeds)))
+
+
+def test_group_query_attention_layers_replaced(monkeypatch):
+    """Replacing, two layers: no GroupQueryAttention is left, the layers share
+    one mask (built from total_sequence_length: a mask read from the later
+    layer's query would be a cycle), and the loss and gradients are the
+    recomputing form's, whose forward is onnxruntime's kernel (float32)."""
+    graph, got = _two_gqa_layers(True, monkeypatch)
+    ops = [nd.op_type for nd in graph.node]
+    assert "GroupQueryAttention" not in ops and ops.count("Where") == 1 and ops.count("Softmax") == 2
+    ref_graph, want = _two_gqa_layers(False, monkeypatch)
+    assert [nd.op_type for nd in ref_graph.node].count("GroupQueryAttention") == 2
+    assert [nd.op_type for nd in ref_graph.node].count("Where") == 1  # (the recomputing form shares it too)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=0, atol=2e-6 * np.abs(want[k]).max(), err_msg=k)
 
 
 def test_group_query_attention_refuses_present_gradient():

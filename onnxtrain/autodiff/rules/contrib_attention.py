@@ -3,17 +3,23 @@ com.microsoft GroupQueryAttention (prompt mode) and com.microsoft
 MultiHeadAttention (separate 3-D query/key/value, see ``mha_forward``).  The
 rotary embeddings they use are in ``contrib_rotary``.
 
-The forward node itself stays onnxruntime's fused kernel.  The gradient is
-written in standard ops from a recomputation of what the backward reads:
+The gradient is written in standard ops:
 
-* **Directly** (``gqa_backward``), for GroupQueryAttention without
-  ``attention_bias``, ``head_sink``, ``smooth_softmax`` or gradients to the
-  cos/sin caches: the probabilities are recomputed once, and the softmax's,
-  the products' and the rotation's gradients are written out, heads grouped
-  by reshaping (no repeated keys, no sums over groups).  The rotated keys and
-  the values are read from the node's present outputs where the past is empty.
+* **Directly**, for GroupQueryAttention without ``attention_bias``,
+  ``head_sink``, ``smooth_softmax`` or gradients to the cos/sin caches: the
+  probabilities are computed once, and the softmax's, the products' and the
+  rotation's gradients are written out, heads grouped by reshaping (no
+  repeated keys, no sums over groups).  Where it can (no cache window, no qk
+  output), the rule replaces the forward node by that
+  computation (``gqa_direct``, ``VJPContext.replace_forward``): the training
+  step computes the attention once, in the library's kernels, and the
+  backward reads its probabilities.  Otherwise (``gqa_backward``) the forward
+  node stays onnxruntime's fused kernel and the backward recomputes the
+  probabilities, reading the rotated keys and the values from the node's
+  present outputs where the past is empty.
 * **By differentiating** a standard-op rewrite of the forward pass
-  (``gqa_forward``, ``mha_forward``) through ``ctx.vjp_of_graph``, otherwise.
+  (``gqa_forward``, ``mha_forward``) through ``ctx.vjp_of_graph``, otherwise
+  (recomputed in the backward; the forward node stays).
   The direct form is tested against this one and against float64.
 
 Supported is the prompt (prefill) call a training step makes:
@@ -45,6 +51,8 @@ a quantized KV cache, the qk output.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -149,6 +157,9 @@ def gqa_forward(e: Emitter, attrs: dict, q: str, k: str | None, v: str | None, s
 #: Whether GroupQueryAttention's gradient takes the direct form where it
 #: applies (tests set it False to compare with the differentiated rewrite).
 DIRECT = True
+#: Whether the direct form also replaces the forward node where it can
+#: (``gqa_direct``; tests set it False to check the recomputing form).
+REPLACE = True
 
 
 def _direct_applies(ctx: VJPContext, attrs: dict) -> bool:
@@ -163,19 +174,51 @@ def _heads(e: Emitter, t: str, heads: int) -> str:
     return e.Reshape(t, e.ints([0, 0, heads, -1]))
 
 
-def gqa_backward(e: Emitter, attrs: dict, q: str, k: str | None, v: str | None, seqlens_k: str,
-                 cos: str | None, sin: str | None, et: int, dy: str,
-                 present: tuple[str, str] | None) -> tuple[str, str | None, str | None]:
-    """(dq, dk, dv) of GroupQueryAttention's prompt call, in standard ops (for
-    packed QKV, dq is the gradient of the packed input and dk, dv are None).
+@dataclass
+class _Direct:
+    """What the direct form computes of the forward pass and its backward reads:
+    the query heads grouped under their key head and scaled, Qg [B, Nkv, g S, H];
+    the rotated keys and the values, K, V [B, Nkv, S, H]; the probabilities
+    P [B, Nkv, g S, S]; tanh of the scaled scores under a softcap; the
+    rotation's cos and sin [S, 1, half] (None without rotary)."""
 
-    With the g = N / Nkv query heads of one key head stacked, Qg [B, Nkv, g S, H]
-    (scaled by alpha), K, V [B, Nkv, S, H] (K rotated; from ``present`` when given):
-      scores = Qg K^T, c tanh(scores / c) with a softcap c; masked entries get the
-      lowest float (added), so that P = softmax(scores) is exactly 0 there
-      dV = P^T dOg;  dP = dOg V^T;  dS = P (dP - rowsum(dP P)), times 1 - tanh^2
-      under a softcap;  dQg = alpha dS K;  dK = dS^T Qg
-    and the rotation's gradient is the inverse rotation of dQ and dK."""
+    qg: str
+    kt: str
+    vt: str
+    p: str
+    alpha: str
+    t: str | None
+    c: str | None
+    s: str | None
+
+
+def _mask(e: Emitter, attrs: dict, seq: str, seqlens_k: str, et: int, total: str | None) -> tuple[str, str]:
+    """(visible [B, 1, 1, S, S], the additive mask: 0 where visible, the lowest
+    float elsewhere), emitted once for the nodes that share ``seqlens_k`` and
+    ``total`` (their total_sequence_length, S in the prompt call, which the
+    mask then reads: not a layer's own query, which later layers depend on)
+    and the attributes that shape it: a decoder's layers build one."""
+    if total is None:
+        return _visible_and_mask(e, attrs, seq, seqlens_k, et)
+    key = ("gqa_mask", seqlens_k, total, int(attrs.get("causal", 1)), int(attrs.get("local_window_size", -1)), et)
+    if key not in e.memo:
+        e.memo[key] = _visible_and_mask(e, attrs, e.reshape(e.Cast(total, to=7), [1]), seqlens_k, et)
+    return e.memo[key]
+
+
+def _visible_and_mask(e: Emitter, attrs: dict, seq: str, seqlens_k: str, et: int) -> tuple[str, str]:
+    visible = _visible(e, attrs, seq, seqlens_k, 5)
+    lowest = e.const(np.finfo(np_dtype(et)).min, dtype=et)
+    return visible, e.Where(visible, e.const(0.0, dtype=et), lowest)
+
+
+def _direct_forward(e: Emitter, attrs: dict, q: str, k: str | None, v: str | None, seqlens_k: str,
+                    cos: str | None, sin: str | None, et: int, present: tuple[str, str] | None,
+                    past: tuple[str | None, str | None] = (None, None), total: str | None = None) -> _Direct:
+    """The direct form's forward half (see ``gqa_backward``); K and V are read
+    from ``present`` when given, else computed and appended to ``past`` (as
+    onnxruntime's present outputs are: a past that is not empty then fails
+    the step at the mask, [S, S], as the recomputing form does)."""
     n, nkv = int(attrs["num_heads"]), int(attrs["kv_num_heads"])
     g = n // nkv
     if k is None:
@@ -186,6 +229,7 @@ def gqa_backward(e: Emitter, attrs: dict, q: str, k: str | None, v: str | None, 
     seq = e.shape_of(q4, 1, 2)
     rotary = bool(attrs.get("do_rotary"))
     inter = bool(attrs.get("rotary_interleaved", 0))
+    c = s = None
     if rotary:
         c = e.unsqueeze(e.Slice(cos, e.ints([0]), seq, e.ints([0])), [1])  # [S, 1, half]
         s = e.unsqueeze(e.Slice(sin, e.ints([0]), seq, e.ints([0])), [1])
@@ -195,39 +239,92 @@ def gqa_backward(e: Emitter, attrs: dict, q: str, k: str | None, v: str | None, 
     else:
         kt = e.Transpose(rotate(e, k4, c, s, inter) if rotary else k4, perm=[0, 2, 1, 3])
         vt = e.Transpose(v4, perm=[0, 2, 1, 3])
+        kt, vt = (e.Concat(before, now, axis=2) if before else now for before, now in zip(past, (kt, vt)))
     scale = float(attrs.get("scale", 0.0) or 0.0)
     alpha = e.const(scale, dtype=et) if scale else e.Reciprocal(e.Sqrt(e.Cast(e.shape_of(q4, 3, 4), to=et)))
     grouped = e.ints([0, nkv, -1, 0])  # [B, N, S, H] -> [B, Nkv, g S, H]
     qg = e.Mul(e.Reshape(e.Transpose(q4, perm=[0, 2, 1, 3]), grouped), alpha)
     scores = e.MatMul(qg, e.Transpose(kt, perm=[0, 1, 3, 2]))  # [B, Nkv, g S, S]
     cap = float(attrs.get("softcap", 0.0) or 0.0)
+    t = None
     if cap > 0:
         cc = e.const(cap, dtype=et)
         t = e.Tanh(e.Div(scores, cc))
         scores = e.Mul(t, cc)
     five = e.Concat(e.ints([0, 0, g, -1]), e.shape_of(scores, 3, 4), axis=0)  # [B, Nkv, g, S, S]
-    visible = _visible(e, attrs, seq, seqlens_k, 5)  # [B, 1, 1, S, S]
-    window = int(attrs.get("local_window_size", -1))
-    lowest = e.const(np.finfo(np_dtype(et)).min, dtype=et)
-    masked = e.Where(visible, e.const(0.0, dtype=et), lowest)  # [B, 1, 1, S, S]
+    visible, masked = _mask(e, attrs, seq, seqlens_k, et, total)
     p = e.Softmax(e.Add(e.Reshape(scores, five), masked), axis=-1)
-    if window > 0:  # a padding row may see no key at all: its probabilities are 0
+    if int(attrs.get("local_window_size", -1)) > 0:  # a padding row may see no key at all: its probabilities are 0
         p = e.Mul(p, e.Cast(visible, to=et))
     p = e.Reshape(p, e.Shape(scores))
+    return _Direct(qg, kt, vt, p, alpha, t, c, s)
+
+
+def _direct_output(e: Emitter, attrs: dict, f: _Direct) -> str:
+    """The attention's output [B, S, N H] from the direct form's forward half: P V."""
+    og = e.MatMul(f.p, f.vt)  # [B, Nkv, g S, H]
+    heads = e.Reshape(og, e.ints([0, int(attrs["num_heads"]), -1, 0]))  # [B, N, S, H]
+    return e.Reshape(e.Transpose(heads, perm=[0, 2, 1, 3]), e.ints([0, 0, -1]))
+
+
+def _direct_grads(e: Emitter, attrs: dict, q: str, k: str | None, v: str | None, et: int, dy: str,
+                  f: _Direct) -> tuple[str, str | None, str | None]:
+    """The direct form's backward half (see ``gqa_backward``)."""
+    n, nkv = int(attrs["num_heads"]), int(attrs["kv_num_heads"])
+    grouped = e.ints([0, nkv, -1, 0])
     do = e.Reshape(e.Transpose(_heads(e, dy, n), perm=[0, 2, 1, 3]), grouped)  # [B, Nkv, g S, H]
-    dvt = e.MatMul(e.Transpose(p, perm=[0, 1, 3, 2]), do)  # [B, Nkv, S, H]
-    dp = e.MatMul(do, e.Transpose(vt, perm=[0, 1, 3, 2]))
-    ds = e.Mul(p, e.Sub(dp, e.reduce_sum(e.Mul(dp, p), [-1], keepdims=True)))
-    if cap > 0:
-        ds = e.Mul(ds, e.Sub(e.const(1.0, dtype=et), e.Mul(t, t)))
-    dqt = e.Reshape(e.Mul(e.MatMul(ds, kt), alpha), e.ints([0, n, -1, 0]))  # [B, N, S, H]
-    dkt = e.MatMul(e.Transpose(ds, perm=[0, 1, 3, 2]), qg)
+    dvt = e.MatMul(e.Transpose(f.p, perm=[0, 1, 3, 2]), do)  # [B, Nkv, S, H]
+    dp = e.MatMul(do, e.Transpose(f.vt, perm=[0, 1, 3, 2]))
+    ds = e.Mul(f.p, e.Sub(dp, e.reduce_sum(e.Mul(dp, f.p), [-1], keepdims=True)))
+    if f.t is not None:
+        ds = e.Mul(ds, e.Sub(e.const(1.0, dtype=et), e.Mul(f.t, f.t)))
+    dqt = e.Reshape(e.Mul(e.MatMul(ds, f.kt), f.alpha), e.ints([0, n, -1, 0]))  # [B, N, S, H]
+    dkt = e.MatMul(e.Transpose(ds, perm=[0, 1, 3, 2]), f.qg)
     dq4, dk4, dv4 = (e.Transpose(x, perm=[0, 2, 1, 3]) for x in (dqt, dkt, dvt))  # [B, S, heads, H]
-    if rotary:
-        dq4, dk4 = rotate(e, dq4, c, e.Neg(s), inter), rotate(e, dk4, c, e.Neg(s), inter)
+    if f.c is not None:
+        inter = bool(attrs.get("rotary_interleaved", 0))
+        dq4, dk4 = rotate(e, dq4, f.c, e.Neg(f.s), inter), rotate(e, dk4, f.c, e.Neg(f.s), inter)
     if k is None:
         return e.Reshape(e.Concat(dq4, dk4, dv4, axis=2), e.Shape(q)), None, None
     return e.Reshape(dq4, e.Shape(q)), e.Reshape(dk4, e.Shape(k)), e.Reshape(dv4, e.Shape(v))
+
+
+def gqa_backward(e: Emitter, attrs: dict, q: str, k: str | None, v: str | None, seqlens_k: str,
+                 cos: str | None, sin: str | None, et: int, dy: str,
+                 present: tuple[str, str] | None, total: str | None = None) -> tuple[str, str | None, str | None]:
+    """(dq, dk, dv) of GroupQueryAttention's prompt call, in standard ops (for
+    packed QKV, dq is the gradient of the packed input and dk, dv are None),
+    recomputing the probabilities.
+
+    With the g = N / Nkv query heads of one key head stacked, Qg [B, Nkv, g S, H]
+    (scaled by alpha), K, V [B, Nkv, S, H] (K rotated; from ``present`` when given):
+      scores = Qg K^T, c tanh(scores / c) with a softcap c; masked entries get the
+      lowest float (added), so that P = softmax(scores) is exactly 0 there
+      dV = P^T dOg;  dP = dOg V^T;  dS = P (dP - rowsum(dP P)), times 1 - tanh^2
+      under a softcap;  dQg = alpha dS K;  dK = dS^T Qg
+    and the rotation's gradient is the inverse rotation of dQ and dK."""
+    f = _direct_forward(e, attrs, q, k, v, seqlens_k, cos, sin, et, present, total=total)
+    return _direct_grads(e, attrs, q, k, v, et, dy, f)
+
+
+def gqa_direct(e: Emitter, attrs: dict, q: str, k: str | None, v: str | None, seqlens_k: str,
+               cos: str | None, sin: str | None, et: int, dy: str,
+               past: tuple[str | None, str | None], total: str | None = None) -> tuple[list[str], tuple]:
+    """``gqa_backward`` with its forward half computed once, for the forward
+    pass too: (the node's outputs [output, present key, present value], the
+    gradients).  The rule replaces the node by it (``replace_forward``): the
+    probabilities the backward reads are the forward's, not recomputed, and
+    onnxruntime's fused kernel no longer runs in the training step."""
+    f = _direct_forward(e, attrs, q, k, v, seqlens_k, cos, sin, et, None, past, total)
+    return [_direct_output(e, attrs, f), f.kt, f.vt], _direct_grads(e, attrs, q, k, v, et, dy, f)
+
+
+def _replaceable(ctx: VJPContext) -> bool:
+    """Whether the direct form can stand for the node's forward pass too: no
+    cache window (its present is a window, not the keys) and no qk output.
+    (A past of static length > 0 is refused before; one of open length is
+    the prompt's, empty, as for the gradient.)"""
+    return not ctx.attr("sliding_window_cache", 0) and not any(ctx.outputs[3:])
 
 
 @vjp("GroupQueryAttention", domain=MS)
@@ -265,10 +362,15 @@ def group_query_attention_vjp(ctx, dy, d_present_k=None, d_present_v=None, *d_re
     attn_bias, head_sink = ctx.input(10), ctx.input(11)
     et = ctx.dtype(q)
     if DIRECT and _direct_applies(ctx, attrs):
-        present = None
-        if not ctx.attr("sliding_window_cache", 0) and len(ctx.outputs) > 2 and all(ctx.outputs[1:3]):
-            present = (ctx.outputs[1], ctx.outputs[2])
-        grads = gqa_backward(e, attrs, q, k, v, seqlens, cos, sin, et, dy, present)
+        if REPLACE and ctx.may_replace and _replaceable(ctx):
+            outputs, grads = gqa_direct(e, attrs, q, k, v, seqlens, cos, sin, et, dy, (ctx.input(3), ctx.input(4)),
+                                        total=ctx.input(6))
+            ctx.replace_forward(outputs + [""] * (len(ctx.outputs) - len(outputs)))
+        else:
+            present = None
+            if not ctx.attr("sliding_window_cache", 0) and len(ctx.outputs) > 2 and all(ctx.outputs[1:3]):
+                present = (ctx.outputs[1], ctx.outputs[2])
+            grads = gqa_backward(e, attrs, q, k, v, seqlens, cos, sin, et, dy, present, total=ctx.input(6))
         result = [None] * len(ctx.inputs)
         for i, g in zip((0, 1, 2), grads):
             if g is not None and ctx.input(i) is not None and ctx.needs(i):
