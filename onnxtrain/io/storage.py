@@ -35,6 +35,7 @@ removes the ones left for the same destination by dead processes.
 from __future__ import annotations
 
 import atexit
+import mmap
 import os
 import re
 import secrets
@@ -730,23 +731,32 @@ class _HeldFile:
             if self._holds(start, data):
                 return start, size
         pad = -self.offset % _PAGE
-        self.file.write(b"\0" * pad + data)
+        if pad:
+            self.file.write(b"\0" * pad)
+        self.file.write(data)  # (not joined to the padding: one copy of a large tensor fewer)
         start = self.offset + pad
         self.offset = start + size
         self.written.setdefault(key, []).append(start)
         return start, size
 
     def _holds(self, start: int, data: bytes) -> bool:
-        """Whether the file holds ``data`` at ``start``, compared in pieces,
-        the first of one page: weights of one shape differ there already."""
+        """Whether the file holds ``data`` at ``start``, compared
+        in pieces through a map of the file, the first of one page: weights of
+        one shape differ there already.  (Read into bytes, each piece of a
+        large tensor was fresh memory, slower than the write.)"""
         self.file.flush()
-        view = memoryview(data)
-        at, step = 0, _PAGE
-        while at < len(data):
-            if os.pread(self.file.fileno(), min(step, len(data) - at), start + at) != view[at:at + step]:
-                return False
-            at, step = at + step, 16 * 2**20
-        return True
+        skip = start % mmap.ALLOCATIONGRANULARITY  # (a map starts at a multiple of it: 64 KiB on Windows)
+        with mmap.mmap(self.file.fileno(), skip + len(data), offset=start - skip, access=mmap.ACCESS_READ) as held:
+            ours, theirs = np.frombuffer(held, np.uint8, len(data), skip), np.frombuffer(data, np.uint8)
+            try:
+                at, step = 0, _PAGE
+                while at < len(data):
+                    if not np.array_equal(ours[at:at + step], theirs[at:at + step]):
+                        return False
+                    at, step = at + step, 2**20
+                return True
+            finally:
+                del ours  # (the map closes only once no array reads it)
 
 
 class _HoldSink(_DataSink):
