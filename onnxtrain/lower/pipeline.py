@@ -21,6 +21,7 @@ or M ⊕ A_i pruned to the loss (``loss_graph``).  Then
 - FRONT makes it standard ops: ``state_to_inputs`` (state initializers
   become graph inputs, fed from the state), ``exact_quantized_products``
   (MatMulNBits with trained scales: accuracy_level 4 -> 1),
+  ``batch_shared_products`` (a layer's LoRA down-projections, one product),
   ``expand_gradient_nodes`` (Gradient nodes become backward graphs),
   ``recompute_activations`` (where the model asks), ``lower_optimizer_nodes``
   (Adam / Momentum / Adagrad become calls of the update rules);
@@ -74,7 +75,7 @@ from ..io.metadata import recompute_spec
 from ..io.model import TrainingModel, uses_preview_ops
 from ..kernels.fuse import fuse_gemm_updates as _fuse_gemm
 from ..optim import lower_optimizers
-from . import recompute
+from . import recompute, shared_products
 from .checks import check_condition, check_sound, check_valid, checking, step_name
 from .lowering import (
     ALGORITHM,
@@ -241,6 +242,13 @@ def note_exact_quantized_products(tm: TrainingModel) -> None:
             UserWarning, stacklevel=4)
 
 
+def batch_shared_products(low: Lowering) -> None:
+    """Before the gradients: narrow products sharing a left operand (a layer's
+    LoRA adapters) become one (``shared_products``)."""
+    if low.training_ops:
+        shared_products.batch(low.graph, opset_version(low.opset_imports) or 1, low.names)
+
+
 def expand_gradient_nodes(low: Lowering) -> None:
     if low.training_ops:
         for node in low.graph.node:
@@ -386,6 +394,7 @@ def prune_unused_initializers(low: Lowering) -> None:
 FRONT: tuple[Step, ...] = (
     state_to_inputs,
     exact_quantized_products,
+    batch_shared_products,
     expand_gradient_nodes,
     recompute_activations,
     lower_optimizer_nodes,
