@@ -12,7 +12,10 @@ replaces each such node by standard ONNX ops:
    tensor in xs acts as an independent variable.
 3. Starting from ones shaped like y, each node's rule turns output gradients
    into input gradients, which accumulate with Add/Sum.  Forward activations
-   are read directly: nothing of the forward pass is computed twice.
+   are read directly: nothing of the forward pass is computed twice.  A rule
+   may replace its forward node by nodes it emitted, which then compute its
+   outputs (``VJPContext.replace_forward``: a fused op whose backward needs
+   what it computes inside, as attention's probabilities).
 
 Gradient nodes are expanded in topological order, so a Gradient that
 differentiates the output of another (higher order) sees only standard ops.
