@@ -54,8 +54,7 @@ MAX_TERMS = 10
 #: onnxruntime-genai's decoder ops: a program holding one (its GroupQueryAttention
 #: replaced or not, see contrib_attention) is a decoder, whose named softmax
 #: rows are its sequence.
-DECODER_OPS = frozenset({"GroupQueryAttention", "MatMulNBits", "SkipSimplifiedLayerNormalization",
-                         "SimplifiedLayerNormalization"})
+DECODER_OPS = frozenset({"GroupQueryAttention", "MatMulNBits", "SkipSimplifiedLayerNormalization"})
 #: The op types a program must have for any rewrite here to apply.
 ANCHORS = frozenset({"Pow", "Sigmoid", "Softmax", "SoftmaxCrossEntropyLoss", "Concat", "MatMulNBits"})
 
