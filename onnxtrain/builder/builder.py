@@ -300,8 +300,10 @@ def _inference_copy(model: ModelLike) -> onnx.ModelProto:
             "the model already has training_info; training_model expects an inference model "
             "(export it with TrainingSession.export(path) first)"
         )
+    if source is not model:
+        return source  # parsed from a path or bytes (or spilled) here: ours to change
     proto = onnx.ModelProto()
-    proto.CopyFrom(source)
+    proto.CopyFrom(source)  # the caller's: never changed
     return proto
 
 
