@@ -350,15 +350,17 @@ class Emitter:
         s = shape if isinstance(shape, str) else self.ints(shape)
         return self.Reshape(x, s)
 
-    def split(self, x: str, sizes: Sequence[int] | str, axis: int = 0) -> list[str]:
+    def split(self, x: str, sizes: Sequence[int] | str, axis: int = 0,
+              outputs: Sequence[str] | None = None) -> list[str]:
         """Split into pieces of the given sizes (a list, or a runtime int64 tensor
-        name with a static number of pieces given by ``len`` of a list)."""
+        name with a static number of pieces given by ``len`` of a list), named
+        ``outputs`` when given."""
         if isinstance(sizes, str):
             raise TrainingModelError("split needs a static number of pieces")
-        n = len(sizes)
+        outs = list(outputs) if outputs is not None else len(sizes)
         if self.opset >= 13:
-            return self.op("Split", [x, self.ints(sizes)], outputs=n, axis=axis)
-        return self.op("Split", [x], outputs=n, axis=axis, split=list(sizes))
+            return self.op("Split", [x, self.ints(sizes)], outputs=outs, axis=axis)
+        return self.op("Split", [x], outputs=outs, axis=axis, split=list(sizes))
 
     def arange(self, n: str) -> str:
         """[0, 1, ..., n - 1] (int64) for a runtime length n given as a 1-element tensor.

@@ -48,9 +48,8 @@ def _operands(graph: onnx.GraphProto) -> dict[str, tuple[int, int, int]]:
     return found
 
 
-def _groups(graph: onnx.GraphProto) -> Iterator[list[int]]:
+def _groups(graph: onnx.GraphProto, operands: dict[str, tuple[int, int, int]]) -> Iterator[list[int]]:
     """Positions of the MatMul nodes of each batchable group (two or more)."""
-    operands = _operands(graph)
     groups: dict[tuple, list[int]] = {}
     for i, node in enumerate(graph.node):
         if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
@@ -63,21 +62,16 @@ def _groups(graph: onnx.GraphProto) -> Iterator[list[int]]:
 
 def batch(graph: onnx.GraphProto, opset: int, names: NameGen) -> int:
     """Batch the groups of the module docstring, in place; how many products went."""
-    widths = _operands(graph)
+    operands = _operands(graph)
     replaced: dict[int, list[onnx.NodeProto]] = {}
     count = 0
-    for group in _groups(graph):
+    for group in _groups(graph, operands):
         count += len(group)
         members = [graph.node[i] for i in group]
         e = Emitter(opset, names, hint=f"{members[0].name or members[0].output[0]}/batched")
         right = [m.input[1] for m in members]
         product = e.MatMul(members[0].input[0], e.Concat(*right, axis=1))
-        sizes = [widths[r][1] for r in right]
-        outputs = [m.output[0] for m in members]
-        if opset >= 13:
-            e.op("Split", [product, e.ints(sizes)], outputs=outputs, axis=-1)
-        else:
-            e.op("Split", [product], outputs=outputs, axis=-1, split=sizes)
+        e.split(product, [operands[r][1] for r in right], axis=-1, outputs=[m.output[0] for m in members])
         replaced[group[0]] = e.nodes
         replaced.update((i, []) for i in group[1:])
     if count:

@@ -207,6 +207,7 @@ def _mask(e: Emitter, attrs: dict, seq: str, seqlens_k: str, et: int, total: str
 
 
 def _visible_and_mask(e: Emitter, attrs: dict, seq: str, seqlens_k: str, et: int) -> tuple[str, str]:
+    """``_visible`` of rank 5 and the additive mask made from it."""
     visible = _visible(e, attrs, seq, seqlens_k, 5)
     lowest = e.const(np.finfo(np_dtype(et)).min, dtype=et)
     return visible, e.Where(visible, e.const(0.0, dtype=et), lowest)
