@@ -133,7 +133,7 @@ def child(workdir: Path) -> None:
 
     acc, count = instrument()
     spec, params, batch = worker.load_workdir(workdir)
-    so = worker.onnxtrain_session_options()
+    so = worker.onnxtrain_defaults()
     t0 = time.perf_counter()
     inference = onnx.load(str(workdir / "model.onnx"))
     t1 = time.perf_counter()

@@ -104,8 +104,18 @@ def maxrss_kb() -> int:
     return _status_kb("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+def onnxtrain_defaults() -> None:
+    """A trainer's ``session_options``: None, onnxtrain's own defaults (the
+    memory pattern by model size, docs/performance.md), with the benchmark's
+    thread count and spin setting from the environment."""
+    os.environ["ONNXTRAIN_THREADS"] = str(THREADS)
+    os.environ["ONNXTRAIN_SPINNING"] = ORT_SPIN
+    return None
+
+
 def onnxtrain_session_options():
-    """onnxtrain's own defaults, with the benchmark's thread count and spin setting."""
+    """onnxtrain's default options as an object, with the benchmark's thread
+    count and spin setting: for the sessions a profile makes itself."""
     from onnxtrain.runtime.executor import default_session_options
 
     so = default_session_options(THREADS)
@@ -127,7 +137,7 @@ class OnnxtrainTrainer:
         workload = WORKLOADS[spec["key"]]
         inference = onnx.load(str(workdir / "model.onnx"))
         model, how = training_model(inference, workload, use_builder=spec.get("builder", True))
-        self.sess = onnxtrain.TrainingSession(model, session_options=onnxtrain_session_options())
+        self.sess = onnxtrain.TrainingSession(model, session_options=onnxtrain_defaults())
         self.feeds = dict(batch)
         self.info = {"framework": "onnxtrain", "onnxtrain": onnxtrain.__version__,
                      "training_model": how}

@@ -200,6 +200,9 @@ def _register_library(so: ort.SessionOptions, path: str) -> None:
 #: Weights and state of at least this many bytes make a session's model large
 #: (see ``Executor``): memory then matters more than allocation speed.
 LARGE_MODEL_BYTES = 2**28
+#: Weights and state under this many bytes make a session's model small: its
+#: training steps keep onnxruntime's memory pattern (see ``ProgramRunner``).
+SMALL_MODEL_BYTES = 2**23
 #: Shared (mapped) weights of at least this many bytes in one program turn
 #: onnxruntime's weight prepacking off (``Executor._share_mapped``).
 PREPACK_LIMIT = int(float(os.environ.get("ONNXTRAIN_PREPACK_LIMIT", 2**28)))

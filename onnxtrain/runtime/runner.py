@@ -66,6 +66,8 @@ class RunOptions:
     ``LARGE_MODEL_BYTES`` (onnxruntime frees step temporaries; no
     initialization program folds the values it fills).  ``recompute``: built
     with activation recompute (no onnxruntime memory pattern anywhere).
+    ``small``: weights under ``SMALL_MODEL_BYTES`` (training steps keep
+    onnxruntime's memory pattern).
     ``specialize``: programs run specialized to the shapes of their feeds
     (``lower.specialize``; not for large models, whose copy would cost memory)."""
 
@@ -75,6 +77,7 @@ class RunOptions:
     lean: bool = False
     large: bool = False
     recompute: bool = False
+    small: bool = False
     check_finite: bool = False
     specialize: bool = True
 
@@ -181,10 +184,13 @@ class ProgramRunner:
         # A step that fetches nothing may skip the outputs only fetching reads
         # (not where lean memory's in-place writes follow the full program's order).
         prune_unfetched = role == ALGORITHM and not (opts.lean or opts.large)
-        # A training step keeps no onnxruntime memory pattern: planned at the first
-        # run and held besides the arena's blocks, it cost L1 (docs/performance.md)
-        # 0.47 GiB of peak for no measurable speed.
-        mem_pattern = not (opts.recompute or role in (ALGORITHM, FORWARD, UPDATE))
+        # A training step keeps no onnxruntime memory pattern unless the model is
+        # small: planned at the first run and held besides the arena's blocks, it
+        # cost L1 0.47 GiB of peak for no measurable speed, W5 150 MB and a second
+        # step that faults all of it in; a small model's steps are 5-10% faster
+        # with it, for little memory (W2, W4; docs/performance.md).
+        step = role in (ALGORITHM, FORWARD, UPDATE)
+        mem_pattern = not (opts.recompute or (step and not opts.small))
         try:
             return Executor(run.model, opts.providers, opts.session_options, program.label, run.library,
                             large=opts.large, fold_constants=fold,
