@@ -157,6 +157,15 @@ class Worker:
         self._log.close()
 
 
+def error_summary(error: str | None, width: int = 140) -> str:
+    """A failed run in one table cell: who failed, and the exception's last
+    line (the reason), pipes escaped."""
+    lines = [ln.strip() for ln in (error or "no data").splitlines() if ln.strip()]
+    text = lines[0] if len(lines) == 1 else f"{lines[0].rstrip(':')}: {lines[-1]}"
+    text = text if len(text) <= width else text[: width - 3] + "..."
+    return text.replace("|", "\\|")
+
+
 def side_task(python: str, args: list[str], logdir: Path, name: str, timeout: float = 900) -> dict:
     """Run a one-shot worker task in a fresh child; its one JSON line is the result."""
     log_path = logdir / f"{name}.log"
@@ -424,7 +433,7 @@ def main_table(all_results: dict, ceiling_gflops: float | None) -> list[str]:
         best_peer = peers[best_fw].stats()["median"] if best_fw else None
         for fw, r in res.items():
             if not r.times_ms:
-                rows.append(f"| {key} | {fw} | error: {(r.error or 'no data').splitlines()[0][:60]} "
+                rows.append(f"| {key} | {fw} | error: {error_summary(r.error)} "
                             "| | | | | | | |")
                 continue
             s = r.stats()

@@ -432,6 +432,7 @@ def ort_artifacts(workdir: Path) -> dict:
     spec, params, _ = load_workdir(workdir)
     t0 = time.perf_counter()
     model = onnx.load(str(workdir / "model.onnx"))
+    _name_rnn_optional_inputs(model)
     loss = {"cross_entropy": artifacts.LossType.CrossEntropyLoss,
             "mse": artifacts.LossType.MSELoss}[spec["loss"]]
     if spec["optimizer"] == "adamw":
@@ -447,6 +448,22 @@ def ort_artifacts(workdir: Path) -> dict:
     artifacts.generate_artifacts(model, requires_grad=trainable, frozen_params=[], loss=loss,
                                  optimizer=optimizer, artifact_directory=str(out))
     return {"generate_ms": (time.perf_counter() - t0) * 1e3}
+
+
+#: Inputs through ``sequence_lens``/``initial_h``/``initial_c`` (empty names: absent).
+_RNN_INPUTS = {"LSTM": 7, "GRU": 6}
+
+
+def _name_rnn_optional_inputs(model) -> None:
+    """List an LSTM's or GRU's absent optional inputs as empty names (the same
+    model): ORT training 1.19's LSTMGrad/GRUGrad take the forward node's inputs
+    by position, and with ``sequence_lens``, ``initial_h``, ``initial_c`` left
+    off the list, the stashed hidden states land on ``sequence_lens`` (int32)
+    and generate_artifacts fails with a type error (W7)."""
+    for node in model.graph.node:
+        want = _RNN_INPUTS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+        if want and len(node.input) < want:
+            node.input.extend([""] * (want - len(node.input)))
 
 
 def _stats_us(times_s) -> dict:
