@@ -171,3 +171,29 @@ def test_exported_workloads(key):
         assert batch["input_ids"].shape == (8, 128) and batch["input_ids"].min() >= 1
         ln = [n for n in model.graph.node if n.op_type == "LayerNormalization"]
         assert ln and all(len(n.output) == 3 for n in ln)  # ORT training's gradient needs them
+
+
+def test_rnn_optional_inputs_listed_for_ort_training():
+    """W7's model, as ORT training's gradient builder needs it: absent optional
+    inputs named empty, up to initial_c (LSTM) or initial_h (GRU); the model
+    computes the same."""
+    import onnxruntime as ort
+    import worker
+
+    for key, width in (("W7-LSTM", 7), ("W7-GRU", 6)):
+        model, _, batch = workloads.WORKLOADS[key].build()
+        listed = onnx.ModelProto()
+        listed.CopyFrom(model)
+        worker._name_rnn_optional_inputs(listed)
+        rnn = [n for n in listed.graph.node if n.op_type in ("LSTM", "GRU")]
+        assert rnn and all(len(n.input) == width and not any(n.input[4:]) for n in rnn)
+        outs = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"X": batch["X"]})
+                for m in (model, listed)]
+        np.testing.assert_array_equal(outs[0][0], outs[1][0])
+
+
+def test_error_summary_gives_the_reason():
+    error = "W7-LSTM-ort-artifacts failed (1):\nTraceback:\n  File x\nRuntimeError: bad | type\n"
+    assert run.error_summary(error) == "W7-LSTM-ort-artifacts failed (1): RuntimeError: bad \\| type"
+    assert run.error_summary(None) == "no data"
+    assert len(run.error_summary("x" * 500)) == 140
