@@ -37,8 +37,6 @@ from .parallel.comm import Communicator, SingleProcess, as_communicator
 from .parallel.data_parallel import BUCKET_BYTES, DataParallel, threads_per_rank
 from .parallel.step import DataParallelStep
 from .runtime.executor import (
-    LARGE_MODEL_BYTES,
-    SMALL_MODEL_BYTES,
     as_numpy,
     default_session_options,
     device_of,
@@ -158,13 +156,10 @@ class TrainingSession:
             state_device(providers),
             adopt=tm.fresh_values(),
         )
-        size = tm.tensor_bytes()
         self._runner = ProgramRunner(self._programs, self._store, RunOptions(
             providers, session_options, fused_kernels, lean=lean,
-            # Large weights: onnxruntime frees step temporaries (``Executor``'s ``large``).
-            large=size >= LARGE_MODEL_BYTES,
-            # Small weights: training steps keep onnxruntime's memory pattern.
-            small=size < SMALL_MODEL_BYTES,
+            # Large weights: onnxruntime frees step temporaries; small: steps keep its memory pattern.
+            weight_bytes=tm.tensor_bytes(),
             # Built with recompute= (saving activation memory): no onnxruntime memory pattern.
             recompute=metadata.get("recompute") not in (None, False),
             check_finite=check_finite,

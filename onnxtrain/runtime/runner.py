@@ -39,7 +39,15 @@ from ..errors import TrainingModelError
 from ..lower import specialize
 from ..lower.executed import ExecOptions, Execution, execute
 from ..lower.programs import ALGORITHM, FORWARD, INITIALIZATION, UPDATE, Program, ProgramSet
-from .executor import Executor, as_numpy, copy_into, device_of, nchwc_block
+from .executor import (
+    LARGE_MODEL_BYTES,
+    SMALL_MODEL_BYTES,
+    Executor,
+    as_numpy,
+    copy_into,
+    device_of,
+    nchwc_block,
+)
 from .state import StateStore
 
 #: "0": programs are not specialized to the shapes of their feeds (default: they are).
@@ -62,24 +70,33 @@ class RunOptions:
     """How a session compiles and runs its programs (``TrainingSession``'s arguments).
 
     ``lean``: memory="lean" (update programs write over gradient buffers and,
-    where the caller asks, state in place).  ``large``: weights past
-    ``LARGE_MODEL_BYTES`` (onnxruntime frees step temporaries; no
-    initialization program folds the values it fills).  ``recompute``: built
-    with activation recompute (no onnxruntime memory pattern anywhere).
-    ``small``: weights under ``SMALL_MODEL_BYTES`` (training steps keep
-    onnxruntime's memory pattern).
-    ``specialize``: programs run specialized to the shapes of their feeds
-    (``lower.specialize``; not for large models, whose copy would cost memory)."""
+    where the caller asks, state in place).  ``weight_bytes``: the model's
+    weights and state (``TrainingModel.tensor_bytes``), which make it
+    ``large`` or ``small``.  ``recompute``: built with activation recompute
+    (no onnxruntime memory pattern anywhere).  ``specialize``: programs run
+    specialized to the shapes of their feeds (``lower.specialize``; not for
+    large models, whose copy would cost memory)."""
 
     providers: list | None = None
     session_options: Any = None
     fused_kernels: bool | None = None
     lean: bool = False
-    large: bool = False
+    weight_bytes: int = 0
     recompute: bool = False
-    small: bool = False
     check_finite: bool = False
     specialize: bool = True
+
+    @property
+    def large(self) -> bool:
+        """Weights past ``LARGE_MODEL_BYTES``: onnxruntime frees step
+        temporaries, and no initialization program folds the values it fills."""
+        return self.weight_bytes >= LARGE_MODEL_BYTES
+
+    @property
+    def small(self) -> bool:
+        """Weights under ``SMALL_MODEL_BYTES``: training steps keep
+        onnxruntime's memory pattern (``ProgramRunner``)."""
+        return self.weight_bytes < SMALL_MODEL_BYTES
 
 
 class ProgramRunner:
