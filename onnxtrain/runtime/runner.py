@@ -204,8 +204,9 @@ class ProgramRunner:
         # A training step keeps no onnxruntime memory pattern unless the model is
         # small: planned at the first run and held besides the arena's blocks, it
         # cost L1 0.47 GiB of peak for no measurable speed, W5 150 MB and a second
-        # step that faults all of it in; a small model's steps are 5-10% faster
-        # with it, for little memory (W2, W4; docs/performance.md).
+        # step that faults all of it in; a small model's steps are as fast or
+        # faster with it (W3 0.86, W2 and W4 0.98), for little memory
+        # (docs/performance.md, Round 14).
         step = role in (ALGORITHM, FORWARD, UPDATE)
         mem_pattern = not (opts.recompute or (step and not opts.small))
         try:
