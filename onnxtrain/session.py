@@ -152,7 +152,7 @@ class TrainingSession:
         self._programs = ProgramSet(tm, metadata, data_parallel=dp is not None)
         check_fused_kernels(fused_kernels, device_of(providers)[0])
         self._store = StateStore(
-            {name: tm.initial_value(name, readonly=True) for name in tm.state},
+            tm.initial_values(tm.state, readonly=True),
             state_device(providers),
             adopt=tm.fresh_values(),
         )

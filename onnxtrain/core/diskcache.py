@@ -128,18 +128,18 @@ def _verify(data: bytes, key: bytes) -> tuple[dict, bytes] | None:
     if len(data) < n + _HEADER.size or data[:n] != MAGIC:
         return None
     stored_key, digest, meta_len, payload_len = _HEADER.unpack_from(data, n)
-    body = data[n + _HEADER.size:]
+    body = memoryview(data)[n + _HEADER.size:]  # (a view: the payload is copied once, at the end)
     if stored_key != key or len(body) != meta_len + payload_len:
         return None
     if hashlib.sha256(body).digest() != digest:
         return None
     try:
-        meta = json.loads(body[:meta_len].decode())
+        meta = json.loads(bytes(body[:meta_len]).decode())
     except (UnicodeDecodeError, ValueError):
         return None
     if not isinstance(meta, dict):
         return None
-    return meta, body[meta_len:]
+    return meta, bytes(body[meta_len:])
 
 
 def write(kind: str, key: bytes, meta: dict, payload: bytes) -> None:

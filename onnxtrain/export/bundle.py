@@ -106,7 +106,7 @@ class BundlePlan:
             raise BundleError("the model has no training_info: a bundle holds a training model; make one "
                               "with onnxtrain.build.training_model (onnxtrain make-training)")
         if not values:
-            values = {name: tm.initial_value(name, readonly=True) for name in tm.state}
+            values = tm.initial_values(tm.state, readonly=True)
         trainable = trainable_names(tm)
         entries, size = state_layout(
             (name, dtype_name(var.elem_type, f"state variable {name!r}"), var.shape, name in trainable)

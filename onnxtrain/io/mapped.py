@@ -25,6 +25,7 @@ like before: shape constants and scalars stay plain data.
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import weakref
@@ -250,6 +251,28 @@ def read(t: onnx.TensorProto) -> np.ndarray:
                 raise TrainingModelError(f"external data {path!r} ended before tensor {t.name!r} did")
             got += n
     return out
+
+
+def private(t: onnx.TensorProto) -> np.ndarray:
+    """A writable array of a mapped tensor of onnxtrain's own file (``own``),
+    mapped copy-on-write: a page is read from the file when first touched and
+    copied when first written; the file never changes.  No fresh memory is
+    filled up front, which on a machine whose pages cost most at first touch
+    is most of ``read``'s time (a starting value the first step only reads).
+    Where there is no such map (not POSIX) or nothing to map: ``read``."""
+    path, offset, length = source(t)
+    if os.name != "posix" or length == 0 or not is_owned(t):
+        return read(t)
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
+    shape = tuple(int(d) for d in t.dims)
+    count = int(np.prod(shape, dtype=np.int64))
+    if dtype.itemsize * count != length:
+        raise TrainingModelError(f"tensor {t.name!r}: {length} bytes in {path!r} do not fit its dims")
+    skip = offset % mmap.ALLOCATIONGRANULARITY  # (a map starts at a multiple of it)
+    with open(path, "rb") as f:
+        pages = mmap.mmap(f.fileno(), skip + length, access=mmap.ACCESS_COPY, offset=offset - skip)
+    # A plain array (the map is its base and stays while it does).
+    return np.frombuffer(pages, dtype, count, skip).reshape(shape)
 
 
 def to_array(t: onnx.TensorProto) -> np.ndarray:

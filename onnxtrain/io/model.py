@@ -24,9 +24,10 @@ re-exported here.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import onnx
@@ -103,19 +104,40 @@ class TrainingModel:
         read-only (for callers that copy it anyway, such as the state store).
         A mapped tensor (``onnxtrain.io.mapped``) is read from its file into a
         fresh array either way (see ``fresh_values``)."""
-        var = self.state[name]
-        graph = self._origin_graph(var.origin)
-        if var.sparse:
-            for st in graph.sparse_initializer:
-                if st.values.name == name:
-                    return _dense(st)
-        for t in graph.initializer:
-            if t.name == name:
+        return self.initial_values([name], readonly)[name]
+
+    def initial_values(self, names: Iterable[str], readonly: bool = False) -> dict[str, np.ndarray]:
+        """``initial_value`` of each of ``names``, each graph searched once.
+        A starting value in a file of onnxtrain's own (``storage.hold``) is a
+        private map of it (``mapped.private``): its pages are read when first
+        touched and copied when first written, so no fresh memory is filled
+        at construction."""
+        names = list(names)
+        wanted: dict[str, dict[str, StateVar]] = {}
+        for name in names:
+            var = self.state[name]
+            wanted.setdefault(var.origin, {})[name] = var
+        out: dict[str, np.ndarray] = {}
+        for origin, group in wanted.items():
+            graph = self._origin_graph(origin)
+            if any(v.sparse for v in group.values()):
+                for st in graph.sparse_initializer:
+                    var = group.get(st.values.name)
+                    if var is not None and var.sparse:
+                        out[var.name] = _dense(st)
+            for t in graph.initializer:
+                var = group.get(t.name)
+                if var is None or var.sparse or t.name in out:
+                    continue
                 if mapped.is_mapped(t):
-                    return mapped.read(t)
-                value = numpy_helper.to_array(t)
-                return value if readonly else value.copy()
-        raise KeyError(name)
+                    out[t.name] = mapped.private(t) if mapped.is_owned(t) else mapped.read(t)
+                else:
+                    value = numpy_helper.to_array(t)
+                    out[t.name] = value if readonly else value.copy()
+        missing = [n for n in names if n not in out]
+        if missing:
+            raise KeyError(missing[0])
+        return {n: out[n] for n in names}
 
     def tensor_bytes(self) -> int:
         """Bytes of the initializers of every graph, mapped ones included, and
@@ -145,11 +167,27 @@ class TrainingModel:
         return self.proto.training_info[index].algorithm
 
 
+#: Zeros of at least this many bytes come from a fresh anonymous map (``_zeros``).
+ZEROS_MAPPED_FROM = mapped.MAP_FROM
+
+
+def _zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A writable array of zeros whose pages the system gives when first
+    written (the shared zero page until then): a large one is a fresh
+    anonymous map, since ``np.zeros`` (calloc) clears memory it reuses up
+    front, which costs a step's worth of page faults at construction (a
+    sparse moment's starting zeros)."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if nbytes < ZEROS_MAPPED_FROM:
+        return np.zeros(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)
+
+
 def _dense(st: onnx.SparseTensorProto) -> np.ndarray:
     values = numpy_helper.to_array(st.values)
     indices = numpy_helper.to_array(st.indices).astype(np.int64)
     shape = tuple(int(d) for d in st.dims)
-    out = np.zeros(shape, dtype=values.dtype)
+    out = _zeros(shape, values.dtype)
     if indices.ndim == 1:
         out.reshape(-1)[indices] = values
     else:

@@ -7,6 +7,8 @@ reach): losses and every state variable agree bit for bit."""
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import onnx
 import pytest
@@ -125,6 +127,35 @@ def test_sparse_zero_state_trains_bit_for_bit_like_the_dense_form(monkeypatch, n
     assert s_losses == d_losses
     assert_state_bitwise(s_sess, d_sess)
     assert np.any(np.asarray(s_sess.state[f"W1.{slots[0]}"]) != 0)
+
+
+def _over_an_anonymous_map(a: np.ndarray) -> bool:
+    while isinstance(a, np.ndarray):
+        a = a.base
+    return isinstance(a.obj if isinstance(a, memoryview) else a, mmap.mmap)
+
+
+def test_large_sparse_zeros_start_as_untouched_pages(monkeypatch):
+    """Round 15: a sparse state variable's zeros of ``ZEROS_MAPPED_FROM``
+    bytes or more are a fresh anonymous map (pages given when first
+    written: ``np.zeros`` may clear reused memory up front), smaller ones
+    plain zeros; training on them is bit for bit the dense form's."""
+    from onnxtrain.io import model as io_model
+
+    sparse, dense = build_both(monkeypatch, two_layer(), optimizer=build.Adam(lr=1e-2))
+    tm = validate(sparse)
+    name = next(n for n, v in tm.state.items() if v.sparse)
+    small = tm.initial_value(name)
+    assert not _over_an_anonymous_map(small) and not small.any()
+    monkeypatch.setattr(io_model, "ZEROS_MAPPED_FROM", 96 * 192 * 4)
+    large = tm.initial_value(name)
+    assert _over_an_anonymous_map(large) and large.flags.writeable and large.shape == (96, 192)
+    assert not large.any()
+    feeds = batches(STEPS)
+    s_sess, s_losses = run(sparse, feeds, [0])
+    d_sess, d_losses = run(dense, feeds, [0])
+    assert s_losses == d_losses
+    assert_state_bitwise(s_sess, d_sess)
 
 
 def test_export_and_reload_of_a_training_model_with_sparse_state(monkeypatch, tmp_path):

@@ -7,6 +7,7 @@ own; the small ones check the same paths with 2-8 MiB weights."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -419,6 +420,59 @@ def test_frozen_weights_held_once(tmp_path, monkeypatch, lora):
     del held
     gc.collect()
     assert not any(os.path.exists(f) for f in files)
+
+
+def _over_a_map(a: np.ndarray) -> bool:
+    while isinstance(a, np.ndarray):
+        a = a.base
+    return isinstance(a.obj if isinstance(a, memoryview) else a, mmap.mmap)
+
+
+def test_starting_values_are_private_maps(tmp_path, monkeypatch):
+    """Round 15: a held starting value reaches the state store as a private
+    (copy-on-write) map of the held file, not a copy: training writes over
+    the state without touching the file, so ``initialize()`` still restores
+    the starting values from it, and the steps are bit for bit those of a
+    session whose values were copied."""
+    from onnxtrain.io import storage
+    from onnxtrain.io.model import held, load, validate
+
+    model = linear_model(512, 1024)
+    w = numpy_helper.to_array(model.graph.initializer[0])
+    opts = dict(loss="mse", target="T", optimizer=build.AdamW(lr=1e-2))
+    monkeypatch.setattr(storage, "HOLD_FROM", 2**20)
+    tm = held(validate(*load(build.training_model(model, **opts))))
+    t = next(x for x in tm.proto.graph.initializer if x.name == "W")
+    assert mapped.is_owned(t)
+    start = tm.initial_values(["W"])["W"]
+    assert _over_a_map(start) and start.flags.writeable and np.array_equal(start, w)
+    start[...] = 0.0  # written: a private copy of the pages, not the file
+    assert np.array_equal(mapped.read(t), w)
+    sess = TrainingSession(build.training_model(model, **opts))
+    monkeypatch.setattr(mapped, "private", mapped.read)
+    copied = TrainingSession(build.training_model(model, **opts))
+    for step in range(3):
+        a, b = (s.train_step(batch(512, 1024, seed=step)) for s in (sess, copied))
+        assert np.array_equal(a["loss"], b["loss"])
+    assert not np.array_equal(sess.state["W"], w)
+    assert np.array_equal(mapped.read(t), w)
+    sess.initialize()
+    assert np.array_equal(sess.state["W"], w)
+
+
+def test_private_maps_only_of_our_own_files(tmp_path):
+    """``mapped.private`` maps only files onnxtrain wrote (held); any other
+    mapped tensor is read into a fresh array, so a later change to the user's
+    file cannot reach the state."""
+    model = linear_model(512, 1024)
+    path = write_model(model, tmp_path / "model.onnx", external_data=True)
+    loaded = onnx.load(str(path), load_external_data=False)
+    t = next(x for x in loaded.graph.initializer if x.name == "W")
+    mapped.point(t, mapped.trust(tmp_path / t.external_data[0].value), 0, 512 * 1024 * 4)
+    assert mapped.is_mapped(t) and not mapped.is_owned(t)
+    value = mapped.private(t)
+    assert not _over_a_map(value) and value.flags.writeable
+    assert np.array_equal(value, numpy_helper.to_array(model.graph.initializer[0]))
 
 
 def two_layer_model(seed: int = 0) -> onnx.ModelProto:
