@@ -518,7 +518,7 @@ def _data_free_initializers(*graphs: onnx.GraphProto) -> tuple[set[str], list[on
 def held(tm: TrainingModel) -> TrainingModel:
     """``tm`` with no large tensor left in its protobuf (``storage.hold``): its
     frozen weights in one shared-memory buffer that every program and
-    onnxruntime map, its starting values in a file the state store reads once
-    (issue 36: the weights held once). ``tm`` itself where nothing moves."""
+    onnxruntime map, its starting values in a file the state store maps
+    copy-on-write (issue 36: the weights held once). ``tm`` itself where nothing moves."""
     proto = hold(tm.proto, tm.state)
     return tm if proto is None else replace(tm, proto=proto, cache_key=None, cache_refs=None)

@@ -687,9 +687,9 @@ def hold(model: onnx.ModelProto, state: Container[str]) -> onnx.ModelProto | Non
       which programs read at every run, go to one file in memory
       (``/dev/shm`` where there is one, as ``spill``).
     - The starting values (initializers in ``state`` and whatever the
-      initialization graphs hold), read once by the state store and then
-      only by ``initialize()``, go to a temporary file on disk, whose pages
-      the system may reclaim.
+      initialization graphs hold), which the state store maps copy-on-write
+      (``mapped.private``) and then only ``initialize()`` reads, go to a
+      temporary file on disk, whose pages the system may reclaim.
 
     Each becomes a mapped placeholder (``onnxtrain.io.mapped``): the session,
     every program and onnxruntime then share one copy, and no protobuf
