@@ -102,8 +102,9 @@ class TrainingModel:
 
         ``readonly=True`` skips one copy of the tensor: the array may then be
         read-only (for callers that copy it anyway, such as the state store).
-        A mapped tensor (``onnxtrain.io.mapped``) is read from its file into a
-        fresh array either way (see ``fresh_values``)."""
+        A mapped tensor (``onnxtrain.io.mapped``) is a fresh array either way
+        (see ``fresh_values``): read from a user's file, mapped copy-on-write
+        from one of onnxtrain's own (``initial_values``)."""
         return self.initial_values([name], readonly)[name]
 
     def initial_values(self, names: Iterable[str], readonly: bool = False) -> dict[str, np.ndarray]:
@@ -130,7 +131,7 @@ class TrainingModel:
                 if var is None or var.sparse or t.name in out:
                     continue
                 if mapped.is_mapped(t):
-                    out[t.name] = mapped.private(t) if mapped.is_owned(t) else mapped.read(t)
+                    out[t.name] = mapped.private(t)  # (read from a file not onnxtrain's own)
                 else:
                     value = numpy_helper.to_array(t)
                     out[t.name] = value if readonly else value.copy()
@@ -150,7 +151,8 @@ class TrainingModel:
 
     def fresh_values(self) -> set[str]:
         """State variables whose ``initial_value`` is always a fresh array the
-        caller owns (those read from mapped external data, and sparse ones)."""
+        caller owns (those of mapped external data, read or mapped
+        copy-on-write, and sparse ones)."""
         out = set()
         for name, var in self.state.items():
             if var.sparse:
