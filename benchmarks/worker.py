@@ -105,12 +105,11 @@ def maxrss_kb() -> int:
 
 
 def onnxtrain_defaults() -> None:
-    """A trainer's ``session_options``: None, onnxtrain's own defaults (the
-    memory pattern by model size, docs/performance.md), with the benchmark's
-    thread count and spin setting from the environment."""
+    """Set the benchmark's thread count and spin setting where onnxtrain's own
+    defaults read them (the environment): a trainer then passes no options and
+    gets those defaults (the memory pattern by model size, docs/performance.md)."""
     os.environ["ONNXTRAIN_THREADS"] = str(THREADS)
     os.environ["ONNXTRAIN_SPINNING"] = ORT_SPIN
-    return None
 
 
 def onnxtrain_session_options():
@@ -137,7 +136,8 @@ class OnnxtrainTrainer:
         workload = WORKLOADS[spec["key"]]
         inference = onnx.load(str(workdir / "model.onnx"))
         model, how = training_model(inference, workload, use_builder=spec.get("builder", True))
-        self.sess = onnxtrain.TrainingSession(model, session_options=onnxtrain_defaults())
+        onnxtrain_defaults()
+        self.sess = onnxtrain.TrainingSession(model)
         self.feeds = dict(batch)
         self.info = {"framework": "onnxtrain", "onnxtrain": onnxtrain.__version__,
                      "training_model": how}

@@ -203,11 +203,15 @@ def check_trusted(t: onnx.TensorProto, where: str) -> None:
         raise TrainingModelError(f"{where}: external data range lies past the end of {path!r}")
 
 
+def _layout(t: onnx.TensorProto) -> tuple[np.dtype, tuple[int, ...]]:
+    """(numpy dtype, shape) of a tensor's data."""
+    return np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)), tuple(int(d) for d in t.dims)
+
+
 def array(t: onnx.TensorProto) -> np.ndarray:
     """A read-only view of a mapped tensor's data (shared while anyone holds it)."""
     path, offset, length = source(t)
-    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
-    shape = tuple(int(d) for d in t.dims)
+    dtype, shape = _layout(t)
     key = (path, offset, dtype.str, shape)
     with _lock:
         arr = _maps.get(key)
@@ -240,7 +244,8 @@ def read(t: onnx.TensorProto) -> np.ndarray:
     """A fresh, writable copy of a mapped tensor's data, read from its file
     (no mapping: the file's pages are not counted in this process's memory)."""
     path, offset, length = source(t)
-    out = np.empty(tuple(int(d) for d in t.dims), np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)))
+    dtype, shape = _layout(t)
+    out = np.empty(shape, dtype)
     view = memoryview(out.reshape(-1)).cast("B")
     with open(path, "rb", buffering=0) as f:
         f.seek(offset)
@@ -263,8 +268,7 @@ def private(t: onnx.TensorProto) -> np.ndarray:
     path, offset, length = source(t)
     if os.name != "posix" or length == 0 or not is_owned(t):
         return read(t)
-    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
-    shape = tuple(int(d) for d in t.dims)
+    dtype, shape = _layout(t)
     count = int(np.prod(shape, dtype=np.int64))
     if dtype.itemsize * count != length:
         raise TrainingModelError(f"tensor {t.name!r}: {length} bytes in {path!r} do not fit its dims")

@@ -128,7 +128,7 @@ class TrainingModel:
                         out[var.name] = _dense(st)
             for t in graph.initializer:
                 var = group.get(t.name)
-                if var is None or var.sparse or t.name in out:
+                if var is None or var.sparse:
                     continue
                 if mapped.is_mapped(t):
                     out[t.name] = mapped.private(t)  # (read from a file not onnxtrain's own)
