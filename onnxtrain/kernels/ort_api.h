@@ -161,8 +161,11 @@ static OrtStatus *output_data(OrtKernelContext *ctx, size_t index, const int64_t
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(ONNXTRAIN_NO_CLONES)
 #define CLONES __attribute__((target_clones("avx2", "default")))
 /* For products written with fmaf (one rounding: the same bits in every
- * clone, the default one calling libm's): clones with the FMA instructions. */
-#define FMA_CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
+ * clone, the default one calling libm's): clones with the FMA instructions,
+ * chosen by the CPU's features.  Not "arch=haswell": GCC picks an arch= clone
+ * by the CPU's model (__builtin_cpu_is), so an AMD or a later Intel core
+ * without AVX-512 ran the default clone, a libm call per fmaf. */
+#define FMA_CLONES __attribute__((target_clones("avx512f", "fma", "default")))
 #else
 #define CLONES
 #define FMA_CLONES
