@@ -715,17 +715,43 @@ static inline float exp_of(float a) {
     return a != a ? a : (a < EXP_ZERO_BELOW ? 0.0f : v);
 }
 
-/* The largest of x[0..d) (eight running maxima; a NaN never wins a comparison). */
-static inline float row_max(const float *x, int64_t d) {
-    float m[8];
-    for (int k = 0; k < 8; ++k) m[k] = x[0];
-    int64_t i = 0;
-    for (; i + 8 <= d; i += 8)
-        for (int k = 0; k < 8; ++k) m[k] = x[i + k] > m[k] ? x[i + k] : m[k];
-    for (; i < d; ++i) m[0] = x[i] > m[0] ? x[i] : m[0];
-    float mx = m[0];
-    for (int k = 1; k < 8; ++k) mx = m[k] > mx ? m[k] : mx;
+/* Eight floats as one vector (GCC's and Clang's vector extension: any
+ * target, the compiler splitting it where its registers are narrower). */
+typedef float F8 __attribute__((vector_size(32)));
+typedef int32_t I8 __attribute__((vector_size(32)));
+/* The lanes of v in the order given (GCC's and Clang's spellings). */
+#if defined(__clang__)
+#define LANES(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define LANES(v, ...) __builtin_shuffle(v, (I8){__VA_ARGS__})
+#endif
+
+/* m = the larger of v and m, lane by lane, as v > m ? v : m (a NaN v never
+ * wins): a compare and a select, where the compiler would need a licence for a
+ * max.  (Vectors by pointer: no vector in a call's ABI.) */
+static inline void keep_max(F8 *m, const F8 *v) {
+    const I8 gt = *v > *m;
+    *m = (F8)((gt & (I8)*v) | (~gt & (I8)*m));
+}
+
+/* The largest of the eight lanes, then of x[i..d) (a NaN never wins). */
+static inline float max_rest(const F8 *mk, const float *x, int64_t i, int64_t d) {
+    float mx = (*mk)[0];
+    for (int k = 1; k < 8; ++k) mx = (*mk)[k] > mx ? (*mk)[k] : mx;
+    for (; i < d; ++i) mx = x[i] > mx ? x[i] : mx;
     return mx;
+}
+
+/* The largest of x[0..d) (eight running maxima from x[0]; a NaN never wins a comparison). */
+static inline float row_max(const float *x, int64_t d) {
+    F8 mk = {x[0], x[0], x[0], x[0], x[0], x[0], x[0], x[0]};
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) {
+        F8 v;
+        memcpy(&v, x + i, sizeof(v));
+        keep_max(&mk, &v);
+    }
+    return max_rest(&mk, x, i, d);
 }
 
 /* out[i] = e^(x[i] - mx) (out may be x); their sum in double (SUM8's order). */
@@ -737,6 +763,45 @@ static inline double exp_sum(const float *x, float mx, float *out, int64_t d) {
 }
 
 /* ------------------------------------------------------------ masked softmax */
+/* y = x + m over a row, and the largest y, in one pass (eight running maxima
+ * from -inf: a row of NaN and -inf gets -inf, which makes it NaN below as
+ * row_max's NaN or -inf does). */
+static inline float add_max(const float *x, const float *m, float *y, int64_t d) {
+    F8 mk = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) {
+        F8 a, b;
+        memcpy(&a, x + i, sizeof(a));
+        memcpy(&b, m + i, sizeof(b));
+        const F8 v = a + b;
+        memcpy(y + i, &v, sizeof(v));
+        keep_max(&mk, &v);
+    }
+    for (int64_t t = i; t < d; ++t) y[t] = x[t] + m[t];
+    return max_rest(&mk, y, i, d);
+}
+
+/* The row's length without its tail of values v with v - mx under
+ * EXP_ZERO_BELOW (e^(v - mx) = 0 there): eight at a time from the end, then
+ * one at a time. */
+static inline int64_t kept_length(const float *y, float mx, int64_t d) {
+    const F8 top = {mx, mx, mx, mx, mx, mx, mx, mx};
+    const F8 below = {EXP_ZERO_BELOW, EXP_ZERO_BELOW, EXP_ZERO_BELOW, EXP_ZERO_BELOW,
+                      EXP_ZERO_BELOW, EXP_ZERO_BELOW, EXP_ZERO_BELOW, EXP_ZERO_BELOW};
+    int64_t hi = d;
+    while (hi >= 8) {
+        F8 v;
+        memcpy(&v, y + hi - 8, sizeof(v));
+        const I8 under = v - top < below; /* lanes of all ones where under */
+        const I8 half = under & LANES(under, 4, 5, 6, 7, 0, 1, 2, 3);
+        const I8 quarter = half & LANES(half, 2, 3, 0, 1, 2, 3, 0, 1);
+        if (!(quarter[0] & quarter[1])) break;
+        hi -= 8;
+    }
+    while (hi > 0 && y[hi - 1] - mx < EXP_ZERO_BELOW) --hi;
+    return hi;
+}
+
 typedef struct {
     const float *in[2];
     float *y;
@@ -755,16 +820,17 @@ CLONES static void masked_softmax_rows(void *arg, int64_t b, int64_t e) {
         const float *x = j->in[0] + row_offset(row, j->dims, j->rank - 1, j->stride[0]);
         const float *m = j->in[1] + row_offset(row, j->dims, j->rank - 1, j->stride[1]);
         float *y = j->y + row * d;
-        if (sa && sb)
-            for (int64_t i = 0; i < d; ++i) y[i] = x[i] + m[i];
-        else
+        float mx;
+        if (sa && sb) {
+            mx = add_max(x, m, y, d);
+        } else {
             for (int64_t i = 0; i < d; ++i) y[i] = x[i * sa] + m[i * sb];
+            mx = row_max(y, d);
+        }
         /* A row's masked tail (a causal mask's keys after the query) is e^(v - max)
          * = 0 by exp_of's own test, so it is written as 0 without the exp; the
          * sum is unchanged (its terms there are +0).  A NaN row scales it too. */
-        const float mx = row_max(y, d);
-        int64_t hi = d;
-        while (hi > 0 && y[hi - 1] - mx < EXP_ZERO_BELOW) --hi;
+        const int64_t hi = kept_length(y, mx, d);
         const float inv = (float)(1.0 / exp_sum(y, mx, y, hi));
         for (int64_t i = hi; i < d; ++i) y[i] = 0.0f;
         const int64_t end = inv != inv ? d : hi;

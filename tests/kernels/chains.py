@@ -224,13 +224,15 @@ def guarded_softmax(shape=(2, 3, 6, 6), masked_rows: int = 1, seed: int = 0) -> 
 
 
 def masked_softmax(shape=(2, 3, 6, 72), mask_shape=(2, 1, 6, 72), guard: bool = True, seed: int = 0,
-                   lowest: float = -np.inf, named: bool = False) -> Chain:
+                   lowest: float = -np.inf, named: bool = False, alternate: bool = False) -> Chain:
     """p = Softmax(scores + mask) over the last axis (the exporter's attention:
     a causal mask of 0 and ``lowest``, broadcast over heads), guarded as the
     exporter writes it when ``guard``; the mask's last rows of the first batch
     fully masked (NaN in p, 0 in q with -inf).  A mask without a row axis
     masks random keys instead (padding).  ``named``: the scores' dims named
-    (as a small model's dynamic batch and sequence)."""
+    (as a small model's dynamic batch and sequence).  ``alternate``: padding
+    keys of every other position over the last 32 (a tail with masked and
+    kept keys in every block of eight)."""
     rng = np.random.default_rng(seed)
     scores = (rng.standard_normal(shape) * 2).astype(np.float32)
     s, d = (shape[-2] if len(shape) > 1 else 1), shape[-1]
@@ -239,6 +241,8 @@ def masked_softmax(shape=(2, 3, 6, 72), mask_shape=(2, 1, 6, 72), guard: bool = 
         mask = np.broadcast_to(causal, mask_shape).astype(np.float32).copy()
     else:  # keys of padding
         mask = np.where(rng.random(mask_shape) < 0.3, lowest, 0.0).astype(np.float32)
+        if alternate:
+            mask[..., -32:] = np.where(np.arange(32) % 2 == 0, lowest, 0.0)
     if len(mask_shape) >= 3 and mask_shape[-2] > 1:
         mask[(0,) * (len(mask_shape) - 2) + (slice(-1, None),)] = lowest
     feeds = {"scores": scores, "mask": mask, "t": rng.standard_normal(shape).astype(np.float32)}
@@ -321,14 +325,16 @@ def low_rank(shape=(2, 5, 48), k: int = 16, seed: int = 0, named: bool = False, 
 
 # ------------------------------------------------------------ cross-entropy
 def cross_entropy(n: int = 12, c: int = 300, ignored: int = 3, seed: int = 0, scale: float = 3.0,
-                  named: bool = False) -> Chain:
+                  named: bool = False, offset: float = 0.0) -> Chain:
     """loss = SoftmaxCrossEntropyLoss(scores, labels), mean, ignore_index -100
     on ``ignored`` rows; ``named``: the rows of scores and labels declared as two
-    different named dims (as reshaping logits and labels separately leaves them)."""
+    different named dims (as reshaping logits and labels separately leaves them).
+    ``offset`` is added to every score (scores far below 0: a row's maximum
+    must come from the row, not from a starting value)."""
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, c, n).astype(np.int64)
     labels[:ignored] = -100
-    feeds = {"scores": (rng.standard_normal((n, c)) * scale).astype(np.float32), "labels": labels}
+    feeds = {"scores": (rng.standard_normal((n, c)) * scale + offset).astype(np.float32), "labels": labels}
     nodes = [helper.make_node("SoftmaxCrossEntropyLoss", ["scores", "labels"], ["loss"], reduction="mean",
                               ignore_index=-100)]
     graph_nodes = nodes + [helper.make_node("Gradient", ["scores"], ["grad_scores"], domain=PREVIEW_DOMAIN,

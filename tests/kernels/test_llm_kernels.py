@@ -185,6 +185,9 @@ ROW_SUMS = [
      ["MaskedSoftmaxF32", "SoftmaxGradF32", "SoftmaxGuardF32"]),
     ("masked softmax, a row of mask values", lambda: masked_softmax((3, 2, 7, 77), (3, 1, 1, 77), seed=7),
      ["MaskedSoftmaxF32", "SoftmaxGradF32", "SoftmaxGuardF32"]),
+    ("masked softmax, alternate keys masked at the end", lambda: masked_softmax((3, 2, 7, 77), (3, 1, 1, 77),
+                                                                               seed=10, alternate=True),
+     ["MaskedSoftmaxF32", "SoftmaxGradF32", "SoftmaxGuardF32"]),
     ("masked softmax, GQA's 5-D lowest-float mask, no guard",
      lambda: masked_softmax((2, 2, 2, 16, 80), (2, 1, 1, 16, 80), guard=False, seed=8,
                             lowest=float(np.finfo(np.float32).min)), ["MaskedSoftmaxF32", "SoftmaxGradPlainF32"]),
@@ -202,6 +205,8 @@ ROW_SUMS = [
     ("cross-entropy, large logits", lambda: cross_entropy(16, 300, ignored=0, seed=8, scale=60.0),
      ["CrossEntropyF32", "CrossEntropyGradF32"]),
     ("cross-entropy, named rows", lambda: cross_entropy(40, 300, ignored=5, seed=9, named=True),
+     ["CrossEntropyF32", "CrossEntropyGradF32"]),
+    ("cross-entropy, logits far below 0", lambda: cross_entropy(16, 300, ignored=0, seed=10, offset=-200.0),
      ["CrossEntropyF32", "CrossEntropyGradF32"]),
 ]
 
