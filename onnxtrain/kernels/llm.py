@@ -73,7 +73,7 @@ def rewrite(graph: onnx.GraphProto, opset_imports: Sequence[onnx.OperatorSetIdPr
                + attention.plain_softmax_grads(ix, domain, decoder) + attention.rotations(ix, names, domain)
                + xent.cross_entropies(ix, names, domain)
                + nbits.dequantizations(ix, names, domain) + lowrank.low_rank_sums(ix, domain)
-               + lowrank.low_rank_gradients(ix, domain))
+               + lowrank.low_rank_gradients(ix, names, domain))
     count = apply(graph, fusions)
     if count:
         _drop_dead(graph, domain)

@@ -21,13 +21,19 @@ ceiling (47 GFLOP/s on L1).  ``LowRankTransAF32(a, b)`` writes ``a^T b`` for
 a of K <= ``MAX_K`` columns, blocks of 8 x 32 sums in registers, each summed
 over chunks of 64 rows by fused multiply-adds, the chunks then in order.  Matched: Gemm(a, b, transA=1)
 without C, alpha 1, transB 0, a [M, K] of static K <= ``MAX_K``, b [M, N] of
-static N >= ``MIN_N``, M named or at least ``MIN_M``, float32.
+static N >= ``MIN_N``, M named or at least ``MIN_M``, float32.  The adapter's
+other gradient ``dA = x^T dH`` has the few columns on the other side (dH
+[M, r]): it becomes ``Transpose(LowRankTransAF32(dH, x))``, the transpose of
+an r x N result (MLAS ran these at 21-47 GFLOP/s on L1, the kernel at about
+twice that).
 """
 
 from __future__ import annotations
 
 import onnx
+from onnx import helper
 
+from ..core.names import NameGen
 from .graphmatch import Fusion, Index, kernel_node
 
 #: Most columns K rewritten: beyond, onnxruntime's MatMul is the better product.
@@ -73,17 +79,27 @@ def _gemm_ta(ix: Index, node: onnx.NodeProto) -> bool:
             and float(ix.attr(node, "alpha", 1.0)) == 1.0 and (len(node.input) < 3 or not node.input[2]))
 
 
-def low_rank_gradients(ix: Index, domain: str) -> list[Fusion]:
+def _few_columns(ix: Index, a: str, b: str) -> bool:
+    """a [M, K] of static K <= MAX_K and b [M, N] of static N >= MIN_N, M named
+    or at least MIN_M rows, both float32: a^T b is the kernel's."""
+    ad, bd = ix.dims(a), ix.dims(b)
+    if ad is None or bd is None or len(ad) != 2 or len(bd) != 2:
+        return False
+    if not isinstance(ad[1], int) or not 1 <= ad[1] <= MAX_K or not isinstance(bd[1], int) or bd[1] < MIN_N:
+        return False
+    return not (isinstance(ad[0], int) and ad[0] < MIN_M) and ix.all_float(a, b)
+
+
+def low_rank_gradients(ix: Index, names: NameGen, domain: str) -> list[Fusion]:
     fusions = []
-    for g in [n for n in ix.nodes if n.op_type == "Gemm" and n.domain in ("", "ai.onnx")]:
+    for g in [n for n in ix.nodes if n.op_type == "Gemm" and n.domain in ("", "ai.onnx") and _gemm_ta(ix, n)]:
         a, b = g.input[0], g.input[1]
-        ad, bd = ix.dims(a), ix.dims(b)
-        if not _gemm_ta(ix, g) or ad is None or bd is None or len(ad) != 2 or len(bd) != 2:
-            continue
-        if not isinstance(ad[1], int) or not 1 <= ad[1] <= MAX_K or not isinstance(bd[1], int) or bd[1] < MIN_N:
-            continue
-        if (isinstance(ad[0], int) and ad[0] < MIN_M) or not ix.all_float(a, b):
-            continue
-        fusions.append(Fusion([g], [kernel_node("LowRankTransAF32", [a, b], list(g.output), g.name + "/low_rank_t",
-                                                domain)]))
+        if _few_columns(ix, a, b):
+            fusions.append(Fusion([g], [kernel_node("LowRankTransAF32", [a, b], list(g.output),
+                                                    g.name + "/low_rank_t", domain)]))
+        elif _few_columns(ix, b, a):  # a^T b = (b^T a)^T, b of few columns: LoRA's dA = x^T dH
+            kn = names.fresh((g.output[0] or "gemm") + "/transposed")
+            fusions.append(Fusion([g], [kernel_node("LowRankTransAF32", [b, a], [kn], g.name + "/low_rank_t", domain),
+                                        helper.make_node("Transpose", [kn], list(g.output), perm=[1, 0],
+                                                         name=g.name + "/low_rank_t/transpose")]))
     return fusions

@@ -323,6 +323,26 @@ def low_rank(shape=(2, 5, 48), k: int = 16, seed: int = 0, named: bool = False, 
     return Chain(model, feeds, outputs, reference)
 
 
+def low_rank_down(shape=(3, 100, 160), k: int = 16, seed: int = 0, named: bool = False) -> Chain:
+    """h = MatMul(x, A), x [.., N], A [N, k] (LoRA's down-projection), x and A
+    trained: A's gradient x^T dh has its few columns on the right.
+    ``named``: x's leading dims named (batch, seq)."""
+    rng = np.random.default_rng(seed)
+    lead, n = shape[:-1], shape[-1]
+    feeds = {"x": rng.standard_normal(shape).astype(np.float32),
+             "A": (rng.standard_normal((n, k)) / np.sqrt(n)).astype(np.float32),
+             "t": rng.standard_normal((*lead, k)).astype(np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "A"], ["h"])]
+    dims = {"x": ["batch", "seq", n], "t": ["batch", "seq", k]} if named else None
+    model, outputs = _program(nodes, feeds, ["h"], ["x", "A"], {"h": "t"}, dims)
+
+    def reference(f):
+        x, a, t = (f[v].astype(np.float64) for v in ("x", "A", "t"))
+        return {"h": x @ a, "grad_x": t @ a.T,
+                "grad_A": x.reshape(-1, x.shape[-1]).T @ t.reshape(-1, t.shape[-1])}
+    return Chain(model, feeds, outputs, reference)
+
+
 # ------------------------------------------------------------ cross-entropy
 def cross_entropy(n: int = 12, c: int = 300, ignored: int = 3, seed: int = 0, scale: float = 3.0,
                   named: bool = False, offset: float = 0.0) -> Chain:

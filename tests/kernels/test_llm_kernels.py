@@ -22,6 +22,7 @@ from chains import (
     cross_entropy,
     guarded_softmax,
     low_rank,
+    low_rank_down,
     masked_softmax,
     rms_norm,
     rope,
@@ -199,6 +200,11 @@ ROW_SUMS = [
      ["LowRankMatMulAddF32"]),
     ("low rank, named dims, rank 64", lambda: low_rank((2, 9, 136), 64, seed=3, named=True), LOW_RANK),
     ("low rank, rank 12, 300 rows by chunks, 150 columns", lambda: low_rank((3, 100, 150), 12, seed=4), LOW_RANK),
+    ("low rank, LoRA's down-projection, dA transposed", lambda: low_rank_down(), ["LowRankTransAF32"]),
+    ("low rank, L1's down-projection of the FFN, split", lambda: low_rank_down((4, 256, 1408), seed=1),
+     ["LowRankTransAF32"]),
+    ("low rank, down-projection, named rows, rank 48", lambda: low_rank_down((2, 9, 136), 48, seed=2, named=True),
+     ["LowRankTransAF32"]),
     ("cross-entropy", lambda: cross_entropy(), ["CrossEntropyF32", "CrossEntropyGradF32"]),
     ("cross-entropy, a vocabulary, split", lambda: cross_entropy(600, 8000, ignored=17, seed=6, scale=4.0),
      ["CrossEntropyF32", "CrossEntropyGradF32"]),
@@ -333,6 +339,8 @@ REFUSED = [
         "i", 2)), "p"),
     ("a product of many columns", lambda: low_rank((2, 5, 160), 65), "y"),
     ("a narrow product", lambda: low_rank((2, 5, 48)), "y"),
+    ("a down-projection's gradient over few rows", lambda: low_rank_down((2, 5, 160)), "grad_A"),
+    ("a down-projection of many columns", lambda: low_rank_down((3, 100, 160), 65), "grad_A"),
     ("a gradient's sum over another axis", lambda: _axes_constant(masked_softmax(guard=False), [2]), "grad_scores"),
 ]
 
