@@ -237,43 +237,45 @@ static OrtStatus *rms_norm(const LlmOp *op, Args *a) {
     return NULL;
 }
 
-/* dy[i] of a row: ((dy_0 + dy_1) + dy_2) + ..., the order of onnxruntime's Sum. */
-static inline float dy_at(const NormJob *j, int64_t at) {
-    float v = j->dys[0][at];
-    for (int t = 1; t < j->terms; ++t) v = v + j->dys[t][at];
-    return v;
+/* dx = (acc +) g r + dm 2x with g = dy w, for one row (dy may be dx itself:
+ * each element is read before it is written). */
+static inline void rms_norm_grad_finish(const NormJob *j, const float *x, const float *dy, const float *acc,
+                                        float *dx, float r, float dm) {
+    const float *w = j->w;
+    if (acc)
+        for (int64_t i = 0; i < j->d; ++i) dx[i] = acc[i] + ((dy[i] * w[i]) * r + dm * (2.0f * x[i]));
+    else
+        for (int64_t i = 0; i < j->d; ++i) dx[i] = (dy[i] * w[i]) * r + dm * (2.0f * x[i]);
 }
 
-/* With several dy terms their sum goes into a row buffer first (without one,
- * it is summed again where it is read: the same values). */
+/* With several dy terms their sum, ((dy_0 + dy_1) + dy_2) + ... (the order of
+ * onnxruntime's Sum), goes into the row of dx first, which the last pass
+ * then overwrites element by element. */
 CLONES static void rms_norm_grad_rows(void *arg, int64_t b, int64_t e) {
     const NormJob *j = (const NormJob *)arg;
     const int64_t d = j->d;
-    float *buf = j->terms > 1 ? malloc((size_t)d * sizeof(float)) : NULL;
+    const float *w = j->w;
     for (int64_t row = b; row < e; ++row) {
         const float *x = j->x + row * d;
         const float *acc = j->acc ? j->acc + row * d : NULL;
         float *dx = j->dx + row * d;
         const float r = j->r[row], s = j->s[row];
         const float *dy = j->dys[0] + row * d;
-        if (buf) {
-            for (int64_t i = 0; i < d; ++i) buf[i] = j->dys[0][row * d + i] + j->dys[1][row * d + i];
-            for (int t = 2; t < j->terms; ++t)
-                for (int64_t i = 0; i < d; ++i) buf[i] = buf[i] + j->dys[t][row * d + i];
-            dy = buf;
+        if (j->terms > 1) {
+            const float *d0 = j->dys[0] + row * d, *d1 = j->dys[1] + row * d;
+            for (int64_t i = 0; i < d; ++i) dx[i] = d0[i] + d1[i];
+            for (int t = 2; t < j->terms; ++t) {
+                const float *dt = j->dys[t] + row * d;
+                for (int64_t i = 0; i < d; ++i) dx[i] = dx[i] + dt[i];
+            }
+            dy = dx;
         }
-        const int direct = buf || j->terms == 1;
         double t;
-        SUM8(t, d, i, (double)((direct ? dy[i] : dy_at(j, row * d + i)) * j->w[i]) * (double)x[i]);
+        SUM8(t, d, i, (double)(dy[i] * w[i]) * (double)x[i]);
         /* d/dr, d/ds, d/d(mean): one float operation per standard kernel */
         const float dm = ((-((float)t * (r * r))) / (2.0f * s)) * j->inv_d;
-        for (int64_t i = 0; i < d; ++i) {
-            const float g = (direct ? dy[i] : dy_at(j, row * d + i)) * j->w[i];
-            const float v = g * r + dm * (2.0f * x[i]);
-            dx[i] = acc ? acc[i] + v : v;
-        }
+        rms_norm_grad_finish(j, x, dy, acc, dx, r, dm);
     }
-    free(buf);
 }
 
 static OrtStatus *rms_norm_grad(const LlmOp *op, Args *a) {
