@@ -42,6 +42,11 @@ MAX_K = 64
 #: (the rest one by one), and narrow products are MLAS's (W1's last layer's
 #: dW = h^T dY, N = 10, ran 3% slower as a whole step with the kernel).
 MIN_N = 128
+#: Fewest few columns K where they are on the right, a^T b with b [M, K]
+#: (LoRA's dA = x^T dH, K its rank): the kernel sums blocks of 8 rows of its
+#: [K, N] result, and a classifier's handful of classes (dW = x^T dY) stays
+#: MLAS's.
+MIN_K_RIGHT = 8
 #: Fewest rows M of the gradient's sum a^T b where M is static (a batch of 64
 #: rows is MLAS's: W1's and W7's dW; LoRA's M is a batch's tokens).
 MIN_M = 256
@@ -97,7 +102,7 @@ def low_rank_gradients(ix: Index, names: NameGen, domain: str) -> list[Fusion]:
         if _few_columns(ix, a, b):
             fusions.append(Fusion([g], [kernel_node("LowRankTransAF32", [a, b], list(g.output),
                                                     g.name + "/low_rank_t", domain)]))
-        elif _few_columns(ix, b, a):  # a^T b = (b^T a)^T, b of few columns: LoRA's dA = x^T dH
+        elif _few_columns(ix, b, a) and ix.dims(b)[1] >= MIN_K_RIGHT:  # a^T b = (b^T a)^T: LoRA's dA = x^T dH
             kn = names.fresh((g.output[0] or "gemm") + "/transposed")
             fusions.append(Fusion([g], [kernel_node("LowRankTransAF32", [b, a], [kn], g.name + "/low_rank_t", domain),
                                         helper.make_node("Transpose", [kn], list(g.output), perm=[1, 0],

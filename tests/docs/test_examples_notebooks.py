@@ -125,7 +125,10 @@ def test_llm_doc_agrees_with_the_genai_example(quick_output):
     assert d["targets"] == r["targets"] == doc["int4"]["targets"]
     for key in ("lo", "hi", "median", "agree"):
         assert abs(d[key] - r[key]) <= 5, (key, d[key], r[key])
-    assert d["gap"] == pytest.approx(r["gap"], rel=0.3, abs=0.2)
+    # (a largest difference over all logits after 120 steps: onnxruntime's
+    # products give other bits on AVX2 than on AVX-512: 1.1 in the doc's run,
+    # 1.6 on an AMD EPYC with the package of that run)
+    assert d["gap"] == pytest.approx(r["gap"], rel=0.6, abs=0.2)
 
 
 def test_building_the_models_leaves_torch_out_of_the_training_peak(tmp_path):

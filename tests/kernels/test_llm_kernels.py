@@ -341,6 +341,7 @@ REFUSED = [
     ("a narrow product", lambda: low_rank((2, 5, 48)), "y"),
     ("a down-projection's gradient over few rows", lambda: low_rank_down((2, 5, 160)), "grad_A"),
     ("a down-projection of many columns", lambda: low_rank_down((3, 100, 160), 65), "grad_A"),
+    ("a classifier's few classes", lambda: low_rank_down((3, 100, 160), 4), "grad_A"),
     ("a gradient's sum over another axis", lambda: _axes_constant(masked_softmax(guard=False), [2]), "grad_scores"),
 ]
 
