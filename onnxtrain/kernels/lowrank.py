@@ -84,13 +84,13 @@ def _gemm_ta(ix: Index, node: onnx.NodeProto) -> bool:
             and float(ix.attr(node, "alpha", 1.0)) == 1.0 and (len(node.input) < 3 or not node.input[2]))
 
 
-def _few_columns(ix: Index, a: str, b: str) -> bool:
-    """a [M, K] of static K <= MAX_K and b [M, N] of static N >= MIN_N, M named
-    or at least MIN_M rows, both float32: a^T b is the kernel's."""
+def _few_columns(ix: Index, a: str, b: str, min_k: int = 1) -> bool:
+    """a [M, K] of static min_k <= K <= MAX_K and b [M, N] of static N >= MIN_N,
+    M named or at least MIN_M rows, both float32: a^T b is the kernel's."""
     ad, bd = ix.dims(a), ix.dims(b)
     if ad is None or bd is None or len(ad) != 2 or len(bd) != 2:
         return False
-    if not isinstance(ad[1], int) or not 1 <= ad[1] <= MAX_K or not isinstance(bd[1], int) or bd[1] < MIN_N:
+    if not isinstance(ad[1], int) or not min_k <= ad[1] <= MAX_K or not isinstance(bd[1], int) or bd[1] < MIN_N:
         return False
     return not (isinstance(ad[0], int) and ad[0] < MIN_M) and ix.all_float(a, b)
 
@@ -102,7 +102,7 @@ def low_rank_gradients(ix: Index, names: NameGen, domain: str) -> list[Fusion]:
         if _few_columns(ix, a, b):
             fusions.append(Fusion([g], [kernel_node("LowRankTransAF32", [a, b], list(g.output),
                                                     g.name + "/low_rank_t", domain)]))
-        elif _few_columns(ix, b, a) and ix.dims(b)[1] >= MIN_K_RIGHT:  # a^T b = (b^T a)^T: LoRA's dA = x^T dH
+        elif _few_columns(ix, b, a, MIN_K_RIGHT):  # a^T b = (b^T a)^T: LoRA's dA = x^T dH
             kn = names.fresh((g.output[0] or "gemm") + "/transposed")
             fusions.append(Fusion([g], [kernel_node("LowRankTransAF32", [b, a], [kn], g.name + "/low_rank_t", domain),
                                         helper.make_node("Transpose", [kn], list(g.output), perm=[1, 0],
