@@ -4,7 +4,9 @@ by name: models.py here, gradcheck.py and grad_cases.py in autodiff/, bundle_run
 in export/, and a few test modules that others reuse (builder/test_build.py),
 so every area folder goes on sys.path."""
 
+import compileall
 import os
+import shutil
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -26,3 +28,36 @@ os.environ.setdefault("ONNXTRAIN_PROGRAM_CACHE", "0")
 # cores).  Tests of the threading itself (tests/reliability/test_determinism.py)
 # set or unset ONNXTRAIN_THREADS for the processes they start.
 os.environ.setdefault("ONNXTRAIN_THREADS", "1")
+
+
+def pytest_configure(config):
+    """Where the interpreter writes no bytecode (PYTHONDONTWRITEBYTECODE, as in
+    some containers), each Python process the tests start (hundreds: the CLI,
+    MPI ranks, examples, fresh-process checks) compiled onnxtrain's sources
+    again, about 0.3 s each.  The suite's first process compiles them once,
+    where Python looks for them (``__pycache__``; other packages keep theirs
+    from installation), and removes the folders it made at the end."""
+    if not sys.flags.dont_write_bytecode or hasattr(config, "workerinput"):
+        return
+    root = os.path.dirname(HERE)
+    folders = [(os.path.join(root, "onnxtrain"), 10), (HERE, 10), (os.path.join(root, "benchmarks"), 0)]
+    before = set(_bytecode_folders(folders))
+    for folder, depth in folders:
+        compileall.compile_dir(folder, maxlevels=depth, quiet=2)
+
+    def remove():
+        for made in set(_bytecode_folders(folders)) - before:
+            shutil.rmtree(made, ignore_errors=True)
+    config.add_cleanup(remove)
+
+
+def _bytecode_folders(folders):
+    """The ``__pycache__`` folders within ``folders`` (each to its depth; not benchmarks' venvs)."""
+    for top, depth in folders:
+        base = top.count(os.sep)
+        for path, dirs, _ in os.walk(top):
+            if os.path.basename(path) == "__pycache__":
+                yield path
+                dirs[:] = []
+            elif path.count(os.sep) - base >= depth:
+                dirs[:] = [d for d in dirs if d == "__pycache__"]
