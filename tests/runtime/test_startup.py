@@ -618,3 +618,49 @@ def test_cache_eviction_is_least_recently_used_not_first_in(private_cache, monke
     cache.flush()
     left = [i for i in range(5) if cache.read("infer", keys[i]) is not None]
     assert left == [0, 3, 4], f"entries left after eviction: {left}"
+
+
+def test_an_unsound_kernel_rewrite_is_refused_and_never_cached(monkeypatch):
+    """A rewritten program is checked SSA and sorted before the cache keeps
+    it (one the cache hands back is not walked again): a rewrite that breaks
+    the order is refused, checks off, at a cold start and again at the next,
+    never handed back from the cache."""
+    from onnxtrain.lower import executed
+    from onnxtrain.lower.checks import PassError
+
+    real = executed._with_fused_kernels
+
+    def unsorted(model):
+        fused, count = real(model)
+        out = onnx.ModelProto()
+        out.CopyFrom(fused)
+        nodes = list(out.graph.node)
+        del out.graph.node[:]
+        out.graph.node.extend(reversed(nodes))
+        return out, count
+
+    monkeypatch.setattr(executed, "_with_fused_kernels", unsorted)
+    model = built_model()
+    for _ in range(2):
+        with pytest.raises(PassError, match="executed: the graph is no longer SSA and sorted"):
+            TrainingSession(model).train_step(FEEDS)
+        cache.flush()  # (entries are written on the writer thread)
+    assert cache.stats.get("program.hit") and not cache.stats.get("fused.hit")
+
+
+def test_a_cached_kernel_rewrite_is_not_walked_again(monkeypatch):
+    """The rewrite checked before the cache kept it (above) is trusted as it
+    comes back, as a cached program is: no second walk of it at a warm start.
+    (Programs specialized to the feeds' shapes are not cached: off here.)"""
+    from onnxtrain.lower import executed
+    from onnxtrain.runtime.runner import SPECIALIZE_ENV
+
+    monkeypatch.setenv(SPECIALIZE_ENV, "0")
+    model = built_model()
+    cold = run(model)
+    cache.flush()
+    cache.stats.clear()
+    real, walks = executed.check_sound, []
+    monkeypatch.setattr(executed, "check_sound", lambda graph, where, *a: walks.append(where) or real(graph, where, *a))
+    assert run(model) == cold
+    assert cache.stats.get("fused.hit") == 1 and walks == []
