@@ -81,6 +81,7 @@ from . import lora as _lora
 from . import losses as _losses
 from . import optimizers as _optimizers
 from .algorithm import Algorithm, initialization_graph
+from .cache import BuiltModels
 from .folding import warn_if_folded
 from .lora import LoRA
 from .losses import Loss
@@ -182,39 +183,58 @@ def training_model(
     equal weights, e.g. a fresh Llama's RMSNorm weights, told apart by its
     node records) get their own initializer first, so they train separately
     as in the source model (``ties``); the main graph computes the same.
+
+    The answer is kept in the startup cache (``onnxtrain.builder.cache``;
+    ``ONNXTRAIN_PROGRAM_CACHE=0`` turns it off): the same model, options and
+    code give it back without building, bit for bit.
     """
-    plan = _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad_norm,
-                 accumulate, train_mode, batchnorm_var, lora, recompute)
-    proto = plan.proto
-    _add_main_state(plan)
-    learned: list[Learned] = []
-    for index in range(plan.accumulate if plan.accumulate == 1 else 2):
-        ti = proto.training_info.add()
-        learned.append(Algorithm(plan, index, learned).build(ti))
-        initialization_graph(plan, learned[-1], ti)
-    _set_imports(proto)
-    _set_metadata(plan, learned)
-    if isinstance(model, (str, os.PathLike)):
-        # The file it was built from (genai.export names it when it is not the base's).
-        set_metadata(proto, "source", os.path.abspath(os.fspath(model)))
-    # A model under SPILL_FROM is returned self-contained, as any onnx tool
-    # expects; a larger one keeps its weights in their (mapped) files, which
-    # TrainingSession and storage.write_model read without a copy.
-    # (Only external tensors can be placeholders: most models have none,
-    # and then one walk of the tensors settles it.)
-    if any(t.data_location == TensorProto.EXTERNAL for t in all_tensors(proto)) and (
-        tensor_bytes(proto) < storage.SPILL_FROM
-    ):
-        proto = storage.materialized(proto)
+    # A ModelProto is hashed as given: an entry of its key is for a model
+    # that loaded and built before (``BuiltModels``).  Anything else is parsed.
+    loaded = None if isinstance(model, onnx.ModelProto) else _inference_source(model)
+    path = os.path.abspath(os.fspath(model)) if isinstance(model, (str, os.PathLike)) else None
+    cache = BuiltModels(model if loaded is None else loaded, path, dict(
+        loss=loss, target=target, output=output, optimizer=optimizer, trainable=trainable,
+        schedule=schedule, clip_grad_norm=clip_grad_norm, accumulate=accumulate,
+        train_mode=train_mode, batchnorm_var=batchnorm_var, lora=lora, recompute=recompute))
+    built = cache.lookup()
+    if built is not None:
+        return built
+    source = _inference_source(model) if loaded is None else loaded
+    with cache.recording():
+        plan = _plan(source if source is not model else _copy(source), loss, target, output,
+                     optimizer, trainable, schedule, clip_grad_norm, accumulate, train_mode,
+                     batchnorm_var, lora, recompute)
+        proto = plan.proto
+        _add_main_state(plan)
+        learned: list[Learned] = []
+        for index in range(plan.accumulate if plan.accumulate == 1 else 2):
+            ti = proto.training_info.add()
+            learned.append(Algorithm(plan, index, learned).build(ti))
+            initialization_graph(plan, learned[-1], ti)
+        _set_imports(proto)
+        _set_metadata(plan, learned)
+        if path is not None:
+            # The file it was built from (genai.export names it when it is not the base's).
+            set_metadata(proto, "source", path)
+        # A model under SPILL_FROM is returned self-contained, as any onnx tool
+        # expects; a larger one keeps its weights in their (mapped) files, which
+        # TrainingSession and storage.write_model read without a copy.
+        # (Only external tensors can be placeholders: most models have none,
+        # and then one walk of the tensors settles it.)
+        if any(t.data_location == TensorProto.EXTERNAL for t in all_tensors(proto)) and (
+            tensor_bytes(proto) < storage.SPILL_FROM
+        ):
+            proto = storage.materialized(proto)
+    cache.store(proto)
     return proto
 
 
 # ------------------------------------------------------------------ planning
-def _plan(model, loss, target, output, optimizer, trainable, schedule, clip_grad_norm,
+def _plan(source, loss, target, output, optimizer, trainable, schedule, clip_grad_norm,
           accumulate, train_mode, batchnorm_var="auto", lora=None, recompute=None) -> Plan:
-    """Check every argument and decide the names and the state variables."""
+    """Check every argument and decide the names and the state variables
+    (``source``: the inference model, ours to change)."""
     recompute_spec = recompute_option(recompute)
-    source = _inference_copy(model)
     warn_if_folded(source, stacklevel=3)  # at the caller of training_model
     proto = _adapt.adapt(source)
     opset = _default_opset(proto)
@@ -293,17 +313,21 @@ def _declared_types(main: onnx.GraphProto) -> dict[str, onnx.ValueInfoProto]:
     return out
 
 
-def _inference_copy(model: ModelLike) -> onnx.ModelProto:
+def _inference_source(model: ModelLike) -> onnx.ModelProto:
+    """The inference model, loaded and checked (``model`` itself when it is
+    a ModelProto that needed no spilling: the caller's, never changed)."""
     source, _ = load(model)
     if source.training_info:
         raise ValueError(
             "the model already has training_info; training_model expects an inference model "
             "(export it with TrainingSession.export(path) first)"
         )
-    if source is not model:
-        return source  # parsed from a path or bytes (or spilled) here: ours to change
+    return source
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
     proto = onnx.ModelProto()
-    proto.CopyFrom(source)  # the caller's: never changed
+    proto.CopyFrom(model)
     return proto
 
 

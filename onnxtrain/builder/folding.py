@@ -34,10 +34,10 @@ Exports that keep BatchNorm (``dynamo=True, optimize=False``, TorchScript's
 from __future__ import annotations
 
 import re
-import warnings
 
 import onnx
 
+from .cache import warn
 from .known_names import module_of
 
 #: The ops an exporter folds a BatchNorm into.
@@ -110,5 +110,5 @@ def warn_if_folded(model: onnx.ModelProto, stacklevel: int) -> None:
     """A FoldedBatchNormWarning with ``batchnorm_hint``'s text, if it has one."""
     hint = batchnorm_hint(model)
     if hint:
-        warnings.warn("training_model: " + hint.removeprefix("hint: "), FoldedBatchNormWarning,
-                      stacklevel=stacklevel + 1)
+        warn("training_model: " + hint.removeprefix("hint: "), FoldedBatchNormWarning,
+             stacklevel=stacklevel + 1)

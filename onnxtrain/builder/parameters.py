@@ -13,7 +13,6 @@ source model.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +24,7 @@ from onnx import numpy_helper
 from ..core.emitter import FLOAT_TYPES
 from ..core.graph import DEFAULT_DOMAINS, identity_source, node_inputs
 from ..io.model import ModelLike, load
+from .cache import warn
 from .constants import constant_reasons
 from .known_names import known_names, matches
 from .ties import exporter_ties, needs_untie, untie_shared_initializers
@@ -407,7 +407,7 @@ def choose_trainable(main: onnx.GraphProto, trainable: Any) -> list[str]:
     if not isinstance(trainable, Iterable) or callable(trainable):
         for name in chosen:
             if choices[name].doubt:
-                warnings.warn(
+                warn(
                     f"training_model: initializer {name!r} is trained by default, but "
                     f"{choices[name].doubt}; pass trainable=[...] to choose explicitly",
                     stacklevel=4,  # the caller of training_model

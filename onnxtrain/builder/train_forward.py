@@ -11,7 +11,6 @@ running_var is updated: the ONNX rule (biased batch variance) or PyTorch's
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ from onnx import TensorProto, helper
 
 from ..core.emitter import Emitter
 from ..core.graph import DEFAULT_DOMAINS, node_inputs, subgraphs
+from .cache import warn
 
 #: ``batchnorm_var`` values: how training-mode BatchNormalization updates running_var.
 BATCHNORM_VAR = ("auto", "biased", "unbiased")
@@ -135,7 +135,7 @@ def _running_statistics(
         value_info.append(helper.make_tensor_value_info(new_stats[1], t.data_type, list(t.dims)))
     for stat, new in zip(node.input[3:5], new_stats):
         if stat not in inits:
-            warnings.warn(
+            warn(
                 f"train_mode: BatchNormalization node {node.name or node.op_type!r} reads its "
                 f"running statistic from {stat!r}, which is not an initializer; the statistic "
                 "is not updated by training",

@@ -1,0 +1,258 @@
+"""Built training models kept in the startup cache (``core.diskcache``; docs/startup.md).
+
+``build.training_model`` on the same inference model with the same options
+and the same code gives the same training model, bit for bit.  A ``built-*``
+entry keeps that answer, so that a script run again, the command line
+included, skips the builder (about 0.2 s on W5 and W6, more on a
+transformer with LoRA).  The key is made of:
+
+- the inference model as loaded: its bytes, with the data of each
+  main-graph initializer of ``BY_REFERENCE_BYTES`` or more replaced by its
+  SHA-256 (the builder reads values: a mask, a 0-d constant, equal
+  weights);
+- the options, each described by value (``describe_option``): names,
+  numbers, lists of them, arrays by their bytes, and onnxtrain's own
+  option objects (``build.AdamW(...)``, ``build.LoRA(...)``, losses,
+  schedules) field by field;
+- the path the model was read from (the built model records it);
+- onnxtrain's code (``code_digest``) and the constants and tables of the
+  modules the builder reads, as they are now.
+
+What is not cached: a callable option (a loss function, a ``trainable`` or
+LoRA ``targets`` predicate, an optimizer subclassed outside onnxtrain), whose
+code no key covers; a model with external data (its weights stay in their
+files); an op with a schema registered at run time; and a build during
+which the builder warned (``warn``), so that its warnings come again at
+every build.
+
+An entry stores the built model without the data of each initializer equal
+to one of the inference model's large ones (named by that data's digest),
+and a hit copies the data back from the model given: an entry is the size
+of the graph, not of the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import sys
+import warnings
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import numpy as np
+import onnx
+
+from ..core import diskcache
+from ..core.fingerprint import code_digest, module_digest, standard_domains
+from ..core.protos import all_tensors
+from ..io import storage
+from ..io.tensors import copy_fields, stored_bytes
+
+#: Module state that changes at run time: not part of any cache key.
+__fingerprint__ = False
+
+KIND = "built"
+#: Initializers of at least this many bytes count by the SHA-256 of their data.
+BY_REFERENCE_BYTES = 1 << 16
+#: Data hashed on two threads from this many bytes on (hashlib lets the GIL go).
+PARALLEL_HASH_BYTES = 8 << 20
+#: The layers whose module-level constants and tables the builder reads.
+BUILDER_LAYERS = ("core", "io", "optim", "builder")
+
+
+#: The builder's warnings in the build under way (``BuiltModels.recording``).
+_warned: ContextVar[list[str] | None] = ContextVar("onnxtrain_builder_warned", default=None)
+
+
+def warn(message: str, category: type[Warning] = UserWarning, stacklevel: int = 1) -> None:
+    """``warnings.warn`` for the builder, ``stacklevel`` as there (from the
+    caller's frame): a build that warns is not cached."""
+    noted = _warned.get()
+    if noted is not None:
+        noted.append(message)
+    warnings.warn(message, category, stacklevel=stacklevel + 1)
+
+
+# ------------------------------------------------------------------ options
+def describe_option(v: Any) -> str | None:
+    """A deterministic description of an option's value, or None when it
+    has none (a callable, an object of a class defined outside onnxtrain)."""
+    if v is None or type(v) in (bool, int, float, str):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        items = [describe_option(x) for x in v]
+        return None if None in items else f"{type(v).__name__}({','.join(items)})"
+    if isinstance(v, np.ndarray):
+        data = np.ascontiguousarray(v)
+        return f"ndarray({data.dtype.str},{data.shape},{hashlib.sha256(data.tobytes()).hexdigest()})"
+    if isinstance(v, np.generic):
+        return f"{type(v).__name__}({v!r})"
+    cls = type(v)
+    if dataclasses.is_dataclass(v) and cls.__module__.partition(".")[0] == __name__.partition(".")[0]:
+        fields = [(f.name, describe_option(getattr(v, f.name))) for f in dataclasses.fields(v)]
+        if any(d is None for _, d in fields):
+            return None
+        return f"{cls.__module__}.{cls.__qualname__}(" + ",".join(f"{n}={d}" for n, d in fields) + ")"
+    return None
+
+
+def _modules_digest() -> bytes:
+    root = __name__.partition(".")[0]
+    prefixes = tuple(f"{root}.{layer}" for layer in BUILDER_LAYERS)
+    names = sorted(n for n in list(sys.modules)
+                   if n in prefixes or n.startswith(tuple(p + "." for p in prefixes)))
+    h = hashlib.sha256(b"builder modules\n")
+    for name in names:
+        h.update(module_digest(name))
+    return h.digest()
+
+
+# ------------------------------------------------------------------ the model
+def _large(t: onnx.TensorProto) -> bool:
+    return (t.data_location != onnx.TensorProto.EXTERNAL and t.HasField("raw_data")
+            and (stored_bytes(t) or 0) >= BY_REFERENCE_BYTES)
+
+
+def _sha256_all(blobs: list[bytes]) -> list[str]:
+    def one(b: bytes) -> str:
+        return hashlib.sha256(b).hexdigest()
+
+    if len(blobs) < 2 or sum(map(len, blobs)) < PARALLEL_HASH_BYTES or (os.cpu_count() or 1) < 2:
+        return [one(b) for b in blobs]
+    with ThreadPoolExecutor(2, thread_name_prefix="onnxtrain-hash") as pool:
+        return list(pool.map(one, blobs))
+
+
+def source_digest(source: onnx.ModelProto) -> tuple[bytes, dict[str, bytes]]:
+    """(SHA-256 of the inference model, its large initializers' data by digest)."""
+    skeleton = onnx.ModelProto()
+    copy_fields(source, skeleton, skip=("graph",))
+    copy_fields(source.graph, skeleton.graph, skip=("initializer",))
+    blobs = []
+    for t in source.graph.initializer:
+        if _large(t):
+            blobs.append(t.raw_data)
+            copy_fields(t, skeleton.graph.initializer.add(), skip=("raw_data",))
+        else:
+            skeleton.graph.initializer.append(t)
+    digests = _sha256_all(blobs)
+    h = hashlib.sha256(b"inference model\n")
+    h.update(skeleton.SerializeToString())
+    for d in digests:
+        h.update(f"\n{d}".encode())
+    return h.digest(), dict(zip(digests, blobs))
+
+
+def detached(built: onnx.ModelProto, known: Mapping[int, set[str]]) -> tuple[onnx.ModelProto, list]:
+    """A copy of ``built`` without the data of its tensors (initializers and
+    constants, the initialization graphs' included) whose data is one of
+    ``known`` (digests by length), and where each was: [place, digest], by
+    the order of ``all_tensors``."""
+    out = onnx.ModelProto()
+    out.CopyFrom(built)
+    where = []
+    for i, t in enumerate(all_tensors(out)):
+        size = stored_bytes(t)
+        if _large(t) and size in known and (digest := hashlib.sha256(t.raw_data).hexdigest()) in known[size]:
+            t.ClearField("raw_data")
+            where.append([i, digest])
+    return out, where
+
+
+def attached(payload: bytes, where: list, data: Mapping[str, bytes]) -> onnx.ModelProto | None:
+    """The built model of an entry with its data put back, or None when the
+    entry does not fit (another model's, or damaged)."""
+    out = onnx.ModelProto()
+    try:
+        out.ParseFromString(payload)
+        tensors = list(all_tensors(out)) if where else []
+        for i, digest in where:
+            t, blob = tensors[i], data[digest]
+            if len(blob) != stored_bytes(t) or t.HasField("raw_data"):
+                return None
+            t.raw_data = blob
+    except Exception:  # a payload that does not parse, a place or a digest it lacks
+        return None
+    return out
+
+
+def _self_contained(model: onnx.ModelProto) -> bool:
+    """Whether every tensor of ``model`` is inline, and all of them less than
+    ``load`` spills to files (``storage.SPILL_FROM``)."""
+    inline = 0
+    for t in all_tensors(model):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            return False
+        inline += stored_bytes(t) or 0
+    return inline < storage.SPILL_FROM
+
+
+# ------------------------------------------------------------------ the cache
+class BuiltModels:
+    """The cache's answer for one ``training_model`` call: ``lookup`` (the
+    built model or None), then, on a miss, ``recording`` around the build and
+    ``store`` of its result.
+
+    ``source`` may be a ModelProto that ``load`` has not checked: a key only
+    hashes it (nothing is sized by its dims), and an entry exists only for
+    a model that passed ``load`` and the build before, with this code; the
+    same key is the same model, so a hit checks nothing again."""
+
+    def __init__(self, source: onnx.ModelProto, path: str | None, options: Mapping[str, Any]) -> None:
+        self.key: bytes | None = None
+        self._data: dict[str, bytes] = {}
+        self._known: dict[int, set[str]] = {}
+        self._warned = False
+        if not diskcache.enabled():
+            return
+        described = {k: describe_option(v) for k, v in options.items()}
+        if None in described.values():
+            diskcache.count(f"{KIND}.uncacheable")
+            return  # an option described by nothing: its code is in no key
+        if not _self_contained(source) or not standard_domains(source):
+            diskcache.count(f"{KIND}.uncacheable")
+            return
+        digest, self._data = source_digest(source)
+        self.key = diskcache.make_key(KIND, code_digest(), _modules_digest(), digest,
+                                      repr(path), "\n".join(f"{k}={d}" for k, d in described.items()))
+
+    def lookup(self) -> onnx.ModelProto | None:
+        if self.key is None:
+            return None
+        entry = diskcache.read(KIND, self.key)
+        built = None if entry is None else attached(entry[1], entry[0].get("detached", []), self._data)
+        if built is not None:
+            diskcache.count(f"{KIND}.hit")
+            return built
+        if entry is not None:
+            diskcache.count(f"{KIND}.corrupt")
+            diskcache.remove(diskcache.entry_path(KIND, self.key))
+        diskcache.count(f"{KIND}.miss")
+        for digest, blob in self._data.items():  # the digests are kept, the data let go
+            self._known.setdefault(len(blob), set()).add(digest)
+        self._data = {}
+        return None
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """Around the build: whether the builder warned (``warn``; such a
+        build is not stored, so that its warnings come again at every build)."""
+        token = _warned.set([])
+        try:
+            yield
+        finally:
+            self._warned = bool(_warned.get())
+            _warned.reset(token)
+
+    def store(self, built: onnx.ModelProto) -> None:
+        if self.key is None or self._warned or not _self_contained(built):
+            return
+        out, where = detached(built, self._known)
+        payload = out.SerializeToString()
+        if len(payload) <= diskcache.MAX_ENTRY_BYTES:
+            diskcache.write(KIND, self.key, {"detached": where}, payload)
