@@ -7,9 +7,9 @@ included, skips the builder (about 0.2 s on W5 and W6, more on a
 transformer with LoRA).  The key is made of:
 
 - the inference model as loaded: its bytes, with the data of each
-  main-graph initializer of ``BY_REFERENCE_BYTES`` or more replaced by its
-  SHA-256 (the builder reads values: a mask, a 0-d constant, equal
-  weights);
+  main-graph initializer of ``BY_REFERENCE_BYTES`` or more, or mapped from
+  its file (``io.mapped``), replaced by its SHA-256 (the builder reads
+  values: a mask, a 0-d constant, equal weights);
 - the options, each described by value (``describe_option``): names,
   numbers, lists of them, arrays by their bytes, and onnxtrain's own
   option objects (``build.AdamW(...)``, ``build.LoRA(...)``, losses,
@@ -20,8 +20,10 @@ transformer with LoRA).  The key is made of:
 
 What is not cached: a callable option (a loss function, a ``trainable`` or
 LoRA ``targets`` predicate, an optimizer subclassed outside onnxtrain), whose
-code no key covers; a model with external data (its weights stay in their
-files); an op with a schema registered at run time; and a build during
+code no key covers; a model of ``storage.SPILL_FROM`` or more (the builder
+leaves its weights in their files), or with external data elsewhere than in
+mapped main-graph initializers; an op with a schema registered at run time;
+and a build during
 which the builder warned (``warn``), so that its warnings come again at
 every build.
 
@@ -50,7 +52,7 @@ import onnx
 from ..core import diskcache
 from ..core.fingerprint import code_digest, module_digest, standard_domains
 from ..core.protos import all_tensors
-from ..io import storage
+from ..io import mapped, storage
 from ..io.tensors import copy_fields, stored_bytes
 
 #: Module state that changes at run time: not part of any cache key.
@@ -118,24 +120,34 @@ def _large(t: onnx.TensorProto) -> bool:
             and (stored_bytes(t) or 0) >= BY_REFERENCE_BYTES)
 
 
-def _sha256_all(blobs: list[bytes]) -> list[str]:
-    def one(b: bytes) -> str:
-        return hashlib.sha256(b).hexdigest()
+def _sha256_all(blobs: list) -> list[str]:
+    """The SHA-256 (hex) of each buffer (bytes, or a mapped tensor's array), in order."""
+    def one(b) -> str:
+        return hashlib.sha256(b if isinstance(b, bytes) else memoryview(b).cast("B")).hexdigest()
 
-    if len(blobs) < 2 or sum(map(len, blobs)) < PARALLEL_HASH_BYTES or (os.cpu_count() or 1) < 2:
+    if len(blobs) < 2 or sum(map(_nbytes, blobs)) < PARALLEL_HASH_BYTES or (os.cpu_count() or 1) < 2:
         return [one(b) for b in blobs]
     with ThreadPoolExecutor(2, thread_name_prefix="onnxtrain-hash") as pool:
         return list(pool.map(one, blobs))
 
 
-def source_digest(source: onnx.ModelProto) -> tuple[bytes, dict[str, bytes]]:
-    """(SHA-256 of the inference model, its large initializers' data by digest)."""
+def _nbytes(b) -> int:
+    return len(b) if isinstance(b, bytes) else b.nbytes
+
+
+def source_digest(source: onnx.ModelProto) -> tuple[bytes, dict[str, Any]]:
+    """(SHA-256 of the inference model, the data of its large initializers
+    by digest: bytes, or the array of a mapped one's file range)."""
     skeleton = onnx.ModelProto()
     copy_fields(source, skeleton, skip=("graph",))
     copy_fields(source.graph, skeleton.graph, skip=("initializer",))
     blobs = []
     for t in source.graph.initializer:
-        if _large(t):
+        if mapped.is_mapped(t):
+            mapped.check_trusted(t, f"initializer {t.name!r}")  # as load would: the file is unchanged
+            blobs.append(mapped.array(t))
+            skeleton.graph.initializer.append(t)  # (the placeholder: the data is in the digest)
+        elif _large(t):
             blobs.append(t.raw_data)
             copy_fields(t, skeleton.graph.initializer.add(), skip=("raw_data",))
         else:
@@ -164,7 +176,7 @@ def detached(built: onnx.ModelProto, known: Mapping[int, set[str]]) -> tuple[onn
     return out, where
 
 
-def attached(payload: bytes, where: list, data: Mapping[str, bytes]) -> onnx.ModelProto | None:
+def attached(payload: bytes, where: list, data: Mapping[str, Any]) -> onnx.ModelProto | None:
     """The built model of an entry with its data put back, or None when the
     entry does not fit (another model's, or damaged)."""
     out = onnx.ModelProto()
@@ -173,23 +185,26 @@ def attached(payload: bytes, where: list, data: Mapping[str, bytes]) -> onnx.Mod
         tensors = list(all_tensors(out)) if where else []
         for i, digest in where:
             t, blob = tensors[i], data[digest]
-            if len(blob) != stored_bytes(t) or t.HasField("raw_data"):
+            if _nbytes(blob) != stored_bytes(t) or t.HasField("raw_data"):
                 return None
-            t.raw_data = blob
+            t.raw_data = blob if isinstance(blob, bytes) else np.ascontiguousarray(blob).tobytes()
     except Exception:  # a payload that does not parse, a place or a digest it lacks
         return None
     return out
 
 
-def _self_contained(model: onnx.ModelProto) -> bool:
-    """Whether every tensor of ``model`` is inline, and all of them less than
-    ``load`` spills to files (``storage.SPILL_FROM``)."""
-    inline = 0
+def _self_contained(model: onnx.ModelProto, mapped_weights: bool = False) -> bool:
+    """Whether every tensor of ``model`` is inline (or, with
+    ``mapped_weights``, a mapped main-graph initializer), and all of them
+    less than ``load`` spills to files and the builder leaves mapped
+    (``storage.SPILL_FROM``): so the built model holds its data."""
+    external = total = 0
     for t in all_tensors(model):
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            return False
-        inline += stored_bytes(t) or 0
-    return inline < storage.SPILL_FROM
+        external += t.data_location == onnx.TensorProto.EXTERNAL
+        total += stored_bytes(t) or 0
+    if external and mapped_weights:  # are they all mapped weights?
+        external -= sum(1 for t in model.graph.initializer if mapped.is_mapped(t))
+    return not external and total < storage.SPILL_FROM
 
 
 # ------------------------------------------------------------------ the cache
@@ -205,7 +220,7 @@ class BuiltModels:
 
     def __init__(self, source: onnx.ModelProto, path: str | None, options: Mapping[str, Any]) -> None:
         self.key: bytes | None = None
-        self._data: dict[str, bytes] = {}
+        self._data: dict[str, Any] = {}
         self._known: dict[int, set[str]] = {}
         self._warned = False
         if not diskcache.enabled():
@@ -214,7 +229,7 @@ class BuiltModels:
         if None in described.values():
             diskcache.count(f"{KIND}.uncacheable")
             return  # an option described by nothing: its code is in no key
-        if not _self_contained(source) or not standard_domains(source):
+        if not _self_contained(source, mapped_weights=True) or not standard_domains(source):
             diskcache.count(f"{KIND}.uncacheable")
             return
         digest, self._data = source_digest(source)
@@ -234,7 +249,7 @@ class BuiltModels:
             diskcache.remove(diskcache.entry_path(KIND, self.key))
         diskcache.count(f"{KIND}.miss")
         for digest, blob in self._data.items():  # the digests are kept, the data let go
-            self._known.setdefault(len(blob), set()).add(digest)
+            self._known.setdefault(_nbytes(blob), set()).add(digest)
         self._data = {}
         return None
 

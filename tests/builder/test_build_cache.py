@@ -185,15 +185,34 @@ def test_the_path_is_in_the_key(tmp_path):
     assert diskcache.stats["built.hit"] == 1
 
 
-def test_a_model_with_mapped_weights_is_not_cached(tmp_path):
-    """W1 of 1 MiB stays in its file (io.mapped); b1, of 1 KiB, is read in at load."""
+def test_mapped_weights_are_hashed_from_their_file_and_copied_back(tmp_path, monkeypatch):
+    """W1 of 1 MiB stays in its file (io.mapped) until the build copies it in."""
+    onnx.save(mlp((1024, 256, 3)), tmp_path / "m.onnx", save_as_external_data=True, size_threshold=1024,
+              location="m.data")  # (saving makes the model given external: a fresh one each time)
+    reference = uncached(str(tmp_path / "m.onnx"), monkeypatch)
+    first = built(str(tmp_path / "m.onnx"))
+    assert entries()[0].stat().st_size < 1 << 20
+    hit = built(str(tmp_path / "m.onnx"))
+    assert diskcache.stats["built.hit"] == 1
+    assert hit.SerializeToString() == first.SerializeToString() == reference.SerializeToString()
+    # the same file, the same ranges, other data: another key, and the new data
+    w1 = numpy_helper.to_array(mlp((1024, 256, 3)).graph.initializer[0]) * 2
+    (tmp_path / "m.data").unlink()  # (onnx.save appends to a data file that exists)
+    onnx.save(with_w1(mlp((1024, 256, 3)), w1), tmp_path / "m.onnx", save_as_external_data=True, size_threshold=1024,
+              location="m.data")
+    out = built(str(tmp_path / "m.onnx"))
+    assert diskcache.stats["built.hit"] == 1 and not diskcache.stats["built.corrupt"]
+    got = {t.name: numpy_helper.to_array(t) for t in out.graph.initializer}["W1"]
+    np.testing.assert_array_equal(got, w1)
+
+
+def test_models_the_builder_leaves_mapped_are_not_cached(tmp_path, monkeypatch):
+    from onnxtrain.io import storage
+
+    monkeypatch.setattr(storage, "SPILL_FROM", 1 << 20)  # W1 alone is that much
     onnx.save(mlp((1024, 256, 3)), tmp_path / "m.onnx", save_as_external_data=True, size_threshold=1024)
     built(str(tmp_path / "m.onnx"))
     assert not entries() and diskcache.stats["built.uncacheable"] == 1
-    onnx.save(mlp((32, 256, 3)), tmp_path / "s.onnx", save_as_external_data=True, size_threshold=1024)
-    small = built(str(tmp_path / "s.onnx"))
-    assert built(str(tmp_path / "s.onnx")).SerializeToString() == small.SerializeToString()
-    assert len(entries()) == 1 and diskcache.stats["built.hit"] == 1
 
 
 def test_a_build_that_warned_is_not_stored_and_warns_again(monkeypatch):
