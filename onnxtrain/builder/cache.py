@@ -160,20 +160,23 @@ def source_digest(source: onnx.ModelProto) -> tuple[bytes, dict[str, Any]]:
     return h.digest(), dict(zip(digests, blobs))
 
 
-def detached(built: onnx.ModelProto, known: Mapping[int, set[str]]) -> tuple[onnx.ModelProto, list]:
-    """A copy of ``built`` without the data of its tensors (initializers and
+def detached(built: onnx.ModelProto, known: Mapping[str, int]) -> tuple[bytes, list]:
+    """``built`` serialized without the data of its tensors (initializers and
     constants, the initialization graphs' included) whose data is one of
-    ``known`` (digests by length), and where each was: [place, digest], by
-    the order of ``all_tensors``."""
+    ``known`` (the inference model's: digest -> size), and where each was:
+    [place, digest], by the order of ``all_tensors``.  ``built`` is not
+    changed."""
+    sizes = set(known.values())
     out = onnx.ModelProto()
     out.CopyFrom(built)
+    tensors = list(all_tensors(out))
+    places = [i for i, t in enumerate(tensors) if _large(t) and stored_bytes(t) in sizes]
     where = []
-    for i, t in enumerate(all_tensors(out)):
-        size = stored_bytes(t)
-        if _large(t) and size in known and (digest := hashlib.sha256(t.raw_data).hexdigest()) in known[size]:
-            t.ClearField("raw_data")
+    for i, digest in zip(places, _sha256_all([tensors[i].raw_data for i in places])):
+        if digest in known:
+            tensors[i].ClearField("raw_data")
             where.append([i, digest])
-    return out, where
+    return out.SerializeToString(), where
 
 
 def attached(payload: bytes, where: list, data: Mapping[str, Any]) -> onnx.ModelProto | None:
@@ -221,7 +224,7 @@ class BuiltModels:
     def __init__(self, source: onnx.ModelProto, path: str | None, options: Mapping[str, Any]) -> None:
         self.key: bytes | None = None
         self._data: dict[str, Any] = {}
-        self._known: dict[int, set[str]] = {}
+        self._known: dict[str, int] = {}
         self._warned = False
         if not diskcache.enabled():
             return
@@ -248,9 +251,8 @@ class BuiltModels:
             diskcache.count(f"{KIND}.corrupt")
             diskcache.remove(diskcache.entry_path(KIND, self.key))
         diskcache.count(f"{KIND}.miss")
-        for digest, blob in self._data.items():  # the digests are kept, the data let go
-            self._known.setdefault(_nbytes(blob), set()).add(digest)
-        self._data = {}
+        self._known = {digest: _nbytes(blob) for digest, blob in self._data.items()}
+        self._data = {}  # the digests are kept, the data let go
         return None
 
     @contextmanager
@@ -267,7 +269,6 @@ class BuiltModels:
     def store(self, built: onnx.ModelProto) -> None:
         if self.key is None or self._warned or not _self_contained(built):
             return
-        out, where = detached(built, self._known)
-        payload = out.SerializeToString()
+        payload, where = detached(built, self._known)
         if len(payload) <= diskcache.MAX_ENTRY_BYTES:
             diskcache.write(KIND, self.key, {"detached": where}, payload)
