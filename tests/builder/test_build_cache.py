@@ -2,9 +2,10 @@
 
 A hit must be the model a build gives, bit for bit, with the data of the
 model given now; anything the build reads (the weights' values, every
-option, the path, the builder's tables) changes the key; what no key can
-cover (a callable option, external data) and a build that warned are not
-stored; a damaged entry is rebuilt."""
+option, the path, the builder's tables, a mapped weight's file) changes
+the key; what no key can cover (a callable option, an optimizer defined
+elsewhere), a model the builder leaves mapped, one ``load`` refuses and a
+build that warned are not stored; a damaged entry is rebuilt."""
 
 from __future__ import annotations
 
