@@ -37,11 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
-import sys
 import warnings
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -50,7 +47,7 @@ import numpy as np
 import onnx
 
 from ..core import diskcache
-from ..core.fingerprint import code_digest, module_digest, standard_domains
+from ..core.fingerprint import code_digest, layers_digest, sha256_all, standard_domains
 from ..core.protos import all_tensors
 from ..io import mapped, storage
 from ..io.tensors import copy_fields, stored_bytes
@@ -61,7 +58,7 @@ __fingerprint__ = False
 KIND = "built"
 #: Initializers of at least this many bytes count by the SHA-256 of their data.
 BY_REFERENCE_BYTES = 1 << 16
-#: Data hashed on two threads from this many bytes on (hashlib lets the GIL go).
+#: Data hashed on several threads from this many bytes on (``sha256_all``).
 PARALLEL_HASH_BYTES = 8 << 20
 #: The layers whose module-level constants and tables the builder reads.
 BUILDER_LAYERS = ("core", "io", "optim", "builder")
@@ -103,32 +100,10 @@ def describe_option(v: Any) -> str | None:
     return None
 
 
-def _modules_digest() -> bytes:
-    root = __name__.partition(".")[0]
-    prefixes = tuple(f"{root}.{layer}" for layer in BUILDER_LAYERS)
-    names = sorted(n for n in list(sys.modules)
-                   if n in prefixes or n.startswith(tuple(p + "." for p in prefixes)))
-    h = hashlib.sha256(b"builder modules\n")
-    for name in names:
-        h.update(module_digest(name))
-    return h.digest()
-
-
 # ------------------------------------------------------------------ the model
 def _large(t: onnx.TensorProto) -> bool:
     return (t.data_location != onnx.TensorProto.EXTERNAL and t.HasField("raw_data")
             and (stored_bytes(t) or 0) >= BY_REFERENCE_BYTES)
-
-
-def _sha256_all(blobs: list) -> list[str]:
-    """The SHA-256 (hex) of each buffer (bytes, or a mapped tensor's array), in order."""
-    def one(b) -> str:
-        return hashlib.sha256(b if isinstance(b, bytes) else memoryview(b).cast("B")).hexdigest()
-
-    if len(blobs) < 2 or sum(map(_nbytes, blobs)) < PARALLEL_HASH_BYTES or (os.cpu_count() or 1) < 2:
-        return [one(b) for b in blobs]
-    with ThreadPoolExecutor(2, thread_name_prefix="onnxtrain-hash") as pool:
-        return list(pool.map(one, blobs))
 
 
 def _nbytes(b) -> int:
@@ -152,7 +127,7 @@ def source_digest(source: onnx.ModelProto) -> tuple[bytes, dict[str, Any]]:
             copy_fields(t, skeleton.graph.initializer.add(), skip=("raw_data",))
         else:
             skeleton.graph.initializer.append(t)
-    digests = _sha256_all(blobs)
+    digests = sha256_all(blobs, PARALLEL_HASH_BYTES)
     h = hashlib.sha256(b"inference model\n")
     h.update(skeleton.SerializeToString())
     for d in digests:
@@ -172,7 +147,7 @@ def detached(built: onnx.ModelProto, known: Mapping[str, int]) -> tuple[bytes, l
     tensors = list(all_tensors(out))
     places = [i for i, t in enumerate(tensors) if _large(t) and stored_bytes(t) in sizes]
     where = []
-    for i, digest in zip(places, _sha256_all([tensors[i].raw_data for i in places])):
+    for i, digest in zip(places, sha256_all([tensors[i].raw_data for i in places], PARALLEL_HASH_BYTES)):
         if digest in known:
             tensors[i].ClearField("raw_data")
             where.append([i, digest])
@@ -236,7 +211,7 @@ class BuiltModels:
             diskcache.count(f"{KIND}.uncacheable")
             return
         digest, self._data = source_digest(source)
-        self.key = diskcache.make_key(KIND, code_digest(), _modules_digest(), digest,
+        self.key = diskcache.make_key(KIND, code_digest(), layers_digest(BUILDER_LAYERS), digest,
                                       repr(path), "\n".join(f"{k}={d}" for k, d in described.items()))
 
     def lookup(self) -> onnx.ModelProto | None:

@@ -4,7 +4,9 @@
 - ``code_digest``: every onnxtrain source file (and the kernel source) and the
   versions of the libraries it runs on, by a stat each, not a read;
 - ``module_digest``: a module's constants and tables as they are now (a test
-  or a user may have replaced one since it was imported);
+  or a user may have replaced one since it was imported); ``layers_digest``:
+  those of every loaded module of some of onnxtrain's layers;
+- ``sha256_all``: the digests of data a key counts by reference (weights);
 - ``standard_domains``: whether every op of a model means what onnx's build
   (and onnxtrain's rules, in the runtime digest) says: an op of another
   domain with a schema registered at run time is in no key.
@@ -16,6 +18,8 @@ import hashlib
 import os
 import sys
 import types
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -95,6 +99,31 @@ def module_digest(name: str) -> bytes:
         if type(v) in _DESCRIBED and k[:2] != "__":
             parts.append(f"{k}={describe(v, 2)}")
     return "\n".join(sorted(parts)).encode()
+
+
+def layers_digest(layers: Sequence[str]) -> bytes:
+    """``module_digest`` of every loaded module of onnxtrain's ``layers``
+    (package names under onnxtrain, e.g. "builder"), in name order."""
+    root = __name__.partition(".")[0]
+    prefixes = tuple(f"{root}.{layer}" for layer in layers)
+    names = sorted(n for n in list(sys.modules)
+                   if n in prefixes or n.startswith(tuple(p + "." for p in prefixes)))
+    h = hashlib.sha256(b"layers\n")
+    for name in names:
+        h.update(module_digest(name))
+    return h.digest()
+
+
+def sha256_all(buffers: Sequence[Any], parallel_from: int) -> list[str]:
+    """The SHA-256 (hex) of each buffer (bytes, a contiguous array), in order;
+    on up to four threads when they hold ``parallel_from`` bytes or more
+    together (hashlib lets go of the interpreter while it hashes)."""
+    views = [v.cast("B") if v.nbytes else memoryview(b"") for v in map(memoryview, buffers)]
+    workers = min(4, os.cpu_count() or 1, len(views))
+    if workers < 2 or sum(v.nbytes for v in views) < parallel_from:
+        return [hashlib.sha256(v).hexdigest() for v in views]
+    with ThreadPoolExecutor(workers, thread_name_prefix="onnxtrain-hash") as pool:
+        return list(pool.map(lambda v: hashlib.sha256(v).hexdigest(), views))
 
 
 _SCALARS = (int, float, str, bytes, bool, type(None))

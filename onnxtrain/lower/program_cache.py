@@ -29,18 +29,15 @@ in the key and in an entry, and a hit points them at this process's file
 from __future__ import annotations
 
 import hashlib
-import os
-import sys
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import onnx
 
 from ..autodiff import REGISTRY
 from ..core import diskcache
-from ..core.fingerprint import code_digest, describe, module_digest, standard_domains
+from ..core.fingerprint import code_digest, describe, layers_digest, sha256_all, standard_domains
 from ..core.protos import all_tensors
 from ..io import mapped
 from ..io.tensors import copy_fields, stored_bytes
@@ -66,12 +63,7 @@ def runtime_digest() -> bytes:
     user rules by their code), and the module-level constants and tables of
     the lowering layers' modules."""
     h = hashlib.sha256(b"runtime\n")
-    root = __name__.partition(".")[0]
-    prefixes = tuple(f"{root}.{layer}" for layer in LOWERING_LAYERS)
-    names = sorted(n for n in list(sys.modules)
-                   if n in prefixes or n.startswith(tuple(p + "." for p in prefixes)))
-    for name in names:
-        h.update(module_digest(name))
+    h.update(layers_digest(LOWERING_LAYERS))
     for rule in REGISTRY.rules():
         h.update(f"\nrule {rule.domain} {rule.op_type} {rule.kind} {rule.reason!r} "
                  f"{sorted(rule.nondiff)} {describe(rule.fn, 0)}".encode())
@@ -223,14 +215,7 @@ PARALLEL_HASH_BYTES = 16 * 2**20
 
 def _digests(tensors: list[onnx.TensorProto]) -> list[str]:
     """The SHA-256 (hex) of each mapped tensor's data, in order."""
-    def digest(t: onnx.TensorProto) -> str:
-        return hashlib.sha256(memoryview(mapped.array(t)).cast("B")).hexdigest()
-
-    workers = min(4, os.cpu_count() or 1, len(tensors))
-    if workers < 2 or sum(mapped.source(t)[2] for t in tensors) < PARALLEL_HASH_BYTES:
-        return [digest(t) for t in tensors]
-    with ThreadPoolExecutor(workers, thread_name_prefix="onnxtrain-hash") as pool:
-        return list(pool.map(digest, tensors))
+    return sha256_all([mapped.array(t) for t in tensors], PARALLEL_HASH_BYTES)
 
 
 def _graph_skeleton(g: onnx.GraphProto, state: Any, big: dict, out: onnx.GraphProto) -> None:
