@@ -37,6 +37,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from ..core.fingerprint import sha256_all
 from ..core.protos import all_tensors
 from ..errors import TrainingModelError
 
@@ -47,6 +48,11 @@ __fingerprint__ = False
 MAP_FROM = 2**20
 #: Location prefix of deferred placeholders.
 DEFERRED = "onnxtrain:deferred/"
+#: Location prefix of a held placeholder named by its data's SHA-256 instead
+#: of this process's file (``owned_digests``): what a cache key or entry holds.
+HELD = "onnxtrain:held/"
+#: Owned data (bytes together) from which ``owned_digests`` hashes on several threads.
+PARALLEL_HASH_BYTES = 16 * 2**20
 #: Bytes per chunk when a value is streamed or computed piecewise.
 CHUNK_BYTES = 64 * 2**20
 
@@ -76,6 +82,10 @@ _held: dict[str, int] = {}
 #: Files onnxtrain wrote for its sessions (``storage.hold``): removed when the
 #: last session holding them lets go.
 _owned: set[str] = set()
+#: (path, offset, length) of a range of an owned file -> the SHA-256 (hex) of
+#: its data.  An owned file never changes once written (``private`` maps it
+#: copy-on-write), so each range is hashed once while the file lives.
+_owned_digests: dict[tuple[str, int, int], str] = {}
 
 
 def own(path: str) -> None:
@@ -107,6 +117,8 @@ def hold(model: onnx.ModelProto) -> Callable[[], None]:
                     _owned.discard(p)
                     _trusted.pop(p, None)
                     gone.append(p)
+            for key in [k for k in _owned_digests if k[0] in gone]:
+                del _owned_digests[key]
         for p in gone:
             try:
                 os.unlink(p)
@@ -160,6 +172,26 @@ def is_owned(t: onnx.TensorProto) -> bool:
         return False
     with _lock:
         return location(t) in _owned
+
+
+def owned_digests(tensors: Iterable[onnx.TensorProto]) -> list[str]:
+    """The SHA-256 (hex) of each tensor's data, in order: placeholders of
+    onnxtrain's own files (``is_owned``; ValueError for any other), each range
+    hashed once while its file lives (on several threads from
+    ``PARALLEL_HASH_BYTES``)."""
+    tensors = list(tensors)
+    if not all(is_owned(t) for t in tensors):
+        raise ValueError("owned_digests: a tensor is not a placeholder of onnxtrain's own file")
+    sources = [source(t) for t in tensors]
+    with _lock:
+        known = {s: _owned_digests.get(s) for s in sources}
+    todo = {s: t for s, t in zip(sources, tensors) if known[s] is None}
+    if todo:
+        fresh = dict(zip(todo, sha256_all([array(t) for t in todo.values()], PARALLEL_HASH_BYTES)))
+        known.update(fresh)
+        with _lock:  # (not for a file let go meanwhile)
+            _owned_digests.update((s, d) for s, d in fresh.items() if s[0] in _owned)
+    return [known[s] for s in sources]
 
 
 def is_deferred(t: onnx.TensorProto) -> bool:

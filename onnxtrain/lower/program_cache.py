@@ -37,7 +37,7 @@ import onnx
 
 from ..autodiff import REGISTRY
 from ..core import diskcache
-from ..core.fingerprint import code_digest, describe, layers_digest, sha256_all, standard_domains
+from ..core.fingerprint import code_digest, describe, layers_digest, standard_domains
 from ..core.protos import all_tensors
 from ..io import mapped
 from ..io.tensors import copy_fields, stored_bytes
@@ -54,7 +54,7 @@ _lock = threading.Lock()
 #: Non-state initializers of at least this many bytes of raw_data are kept by reference.
 BY_REFERENCE_BYTES = 1 << 16
 #: The location a held placeholder names in a key or an entry: then its data's SHA-256.
-HELD = "onnxtrain:held/"
+HELD = mapped.HELD
 
 
 def runtime_digest() -> bytes:
@@ -122,19 +122,16 @@ class References:
 
     def __init__(self) -> None:
         self.constants: dict[str, onnx.TensorProto] = {}
-        self._digests: dict[tuple[str, int, int], str] = {}  # source -> digest
         self._sources: dict[str, tuple[str, int, int]] = {}  # digest -> source
 
     def neutralize(self, model: onnx.ModelProto) -> None:
         """Point every held placeholder of ``model`` at its digest instead of
         its file (in place)."""
-        held = [(t, mapped.source(t)) for t in all_tensors(model) if mapped.is_owned(t)]
-        todo = {source: t for t, source in held if source not in self._digests}
-        for source, digest in zip(todo, _digests(list(todo.values()))):
-            self._digests[source] = digest
+        held = [t for t in all_tensors(model) if mapped.is_owned(t)]
+        for t, digest in zip(held, mapped.owned_digests(held)):
+            source = mapped.source(t)
             self._sources.setdefault(digest, source)
-        for t, source in held:
-            mapped.point(t, HELD + self._digests[source], 0, source[2])
+            mapped.point(t, HELD + digest, 0, source[2])
 
     def restore(self, model: onnx.ModelProto) -> onnx.ModelProto:
         """``model`` (parsed from an entry) with each placeholder ``neutralize``
@@ -206,16 +203,6 @@ def _frozen_raw_bytes(proto: onnx.ModelProto, state: Any) -> int:
                 size = stored_bytes(t) or 0
                 total += 0 if size >= BY_REFERENCE_BYTES else size
     return total
-
-
-#: Held bytes from which ``_digests`` hashes on several threads (hashlib lets
-#: go of the interpreter while it hashes).
-PARALLEL_HASH_BYTES = 16 * 2**20
-
-
-def _digests(tensors: list[onnx.TensorProto]) -> list[str]:
-    """The SHA-256 (hex) of each mapped tensor's data, in order."""
-    return sha256_all([mapped.array(t) for t in tensors], PARALLEL_HASH_BYTES)
 
 
 def _graph_skeleton(g: onnx.GraphProto, state: Any, big: dict, out: onnx.GraphProto) -> None:

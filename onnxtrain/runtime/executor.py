@@ -305,26 +305,38 @@ class Executor:
         providers = list(providers) if providers else ["CPUExecutionProvider"]
         #: OrtValues over mapped weights, handed to onnxruntime without a copy (kept alive here).
         self.shared: dict[str, ort.OrtValue] = {}
+        weights = None  # the shared weights, as the cache of optimized forms names them
+        cacheable = True
         if tensors.has_mapped(model):
-            model = self._share_mapped(model, so, label, own=session_options is None)
+            model, weights = self._share_mapped(model, so, label, own=session_options is None)
+            cacheable = weights is not None
         data = model.SerializeToString()
         try:
             if custom_ops_library:
                 _register_library(so, custom_ops_library)
-            # onnxruntime's own optimized form of this model, where the cache has
-            # it (not for shared weights: their data is not in the model)
+            # onnxruntime's own optimized form of this model, where the cache has it
             disabled = None if fold_constants else ["ConstantFolding"]
-            optimized = None if self.shared or disabled else ortcache.ort_model(data, so, providers,
-                                                                 custom_ops_library, label)
+            own = session_options is None
+            found = ortcache.ort_model(data, so, providers, custom_ops_library, label, weights,
+                                       own) if cacheable and not disabled else None
             self._sess = None
-            if optimized is not None:
+            if found is not None and found[0] is not None:
+                level = so.graph_optimization_level
+                if own:  # our options: its rewrites are done
+                    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
                 try:
-                    self._sess = ort.InferenceSession(optimized[0], sess_options=so, providers=providers)
+                    self._sess = ort.InferenceSession(found[0], sess_options=so, providers=providers)
                 except Exception:  # not trusted: drop it and load the model itself
-                    optimized[1]()
+                    found[1]()
+                finally:
+                    so.graph_optimization_level = level
             if self._sess is None:
-                self._sess = ort.InferenceSession(data, sess_options=so, providers=providers,
-                                                  disabled_optimizers=disabled)
+                try:
+                    self._sess = ort.InferenceSession(data, sess_options=so, providers=providers,
+                                                      disabled_optimizers=disabled)
+                finally:
+                    if found is not None and found[0] is None:
+                        found[1]()  # it saved its optimized form: stored later
         except Exception as exc:  # onnxruntime raises its own exception types
             raise TrainingModelError(f"{label}: onnxruntime cannot load it: {exc}") from exc
         self.device = device_of(self._sess.get_providers())
@@ -340,9 +352,10 @@ class Executor:
         self._local = threading.local()
 
     def _share_mapped(self, model: onnx.ModelProto, so: ort.SessionOptions, label: str,
-                      own: bool) -> onnx.ModelProto:
+                      own: bool) -> tuple[onnx.ModelProto, ortcache.SharedWeights | None]:
         """Hand the model's mapped weights (``onnxtrain.io.mapped``) to onnxruntime
-        without copying them, and return the model to compile.
+        without copying them, and return the model to compile with the
+        weights as the cache of optimized forms names them (``SharedWeights``).
 
         Each main-graph initializer that is mapped becomes a shared initializer
         (``SessionOptions.add_initializer``) over the process-wide memory map
@@ -386,11 +399,12 @@ class Executor:
                 )
             self.shared[t.name] = value
             total += mapped.source(t)[2]
+        weights = ortcache.SharedWeights.of(out, list(self.shared))
         mapped.rooted(out, copy=False)
         _set_default(so, "session.model_external_initializers_file_folder_path", "/")
         if total >= PREPACK_LIMIT or _packed_twice(out.graph, self.shared):
             _set_default(so, "session.disable_prepacking", "1")
-        return out
+        return out, weights
 
     @property
     def prepacking(self) -> bool:

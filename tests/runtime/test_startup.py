@@ -348,8 +348,9 @@ def test_an_optimized_model_onnxruntime_refuses_is_dropped(private_cache):
         # A well-formed entry (its checksum holds) whose payload is no model.
         raw = p.read_bytes()
         key = raw[len(cache.MAGIC):len(cache.MAGIC) + 32]
+        header, _ = cache.read("ort", key)
         p.unlink()
-        cache.write_now("ort", key, {"level": 2}, b"not a model")
+        cache.write_now("ort", key, header, b"not a model")
     cache.stats.clear()
     assert run(model) == good
     assert cache.stats.get("ort.hit", 0) >= 1
@@ -454,7 +455,7 @@ def holding(request, monkeypatch):
     from onnxtrain.io import storage
 
     monkeypatch.setattr(storage, "HOLD_FROM", 2**30 if request.param == "inline" else 64 << 10)
-    monkeypatch.setattr(program_cache, "PARALLEL_HASH_BYTES", 0)  # the held data hashed on threads
+    monkeypatch.setattr(mapped, "PARALLEL_HASH_BYTES", 0)  # the held data hashed on threads
     return request.param
 
 
@@ -491,6 +492,89 @@ def test_the_data_of_constants_by_reference_is_in_the_key(private_cache, holding
     cache.stats.clear()
     again = run(frozen_model(seed=1), steps=1)
     assert cache.stats.get("program.hit") == 2 and again == b
+
+
+# ------------------------------------------------------------------ optimized forms of shared weights
+@pytest.fixture
+def held_weights(monkeypatch):
+    """The frozen weights of ``frozen_model`` held (mapped, and given to
+    onnxruntime as shared initializers)."""
+    from onnxtrain.io import storage
+
+    monkeypatch.setattr(storage, "HOLD_FROM", 64 << 10)
+
+
+def test_programs_with_shared_weights_load_their_optimized_form(private_cache, held_weights, monkeypatch):
+    model = frozen_model()
+    weights = [t.raw_data for t in model.graph.initializer if t.name in ("W1", "W2")]
+    monkeypatch.setenv(cache.ENV, "0")
+    uncached = run(model)
+    monkeypatch.setenv(cache.ENV, "1")
+    cold = run(model)
+    made = entries(private_cache, "ort")
+    assert cache.stats.get("ort.made", 0) >= 1 and made
+    assert not list(private_cache.glob(".ort-*"))  # the session's saved form and data: removed
+    for f in made:  # the weights are named, neither their data nor this process's files
+        data = f.read_bytes()
+        assert not any(w[:4096] in data for w in weights)
+        assert f"onnxtrain-{os.getpid()}-".encode() not in data and mapped.HELD.encode() in data
+    cache.stats.clear()
+    warm = run(frozen_model())  # other held files, the same weights
+    assert cache.stats.get("ort.hit", 0) >= 1 and not cache.stats.get("ort.bad")
+    assert uncached == cold == warm
+
+
+def derived_model(seed):
+    """``frozen_model`` with its second weight stored transposed and doubled,
+    read through Transpose and Mul nodes: a value of the frozen weights alone,
+    which onnxruntime folds into a constant when the weight is one."""
+    model = mlp(sizes=(4, 8192, 3), seed=seed)
+    g = model.graph
+    w2 = next(t for t in g.initializer if t.name == "W2")
+    g.initializer.remove(w2)
+    g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(w2).T) * 2, "W2t"))
+    g.initializer.append(numpy_helper.from_array(np.array(0.5, np.float32), "half"))
+    g.node.insert(0, helper.make_node("Transpose", ["W2t"], ["W2x2"], name="w2_t", perm=[1, 0]))
+    g.node.insert(1, helper.make_node("Mul", ["W2x2", "half"], ["W2"], name="w2_half"))
+    return build.training_model(model, loss="cross_entropy", target="label",
+                                optimizer=build.AdamW(lr=0.05), trainable=["b1", "b2"])
+
+
+def test_the_weights_data_is_in_the_optimized_forms_key(private_cache, held_weights, monkeypatch):
+    """onnxruntime folds a value of the frozen weights alone into the
+    optimized form: other weights of the same shapes do not load it, and each
+    model gets its own results, cold, warm and uncached alike."""
+    monkeypatch.setenv(cache.ENV, "0")
+    uncached = [run(derived_model(seed=seed)) for seed in (0, 1)]
+    monkeypatch.setenv(cache.ENV, "1")
+    assert run(derived_model(seed=0)) == uncached[0]
+    cache.flush()
+    cache.stats.clear()
+    assert run(derived_model(seed=1)) == uncached[1]
+    assert not cache.stats.get("ort.hit") and cache.stats.get("ort.miss", 0) >= 1
+    cache.flush()
+    cache.stats.clear()
+    assert [run(derived_model(seed=seed)) for seed in (0, 1)] == uncached
+    assert cache.stats.get("ort.hit", 0) >= 2
+
+
+def test_an_entry_naming_other_weights_is_dropped(private_cache, held_weights):
+    model = frozen_model()
+    good = run(model)
+    made = entries(private_cache, "ort")
+    assert made
+    for p in made:  # a well-formed entry whose weight W2 has other dims
+        raw = p.read_bytes()
+        key = raw[len(cache.MAGIC):len(cache.MAGIC) + 32]
+        header, payload = cache.read("ort", key)
+        optimized = onnx.ModelProto.FromString(payload)
+        w2 = next(t for t in optimized.graph.initializer if t.name == "W2")
+        w2.dims[0] += 1
+        p.unlink()
+        cache.write_now("ort", key, header, optimized.SerializeToString())
+    cache.stats.clear()
+    assert run(model) == good
+    assert not cache.stats.get("ort.hit") and cache.stats.get("ort.miss", 0) >= 1
 
 
 # ------------------------------------------------------------------ limits and processes
