@@ -195,10 +195,9 @@ class SharedWeights:
         folder = os.path.dirname(path)
 
         def data(t: onnx.TensorProto) -> np.ndarray | None:
-            info = {e.key: e.value for e in t.external_data}
-            if os.path.join(folder, info.get("location", "")) != data_path:
+            location, offset, length = mapped.source(t)
+            if os.path.join(folder, location) != data_path:
                 return None
-            offset, length = int(info.get("offset") or 0), int(info["length"])
             return np.memmap(data_path, np.uint8, "r", offset, (length,)) if length else np.zeros(0, np.uint8)
 
         for t in model.graph.initializer:
