@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import onnx
 
-from .walk import subgraphs, walk_graphs
+from .walk import subgraphs, walk_graphs, walk_roots  # noqa: F401  (walk_graphs: handed on)
 
 
 def all_graphs(model: onnx.ModelProto) -> list[tuple[str, onnx.GraphProto]]:
@@ -37,8 +37,27 @@ def all_tensors(model: onnx.ModelProto) -> Iterable[onnx.TensorProto]:
     The same tensors in the same order as ``labelled_tensors``, without
     making a label for each: every walk of a model at load goes through
     here (the checks, the size sums, the external-data scans)."""
-    for g in walk_graphs(model):
-        yield from _graph_tensors(g)
+    for tensors, _ in model_graph_contents(model):
+        yield from tensors
+
+
+def model_graph_contents(
+    model: onnx.ModelProto,
+) -> list[tuple[list[onnx.TensorProto], list[onnx.SparseTensorProto]]]:
+    """``graph_contents`` of every graph, in ``walk_graphs``' order, with one
+    look at each node's attributes: the scan that collects a graph's tensors
+    finds its subgraphs too (a model's nodes are most of what a walk reads)."""
+    roots = walk_roots(model)
+    order = list(roots)
+    found: dict[int, tuple[list[onnx.TensorProto], list[onnx.SparseTensorProto]]] = {}
+    stack = list(roots)
+    while stack:
+        g = stack.pop()
+        tensors, sparse, subs = _scan(g)
+        found[id(g)] = (tensors, sparse)
+        order.extend(subs)
+        stack.extend(subs)
+    return [found[id(g)] for g in order]
 
 
 _A = onnx.AttributeProto
@@ -59,8 +78,18 @@ def graph_contents(
 ) -> tuple[list[onnx.TensorProto], list[onnx.SparseTensorProto]]:
     """The tensors (as ``_graph_tensors``) and the sparse tensors (sparse
     initializers, then sparse attributes) of one graph, in one pass."""
+    tensors, sparse, _ = _scan(g)
+    return tensors, sparse
+
+
+def _scan(
+    g: onnx.GraphProto,
+) -> tuple[list[onnx.TensorProto], list[onnx.SparseTensorProto], list[onnx.GraphProto]]:
+    """``graph_contents`` of one graph and its subgraphs (``subgraphs`` of
+    each node, in node order), from one pass over its nodes' attributes."""
     out = list(g.initializer)
     sparse = list(g.sparse_initializer)
+    subs: list[onnx.GraphProto] = []
     for st in sparse:
         out.append(st.values)
         out.append(st.indices)
@@ -73,17 +102,21 @@ def graph_contents(
                 out.append(a.t)
             elif t == _TENSORS:
                 out.extend(a.tensors)
+            elif t == _GRAPH:
+                subs.append(a.g)
+            elif t == _GRAPHS:
+                subs.extend(a.graphs)
             elif t == _SPARSE_TENSOR:
                 st = a.sparse_tensor
                 out.append(st.values)
                 out.append(st.indices)
                 sparse.append(st)
-            elif t == _SPARSE_TENSORS:
+            else:  # _SPARSE_TENSORS
                 for st in a.sparse_tensors:
                     out.append(st.values)
                     out.append(st.indices)
                     sparse.append(st)
-    return out, sparse
+    return out, sparse, subs
 
 
 def labelled_tensors(model: onnx.ModelProto) -> Iterable[tuple[str, onnx.TensorProto]]:

@@ -37,12 +37,18 @@ def graphs_within(roots: Iterable[onnx.GraphProto]) -> list[onnx.GraphProto]:
     return out
 
 
-def walk_graphs(model: onnx.ModelProto) -> list[onnx.GraphProto]:
-    """The main graph, the training graphs and every subgraph of them."""
+def walk_roots(model: onnx.ModelProto) -> list[onnx.GraphProto]:
+    """The graphs a walk starts from: the main graph, then each training
+    info's initialization and algorithm graphs (those it has)."""
     roots = [model.graph]
     for ti in model.training_info:
         if ti.HasField("initialization"):
             roots.append(ti.initialization)
         if ti.HasField("algorithm"):
             roots.append(ti.algorithm)
-    return graphs_within(roots)
+    return roots
+
+
+def walk_graphs(model: onnx.ModelProto) -> list[onnx.GraphProto]:
+    """The main graph, the training graphs and every subgraph of them."""
+    return graphs_within(walk_roots(model))

@@ -23,7 +23,7 @@ from google.protobuf.message import EncodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 from onnx import numpy_helper
 
-from ..core.protos import all_tensors, graph_contents, labelled_sparse_tensors, labelled_tensors, walk_graphs
+from ..core.protos import all_tensors, labelled_sparse_tensors, labelled_tensors, model_graph_contents
 from ..errors import TrainingModelError
 from . import mapped
 
@@ -298,7 +298,7 @@ def model_contents(
     """Per graph (``all_graphs``' order), its tensors and sparse tensors
     (``graph_contents``): one walk, for callers that look at the tensors
     more than once (``loading.load``).  Valid while ``model`` is not changed."""
-    return [graph_contents(g) for g in walk_graphs(model)]
+    return model_graph_contents(model)
 
 
 def check_tensors(model: onnx.ModelProto, skip: Iterable[onnx.TensorProto] = (),

@@ -68,6 +68,47 @@ def _rich_model() -> onnx.ModelProto:
     return m
 
 
+def _nested_model() -> onnx.ModelProto:
+    """If branches two levels deep, two If nodes in the main graph and one in
+    the algorithm: a walk's order of graphs (roots first, then subgraphs as
+    a stack finds them) differs from the order the scans meet them."""
+    def branch(name: str, depth: int) -> onnx.GraphProto:
+        nodes = [helper.make_node("Constant", [], [f"{name}_c"],
+                                  value=numpy_helper.from_array(np.full(2, depth, np.float32), f"{name}_k"))]
+        if depth:
+            nodes.append(helper.make_node("If", ["cond"], [f"{name}_y"], then_branch=branch(f"{name}t", depth - 1),
+                                          else_branch=branch(f"{name}e", depth - 1)))
+        return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(f"{name}_c", TensorProto.FLOAT, [2])],
+                                 [numpy_helper.from_array(np.zeros(1, np.float32), f"{name}_i")])
+
+    nodes = [helper.make_node("If", ["cond"], [f"y{i}"], then_branch=branch(f"a{i}", 2), else_branch=branch(f"b{i}", 1))
+             for i in range(2)]
+    g = helper.make_graph(nodes, "main", [helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+                          [helper.make_tensor_value_info("y0", TensorProto.FLOAT, [2])],
+                          [numpy_helper.from_array(np.ones(2, np.float32), "W")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.training_info.add().algorithm.CopyFrom(helper.make_graph(
+        [helper.make_node("If", ["cond"], ["z"], then_branch=branch("c", 1), else_branch=branch("d", 0))],
+        "algo", [], []))
+    return m
+
+
+@pytest.mark.parametrize("make", [_rich_model, _nested_model])
+def test_one_scan_per_graph_gives_each_graphs_contents_in_walk_order(make):
+    m = make()
+    graphs = protos.walk_graphs(m)
+    one_scan = protos.model_graph_contents(m)
+    assert len(one_scan) == len(graphs) == len(protos.all_graphs(m))
+    for (found, sparse), g in zip(one_scan, graphs):
+        want_tensors, want_sparse = protos.graph_contents(g)
+        assert [t.name for t in found] == [t.name for t in want_tensors]
+        assert all(a is b for a, b in zip(found, want_tensors))
+        assert [st.SerializeToString() for st in sparse] == [st.SerializeToString() for st in want_sparse]
+    labelled = [t for _, t in protos.labelled_tensors(m)]
+    assert [t.name for t in protos.all_tensors(m)] == [t.name for t in labelled]
+    assert all(a is b for a, b in zip(protos.all_tensors(m), labelled))
+
+
 def test_the_label_free_walk_visits_what_the_labelled_walk_visits_in_order():
     m = _rich_model()
     labelled = [t for _, t in protos.labelled_tensors(m)]
