@@ -68,16 +68,12 @@ _GRAPH, _GRAPHS = _A.GRAPH, _A.GRAPHS
 _HOLDERS = frozenset((_TENSOR, _TENSORS, _SPARSE_TENSOR, _SPARSE_TENSORS, _GRAPH, _GRAPHS))
 
 
-def _graph_tensors(g: onnx.GraphProto) -> list[onnx.TensorProto]:
-    """The tensors of one graph (not of its subgraphs), in ``labelled_tensors``' order."""
-    return graph_contents(g)[0]
-
-
 def graph_contents(
     g: onnx.GraphProto,
 ) -> tuple[list[onnx.TensorProto], list[onnx.SparseTensorProto]]:
-    """The tensors (as ``_graph_tensors``) and the sparse tensors (sparse
-    initializers, then sparse attributes) of one graph, in one pass."""
+    """The tensors of one graph, not of its subgraphs (in ``labelled_tensors``'
+    order), and its sparse tensors (sparse initializers, then sparse
+    attributes), in one pass."""
     tensors, sparse, _ = _scan(g)
     return tensors, sparse
 
