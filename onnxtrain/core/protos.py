@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import onnx
 
-from .walk import subgraphs, walk_graphs, walk_roots  # noqa: F401  (walk_graphs: handed on)
+from .walk import scan_within, subgraphs, walk_graphs, walk_roots  # noqa: F401  (walk_graphs: handed on)
 
 
 def all_graphs(model: onnx.ModelProto) -> list[tuple[str, onnx.GraphProto]]:
@@ -47,17 +47,7 @@ def model_graph_contents(
     """``graph_contents`` of every graph, in ``walk_graphs``' order, with one
     look at each node's attributes: the scan that collects a graph's tensors
     finds its subgraphs too (a model's nodes are most of what a walk reads)."""
-    roots = walk_roots(model)
-    order = list(roots)
-    found: dict[int, tuple[list[onnx.TensorProto], list[onnx.SparseTensorProto]]] = {}
-    stack = list(roots)
-    while stack:
-        g = stack.pop()
-        tensors, sparse, subs = _scan(g)
-        found[id(g)] = (tensors, sparse)
-        order.extend(subs)
-        stack.extend(subs)
-    return [found[id(g)] for g in order]
+    return [contents for _, contents in scan_within(walk_roots(model), _scan)]
 
 
 _A = onnx.AttributeProto
@@ -74,15 +64,15 @@ def graph_contents(
     """The tensors of one graph, not of its subgraphs (in ``labelled_tensors``'
     order), and its sparse tensors (sparse initializers, then sparse
     attributes), in one pass."""
-    tensors, sparse, _ = _scan(g)
-    return tensors, sparse
+    return _scan(g)[0]
 
 
 def _scan(
     g: onnx.GraphProto,
-) -> tuple[list[onnx.TensorProto], list[onnx.SparseTensorProto], list[onnx.GraphProto]]:
-    """``graph_contents`` of one graph and its subgraphs (``subgraphs`` of
-    each node, in node order), from one pass over its nodes' attributes."""
+) -> tuple[tuple[list[onnx.TensorProto], list[onnx.SparseTensorProto]], list[onnx.GraphProto]]:
+    """(``graph_contents`` of one graph, its subgraphs: ``subgraphs`` of
+    each node, in node order), from one pass over its nodes' attributes:
+    ``scan_within``'s scan."""
     out = list(g.initializer)
     sparse = list(g.sparse_initializer)
     subs: list[onnx.GraphProto] = []
@@ -112,7 +102,7 @@ def _scan(
                     out.append(st.values)
                     out.append(st.indices)
                     sparse.append(st)
-    return out, sparse, subs
+    return (out, sparse), subs
 
 
 def labelled_tensors(model: onnx.ModelProto) -> Iterable[tuple[str, onnx.TensorProto]]:

@@ -7,11 +7,13 @@ on); it imports nothing of onnxtrain's, so every module of ``core`` may use it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import onnx
 
 _GRAPH, _GRAPHS = onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS
+T = TypeVar("T")
 
 
 def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
@@ -27,14 +29,26 @@ def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
 
 def graphs_within(roots: Iterable[onnx.GraphProto]) -> list[onnx.GraphProto]:
     """``roots``, then every graph nested in their nodes' attributes."""
-    out = list(roots)
-    stack = list(out)
+    return [g for g, _ in scan_within(roots, lambda g: (None, [sg for n in g.node for sg in subgraphs(n)]))]
+
+
+def scan_within(
+    roots: Iterable[onnx.GraphProto],
+    scan: Callable[[onnx.GraphProto], tuple[T, list[onnx.GraphProto]]],
+) -> list[tuple[onnx.GraphProto, T]]:
+    """Each graph of ``graphs_within(roots)``, in its order, with what
+    ``scan`` found in it: ``scan(g)`` returns (its result, the graphs nested
+    in ``g``'s nodes, in node order), so that one pass over a graph's nodes
+    can serve both."""
+    order = list(roots)
+    found: dict[int, T] = {}
+    stack = list(order)
     while stack:
-        for n in stack.pop().node:
-            for sg in subgraphs(n):
-                out.append(sg)
-                stack.append(sg)
-    return out
+        g = stack.pop()
+        found[id(g)], subs = scan(g)
+        order.extend(subs)
+        stack.extend(subs)
+    return [(g, found[id(g)]) for g in order]
 
 
 def walk_roots(model: onnx.ModelProto) -> list[onnx.GraphProto]:
