@@ -34,7 +34,7 @@ from onnxtrain.runtime.executor import Executor
 
 ML = "ai.onnx.ml"
 F32, F64, I64 = TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT64
-rng0 = np.random.default_rng(1234)
+RNG = np.random.default_rng(1234)
 
 
 # ------------------------------------------------------------------ harness
@@ -314,11 +314,11 @@ def scaler_oracle(offset, scale):
 
 
 SCALER_CASES = {
-    "per_feature": (rng0.standard_normal((4, 3)), [0.5, -1.0, 2.0], [2.0, 0.5, -3.0]),
-    "one_value": (rng0.standard_normal((4, 3)), [0.5], [1.5]),
-    "one_row": (rng0.standard_normal(3), [0.5, -1.0, 2.0], [2.0, 0.5, -3.0]),
+    "per_feature": (RNG.standard_normal((4, 3)), [0.5, -1.0, 2.0], [2.0, 0.5, -3.0]),
+    "one_value": (RNG.standard_normal((4, 3)), [0.5], [1.5]),
+    "one_row": (RNG.standard_normal(3), [0.5, -1.0, 2.0], [2.0, 0.5, -3.0]),
     # onnxruntime pairs flattened element i with scale[i mod len] for rank 3.
-    "rank3": (rng0.standard_normal((2, 2, 3)), [0.1, 0.2], [2.0, -1.0]),
+    "rank3": (RNG.standard_normal((2, 2, 3)), [0.1, 0.2], [2.0, -1.0]),
 }
 
 
@@ -339,7 +339,7 @@ def test_scaler(case, opset):
 
 @pytest.mark.parametrize("symbolic", [False, True])
 def test_scaler_double_input_gets_a_double_gradient(symbolic):
-    x = rng0.standard_normal((5, 3))
+    x = RNG.standard_normal((5, 3))
     check_ml(
         "Scaler",
         {"X": x},
@@ -370,7 +370,7 @@ def normalizer_oracle(norm):
 
 
 def _normalizer_input():
-    x = rng0.uniform(0.5, 2.0, (4, 3)) * rng0.choice([-1.0, 1.0], (4, 3))
+    x = RNG.uniform(0.5, 2.0, (4, 3)) * RNG.choice([-1.0, 1.0], (4, 3))
     x[0] = [-1.0, -2.0, -0.5]  # all negative: the signed max is -0.5
     x[:, 0] = np.abs(x[:, 0]) + 2.5  # a positive, unique max in other rows
     x[0, 0] = -3.0
@@ -409,7 +409,7 @@ def test_normalizer_zero_row_passes_the_gradient_through(norm):
     x = NORMALIZER_X.copy()
     x[2] = 0.0
     node = helper.make_node("Normalizer", ["X"], ["Y"], domain=ML, norm=norm)
-    r = rng0.standard_normal(x.shape).astype(np.float32)
+    r = RNG.standard_normal(x.shape).astype(np.float32)
     dx = weighted_gradient(node, x, r)
     np.testing.assert_allclose(dx[2], r[2])
     assert np.all(np.isfinite(dx))
@@ -432,19 +432,19 @@ def test_normalizer_max_ties_share_the_gradient():
 
 @pytest.mark.parametrize("replaced", [0.0, float("nan"), 7.5])
 def test_imputer_replaced_entries_get_zero(replaced):
-    x = rng0.standard_normal((3, 4)).astype(np.float32)
+    x = RNG.standard_normal((3, 4)).astype(np.float32)
     x[0, 1] = x[2, 3] = replaced
     attrs = dict(imputed_value_floats=[9.0, 8.0, 7.0, 6.0], replaced_value_float=replaced)
     kept = ~np.isnan(x) if math.isnan(replaced) else x != replaced
     node = helper.make_node("Imputer", ["X"], ["Y"], domain=ML, **attrs)
-    r = rng0.standard_normal(x.shape).astype(np.float32)
+    r = RNG.standard_normal(x.shape).astype(np.float32)
     for opset in (11, 17):
         dx = weighted_gradient(node, x, r, opset)
         np.testing.assert_array_equal(dx, np.where(kept, r, 0.0).astype(np.float32))
 
 
 def test_imputer_kept_entries_match_differences():
-    x = rng0.standard_normal((3, 4)).astype(np.float32)
+    x = RNG.standard_normal((3, 4)).astype(np.float32)
     x[1, 2] = np.nan  # replaced; the directions move the finite entries only
     attrs = dict(imputed_value_floats=[0.5], replaced_value_float=float("nan"))
 
@@ -483,7 +483,7 @@ FV_CASES = {
 @pytest.mark.parametrize("symbolic", [False, True])
 def test_feature_vectorizer(case, symbolic):
     shapes, dims = FV_CASES[case]
-    inputs = {k: rng0.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    inputs = {k: RNG.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     check_ml(
         "FeatureVectorizer",
         inputs,
@@ -496,7 +496,7 @@ def test_feature_vectorizer(case, symbolic):
 
 
 def test_feature_vectorizer_double_inputs_one_wanted():
-    inputs = {"A": rng0.standard_normal((3, 2)), "B": rng0.standard_normal((3, 3))}
+    inputs = {"A": RNG.standard_normal((3, 2)), "B": RNG.standard_normal((3, 3))}
     g = check_ml(
         "FeatureVectorizer",
         inputs,
@@ -524,7 +524,7 @@ AFE_CASES = {
 @pytest.mark.parametrize("opset", [11, 17])
 def test_array_feature_extractor(case, opset):
     shape, idx = AFE_CASES[case]
-    x = rng0.standard_normal(shape).astype(np.float32)
+    x = RNG.standard_normal(shape).astype(np.float32)
     idx = np.asarray(idx, np.int64)
 
     def oracle(X, Y):
@@ -536,7 +536,7 @@ def test_array_feature_extractor(case, opset):
 
 
 def test_array_feature_extractor_double():
-    x = rng0.standard_normal((3, 4))
+    x = RNG.standard_normal((3, 4))
     idx = np.array([3, 3, 1], np.int64)
     g = check_ml(
         "ArrayFeatureExtractor",
@@ -553,7 +553,7 @@ def test_array_feature_extractor_double():
 
 W2 = np.array([[0.4, -0.3, 0.8], [-0.6, 0.2, 0.5]])
 B2 = np.array([0.1, -0.2])
-X43 = rng0.standard_normal((4, 3)).astype(np.float32)
+X43 = RNG.standard_normal((4, 3)).astype(np.float32)
 
 
 def linear_regressor_oracle(w, b, transform, targets):
@@ -587,7 +587,7 @@ def test_linear_regressor_one_target(transform, shape, symbolic):
     """One target: onnxruntime applies no LOGISTIC/SOFTMAX, y = x w + b.  The
     coefficient list is longer than C: onnxruntime reads its first C entries
     (with symbolic shapes the rule slices them at run time)."""
-    x = rng0.standard_normal(shape).astype(np.float32)
+    x = RNG.standard_normal(shape).astype(np.float32)
     check_ml(
         "LinearRegressor",
         {"X": x},
@@ -601,7 +601,7 @@ def test_linear_regressor_one_target(transform, shape, symbolic):
 def test_linear_regressor_probit():
     """PROBIT maps scores in (0, 1); onnxruntime approximates erfinv, so the
     oracle's exact probit matches to about 1e-4."""
-    x = (rng0.uniform(-1.0, 1.0, (4, 3))).astype(np.float32)
+    x = (RNG.uniform(-1.0, 1.0, (4, 3))).astype(np.float32)
     w = np.array([[0.1, -0.05, 0.08], [0.05, 0.1, -0.1]])
     b = np.array([0.5, 0.45])
     for targets in (1, 2):
@@ -679,7 +679,7 @@ def test_linear_classifier_double_input():
 
 
 def test_linear_classifier_probit_multiclass():
-    x = rng0.uniform(-1.0, 1.0, (4, 3)).astype(np.float32)
+    x = RNG.uniform(-1.0, 1.0, (4, 3)).astype(np.float32)
     w = np.array([[0.1, -0.05, 0.08], [0.05, 0.1, -0.1]])
     b = np.array([0.5, 0.45])
     check_ml(
@@ -697,8 +697,8 @@ def test_linear_classifier_probit_multiclass():
 
 # --------------------------------------------------------------------- SVMs
 
-SV = rng0.standard_normal((6, 4)) * 0.7
-X34 = (rng0.standard_normal((3, 4)) * 0.7).astype(np.float32)
+SV = RNG.standard_normal((6, 4)) * 0.7
+X34 = (RNG.standard_normal((3, 4)) * 0.7).astype(np.float32)
 KERNEL_PARAMS = {"LINEAR": [0.3, 0.5, 3.0], "POLY": [0.3, 0.5, 3.0], "RBF": [0.3, 0.0, 0.0],
                  "SIGMOID": [0.3, 0.5, 0.0]}
 
@@ -706,7 +706,7 @@ KERNEL_PARAMS = {"LINEAR": [0.3, 0.5, 3.0], "POLY": [0.3, 0.5, 3.0], "RBF": [0.3
 @pytest.mark.parametrize("kind", ["LINEAR", "POLY", "RBF", "SIGMOID"])
 @pytest.mark.parametrize("shape", [(3, 4), (4,)])
 def test_svm_regressor(kind, shape):
-    c = rng0.standard_normal(6)
+    c = RNG.standard_normal(6)
     params = KERNEL_PARAMS[kind]
     x = X34 if shape == (3, 4) else X34[0]
 
@@ -726,7 +726,7 @@ def test_svm_regressor(kind, shape):
 
 
 def test_svm_regressor_poly_non_integer_degree():
-    c = rng0.standard_normal(6)
+    c = RNG.standard_normal(6)
     params = [0.2, 2.0, 2.5]  # gamma <x, v> + 2 > 0 here, so the power is real
 
     def oracle(X):
@@ -756,7 +756,7 @@ def test_svm_regressor_linear_mode_and_one_class():
     g = check_ml(
         "SVMRegressor",
         {"X": X34},
-        dict(coefficients=rng0.standard_normal(6).tolist(), kernel_params=[0.3, 0.0, 0.0],
+        dict(coefficients=RNG.standard_normal(6).tolist(), kernel_params=[0.3, 0.0, 0.0],
              kernel_type="RBF", n_supports=6, rho=[-0.5], one_class=1,
              support_vectors=SV.ravel().tolist()),
         ort_eps=1e-3,
@@ -765,7 +765,7 @@ def test_svm_regressor_linear_mode_and_one_class():
 
 
 PER_CLASS = [2, 3, 1]
-COEFS3 = rng0.standard_normal((2, 6))
+COEFS3 = RNG.standard_normal((2, 6))
 RHO3 = [0.1, -0.2, 0.3]
 
 
@@ -818,7 +818,7 @@ def test_svm_classifier_three_classes_post_transform(transform):
 @pytest.mark.parametrize("kind", ["RBF", "POLY"])
 def test_svm_classifier_two_classes(transform, kind):
     params = KERNEL_PARAMS[kind]
-    coefs = rng0.standard_normal((1, 6))
+    coefs = RNG.standard_normal((1, 6))
     check_ml(
         "SVMClassifier",
         {"X": X34},
@@ -836,7 +836,7 @@ def test_svm_classifier_two_classes(transform, kind):
 @pytest.mark.parametrize("transform", ["NONE", "SOFTMAX"])
 def test_svm_classifier_linear_mode(transform):
     """No support vectors: s = x W^T + rho (onnxruntime adds rho[0] to every class)."""
-    w = rng0.standard_normal((3, 4))
+    w = RNG.standard_normal((3, 4))
 
     def oracle(X):
         return [post_transform(rows(X) @ w.T + RHO3[0], transform)]
@@ -980,9 +980,9 @@ def test_piecewise_constant_branch_gives_nothing(name):
     spec, ml_opset, f = PIECEWISE[name]
     spec = dict(spec)
     op = spec.pop("op_type")
-    x = rng0.standard_normal((4, 3)).astype(np.float32)
+    x = RNG.standard_normal((4, 3)).astype(np.float32)
     x[0, 0], x[1, 2] = 0.5, -1.0
-    r = rng0.standard_normal(x.shape).astype(np.float32)
+    r = RNG.standard_normal(x.shape).astype(np.float32)
     nodes = [helper.make_node(op, ["X"], ["F"], domain=ML, **spec),
              helper.make_node("Mul", ["X", "F"], ["Y"])]
     if ml_opset != 3:
@@ -1003,8 +1003,8 @@ def test_piecewise_constant_branch_gives_nothing(name):
 
 def test_tree_classifier_and_one_hot_encoder_give_nothing():
     """loss = sum(X * R) + sum(scores) + sum(onehot): only the first term counts."""
-    x = rng0.standard_normal((4, 3)).astype(np.float32)
-    r = rng0.standard_normal((4, 3)).astype(np.float32)
+    x = RNG.standard_normal((4, 3)).astype(np.float32)
+    r = RNG.standard_normal((4, 3)).astype(np.float32)
     attrs = {k: v for k, v in TREE_ATTRS.items() if not k.startswith("target") and k != "n_targets"}
     clf = helper.make_node(
         "TreeEnsembleClassifier", ["X"], ["lab", "S"], domain=ML, classlabels_int64s=[0, 1],
