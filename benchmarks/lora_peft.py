@@ -348,6 +348,8 @@ def main(argv=None) -> int:
     in_peft_venv(__file__)
 
     load_before = os.getloadavg()
+    if args.work:
+        Path(args.work).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="lora_peft_", dir=args.work) as tmp:
         work = Path(tmp)
         prepare(spec, args, work)

@@ -41,6 +41,7 @@ from ..core.graph import (
 from ..core.names import NameGen
 from ..errors import GradientError
 from . import rules as _rules  # noqa: F401  (registers every rule)
+from .composites import stand_ins
 from .inline import function_body, inline, type_proto
 from .masks import fold_masks
 from .registry import REGISTRY, Rule, VJPContext
@@ -201,16 +202,19 @@ def _expand_one(
             body_nodes, outputs, cotangents, wrt, types, opset_imports, names, functions, replace_forward
         )
 
+    chains = stand_ins(relevant, producer, readers, constants, active)  # differentiated as one op: composites.py
     replaced: set[int] = set()
     for n in reversed(relevant):
         dys = [emit.sum_all(grads[o]) if o and o in grads else None for o in n.output]
         if all(d is None for d in dys):
             continue
+        may_replace = replace_forward and id(n) not in chains  # (a stand-in is no forward node)
+        n = chains.get(id(n), n)
         rule = _usable_rule(n, xs, y)
         if rule.kind == "zero":
             continue
         needs = [bool(i) and i in active for i in n.input]
-        ctx = VJPContext(n, emit, shapes, needs, names.fresh, active, subgraph_vjp, readers, replace_forward)
+        ctx = VJPContext(n, emit, shapes, needs, names.fresh, active, subgraph_vjp, readers, may_replace)
         for o, d in zip(n.output, dys):
             if d is not None:
                 grads[o] = [d]

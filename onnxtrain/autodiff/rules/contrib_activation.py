@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from ..registry import VJPContext, vjp
+from .elementwise import gelu_slope
 
 MS = "com.microsoft"
 
@@ -55,19 +56,10 @@ def quick_gelu_vjp(ctx, dy):
     return (e.Mul(dy, slope),)
 
 
-def _gelu_slope(ctx: VJPContext, x: str) -> str:
-    """d/dx [x Phi(x)] = Phi(x) + x phi(x),  Phi(x) = (1 + erf(x / sqrt 2)) / 2, phi the normal density"""
-    e = ctx.emit
-    c = lambda v: ctx.const(v, like=x)  # noqa: E731
-    cdf = e.Mul(c(0.5), e.Add(c(1.0), e.Erf(e.Mul(x, c(1 / math.sqrt(2.0))))))
-    pdf = e.Mul(c(1 / math.sqrt(2 * math.pi)), e.Exp(e.Mul(c(-0.5), e.Mul(x, x))))
-    return e.Add(cdf, e.Mul(x, pdf))
-
-
 @vjp("Gelu", domain=MS)
 def ms_gelu_vjp(ctx, dy):
     """y = x Phi(x) (exact, erf)  ->  dx = dy (Phi(x) + x phi(x))"""
-    return (ctx.emit.Mul(dy, _gelu_slope(ctx, ctx.inputs[0])),)
+    return (ctx.emit.Mul(dy, gelu_slope(ctx, ctx.inputs[0])),)
 
 
 @vjp("BiasGelu", domain=MS)
@@ -75,4 +67,4 @@ def bias_gelu_vjp(ctx, dy):
     """y = x Phi(x), x = A + B (B a bias over the last axis)
     ->  dA = dy (Phi(x) + x phi(x)),  dB = dA summed over the leading axes"""
     x = _biased_input(ctx, 1)
-    return _with_bias(ctx, ctx.emit.Mul(dy, _gelu_slope(ctx, x)), 1)
+    return _with_bias(ctx, ctx.emit.Mul(dy, gelu_slope(ctx, x)), 1)

@@ -524,6 +524,15 @@ def mish_vjp(ctx, dy):
     return _unary(ctx, dy, slope)
 
 
+def gelu_slope(ctx, x: str) -> str:
+    """d/dx [x Phi(x)] = Phi(x) + x phi(x):  Phi(x) = (1 + erf(x / sqrt 2)) / 2, phi(x) = exp(-x^2 / 2) / sqrt(2 pi)."""
+    e = ctx.emit
+    c = lambda v: ctx.const(v, like=x)  # noqa: E731
+    cdf = e.Mul(c(0.5), e.Add(c(1.0), e.Erf(e.Mul(x, c(math.sqrt(0.5))))))
+    pdf = e.Mul(e.Exp(e.Mul(e.Mul(x, x), c(-0.5))), c(1.0 / math.sqrt(2.0 * math.pi)))
+    return e.Add(cdf, e.Mul(x, pdf))
+
+
 @vjp("Gelu")
 def gelu_vjp(ctx, dy):
     """y = x Phi(x)  ->  dx = dy * (Phi(x) + x phi(x))
@@ -534,18 +543,11 @@ def gelu_vjp(ctx, dy):
         u' = sqrt(2 / pi) (1 + 3 * 0.044715 x^2)."""
     (x,) = ctx.inputs
     e = ctx.emit
-    half = ctx.const(0.5, like=x)
     approximate = ctx.attr("approximate")
     if approximate == "none":
-        cdf = e.Mul(
-            half, e.Add(ctx.const(1.0, like=x), e.Erf(e.Mul(x, ctx.const(math.sqrt(0.5), like=x))))
-        )
-        pdf = e.Mul(
-            e.Exp(e.Mul(e.Mul(x, x), ctx.const(-0.5, like=x))),
-            ctx.const(1.0 / math.sqrt(2.0 * math.pi), like=x),
-        )
-        return _unary(ctx, dy, e.Add(cdf, e.Mul(x, pdf)))
+        return _unary(ctx, dy, gelu_slope(ctx, x))
     if approximate == "tanh":
+        half = ctx.const(0.5, like=x)
         k = math.sqrt(2.0 / math.pi)
         c = 0.044715
         x2 = e.Mul(x, x)
