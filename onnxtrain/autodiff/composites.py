@@ -12,7 +12,7 @@ the backward pass reaches them: three or four activations of the MLP's
 width per layer.  GELU's own rule (``Gelu``, either ``approximate``) reads x
 only and recomputes the rest in the backward pass.  With it, the inner
 values die inside the forward pass, and onnxruntime fuses the forward
-nodes into one.
+nodes into one where its fusion knows the spelling (torch.onnx's erf form).
 
 ``stand_ins`` finds such chains among the nodes a Gradient differentiates
 and returns, for each chain's last node, a ``Gelu(x) -> y`` node that stands
