@@ -34,6 +34,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from ..core.graph import DEFAULT_DOMAINS
+
 #: What a region may be made of, evaluated in float64.
 _OPS = {
     "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power,
@@ -68,12 +70,17 @@ class _Graph:
         return v.reshape(())
 
     def elementwise(self, name: str) -> onnx.NodeProto | None:
-        n = self.producer.get(name)
-        return n if n is not None and n.op_type in _OPS and n.domain in ("", "ai.onnx") else None
+        """The node writing ``name``, if it is one a region may hold."""
+        return _of_region(self.producer.get(name))
 
     def sole_reader(self, name: str) -> onnx.NodeProto | None:
+        """The one node reading ``name``, if it is one a region may hold."""
         rs = self.readers.get(name, [])
-        return rs[0] if len(rs) == 1 and rs[0].op_type in _OPS and rs[0].domain in ("", "ai.onnx") else None
+        return _of_region(rs[0]) if len(rs) == 1 else None
+
+
+def _of_region(n: onnx.NodeProto | None) -> onnx.NodeProto | None:
+    return n if n is not None and n.op_type in _OPS and n.domain in DEFAULT_DOMAINS else None
 
 
 def _region(g: _Graph, y: str, x: str) -> list[onnx.NodeProto] | None:
@@ -129,7 +136,7 @@ def _candidates(g: _Graph, core: onnx.NodeProto) -> tuple[list[str], list[str]]:
     along sole readers, farthest first; the non-constant values above it,
     nearest first."""
     ys, v = [], core.output[0]
-    while len(ys) < 4 and (r := g.sole_reader(v)) is not None and r.output:
+    while len(ys) < 4 and (r := g.sole_reader(v)) is not None:
         v = r.output[0]
         ys.append(v)
     xs: list[str] = []
@@ -167,7 +174,7 @@ def stand_ins(relevant: list[onnx.NodeProto], producer: dict[str, onnx.NodeProto
     out: dict[int, onnx.NodeProto] = {}
     taken: set[int] = set()
     for core in relevant:
-        if core.op_type in _CORES and core.domain in ("", "ai.onnx") and id(core) not in taken:
+        if core.op_type in _CORES and core.domain in DEFAULT_DOMAINS and id(core) not in taken:
             found = _match(g, core)
             if found is not None:
                 stand_in, nodes = found
