@@ -33,6 +33,7 @@ import atexit
 import hashlib
 import json
 import os
+import re
 import struct
 import threading
 import time
@@ -100,6 +101,10 @@ def make_key(kind: str, *parts: bytes | str) -> bytes:
 # ------------------------------------------------------------------ entries
 def entry_path(kind: str, key: bytes) -> Path:
     return directory() / f"{kind}-{key.hex()[:40]}"
+
+
+#: The name ``entry_path`` gives an entry, of any kind: what eviction counts.
+_ENTRY_NAME = re.compile(r"[a-z]+-[0-9a-f]{40}")
 
 
 def read(kind: str, key: bytes) -> tuple[dict, bytes] | None:
@@ -284,7 +289,7 @@ def _evict(folder: Path) -> None:
                 if e.name.startswith("."):
                     if e.name.endswith(".tmp") and now - e.stat().st_mtime > 3600:
                         remove(Path(e.path))
-                elif e.name.startswith(("infer-", "program-", "ort-")):
+                elif _ENTRY_NAME.fullmatch(e.name):
                     entries.append(e)
         if len(entries) <= MAX_ENTRIES:
             return

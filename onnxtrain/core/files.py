@@ -10,6 +10,7 @@ same way as a whole (``write_folder``).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import errno
 import os
@@ -25,6 +26,11 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 from ..errors import OutputExists
+
+try:
+    import fcntl
+except ImportError:  # (not POSIX: no locks, and no folder is removed but at exit)
+    fcntl = None  # type: ignore[assignment]
 
 #: Temporary files and folders older than this are stale even if their pid seems alive.
 STALE_TEMP_SECONDS = 24 * 3600
@@ -191,14 +197,7 @@ def remove_stale_temp_folders(parent: Path, name: str) -> list[str]:
     pattern = re.compile(rf"^\.{re.escape(name)}\.(\d+)\.[A-Za-z0-9_]+\.(tmp|old)$")
     removed = []
     now = time.time()
-    try:
-        entries = list(os.scandir(parent))
-    except OSError:
-        return removed
-    for entry in entries:
-        m = pattern.match(entry.name)
-        if not m or not entry.is_dir(follow_symlinks=False):
-            continue
+    for entry, m in _named_folders(parent, pattern):
         try:
             old = now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_SECONDS
         except OSError:
@@ -210,6 +209,97 @@ def remove_stale_temp_folders(parent: Path, name: str) -> list[str]:
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.name)
     return removed
+
+
+# ------------------------------------------------------------ process folders
+#: Open descriptors of this process's folders (``process_folder``), each
+#: holding its folder's lock until the process ends, however it ends.
+_held_locks: list[int] = []
+
+
+def process_folder(kind: str = "", parent: str | os.PathLike | None = None) -> Path:
+    """A fresh folder for this process's working files,
+    ``<parent>/onnxtrain-<pid>-[<kind>-]<random>`` (``parent``: the temporary
+    folder by default), removed at exit.
+
+    The process holds a lock on it (``flock``) for as long as it lives, and
+    the system lets go of the lock when it ends, SIGKILL and the out-of-memory
+    killer included, which never run the exit hooks.  So a folder left
+    behind is known by its free lock: making a folder removes, beside it,
+    the ones of processes gone (``remove_abandoned_folders``), which in
+    ``/dev/shm`` would otherwise keep their memory until the machine
+    restarts."""
+    stem = f"onnxtrain-{os.getpid()}-" + (f"{kind}-" if kind else "")
+    folder = Path(tempfile.mkdtemp(prefix=stem, dir=parent))
+    _lock(folder)
+    atexit.register(shutil.rmtree, folder, True)
+    remove_abandoned_folders(folder.parent)
+    return folder
+
+
+def _lock(folder: Path) -> None:
+    """Lock ``folder`` for the rest of this process's life (kept unlocked where that fails)."""
+    if fcntl is None:
+        return
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _held_locks.append(fd)
+    except OSError:
+        os.close(fd)
+
+
+_PROCESS_FOLDER = re.compile(r"^onnxtrain-(\d+)-[A-Za-z0-9_-]+$")
+
+
+def remove_abandoned_folders(parent: str | os.PathLike) -> list[str]:
+    """Remove the folders of ``process_folder`` in ``parent`` that no process
+    holds any more: this user's, whose process (the pid in the name) is
+    gone and whose lock is free.  A live process's folder stays, and so
+    does one whose lock is still held (by a child it forked), or whose pid
+    names a live process (which may be another one with the same pid: the
+    folder is then left for a later sweep)."""
+    removed: list[str] = []
+    if fcntl is None:
+        return removed
+    for entry, m in _named_folders(parent, _PROCESS_FOLDER):
+        if pid_alive(int(m.group(1))):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (raises while someone holds it)
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.name)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _named_folders(parent: str | os.PathLike, pattern: re.Pattern) -> list[tuple[os.DirEntry, re.Match]]:
+    """The folders (not links) of ``parent`` whose name ``pattern`` matches, with the match."""
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return []
+    out = []
+    for entry in entries:
+        m = pattern.match(entry.name)
+        try:
+            if m and entry.is_dir(follow_symlinks=False):
+                out.append((entry, m))
+        except OSError:
+            continue
+    return out
 
 
 def pid_alive(pid: int) -> bool:

@@ -153,13 +153,11 @@ class TrainingModel:
         """State variables whose ``initial_value`` is always a fresh array the
         caller owns (those of mapped external data, read or mapped
         copy-on-write, and sparse ones)."""
-        out = set()
-        for name, var in self.state.items():
-            if var.sparse:
-                out.add(name)
-            else:
-                out.update(t.name for t in self._origin_graph(var.origin).initializer
-                           if t.name == name and mapped.is_mapped(t))
+        out = {name for name, var in self.state.items() if var.sparse}
+        dense = {(var.origin, name) for name, var in self.state.items() if not var.sparse}
+        for origin in {origin for origin, _ in dense}:  # (each graph read once)
+            out.update(t.name for t in self._origin_graph(origin).initializer
+                       if (origin, t.name) in dense and mapped.is_mapped(t))
         return out
 
     def _origin_graph(self, origin: str) -> onnx.GraphProto:

@@ -34,14 +34,11 @@ removes the ones left for the same destination by dead processes.
 
 from __future__ import annotations
 
-import atexit
 import mmap
 import os
 import re
 import secrets
-import shutil
 import stat
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Container, Mapping
@@ -57,6 +54,7 @@ from ..core.files import (
     STALE_TEMP_SECONDS,
     fsync_dir,
     pid_alive,
+    process_folder,
     refuse_special,
     replace_with,
     unlink_quietly,
@@ -200,9 +198,7 @@ def _spill_dir() -> Path:
     with _spill_lock:
         if not _spill_folder:
             base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-            folder = Path(tempfile.mkdtemp(prefix=f"onnxtrain-{os.getpid()}-", dir=base))
-            atexit.register(shutil.rmtree, folder, True)
-            _spill_folder.append(folder)
+            _spill_folder.append(process_folder(parent=base))
         return _spill_folder[0]
 
 
@@ -672,9 +668,7 @@ def _held_dir() -> Path:
     (on disk, whose pages the system may reclaim); removed at exit."""
     with _spill_lock:
         if not _held_folder:
-            folder = Path(tempfile.mkdtemp(prefix=f"onnxtrain-{os.getpid()}-held-")).resolve()
-            atexit.register(shutil.rmtree, folder, True)
-            _held_folder.append(folder)
+            _held_folder.append(process_folder("held").resolve())
         return _held_folder[0]
 
 

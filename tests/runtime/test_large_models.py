@@ -444,6 +444,8 @@ def test_starting_values_are_private_maps(tmp_path, monkeypatch):
     tm = held(validate(*load(build.training_model(model, **opts))))
     t = next(x for x in tm.proto.graph.initializer if x.name == "W")
     assert mapped.is_owned(t)
+    # The store adopts these without a copy: the held ones, in either graph; never the small ``b``.
+    assert tm.fresh_values() == {"W", "W.adam_m", "W.adam_v"}
     start = tm.initial_values(["W"])["W"]
     assert _over_a_map(start) and start.flags.writeable and np.array_equal(start, w)
     start[...] = 0.0  # written: a private copy of the pages, not the file

@@ -375,6 +375,26 @@ def test_eviction_keeps_the_newest_entries(private_cache, monkeypatch):
     assert cache.entry_path("infer", hashlib.sha256(b"11").digest()) in left
 
 
+def test_eviction_bounds_every_kind_of_entry(private_cache, monkeypatch):
+    """The bound holds for every kind a client stores (the builder's
+    ``built`` entries too), counted together; a file that is not an entry
+    stays.
+
+    Bug caught: eviction counting only the ``infer``, ``program`` and ``ort``
+    kinds, so that built models piled up without bound."""
+    monkeypatch.setattr(cache, "MAX_ENTRIES", 4)
+    private_cache.mkdir(parents=True)
+    other = private_cache / "README"
+    other.write_text("not an entry")
+    for i in range(12):
+        cache.write("built" if i % 3 else "program", hashlib.sha256(str(i).encode()).digest(), {}, b"x")
+        cache.flush()
+    left = entries(private_cache, "built") + entries(private_cache, "program")
+    assert 0 < len(left) <= 4
+    assert cache.entry_path("built", hashlib.sha256(b"11").digest()) in left
+    assert other.read_text() == "not an entry"
+
+
 def test_stale_temporary_files_are_removed(private_cache):
     private_cache.mkdir(parents=True)
     stale = private_cache / ".program-x.123.tmp"
