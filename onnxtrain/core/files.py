@@ -271,7 +271,7 @@ def remove_abandoned_folders(parent: str | os.PathLike) -> list[str]:
         try:
             if entry.stat(follow_symlinks=False).st_uid != os.getuid():
                 continue
-            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY)
+            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         except OSError:
             continue
         try:
