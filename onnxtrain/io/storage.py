@@ -220,7 +220,10 @@ def spill(model: onnx.ModelProto, threshold: int | None = None) -> onnx.ModelPro
 
     if sum(stored_bytes(t) or 0 for t in all_tensors(model) if big(t)) < max(limit, 1):
         return None
-    folder = _spill_dir()
+    try:
+        folder = _spill_dir()
+    except OSError:
+        return None  # no folder to spill to (no /dev/shm, a temporary folder not writable): as it is
     name = f"spill-{secrets.token_hex(6)}.data"
     sink = _DataSink(name, mapped.MAP_FROM, select=big)
     try:

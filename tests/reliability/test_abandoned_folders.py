@@ -7,7 +7,7 @@ SIGKILL and the out-of-memory killer run no hook: before round 26 every
 killed process left its folder behind, and in ``/dev/shm`` that is memory
 kept until the machine restarts.  Now each process locks its folder, and
 the next one removes the folders whose lock is free and whose process is
-gone.
+gone.  Where no folder can be made at all, the model stays as it is.
 """
 
 from __future__ import annotations
@@ -131,3 +131,28 @@ def test_a_session_killed_leaves_nothing_once_the_next_one_starts(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, "exit"], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("onnxtrain-")] == []
+
+
+NO_ROOM = textwrap.dedent("""
+    import os, sys, tempfile
+    import numpy as np
+    from onnx import helper, numpy_helper
+    tempfile.tempdir = sys.argv[1]  # (a path under a file: no folder can be made there)
+    real = os.access
+    os.access = lambda path, mode, **kw: False if str(path) == "/dev/shm" else real(path, mode, **kw)
+    from onnxtrain.io import storage
+    w = numpy_helper.from_array(np.ones((512, 1024), np.float32), "W")
+    m = helper.make_model(helper.make_graph([], "g", [], [], [w]))
+    print(storage.spill(m, threshold=1) is None, storage.hold(m, {"W"}) is None)
+""")
+
+
+def test_no_folder_to_work_in_leaves_the_model_as_it_is(tmp_path):
+    """With neither /dev/shm nor a writable temporary folder, spilling and
+    holding keep the model as it is; before, spilling raised the OSError of
+    the folder it could not make."""
+    blocker = tmp_path / "a file"
+    blocker.write_text("not a folder")
+    done = subprocess.run([sys.executable, "-c", NO_ROOM, str(blocker / "tmp")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True"]
