@@ -232,9 +232,16 @@ def process_folder(kind: str = "", parent: str | os.PathLike | None = None) -> P
     stem = f"onnxtrain-{os.getpid()}-" + (f"{kind}-" if kind else "")
     folder = Path(tempfile.mkdtemp(prefix=stem, dir=parent))
     _lock(folder)
-    atexit.register(shutil.rmtree, folder, True)
+    atexit.register(_remove_at_exit, folder, os.getpid())
     remove_abandoned_folders(folder.parent)
     return folder
+
+
+def _remove_at_exit(folder: Path, owner: int) -> None:
+    """The exit hook of a process folder: only the process that made it
+    removes it (a child forked later runs its parent's hooks as it exits)."""
+    if os.getpid() == owner:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _lock(folder: Path) -> None:

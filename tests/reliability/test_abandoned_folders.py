@@ -7,7 +7,9 @@ SIGKILL and the out-of-memory killer run no hook: before round 26 every
 killed process left its folder behind, and in ``/dev/shm`` that is memory
 kept until the machine restarts.  Now each process locks its folder, and
 the next one removes the folders whose lock is free and whose process is
-gone.  Where no folder can be made at all, the model stays as it is.
+gone.  A child forked from a process runs its parent's exit hooks as it
+exits, and no longer removes the parent's folder.  Where no folder can be
+made at all, the model stays as it is.
 """
 
 from __future__ import annotations
@@ -156,3 +158,29 @@ def test_no_folder_to_work_in_leaves_the_model_as_it_is(tmp_path):
     done = subprocess.run([sys.executable, "-c", NO_ROOM, str(blocker / "tmp")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "True"]
+
+
+FORKED = textwrap.dedent("""
+    import atexit, os, sys
+    from onnxtrain.core.files import process_folder
+    folder = process_folder("held", sys.argv[1])
+    pid = os.fork()
+    if pid == 0:
+        # The hooks a normal exit runs, the parent's included; then out, past
+        # onnxruntime's own teardown (which a forked child cannot run).
+        atexit._run_exitfuncs()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    print(folder, folder.is_dir())
+""")
+
+
+def test_a_forked_child_exiting_leaves_its_parents_folder(tmp_path):
+    """Bug caught: the exit hook removing the folder in whichever process
+    exits, so that a child forked from a training process took its parent's
+    held weights with it."""
+    done = subprocess.run([sys.executable, "-c", FORKED, str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    folder, alive = done.stdout.split()
+    assert alive == "True"  # after the child's exit
+    assert not Path(folder).exists()  # after the parent's
