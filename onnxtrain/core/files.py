@@ -246,17 +246,26 @@ def _remove_at_exit(folder: Path, owner: int) -> None:
 
 def _lock(folder: Path) -> None:
     """Lock ``folder`` for the rest of this process's life (kept unlocked where that fails)."""
+    fd = _locked(folder)
+    if fd is not None:
+        _held_locks.append(fd)
+
+
+def _locked(folder: str | os.PathLike) -> int | None:
+    """A descriptor of ``folder`` (never through a link) holding its lock, or
+    None: no locks here, the folder gone, or its lock held by someone."""
     if fcntl is None:
-        return
+        return None
     try:
-        fd = os.open(folder, os.O_RDONLY)
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
-        return
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        _held_locks.append(fd)
     except OSError:
         os.close(fd)
+        return None
+    return fd
 
 
 _PROCESS_FOLDER = re.compile(r"^onnxtrain-(\d+)-[A-Za-z0-9_-]+$")
@@ -278,15 +287,14 @@ def remove_abandoned_folders(parent: str | os.PathLike) -> list[str]:
         try:
             if entry.stat(follow_symlinks=False).st_uid != os.getuid():
                 continue
-            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         except OSError:
             continue
+        fd = _locked(entry.path)
+        if fd is None:  # (someone holds it)
+            continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (raises while someone holds it)
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.name)
-        except OSError:
-            pass
         finally:
             os.close(fd)
     return removed
