@@ -212,9 +212,9 @@ def remove_stale_temp_folders(parent: Path, name: str) -> list[str]:
 
 
 # ------------------------------------------------------------ process folders
-#: Open descriptors of this process's folders (``process_folder``), each
-#: holding its folder's lock until the process ends, however it ends.
-_held_locks: list[int] = []
+#: Open descriptors of this process's folders (``process_folder``), by
+#: folder, each holding its folder's lock until the process ends, however it ends.
+_held_locks: dict[str, int] = {}
 
 
 def process_folder(kind: str = "", parent: str | os.PathLike | None = None) -> Path:
@@ -239,16 +239,31 @@ def process_folder(kind: str = "", parent: str | os.PathLike | None = None) -> P
 
 def _remove_at_exit(folder: Path, owner: int) -> None:
     """The exit hook of a process folder: only the process that made it
-    removes it (a child forked later runs its parent's hooks as it exits)."""
-    if os.getpid() == owner:
+    removes it (a child forked later runs its parent's hooks as it exits),
+    and only when no child it forked still holds the folder's lock: such a
+    child may still read the files, and a later sweep removes the folder
+    once it is gone too."""
+    if os.getpid() != owner:
+        return
+    fd = _held_locks.pop(str(folder), None)
+    if fd is None:  # (never locked: no locks here)
         shutil.rmtree(folder, ignore_errors=True)
+        return
+    os.close(fd)  # a forked child's copy of it keeps the lock held
+    fd = _locked(folder)
+    if fd is None:
+        return
+    try:
+        shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        os.close(fd)
 
 
 def _lock(folder: Path) -> None:
     """Lock ``folder`` for the rest of this process's life (kept unlocked where that fails)."""
     fd = _locked(folder)
     if fd is not None:
-        _held_locks.append(fd)
+        _held_locks[str(folder)] = fd
 
 
 def _locked(folder: str | os.PathLike) -> int | None:

@@ -8,8 +8,9 @@ killed process left its folder behind, and in ``/dev/shm`` that is memory
 kept until the machine restarts.  Now each process locks its folder, and
 the next one removes the folders whose lock is free and whose process is
 gone.  A child forked from a process runs its parent's exit hooks as it
-exits, and no longer removes the parent's folder.  Where no folder can be
-made at all, the model stays as it is.
+exits, and no longer removes the parent's folder; a parent that exits
+first leaves the folder to the child still holding its lock.  Where no
+folder can be made at all, the model stays as it is.
 """
 
 from __future__ import annotations
@@ -184,3 +185,36 @@ def test_a_forked_child_exiting_leaves_its_parents_folder(tmp_path):
     folder, alive = done.stdout.split()
     assert alive == "True"  # after the child's exit
     assert not Path(folder).exists()  # after the parent's
+
+
+OUTLIVED = textwrap.dedent("""
+    import atexit, os, sys
+    from onnxtrain.core.files import process_folder
+    folder = process_folder("held", sys.argv[1])
+    (folder / "weights.data").write_bytes(b"w" * 4096)
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.close(w)
+        os.read(r, 1)  # end of file: the parent has exited, its hooks run
+        data = folder / "weights.data"
+        print("child reads", data.is_file() and data.read_bytes() == b"w" * 4096, flush=True)
+        atexit._run_exitfuncs()
+        os._exit(0)
+    print(folder, flush=True)
+""")
+
+
+def test_a_forked_child_outliving_its_parent_keeps_the_folder_until_it_ends(tmp_path):
+    """Bug caught: the parent's exit hook removed the folder while a child it
+    forked, still running, read the files in it (the module keeps one folder
+    per process, and the child inherits it)."""
+    done = subprocess.run([sys.executable, "-c", OUTLIVED, str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    folder = Path(lines[0])
+    assert lines[1:] == ["child reads True"]
+    deadline = time.monotonic() + 10  # the child's exit leaves it; the next sweep takes it
+    while folder.exists() and time.monotonic() < deadline:
+        remove_abandoned_folders(tmp_path)
+        time.sleep(0.01)
+    assert not folder.exists()
