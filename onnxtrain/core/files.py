@@ -32,6 +32,9 @@ try:
 except ImportError:  # (not POSIX: no locks, and no folder is removed but at exit)
     fcntl = None  # type: ignore[assignment]
 
+#: Run-time state (the locks of this process's folders): no cache key covers it.
+__fingerprint__ = False
+
 #: Temporary files and folders older than this are stale even if their pid seems alive.
 STALE_TEMP_SECONDS = 24 * 3600
 
