@@ -29,7 +29,7 @@ from .errors import TrainingModelError
 from .export import model as model_export
 from .io import mapped
 from .io.metadata import model_metadata, read_position
-from .io.model import ModelLike, held, load, validate
+from .io.model import ModelLike, held, validate
 from .lower.executed import check_fused_kernels
 from .lower.pipeline import note_exact_quantized_products
 from .lower.programs import ProgramSet
@@ -42,6 +42,7 @@ from .runtime.executor import (
     device_of,
     state_device,
 )
+from .runtime.firstrun import load_faulting_ahead, wanted
 from .runtime.runner import ProgramRunner, RunOptions, specialize_default
 from .runtime.settings import Settings
 from .runtime.state import StateStore, StateView
@@ -137,7 +138,8 @@ class TrainingSession:
     def _setup(self, model: ModelLike, providers: Sequence[Any] | None, session_options: Any,
                fused_kernels: bool | None, check_finite: bool, lean: bool, dp: DataParallel | None) -> None:
         """Load and validate the model, build every program and the parts that run them, seed the state."""
-        proto, base = load(model)
+        ahead = wanted(device_of(providers)[0] == "cpu", session_options is None, dp is not None)
+        proto, base, first = load_faulting_ahead(model, ahead)  # (on another core: runtime.firstrun)
         # (held: no large tensor stays in its protobuf; the caller's model is not kept)
         tm = self._model = held(validate(proto, base, tensors_checked=True))  # load() checked
         # The data files its weights are mapped from stay while it lives (storage).
@@ -164,7 +166,7 @@ class TrainingSession:
             recompute=metadata.get("recompute") not in (None, False),
             check_finite=check_finite,
             # Programs specialized to their feed shapes (``lower.specialize``) unless ONNXTRAIN_SPECIALIZE=0.
-            specialize=specialize_default()))
+            specialize=specialize_default()), first)
         self._parallel = DataParallelStep(dp, self._programs, self._runner, self._store) if dp else None
         self._settings = Settings(tm, metadata, self._store)
         #: Where the fit loop stands: {"epoch": epochs done, "batch": batches done

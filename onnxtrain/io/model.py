@@ -176,11 +176,15 @@ def _zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     written (the shared zero page until then): a large one is a fresh
     anonymous map, since ``np.zeros`` (calloc) clears memory it reuses up
     front, which costs a step's worth of page faults at construction (a
-    sparse moment's starting zeros)."""
+    sparse moment's starting zeros).  A private map: a shared one (mmap's
+    default) is shared memory, which gets a page of its own for every page
+    read, so W6's first step, which only reads its moments' zeros, took
+    20 MB more and 5,000 faults (docs/performance.md, round 27)."""
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     if nbytes < ZEROS_MAPPED_FROM:
         return np.zeros(shape, dtype)
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype).reshape(shape)
+    private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
+    return np.frombuffer(mmap.mmap(-1, nbytes, **private), dtype).reshape(shape)
 
 
 def _dense(st: onnx.SparseTensorProto) -> np.ndarray:

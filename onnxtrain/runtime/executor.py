@@ -273,6 +273,7 @@ class Executor:
         fold_constants: bool = True,
         mem_pattern: bool = True,
         prune_unfetched: bool = False,
+        shared_arena: bool = False,
     ) -> None:
         """``large``: the model's weights and state are large (``LARGE_MODEL_BYTES``
         or more): with default options, onnxruntime's memory pattern is off,
@@ -292,6 +293,8 @@ class Executor:
         pruning drops nodes (onnxruntime computes every output of a graph,
         bound or not: a builder's BatchNorm model would run its inference-mode
         forward pass on every step for the outputs nobody fetched).
+        ``shared_arena``: with default options, onnxruntime allocates from the
+        process's shared arena (``runtime.firstrun``).
         With default options, idle threads spin as ``spins(model)`` decides."""
         self.label = label
         if model.ir_version > MAX_IR_VERSION:
@@ -302,6 +305,8 @@ class Executor:
         so = session_options or default_session_options(spinning=spins(model))
         if (large or not mem_pattern) and session_options is None:
             so.enable_mem_pattern = False
+        if shared_arena and session_options is None:
+            so.add_session_config_entry("session.use_env_allocators", "1")
         providers = list(providers) if providers else ["CPUExecutionProvider"]
         #: OrtValues over mapped weights, handed to onnxruntime without a copy (kept alive here).
         self.shared: dict[str, ort.OrtValue] = {}

@@ -48,6 +48,7 @@ from .executor import (
     device_of,
     nchwc_block,
 )
+from .firstrun import FirstRun
 from .state import StateStore
 
 #: "0": programs are not specialized to the shapes of their feeds (default: they are).
@@ -102,10 +103,16 @@ class RunOptions:
 class ProgramRunner:
     """Compiles each program of a ``ProgramSet`` once and runs it against a ``StateStore``."""
 
-    def __init__(self, programs: ProgramSet, store: StateStore, options: RunOptions) -> None:
+    def __init__(self, programs: ProgramSet, store: StateStore, options: RunOptions,
+                 first_run: FirstRun | None = None) -> None:
         self.programs = programs
         self.store = store
         self.options = options
+        #: What the first run needs faulted in ahead, and its measure (``runtime.firstrun``):
+        #: the spare buffers of the training steps are made now, faulted in on its thread.
+        self.first_run = first_run or FirstRun()
+        if self.first_run.on and not options.lean:  # (lean steps write over their buffers instead)
+            self.first_run.touch(store.reserve([k for p in programs.algorithms for k in p.target_keys]))
         #: Why fused kernels are not in use (empty while they are, or not yet asked).
         self.fused_kernels_note = ""
         self._how = ExecOptions(options.fused_kernels, device_of(options.providers)[0], nchwc_block, options.lean)
@@ -140,16 +147,18 @@ class ProgramRunner:
 
     def executor(self, program: Program, feeds: Mapping[str, Any] | None = None) -> Executor:
         """``program``'s executor, compiled on first use; with ``feeds``, the
-        one specialized to their shapes where there is one (``specialized``)."""
+        one specialized to their shapes where there is one (``specialized``).
+        Ready to run: what ``first_run`` faults in ahead is in place."""
+        ex = None
         if feeds is not None and len(feeds) == len(program.feeds):  # (not with overrides)
             names = self.open_feeds(program)
             if names:
                 ex = self.specialized(program, specialize.shape_key(feeds, names))
-                if ex is not None:
-                    return ex
-        ex = self._executors.get(id(program))
         if ex is None:
-            ex = self._executors[id(program)] = self._compile(program)
+            ex = self._executors.get(id(program))
+            if ex is None:
+                ex = self._executors[id(program)] = self._compile(program)
+        self.first_run.wait()
         return ex
 
     def open_feeds(self, program: Program) -> tuple[str, ...]:
@@ -209,10 +218,11 @@ class ProgramRunner:
         # (docs/performance.md, Round 14).
         step = role in (ALGORITHM, FORWARD, UPDATE)
         mem_pattern = not (opts.recompute or (step and not opts.small))
+        shared = self.first_run.on
         try:
             return Executor(run.model, opts.providers, opts.session_options, program.label, run.library,
-                            large=opts.large, fold_constants=fold,
-                            mem_pattern=mem_pattern, prune_unfetched=prune_unfetched)
+                            large=opts.large, fold_constants=fold, mem_pattern=mem_pattern,
+                            prune_unfetched=prune_unfetched, shared_arena=shared)
         except TrainingModelError as exc:
             if run.library is None or opts.fused_kernels or special is not None:
                 raise
@@ -220,7 +230,8 @@ class ProgramRunner:
             self.fused_kernels_note = f"onnxruntime did not load the fused kernels: {exc}"
             run = self._execution(program, self._how.standard())
             return Executor(run.model, opts.providers, opts.session_options, program.label,
-                            large=opts.large, fold_constants=fold, mem_pattern=mem_pattern)
+                            large=opts.large, fold_constants=fold, mem_pattern=mem_pattern,
+                            shared_arena=shared)
 
     @property
     def executors(self) -> list[Executor]:
@@ -282,7 +293,8 @@ class ProgramRunner:
         if self._open_feeds.get(id(program)):
             self._last_shapes[id(program)] = specialize.shape_key(feeds, self._open_feeds[id(program)])
         try:
-            outputs = executor.run_bound(feeds, state_in, state_out, program.returned if fetch else ())
+            with self.first_run.measured(self.programs.role(program) == ALGORITHM):
+                outputs = executor.run_bound(feeds, state_in, state_out, program.returned if fetch else ())
         except RuntimeError as exc:
             self._diagnose(program, feeds, state_in, field)
             raise exc

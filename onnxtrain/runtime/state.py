@@ -120,6 +120,23 @@ class StateStore:
                 self._spare = fresh
         return out
 
+    def reserve(self, names: Sequence[str]) -> list[Any]:
+        """Make the spare buffers of ``names`` that a first step would make
+        (CPU only), and return them, unwritten, for a caller to fault in
+        before that step (``FirstRun.touch``, which holds them meanwhile:
+        a numpy view of one does not keep its memory)."""
+        if self.device[0] != "cpu":
+            return []
+        made = []
+        with self._mutex:
+            fresh = dict(self._spare)
+            for n in dict.fromkeys(names):
+                if fresh.get(n, 0) is None:
+                    fresh[n] = empty_like(self._current[n], self.device)
+                    made.append(fresh[n])
+            self._spare = fresh
+        return made
+
     def prefault(self, plan: StepPlan) -> None:
         """Before ``plan``'s first step: fault in the pages of its targets
         that are still the starting buffers.  A state variable that starts at

@@ -1,0 +1,282 @@
+"""The first run's fresh memory, faulted in on another core while the session is built.
+
+A session's first training step costs more than the next ones: onnxruntime's
+arena grows into memory this process has never touched, and the step's
+spare state buffers are new too.  Every such page costs a fault, which a
+virtual machine's host backs at first touch (docs/performance.md, rounds 17,
+23 and 27: W6's first step took 51,000 faults, a steady step none).  The
+session is built on one core; the other is idle until the first run.
+
+Where it is safe and pays (the CPU provider, onnxtrain's own session options,
+a model under ``LARGE_MODEL_BYTES``, no data-parallel communicator,
+``ONNXTRAIN_PREFAULT`` not 0), a session's ``FirstRun``:
+
+- has its programs allocate from one onnxruntime arena of the process (an
+  environment allocator, ``session.use_env_allocators``), which keeps what
+  it was given until the process ends: a later session reuses the pages an
+  earlier one faulted in;
+- looks up how much anonymous memory the first run of the same model took
+  last time (a ``firstrun`` entry of the startup cache, under a digest of
+  the model's names and shapes, ``shape_key``) and, on a thread, faults that
+  much of the arena in while the session is being built;
+- faults the step's spare state buffers in on the same thread;
+- measures its first training run (the growth of the process's anonymous
+  memory) and records it where no record exists, or where the run still
+  grew by more than an eighth of what was faulted in ahead.
+
+The first run waits for the thread.  A record only sizes what is faulted in:
+a stale or wrong one (the model trained with another batch size) costs
+memory or leaves faults, never a different result.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from ..core import diskcache
+from ..io.model import ModelLike, load
+from .executor import LARGE_MODEL_BYTES, as_numpy
+
+#: 0 (or false/no/off) turns the shared arena and its faulting off.
+ENV = "ONNXTRAIN_PREFAULT"
+#: One byte is written per page of this size (the smallest onnxruntime's systems use).
+PAGE_BYTES = 4096
+#: At most this share of the machine's memory is ever faulted in ahead.
+MAX_SHARE = 0.25
+#: A first run that grows by more than 1/RECORD_AGAIN of what was faulted in ahead is recorded again.
+RECORD_AGAIN = 8
+
+_lock = threading.Lock()
+#: Whether the shared arena is registered: None, not tried yet.
+_arena: bool | None = None
+#: The largest size faulted into the shared arena so far (it keeps its memory).
+_faulted = 0
+#: Sessions that used the shared arena so far (only the first one's run is measured).
+_users = 0
+
+
+def wanted(cpu: bool, own_options: bool, data_parallel: bool) -> bool:
+    """Whether a session of these settings uses the shared arena (``ONNXTRAIN_PREFAULT`` decides last)."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value not in ("", "0", "1", "true", "false", "on", "off", "yes", "no"):
+        raise ValueError(f"{ENV}={value!r}: use 1 (fault a first run's memory in ahead) or 0")
+    return cpu and own_options and not data_parallel and value not in ("0", "false", "off", "no")
+
+
+def load_faulting_ahead(model: ModelLike, on: bool) -> tuple[onnx.ModelProto, Path | None, FirstRun]:
+    """``io.model.load(model)``, and the ``FirstRun`` of a session of it,
+    begun before loading a ModelProto (a path or bytes: once parsed)."""
+    first = FirstRun.begin(model, on)
+    proto, base = load(model)
+    return proto, base, first or FirstRun.begin(proto, on) or FirstRun()
+
+
+def shared_arena() -> bool:
+    """Register the process's shared CPU arena once; False where onnxruntime
+    refuses.  (onnxruntime takes the registration of an application's own
+    CPU arena, before or after, without a word: its sessions that ask for
+    the environment's allocators and onnxtrain's then share one.)"""
+    global _arena
+    with _lock:
+        if _arena is None:
+            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            try:  # kSameAsRequested: what is faulted in ahead is one block of that size
+                ort.create_and_register_allocator(info, ort.OrtArenaCfg({"arena_extend_strategy": 1}))
+                _arena = True
+            except Exception:
+                _arena = False
+        return _arena
+
+
+def shape_key(model: onnx.ModelProto, large_from: int) -> bytes | None:
+    """A digest of what sizes a model's first run: the names, types and
+    dims of its graphs' initializers, inputs and outputs, and its node
+    counts; None for a model of ``large_from`` bytes of initializers or
+    more, or one that cannot be read so (``load`` reports what is wrong)."""
+    try:
+        parts = [ort.__version__, platform.machine(), os.environ.get("ONNXTRAIN_THREADS", "")]
+        nbytes = 0
+        graphs = [model.graph] + [g for ti in model.training_info for g in (ti.algorithm, ti.initialization)]
+        for g in graphs:
+            parts.append(f"graph {len(g.node)}")
+            for vi in list(g.input) + list(g.output):
+                dims = [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
+                parts.append(f"{vi.name}:{vi.type.tensor_type.elem_type}:{dims}")
+            for t in g.initializer:
+                parts.append(f"{t.name}:{t.data_type}:{list(t.dims)}")
+                nbytes += int(np.prod(t.dims, dtype=np.float64)) * _itemsize(t.data_type)
+        if nbytes >= large_from:
+            return None
+        return diskcache.make_key("firstrun", "\n".join(parts))
+    except Exception:
+        return None
+
+
+def _itemsize(data_type: int) -> int:
+    try:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(data_type)).itemsize
+    except Exception:
+        return 1
+
+
+def anon_bytes() -> int | None:
+    """The process's resident anonymous memory (Linux), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class FirstRun:
+    """One session's faulting ahead and the measure of its first run (see the module)."""
+
+    def __init__(self, on: bool = False, key: bytes | None = None) -> None:
+        #: Whether the session's programs use the shared arena.
+        self.on = on
+        self.key = key
+        #: Bytes the record asked to fault into the arena (None: no record).
+        self.recorded: int | None = None
+        self._thread: threading.Thread | None = None
+        self._measure = False
+
+    @classmethod
+    def begin(cls, model: Any, on: bool, large_from: int = LARGE_MODEL_BYTES) -> FirstRun | None:
+        """Start faulting in what the last first run of ``model`` took, where
+        ``on``; None for a model that is not a ModelProto yet (a path, bytes)."""
+        if not isinstance(model, onnx.ModelProto):
+            return None
+        key = shape_key(model, large_from) if on else None
+        if key is None or not shared_arena():
+            return cls()
+        global _users
+        cached = diskcache.enabled()  # (off: no record read or written, the arena still shared)
+        first = cls(True, key)
+        entry = diskcache.read("firstrun", key) if cached else None
+        if cached:
+            diskcache.count("firstrun.miss" if entry is None else "firstrun.hit")
+        with _lock:
+            _users += 1
+            first._measure = cached and _users == 1
+        if entry is not None:
+            first.recorded = int(entry[0].get("anon_bytes", 0))
+            first._submit(_fault_arena, first.recorded)
+        return first
+
+    def touch(self, buffers: Sequence[Any]) -> None:
+        """Fault in ``buffers`` (CPU OrtValues or arrays nobody reads yet) on
+        the thread, which holds them until it is done."""
+        if buffers:
+            self._submit(_touch, list(buffers))
+
+    def wait(self) -> None:
+        """Until the faulting is done (before any run)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+            self._thread = None
+
+    @contextmanager
+    def measured(self, training: bool) -> Iterator[None]:
+        """Around a run: the first training run's growth of anonymous memory
+        is recorded where there was no record, and no earlier session of
+        this process used the shared arena (whose pages it would reuse)."""
+        if not (training and self._measure):
+            yield
+            return
+        self._measure = False
+        before = anon_bytes()
+        yield
+        after = anon_bytes()
+        if before is None or after is None:
+            return
+        grown, ahead = after - before, self.recorded or 0
+        # With pages faulted in ahead, a run that still grew by an eighth of
+        # them needed more (a cold start's record is low: its first run reuses
+        # what lowering freed); the rest of a run's growth is not the arena's.
+        if grown > 0 and (not ahead or grown * RECORD_AGAIN > ahead):
+            diskcache.write("firstrun", self.key, {"anon_bytes": ahead + grown}, b"")
+
+    def _submit(self, job: Callable[..., None], *args: Any) -> None:
+        """Run ``job(*args)`` on a thread of its own, after the jobs before it
+        (best effort: a failure only leaves the pages to the run)."""
+        before = self._thread
+
+        def run() -> None:
+            if before is not None:
+                before.join()
+            try:
+                job(*args)
+            except Exception:
+                pass
+
+        thread = threading.Thread(target=run, name="onnxtrain-first-run")
+        thread.start()
+        self._thread = thread
+
+
+def _fault_arena(nbytes: int) -> None:
+    """Have the shared arena hold ``nbytes`` (above what it was given
+    before) of pages already faulted in: a run of a one-node program whose
+    output, allocated there and written whole, is freed at once."""
+    global _faulted
+    try:
+        limit = int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * MAX_SHARE)
+    except (ValueError, OSError, AttributeError):
+        limit = 1 << 30
+    with _lock:
+        more = min(nbytes, limit) - _faulted
+        if more < (1 << 20):
+            return
+        _faulted += more
+    filled = _filler().run_with_ort_values(["y"], {"n": ort.OrtValue.ortvalue_from_numpy(
+        np.array([more // 4], np.int64))})
+    del filled
+
+
+_filler_session: list = []
+_filler_lock = threading.Lock()
+
+
+def _filler() -> ort.InferenceSession:
+    """A session of ``ConstantOfShape`` on the shared arena, made once."""
+    with _filler_lock:
+        if not _filler_session:
+            _filler_session.append(_make_filler())
+        return _filler_session[0]
+
+
+def _make_filler() -> ort.InferenceSession:
+    value = onnx.helper.make_tensor("v", onnx.TensorProto.FLOAT, [1], [0.0])
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("ConstantOfShape", ["n"], ["y"], value=value)], "fill",
+        [onnx.helper.make_tensor_value_info("n", onnx.TensorProto.INT64, [1])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 11)], ir_version=7)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.add_session_config_entry("session.use_env_allocators", "1")
+    so.log_severity_level = 4
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _touch(buffers: list[Any]) -> None:
+    """Write one byte per page of each buffer (their values are not read
+    before a run writes them).  ``buffers`` keeps each one's memory while
+    its numpy view is written."""
+    for b in buffers:
+        pages = as_numpy(b).reshape(-1).view(np.uint8)[::PAGE_BYTES]
+        pages[...] = 0
