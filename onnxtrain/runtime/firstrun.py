@@ -45,6 +45,7 @@ import onnxruntime as ort
 
 from ..core import diskcache
 from ..io.model import ModelLike, load
+from ..io.tensors import memory_limit, stored_bytes
 from .executor import LARGE_MODEL_BYTES, as_numpy
 
 #: 0 (or false/no/off) turns the shared arena and its faulting off.
@@ -76,9 +77,9 @@ def wanted(cpu: bool, own_options: bool, data_parallel: bool) -> bool:
 def load_faulting_ahead(model: ModelLike, on: bool) -> tuple[onnx.ModelProto, Path | None, FirstRun]:
     """``io.model.load(model)``, and the ``FirstRun`` of a session of it,
     begun before loading a ModelProto (a path or bytes: once parsed)."""
-    first = FirstRun.begin(model, on)
+    first = FirstRun.begin(model, on) if isinstance(model, onnx.ModelProto) else None
     proto, base = load(model)
-    return proto, base, first or FirstRun.begin(proto, on) or FirstRun()
+    return proto, base, first if first is not None else FirstRun.begin(proto, on)
 
 
 def shared_arena() -> bool:
@@ -114,19 +115,12 @@ def shape_key(model: onnx.ModelProto, large_from: int) -> bytes | None:
                 parts.append(f"{vi.name}:{vi.type.tensor_type.elem_type}:{dims}")
             for t in g.initializer:
                 parts.append(f"{t.name}:{t.data_type}:{list(t.dims)}")
-                nbytes += int(np.prod(t.dims, dtype=np.float64)) * _itemsize(t.data_type)
+                nbytes += stored_bytes(t) or 0
         if nbytes >= large_from:
             return None
         return diskcache.make_key("firstrun", "\n".join(parts))
     except Exception:
         return None
-
-
-def _itemsize(data_type: int) -> int:
-    try:
-        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(data_type)).itemsize
-    except Exception:
-        return 1
 
 
 def anon_bytes() -> int | None:
@@ -154,11 +148,8 @@ class FirstRun:
         self._measure = False
 
     @classmethod
-    def begin(cls, model: Any, on: bool, large_from: int = LARGE_MODEL_BYTES) -> FirstRun | None:
-        """Start faulting in what the last first run of ``model`` took, where
-        ``on``; None for a model that is not a ModelProto yet (a path, bytes)."""
-        if not isinstance(model, onnx.ModelProto):
-            return None
+    def begin(cls, model: onnx.ModelProto, on: bool, large_from: int = LARGE_MODEL_BYTES) -> FirstRun:
+        """Start faulting in what the last first run of ``model`` took, where ``on``."""
         key = shape_key(model, large_from) if on else None
         if key is None or not shared_arena():
             return cls()
@@ -192,8 +183,9 @@ class FirstRun:
     @contextmanager
     def measured(self, training: bool) -> Iterator[None]:
         """Around a run: the first training run's growth of anonymous memory
-        is recorded where there was no record, and no earlier session of
-        this process used the shared arena (whose pages it would reuse)."""
+        is recorded, where no earlier session of this process used the
+        shared arena (whose pages it would reuse), and there was no record
+        or the run outgrew it (``RECORD_AGAIN``)."""
         if not (training and self._measure):
             yield
             return
@@ -233,12 +225,8 @@ def _fault_arena(nbytes: int) -> None:
     before) of pages already faulted in: a run of a one-node program whose
     output, allocated there and written whole, is freed at once."""
     global _faulted
-    try:
-        limit = int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * MAX_SHARE)
-    except (ValueError, OSError, AttributeError):
-        limit = 1 << 30
     with _lock:
-        more = min(nbytes, limit) - _faulted
+        more = min(nbytes, int(memory_limit() * MAX_SHARE)) - _faulted
         if more < (1 << 20):
             return
         _faulted += more
