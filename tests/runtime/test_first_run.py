@@ -74,11 +74,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _process(cache: Path, how: str = "", prefault: str = "1") -> dict:
-    env = dict(os.environ, ONNXTRAIN_CACHE_DIR=str(cache), ONNXTRAIN_PROGRAM_CACHE="1",
-               ONNXTRAIN_PREFAULT=prefault)
-    done = subprocess.run([sys.executable, "-c", SCRIPT.format(builder_tests=BUILDER_TESTS, here=str(Path(__file__).parent)), how],
-                          env=env, capture_output=True, text=True)
+def _process(cache: Path, how: str = "") -> dict:
+    """SCRIPT in a fresh process with the startup cache ``cache``: its losses, state digest, first-run growth, counters."""
+    env = dict(os.environ, ONNXTRAIN_CACHE_DIR=str(cache), ONNXTRAIN_PROGRAM_CACHE="1", ONNXTRAIN_PREFAULT="1")
+    code = SCRIPT.format(builder_tests=BUILDER_TESTS, here=str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", code, how], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
