@@ -253,13 +253,7 @@ def _remove_at_exit(folder: Path, owner: int) -> None:
         shutil.rmtree(folder, ignore_errors=True)
         return
     os.close(fd)  # a forked child's copy of it keeps the lock held
-    fd = _locked(folder)
-    if fd is None:
-        return
-    try:
-        shutil.rmtree(folder, ignore_errors=True)
-    finally:
-        os.close(fd)
+    _remove_unheld(folder)
 
 
 def _lock(folder: Path) -> None:
@@ -307,15 +301,21 @@ def remove_abandoned_folders(parent: str | os.PathLike) -> list[str]:
                 continue
         except OSError:
             continue
-        fd = _locked(entry.path)
-        if fd is None:  # (someone holds it)
-            continue
-        try:
-            shutil.rmtree(entry.path, ignore_errors=True)
+        if _remove_unheld(entry.path):
             removed.append(entry.name)
-        finally:
-            os.close(fd)
     return removed
+
+
+def _remove_unheld(folder: str | os.PathLike) -> bool:
+    """Remove ``folder`` under its lock, unless someone holds the lock (False)."""
+    fd = _locked(folder)
+    if fd is None:
+        return False
+    try:
+        shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        os.close(fd)
+    return True
 
 
 def _named_folders(parent: str | os.PathLike, pattern: re.Pattern) -> list[tuple[os.DirEntry, re.Match]]:

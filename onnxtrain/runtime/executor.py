@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from ..core.env import env_switch
 from ..core.graph import node_inputs, prune
 from ..errors import ExecutionError, TrainingModelError
 from ..io import mapped, tensors
@@ -154,11 +155,9 @@ def default_session_options(threads: int | None = None, spinning: bool | None = 
         so.intra_op_num_threads = n
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    spin = os.environ.get(SPINNING_ENV, "").strip().lower()
-    if spin:
-        if spin not in ("0", "1", "true", "false", "on", "off", "yes", "no"):
-            raise ValueError(f"{SPINNING_ENV}={spin!r}: use 1 (idle threads spin) or 0 (they block)")
-        spinning = spin in ("1", "true", "on", "yes")
+    spin = env_switch(SPINNING_ENV, "use 1 (idle threads spin) or 0 (they block)")
+    if spin is not None:
+        spinning = spin
     if spinning is not None:
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     # Errors come back as ExecutionError with onnxruntime's message: its own

@@ -35,7 +35,7 @@ import os
 import platform
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ import onnx
 import onnxruntime as ort
 
 from ..core import diskcache
+from ..core.env import env_switch
 from ..io.model import ModelLike, load
 from ..io.tensors import memory_limit, stored_bytes
 from .executor import LARGE_MODEL_BYTES, as_numpy
@@ -57,6 +58,7 @@ MAX_SHARE = 0.25
 #: A first run that grows by more than 1/RECORD_AGAIN of what was faulted in ahead is recorded again.
 RECORD_AGAIN = 8
 
+_NOTHING = nullcontext()
 _lock = threading.Lock()
 #: Whether the shared arena is registered: None, not tried yet.
 _arena: bool | None = None
@@ -68,10 +70,8 @@ _users = 0
 
 def wanted(cpu: bool, own_options: bool, data_parallel: bool) -> bool:
     """Whether a session of these settings uses the shared arena (``ONNXTRAIN_PREFAULT`` decides last)."""
-    value = os.environ.get(ENV, "").strip().lower()
-    if value not in ("", "0", "1", "true", "false", "on", "off", "yes", "no"):
-        raise ValueError(f"{ENV}={value!r}: use 1 (fault a first run's memory in ahead) or 0")
-    return cpu and own_options and not data_parallel and value not in ("0", "false", "off", "no")
+    switch = env_switch(ENV, "use 1 (fault a first run's memory in ahead) or 0")
+    return cpu and own_options and not data_parallel and switch is not False
 
 
 def load_faulting_ahead(model: ModelLike, on: bool) -> tuple[onnx.ModelProto, Path | None, FirstRun]:
@@ -180,15 +180,16 @@ class FirstRun:
             thread.join()
             self._thread = None
 
-    @contextmanager
-    def measured(self, training: bool) -> Iterator[None]:
+    def measured(self, training: bool) -> AbstractContextManager[None]:
         """Around a run: the first training run's growth of anonymous memory
         is recorded, where no earlier session of this process used the
         shared arena (whose pages it would reuse), and there was no record
-        or the run outgrew it (``RECORD_AGAIN``)."""
-        if not (training and self._measure):
-            yield
-            return
+        or the run outgrew it (``RECORD_AGAIN``).  Any other run: nothing
+        (no context made on a step's path)."""
+        return self._measuring() if training and self._measure else _NOTHING
+
+    @contextmanager
+    def _measuring(self) -> Iterator[None]:
         self._measure = False
         before = anon_bytes()
         yield

@@ -27,7 +27,6 @@ program).  ``ONNXTRAIN_SPECIALIZE=0`` turns this off.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -35,6 +34,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from ..core.env import env_switch
 from ..errors import TrainingModelError
 from ..lower import specialize
 from ..lower.executed import ExecOptions, Execution, execute
@@ -58,12 +58,7 @@ SPECIALIZE_ENV = "ONNXTRAIN_SPECIALIZE"
 def specialize_default() -> bool:
     """Whether programs are specialized to their feed shapes: yes, unless
     ``ONNXTRAIN_SPECIALIZE`` is 0 (or false, off, no)."""
-    value = os.environ.get(SPECIALIZE_ENV, "").strip().lower()
-    if value in ("", "1", "true", "on", "yes"):
-        return True
-    if value in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"{SPECIALIZE_ENV}={value!r}: use 1 (specialize programs to their feed shapes) or 0")
+    return env_switch(SPECIALIZE_ENV, "use 1 (specialize programs to their feed shapes) or 0") is not False
 
 
 @dataclass(frozen=True)
