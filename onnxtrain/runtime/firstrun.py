@@ -19,12 +19,16 @@ a model under ``LARGE_MODEL_BYTES``, no data-parallel communicator,
   last time (a ``firstrun`` entry of the startup cache, under a digest of
   the model's names and shapes, ``shape_key``) and, on a thread, faults that
   much of the arena in while the session is being built;
-- faults the step's spare state buffers in on the same thread;
+- then faults the step's spare state buffers in on the same thread, until
+  the first run begins: the run writes the rest itself (a thread faulting
+  beside the run's own threads would only slow it);
 - measures its first training run (the growth of the process's anonymous
-  memory) and records it where no record exists, or where the run still
-  grew by more than an eighth of what was faulted in ahead.
+  memory, less the spares the thread left) and records it where no record
+  exists, or where the run still grew by more than an eighth of what was
+  faulted in ahead.
 
-The first run waits for the thread.  A record only sizes what is faulted in:
+The first run waits for the arena's filling (one run of onnxruntime).  A
+record only sizes what is faulted in:
 a stale or wrong one (the model trained with another batch size) costs
 memory or leaves faults, never a different result.
 """
@@ -53,6 +57,8 @@ from .executor import LARGE_MODEL_BYTES, as_numpy
 ENV = "ONNXTRAIN_PREFAULT"
 #: One byte is written per page of this size (the smallest onnxruntime's systems use).
 PAGE_BYTES = 4096
+#: Bytes touched between two looks at whether the first run has begun.
+TOUCH_BYTES = 4 << 20
 #: At most this share of the machine's memory is ever faulted in ahead.
 MAX_SHARE = 0.25
 #: A first run that grows by more than 1/RECORD_AGAIN of what was faulted in ahead is recorded again.
@@ -145,6 +151,7 @@ class FirstRun:
         #: Bytes the record asked to fault into the arena (None: no record).
         self.recorded: int | None = None
         self._thread: threading.Thread | None = None
+        self._touching: Touching | None = None
         self._measure = False
 
     @classmethod
@@ -171,10 +178,16 @@ class FirstRun:
         """Fault in ``buffers`` (CPU OrtValues or arrays nobody reads yet) on
         the thread, which holds them until it is done."""
         if buffers:
-            self._submit(_touch, list(buffers))
+            self._touching = Touching(list(buffers))
+            self._submit(self._touching.run)
 
     def wait(self) -> None:
-        """Until the faulting is done (before any run)."""
+        """Before any run: the buffers' touching stops where it is (the run
+        faults in the rest as it writes them; two threads faulting beside
+        the run's own would only slow it), and the arena's filling, one
+        run of onnxruntime, ends."""
+        if self._touching is not None:
+            self._touching.stop.set()
         thread = self._thread
         if thread is not None:
             thread.join()
@@ -196,7 +209,9 @@ class FirstRun:
         after = anon_bytes()
         if before is None or after is None:
             return
-        grown, ahead = after - before, self.recorded or 0
+        # (the spares' pages the thread left are the run's own growth, not the arena's)
+        left = self._touching.left if self._touching is not None else 0
+        grown, ahead = after - before - left, self.recorded or 0
         # With pages faulted in ahead, a run that still grew by an eighth of
         # them needed more (a cold start's record is low: its first run reuses
         # what lowering freed); the rest of a run's growth is not the arena's.
@@ -262,10 +277,25 @@ def _make_filler() -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def _touch(buffers: list[Any]) -> None:
-    """Write one byte per page of each buffer (their values are not read
-    before a run writes them).  ``buffers`` keeps each one's memory while
-    its numpy view is written."""
-    for b in buffers:
-        pages = as_numpy(b).reshape(-1).view(np.uint8)[::PAGE_BYTES]
-        pages[...] = 0
+class Touching:
+    """Writes one byte per page of each buffer (their values are not read
+    before a run writes them), ``TOUCH_BYTES`` at a time, until
+    ``stop`` is set; ``left``: the bytes of pages not reached.  It holds
+    the buffers, which keeps each one's memory while its numpy view is
+    written."""
+
+    def __init__(self, buffers: list[Any]) -> None:
+        self.buffers = buffers
+        self.stop = threading.Event()
+        self.left = sum(as_numpy(b).nbytes for b in buffers)
+
+    def run(self) -> None:
+        buffers, self.buffers = self.buffers, []  # (held until this returns)
+        for b in buffers:
+            data = as_numpy(b).reshape(-1).view(np.uint8)
+            for at in range(0, len(data), TOUCH_BYTES):
+                if self.stop.is_set():
+                    return
+                chunk = data[at:at + TOUCH_BYTES]
+                chunk[::PAGE_BYTES] = 0
+                self.left -= len(chunk)

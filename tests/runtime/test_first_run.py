@@ -184,17 +184,25 @@ class _Fake:
         return self.values.pop(0)
 
 
-@pytest.mark.parametrize("recorded, grown, written", [
-    (None, 50, 50),  # no record: what the run took
-    (100, 20, 120),  # faulted ahead, still grew by over an eighth: more next time
-    (100, 10, None),  # grew by less (what is not the arena's): kept
-    (None, -5, None),  # gave memory back: nothing to record
+@pytest.mark.parametrize("recorded, grown, left, written", [
+    (None, 50, 0, 50),  # no record: what the run took
+    (100, 20, 0, 120),  # faulted ahead, still grew by over an eighth: more next time
+    (100, 10, 0, None),  # grew by less (what is not the arena's): kept
+    (None, -5, 0, None),  # gave memory back: nothing to record
+    # Bug caught: the spares the thread had not reached when the run began
+    # counted as the arena's, and W5's record grew at every start (233 MB to 796).
+    (100, 20, 15, None),
+    (None, 50, 20, 30),
 ])
-def test_what_a_first_run_records(tmp_path, monkeypatch, recorded, grown, written):
+def test_what_a_first_run_records(tmp_path, monkeypatch, recorded, grown, left, written):
     monkeypatch.setenv("ONNXTRAIN_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(diskcache.ENV, "1")
     first = firstrun.FirstRun(True, diskcache.make_key("firstrun", "a model"))
     first.recorded, first._measure = recorded, True
+    if left:
+        first.touch([np.empty(left, np.uint8)])
+        first.wait()
+        first._touching.left = left  # (as if stopped before it began)
     monkeypatch.setattr(firstrun, "anon_bytes", _Fake(1000, 1000 + grown))
     with first.measured(training=False):  # (not a training run: not measured)
         pass
@@ -217,3 +225,22 @@ def test_the_spares_made_ahead_are_the_ones_the_first_step_writes():
     sess.train_step({"X": x, "label": label})
     for name, buffer in zip(targets, made):  # committed: the step wrote into them
         assert np.shares_memory(buffer.numpy(), store.current([name])[name].numpy())
+
+
+def test_the_touching_stops_where_the_first_run_begins():
+    """Bug caught: the first run waited for the thread to touch every spare,
+    and on W5 (90 MB of them, begun late) it waited 70-130 ms, with three
+    threads faulting on two cores; it now takes over where the thread stopped."""
+    spares = [np.full(1 << 20, 7, np.uint8), np.empty(256 << 20, np.uint8)]
+    first = firstrun.FirstRun(True)
+    first.touch(spares)
+    first.wait()
+    assert first._touching.left > 128 << 20  # (at most a few 4 MB pieces were reached)
+    whole = firstrun.Touching(spares[:1])
+    whole.run()
+    assert whole.left == 0 and (spares[0][::firstrun.PAGE_BYTES] == 0).all()
+    assert (spares[0][1::firstrun.PAGE_BYTES] == 7).all()  # (one byte per page)
+    stopped = firstrun.Touching([np.full(1 << 20, 7, np.uint8)])
+    stopped.stop.set()
+    stopped.run()
+    assert stopped.left == 1 << 20
