@@ -13,8 +13,9 @@ not kept.  Variants:
 - ``before cold`` and ``before warm`` with ``--baseline DIR`` (a folder
   holding an older ``onnxtrain`` package, e.g. ``git archive`` of main): the
   same for it, with a cache of its own;
-- the peer, PyTorch eager: W5 and W6 ``worker.py``'s torch trainer (model
-  built from the same weights, then the first step); L1 peft as ``llm.py``
+- the peer, PyTorch eager: W5 and W6 ``worker.py``'s torch trainer (the
+  same weights read from their ``torch.save`` file, the model built from
+  them, then the first step); L1 peft as ``llm.py``
   runs it (the model from the files on disk, ``get_peft_model``, the first
   step), against onnxtrain as ``llm.py`` runs it (``build.training_model`` of
   the exported file, ``TrainingSession``, the first step).

@@ -19,7 +19,10 @@ Side tasks (one JSON line, then exit): ``ort-artifacts WORKDIR``,
 ``overhead WORKDIR``, ``profile WORKDIR``, ``ort-profile WORKDIR``, ``ceiling``.
 
 WORKDIR (written by run.py) holds ``spec.json``, ``model.onnx`` (inference
-model), ``params.npz``, ``batch.npz`` and, for ort-training, ``ort/``.
+model), ``params.npz``, ``batch.npz`` and, for ort-training, ``ort/``.  The
+torch peers read their weights from ``params.pt`` (``torch.save``, written
+from ``params.npz`` before the first one's clock) inside the clock, as
+onnxtrain and onnx2torch read ``model.onnx`` and ORT training its artifacts.
 """
 
 from __future__ import annotations
@@ -361,13 +364,37 @@ def import_framework(framework: str) -> None:
         import torch.optim  # noqa: F401
 
 
+#: The torch peers' weights as a PyTorch user keeps them: a ``torch.save``d state dict.
+TORCH_WEIGHTS = "params.pt"
+
+
+def save_torch_weights(workdir: Path, params: dict) -> None:
+    """``params`` as ``TORCH_WEIGHTS`` in ``workdir``, once (atomically)."""
+    import torch
+
+    path = workdir / TORCH_WEIGHTS
+    if path.exists():
+        return
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    torch.save({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in params.items()}, tmp)
+    os.replace(tmp, path)
+
+
+def read_torch_weights(workdir: Path) -> dict:
+    """The torch peers' weights, read from their file (inside the clock, as
+    onnxtrain's ``onnx.load`` of the model is): numpy views of the tensors."""
+    import torch
+
+    return {k: v.numpy() for k, v in torch.load(workdir / TORCH_WEIGHTS, weights_only=True).items()}
+
+
 def make_trainer(framework: str, workdir: Path, spec, params, batch):
     if framework == "onnxtrain":
         return OnnxtrainTrainer(workdir, spec, params, batch)
     if framework == "torch":
-        return TorchTrainer(workdir, spec, params, batch, fused=False)
+        return TorchTrainer(workdir, spec, read_torch_weights(workdir), batch, fused=False)
     if framework == "torch-fused":
-        return TorchTrainer(workdir, spec, params, batch, fused=True)
+        return TorchTrainer(workdir, spec, read_torch_weights(workdir), batch, fused=True)
     if framework == "ort-training":
         return OrtTrainingTrainer(workdir, spec, params, batch)
     if framework == "onnx2torch":
@@ -383,6 +410,8 @@ def serve_trainer(framework: str, workdir: Path, check_steps: int) -> None:
         import torch_models  # torchvision / transformers: imports, not construction
 
         torch_models.import_libraries(spec["key"])
+    if framework in ("torch", "torch-fused"):
+        save_torch_weights(workdir, params)
     rss_imported = rss_kb()
     t_start = time.perf_counter()
     trainer = make_trainer(framework, workdir, spec, params, batch)

@@ -197,3 +197,20 @@ def test_error_summary_gives_the_reason():
     assert run.error_summary(error) == "W7-LSTM-ort-artifacts failed (1): RuntimeError: bad \\| type"
     assert run.error_summary(None) == "no data"
     assert len(run.error_summary("x" * 500)) == 140
+
+
+def test_the_torch_peers_read_their_weights_from_a_file(tmp_path):
+    """PyTorch's construction reads its weights from a ``torch.save`` file
+    inside its clock, as onnxtrain reads ``model.onnx`` (before, its weights
+    came from ``params.npz`` before the clock: W5's peer saved 38 ms)."""
+    pytest.importorskip("torch")
+    import worker
+
+    params = {"a.weight": np.arange(6, dtype=np.float32).reshape(2, 3), "a.bias": np.ones(2, np.float32)}
+    worker.save_torch_weights(tmp_path, params)
+    worker.save_torch_weights(tmp_path, {"other": np.zeros(1, np.float32)})  # (written once)
+    read = worker.read_torch_weights(tmp_path)
+    assert sorted(read) == sorted(params)
+    for k, v in params.items():
+        np.testing.assert_array_equal(read[k], v)
+    assert [p.name for p in tmp_path.iterdir()] == [worker.TORCH_WEIGHTS]
