@@ -76,8 +76,7 @@ def child_llm(framework: str, work: Path) -> None:
         import onnxtrain
 
         acc, _ = instrument()
-        wrap_total(onnxtrain.build, "training_model", "training_model()", acc)
-        wrap_total(onnxtrain.TrainingSession, "__init__", "TrainingSession()", acc)
+        wrap_total(onnxtrain.build, "held_training_model", "training_model()", acc)  # (build.training_session's)
         r = llm.worker_onnxtrain("L1", spec, files, work)
     else:
         import peft  # noqa: F401

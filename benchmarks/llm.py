@@ -323,12 +323,11 @@ def worker_onnxtrain(key: str, spec: dict, files: dict, work: Path) -> dict:
     import onnxruntime
 
     import onnxtrain
-    from onnxtrain import TrainingSession, build
+    from onnxtrain import build
 
     t0 = time.perf_counter()
-    tm = build.training_model(files["onnx"], **build_args(spec))
-    sess = TrainingSession(tm, memory="lean" if spec["mode"] == "full" else "safe")
-    del tm
+    sess = build.training_session(files["onnx"], session={"memory": "lean" if spec["mode"] == "full" else "safe"},
+                                  **build_args(spec))
     tokens = np.load(work / f"{key}-tokens.npy")
     setup = time.perf_counter() - t0
     setup_peak = vm("VmHWM")

@@ -220,6 +220,23 @@ def hand_built(model: onnx.ModelProto, workload) -> onnx.ModelProto:
     return out
 
 
+def builder_options(build, workload) -> dict:
+    """``onnxtrain.build.training_model``'s options for a workload."""
+    if workload.optimizer == "adamw":
+        opt = build.AdamW(lr=workload.lr, weight_decay=workload.weight_decay)
+    else:
+        opt = build.SGD(lr=workload.lr, momentum=getattr(workload, "momentum", 0.0))
+    loss = {"cross_entropy": "cross_entropy", "mse": "mse"}[workload.loss]
+    return dict(loss=loss, target=workload.target, output=workload.output, optimizer=opt)
+
+
+def _feeds_the_target(built: onnx.ModelProto, workload) -> bool:
+    """The worker feeds the workload's input and target names: insist on them."""
+    fed = {i.name for ti in built.training_info for i in ti.algorithm.input}
+    fed |= {i.name for i in built.graph.input}
+    return workload.target in fed
+
+
 def with_builder(model: onnx.ModelProto, workload) -> onnx.ModelProto | None:
     """The training model from ``onnxtrain.build`` if it is there and takes these settings."""
     try:
@@ -227,21 +244,31 @@ def with_builder(model: onnx.ModelProto, workload) -> onnx.ModelProto | None:
     except ImportError:
         return None
     try:
-        if workload.optimizer == "adamw":
-            opt = build.AdamW(lr=workload.lr, weight_decay=workload.weight_decay)
-        else:
-            opt = build.SGD(lr=workload.lr, momentum=getattr(workload, "momentum", 0.0))
-        loss = {"cross_entropy": "cross_entropy", "mse": "mse"}[workload.loss]
-        built = build.training_model(model, loss=loss, target=workload.target,
-                                     output=workload.output, optimizer=opt)
+        built = build.training_model(model, **builder_options(build, workload))
     except Exception:  # an API in flux: fall back to the hand-built model
         return None
-    # The worker feeds the workload's input and target names: insist on them.
-    fed = {i.name for ti in built.training_info for i in ti.algorithm.input}
-    fed |= {i.name for i in built.graph.input}
-    if workload.target not in fed:
-        return None
-    return built
+    return built if _feeds_the_target(built, workload) else None
+
+
+def training_session(model: onnx.ModelProto, workload, use_builder: bool = True):
+    """(onnxtrain.TrainingSession, "builder" | "hand-built"): the builder's
+    model through ``build.training_session`` (the one call a script makes)
+    where it is there, else ``TrainingSession`` of ``training_model``'s."""
+    import onnxtrain  # noqa: PLC0415
+
+    try:
+        from onnxtrain import build  # noqa: PLC0415 (optional, written concurrently)
+    except ImportError:
+        build = None
+    if use_builder and hasattr(build, "training_session"):
+        try:
+            sess = build.training_session(model, **builder_options(build, workload))
+        except Exception:  # an API in flux: as training_model does
+            sess = None
+        if sess is not None and _feeds_the_target(sess.model, workload):
+            return sess, "builder"
+    built, how = training_model(model, workload, use_builder)
+    return onnxtrain.TrainingSession(built), how
 
 
 def training_model(model: onnx.ModelProto, workload, use_builder: bool = True):

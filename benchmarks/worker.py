@@ -131,16 +131,15 @@ class OnnxtrainTrainer:
 
     def __init__(self, workdir: Path, spec, params, batch) -> None:
         import onnx
-        from training_model import training_model
+        from training_model import training_session
         from workloads import WORKLOADS
 
         import onnxtrain
 
         workload = WORKLOADS[spec["key"]]
         inference = onnx.load(str(workdir / "model.onnx"))
-        model, how = training_model(inference, workload, use_builder=spec.get("builder", True))
         onnxtrain_defaults()
-        self.sess = onnxtrain.TrainingSession(model)
+        self.sess, how = training_session(inference, workload, use_builder=spec.get("builder", True))
         self.feeds = dict(batch)
         self.info = {"framework": "onnxtrain", "onnxtrain": onnxtrain.__version__,
                      "training_model": how}

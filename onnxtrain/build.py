@@ -18,6 +18,9 @@ adapters and their files (``onnxtrain.lora``: ``builder.lora`` and
 ``export.adapters``).
 """
 
+from collections.abc import Mapping
+from typing import Any
+
 from . import lora
 from .builder import (
     L1,
@@ -37,6 +40,7 @@ from .builder import (
     ParameterChoice,
     Schedule,
     cosine,
+    held_training_model,
     linear_warmup,
     losses,
     optimizers,
@@ -46,12 +50,41 @@ from .builder import (
     step_decay,
     training_model,
 )
+from .io.model import Checked, ModelLike
 from .lora import export_requantized
+from .session import TrainingSession
 
 __all__ = [
-    "training_model", "parameter_choices", "ParameterChoice", "LoRA", "export_requantized",
+    "training_model", "training_session", "parameter_choices", "ParameterChoice", "LoRA", "export_requantized",
     "Loss", "MSE", "L1", "Huber", "CrossEntropy", "BCEWithLogits", "NLL", "CustomLoss",
     "Optimizer", "SGD", "Adagrad", "Adam", "AdamW",
     "Schedule", "cosine", "step_decay", "linear_warmup",
     "lora", "losses", "optimizers", "parameters", "schedules",
 ]
+
+
+def training_session(model: ModelLike, session: Mapping[str, Any] | None = None,
+                     **options: Any) -> TrainingSession:
+    """``TrainingSession(training_model(model, **options), **session)``, which
+    starts sooner when the startup cache has the built model: its weights go
+    from ``model`` straight to the files the session maps (its starting values
+    and frozen weights, as ``TrainingSession`` would hold them), without two
+    copies into the built model's protobuf and two out of it, and the session
+    does not check the builder's model again as it would a file
+    (docs/startup.md).
+
+    ``session``: ``TrainingSession``'s keyword arguments (``providers``,
+    ``memory``, ``comm``, ...).  The built model is the session's
+    (``sess.model``); export it with ``sess.export`` or ``sess.to_model``.
+
+    >>> import numpy as np
+    >>> from onnxtrain.demo import build_classifier
+    >>> model = TrainingSession(build_classifier()).to_model()
+    >>> sess = training_session(model, loss="cross_entropy", target="label",
+    ...                         optimizer=AdamW(lr=1e-3), session={"memory": "lean"})
+    >>> x = np.random.default_rng(0).random((8, 64), np.float32)
+    >>> sess.train_step({"X": x, "label": np.arange(8)})["loss"].shape
+    ()
+    """
+    # (the builder's model: made from one load() checked, or from an entry of one)
+    return TrainingSession(Checked(held_training_model(model, **options)), **dict(session or {}))

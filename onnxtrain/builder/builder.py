@@ -62,6 +62,7 @@ path, ``onnxtrain.source`` (that file's absolute path).
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -188,22 +189,44 @@ def training_model(
     ``ONNXTRAIN_PROGRAM_CACHE=0`` turns it off): the same model, options and
     code give it back without building, bit for bit.
     """
+    return _built(model, dict(
+        loss=loss, target=target, output=output, optimizer=optimizer, trainable=trainable,
+        schedule=schedule, clip_grad_norm=clip_grad_norm, accumulate=accumulate,
+        train_mode=train_mode, batchnorm_var=batchnorm_var, lora=lora, recompute=recompute))
+
+
+def held_training_model(model: ModelLike, **options: Any) -> onnx.ModelProto:
+    """``training_model(model, **options)`` for a ``TrainingSession`` to take
+    at once (``build.training_session``): from the startup cache, its large
+    weights come in the files ``io.storage.hold`` makes (as the session would
+    hold them), put there from the inference model's data without passing
+    through the built model's protobuf.  Such a model names files of this
+    process, which go when the session that holds them does: it is not one
+    to save with ``onnx.save``."""
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(f"training_model() got an unexpected keyword argument {unknown[0]!r}")
+    return _built(model, {k: options.get(k, default) for k, default in _OPTIONS.items()}, held=True)
+
+
+#: training_model's options and their defaults, in its order (the cache key's).
+_OPTIONS = {k: p.default for k, p in inspect.signature(training_model).parameters.items() if k != "model"}
+
+
+def _built(model: ModelLike, options: dict[str, Any], held: bool = False) -> onnx.ModelProto:
+    """``training_model`` of ``options`` (every one of its parameters), from
+    the startup cache where it has the answer (``held``: see ``held_training_model``)."""
     # A ModelProto is hashed as given: an entry of its key is for a model
     # that loaded and built before (``BuiltModels``).  Anything else is parsed.
     loaded = None if isinstance(model, onnx.ModelProto) else _inference_source(model)
     path = os.path.abspath(os.fspath(model)) if isinstance(model, (str, os.PathLike)) else None
-    cache = BuiltModels(model if loaded is None else loaded, path, dict(
-        loss=loss, target=target, output=output, optimizer=optimizer, trainable=trainable,
-        schedule=schedule, clip_grad_norm=clip_grad_norm, accumulate=accumulate,
-        train_mode=train_mode, batchnorm_var=batchnorm_var, lora=lora, recompute=recompute))
-    built = cache.lookup()
+    cache = BuiltModels(model if loaded is None else loaded, path, options)
+    built = cache.lookup(held)
     if built is not None:
         return built
     source = _inference_source(model) if loaded is None else loaded
     with cache.recording():
-        plan = _plan(source if source is not model else _copy(source), loss, target, output,
-                     optimizer, trainable, schedule, clip_grad_norm, accumulate, train_mode,
-                     batchnorm_var, lora, recompute)
+        plan = _plan(source if source is not model else _copy(source), **options)
         proto = plan.proto
         _add_main_state(plan)
         learned: list[Learned] = []
@@ -235,7 +258,7 @@ def _plan(source, loss, target, output, optimizer, trainable, schedule, clip_gra
     """Check every argument and decide the names and the state variables
     (``source``: the inference model, ours to change)."""
     recompute_spec = recompute_option(recompute)
-    warn_if_folded(source, stacklevel=3)  # at the caller of training_model
+    warn_if_folded(source, stacklevel=4)  # at the caller of training_model
     proto = _adapt.adapt(source)
     opset = _default_opset(proto)
     untie_shared_initializers(proto.graph)

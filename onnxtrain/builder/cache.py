@@ -171,6 +171,30 @@ def attached(payload: bytes, where: list, data: Mapping[str, Any]) -> onnx.Model
     return out
 
 
+def held_attached(payload: bytes, where: list, data: Mapping[str, Any]) -> onnx.ModelProto | None:
+    """``attached``, with the data put in the files of ``storage.hold``
+    rather than in the model (written once for a weight and its starting
+    value, never copied into a protobuf): a model for ``TrainingSession``
+    only.  None when the entry does not fit, or no file could be written."""
+    out = onnx.ModelProto()
+    try:
+        out.ParseFromString(payload)
+        tensors = list(all_tensors(out)) if where else []
+        given = {}
+        for i, digest in where:
+            t, blob = tensors[i], data[digest]
+            if _nbytes(blob) != stored_bytes(t) or t.HasField("raw_data"):
+                return None
+            if storage.holds(t):
+                given[id(t)] = (t, blob)
+            else:  # (smaller than what is held, or of a type no file holds: put back)
+                t.raw_data = blob if isinstance(blob, bytes) else np.ascontiguousarray(blob).tobytes()
+    except Exception:  # a payload that does not parse, a place or a digest it lacks
+        return None
+    state = {b.key for ti in out.training_info for b in (*ti.update_binding, *ti.initialization_binding)}
+    return storage.hold(out, state, given) if given else out
+
+
 def _self_contained(model: onnx.ModelProto, mapped_weights: bool = False) -> bool:
     """Whether every tensor of ``model`` is inline (or, with
     ``mapped_weights``, a mapped main-graph initializer), and all of them
@@ -214,11 +238,18 @@ class BuiltModels:
         self.key = diskcache.make_key(KIND, code_digest(), layers_digest(BUILDER_LAYERS), digest,
                                       repr(path), "\n".join(f"{k}={d}" for k, d in described.items()))
 
-    def lookup(self) -> onnx.ModelProto | None:
+    def lookup(self, held: bool = False) -> onnx.ModelProto | None:
+        """The built model, or None; ``held``: its large tensors in the files
+        of ``storage.hold`` (``held_attached``) where that can be done."""
         if self.key is None:
             return None
         entry = diskcache.read(KIND, self.key)
-        built = None if entry is None else attached(entry[1], entry[0].get("detached", []), self._data)
+        built = None
+        if entry is not None:
+            where = entry[0].get("detached", [])
+            built = held_attached(entry[1], where, self._data) if held else None
+            if built is None:
+                built = attached(entry[1], where, self._data)
         if built is not None:
             diskcache.count(f"{KIND}.hit")
             return built

@@ -410,6 +410,6 @@ def choose_trainable(main: onnx.GraphProto, trainable: Any) -> list[str]:
                 warn(
                     f"training_model: initializer {name!r} is trained by default, but "
                     f"{choices[name].doubt}; pass trainable=[...] to choose explicitly",
-                    stacklevel=4,  # the caller of training_model
+                    stacklevel=5,  # the caller of training_model
                 )
     return chosen

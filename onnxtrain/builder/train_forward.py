@@ -139,7 +139,7 @@ def _running_statistics(
                 f"train_mode: BatchNormalization node {node.name or node.op_type!r} reads its "
                 f"running statistic from {stat!r}, which is not an initializer; the statistic "
                 "is not updated by training",
-                stacklevel=6,  # the caller of training_model
+                stacklevel=7,  # the caller of training_model
             )
             continue
         if any(key == stat for key, _ in stats):

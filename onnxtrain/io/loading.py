@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
@@ -29,7 +30,18 @@ from . import mapped, storage
 from .storage import load_external_data, spill
 from .tensors import check_tensors, has_external, is_repeated, model_contents, stored_bytes
 
-ModelLike = str | os.PathLike | bytes | onnx.ModelProto
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A ModelProto that onnxtrain made from models it checked (the
+    builder's, ``build.training_session``): ``load`` takes it as it is, with
+    no hostile-file checks (its strings, its tensors' sizes) done again."""
+
+    proto: onnx.ModelProto
+
+
+ModelLike = str | os.PathLike | bytes | onnx.ModelProto | Checked
 
 
 # ---------------------------------------------------------------------- load
@@ -60,7 +72,9 @@ def load(model: ModelLike) -> tuple[onnx.ModelProto, Path | None]:
     the protobuf the same way (``storage.spill``).  Every
     tensor's stored data must match its dims and type (checked before any
     value is materialized), so a hostile file gives a TrainingModelError,
-    never a MemoryError or a crash."""
+    never a MemoryError or a crash.  A ``Checked`` model is not checked again."""
+    if isinstance(model, Checked):
+        return _spilled(model.proto, list(all_tensors(model.proto))), None
     if isinstance(model, onnx.ModelProto):
         base = None
         proto = model

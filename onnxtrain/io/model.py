@@ -38,12 +38,13 @@ from ..core.protos import all_graphs, all_tensors, labelled_sparse_tensors, labe
 from ..errors import TrainingModelError
 from . import mapped
 from .combine import combined_graph, copy_graph, uses_preview_ops
-from .loading import MAX_PROTO_BYTES, ModelLike, check_strings, load
+from .loading import MAX_PROTO_BYTES, Checked, ModelLike, check_strings, load
 from .storage import hold, load_external_data
 from .tensors import check_sparse_tensor, check_tensor, check_tensors, data_type_name, memory_limit
 
 __all__ = [
     "MAX_PROTO_BYTES",
+    "Checked",
     "ModelLike",
     "StateVar",
     "TrainingModel",

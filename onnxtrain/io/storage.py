@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Container, Mapping
 from pathlib import Path, PureWindowsPath
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 import onnx
@@ -675,10 +675,11 @@ def _held_dir() -> Path:
         return _held_folder[0]
 
 
-def hold(model: onnx.ModelProto, state: Container[str]) -> onnx.ModelProto | None:
+def hold(model: onnx.ModelProto, state: Container[str], given: Mapping[int, tuple] | None = None) -> onnx.ModelProto | None:
     """A copy of ``model`` with no tensor of ``HOLD_FROM`` bytes or more in its
     protobuf, or None when it has none (placeholders stay as they are).
 
+    ``given``: by ``id``, (tensor it ``holds`` without raw_data, its bytes or array), held from there.
     - The frozen tensors (initializers of the main graph and of the
       algorithms that are not in ``state``, and Constant values there),
       which programs read at every run, go to one file in memory
@@ -694,8 +695,10 @@ def hold(model: onnx.ModelProto, state: Container[str]) -> onnx.ModelProto | Non
     and the weight itself) are written once.  A file is removed when the
     last session holding it (``mapped.hold``) lets go, or at exit.  Where no
     file can be written, the model stays as it is (None)."""
+    if not given and not any(holds(t) for t in all_tensors(model)):
+        return None  # (no copy made to find that out)
     for memory in (_spill_dir, _held_dir):
-        sink = _HoldSink(state, memory)
+        sink = _HoldSink(state, memory, given or {})
         try:
             skeleton = _skeleton_model(model, sink)
             sink.close()
@@ -710,6 +713,12 @@ def hold(model: onnx.ModelProto, state: Container[str]) -> onnx.ModelProto | Non
     return None
 
 
+def holds(t: onnx.TensorProto) -> bool:
+    """Whether ``hold`` moves ``t`` to a file (its data, or the data given for it)."""
+    return (t.data_location != onnx.TensorProto.EXTERNAL and mapped.mappable(t.data_type)
+            and (stored_bytes(t) or 0) >= HOLD_FROM)
+
+
 class _HeldFile:
     """A file of held tensors (``hold``), each written once."""
 
@@ -717,15 +726,18 @@ class _HeldFile:
         self.path = str(folder.resolve() / f"held-{secrets.token_hex(8)}.data")
         self.file = open(self.path, "wb+")
         self.offset = 0
-        #: (type, dims, length) -> offsets of tensors written with them.
-        self.written: dict[tuple, list[int]] = {}
+        #: (type, dims, length) -> (offset, the data given for it or None) of tensors written with them.
+        self.written: dict[tuple, list[tuple[int, Any]]] = {}
 
-    def put(self, t: onnx.TensorProto) -> tuple[int, int]:
-        data = _tensor_data(t)
+    def put(self, t: onnx.TensorProto, given: Any = None) -> tuple[int, int]:
+        """Where ``t`` (its data: ``given``, else its own) is in the file."""
+        data = _tensor_data(t) if given is None else given
+        if not isinstance(data, bytes):
+            data = memoryview(np.ascontiguousarray(data)).cast("B")
         size = len(data)
         key = (t.data_type, tuple(t.dims), size)
-        for start in self.written.get(key, ()):
-            if self._holds(start, data):
+        for start, before in self.written.get(key, ()):
+            if (given is not None and before is given) or self._holds(start, data):
                 return start, size
         pad = -self.offset % _PAGE
         if pad:
@@ -733,7 +745,7 @@ class _HeldFile:
         self.file.write(data)  # (not joined to the padding: one copy of a large tensor fewer)
         start = self.offset + pad
         self.offset = start + size
-        self.written.setdefault(key, []).append(start)
+        self.written.setdefault(key, []).append((start, given))
         return start, size
 
     def _holds(self, start: int, data: bytes) -> bool:
@@ -759,25 +771,26 @@ class _HeldFile:
 class _HoldSink(_DataSink):
     """Where ``hold`` puts each tensor: frozen ones in memory, starting values on disk."""
 
-    def __init__(self, state: Container[str], memory: Callable[[], Path]) -> None:
+    def __init__(self, state: Container[str], memory: Callable[[], Path], given: Mapping[int, tuple]) -> None:
         super().__init__("", HOLD_FROM)
         self.state = state
         self.memory = memory
+        self.given = given
         self.files: dict[bool, _HeldFile] = {}
 
     def placeholder(self, t: onnx.TensorProto) -> bool:
         return False  # placeholders stay as they are
 
     def wants(self, t: onnx.TensorProto) -> bool:
-        return (t.data_location != onnx.TensorProto.EXTERNAL and mapped.mappable(t.data_type)
-                and (stored_bytes(t) or 0) >= HOLD_FROM)
+        return holds(t)
 
     def write(self, t: onnx.TensorProto) -> tuple[str, int, int]:
         cold = self.cold or t.name in self.state
         held = self.files.get(cold)
         if held is None:
             held = self.files[cold] = _HeldFile(_held_dir() if cold else self.memory())
-        return (held.path, *held.put(t))
+        entry = self.given.get(id(t))
+        return (held.path, *held.put(t, entry[1] if entry is not None and entry[0] is t else None))
 
     def close(self, remove: bool = False) -> None:
         for held in self.files.values():
