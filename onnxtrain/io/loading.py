@@ -31,7 +31,6 @@ from .storage import load_external_data, spill
 from .tensors import check_tensors, has_external, is_repeated, model_contents, stored_bytes
 
 
-
 @dataclass(frozen=True)
 class Checked:
     """A ModelProto that onnxtrain made from models it checked (the
