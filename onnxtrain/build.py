@@ -52,6 +52,7 @@ from .builder import (
 )
 from .io.model import Checked, ModelLike
 from .lora import export_requantized
+from .runtime.firstrun import expected, wanted
 from .session import TrainingSession
 
 __all__ = [
@@ -70,8 +71,9 @@ def training_session(model: ModelLike, session: Mapping[str, Any] | None = None,
     from ``model`` straight to the files the session maps (its starting values
     and frozen weights, as ``TrainingSession`` would hold them), without two
     copies into the built model's protobuf and two out of it, and the session
-    does not check the builder's model again as it would a file
-    (docs/startup.md).
+    does not check the builder's model again as it would a file; the
+    memory its first run will take is faulted in on another core from the
+    start, while the model is built (docs/startup.md).
 
     ``session``: ``TrainingSession``'s keyword arguments (``providers``,
     ``memory``, ``comm``, ...).  The built model is the session's
@@ -86,5 +88,11 @@ def training_session(model: ModelLike, session: Mapping[str, Any] | None = None,
     >>> sess.train_step({"X": x, "label": np.arange(8)})["loss"].shape
     ()
     """
-    # (the builder's model: made from one load() checked, or from an entry of one)
-    return TrainingSession(Checked(held_training_model(model, **options)), **dict(session or {}))
+    kwargs = dict(session or {})
+    # The first run's memory is faulted in while the model is built (``runtime.firstrun``),
+    # where the session will use the shared arena (memory="lean" runs the data-parallel cut).
+    on = wanted(kwargs.get("providers"), kwargs.get("session_options"),
+                kwargs.get("comm") is not None or kwargs.get("memory") == "lean")
+    with expected(model, repr(sorted((k, repr(v)) for k, v in options.items())), on):
+        # (the builder's model: made from one load() checked, or from an entry of one)
+        return TrainingSession(Checked(held_training_model(model, **options)), **kwargs)

@@ -138,7 +138,7 @@ class TrainingSession:
     def _setup(self, model: ModelLike, providers: Sequence[Any] | None, session_options: Any,
                fused_kernels: bool | None, check_finite: bool, lean: bool, dp: DataParallel | None) -> None:
         """Load and validate the model, build every program and the parts that run them, seed the state."""
-        ahead = wanted(device_of(providers)[0] == "cpu", session_options is None, dp is not None)
+        ahead = wanted(providers, session_options, dp is not None)
         proto, base, first = load_faulting_ahead(model, ahead)  # (on another core: runtime.firstrun)
         # (held: no large tensor stays in its protobuf; the caller's model is not kept)
         tm = self._model = held(validate(proto, base, tensors_checked=True))  # load() checked

@@ -51,7 +51,7 @@ from ..core import diskcache
 from ..core.env import env_switch
 from ..io.model import ModelLike, load
 from ..io.tensors import memory_limit, stored_bytes
-from .executor import LARGE_MODEL_BYTES, as_numpy
+from .executor import LARGE_MODEL_BYTES, as_numpy, device_of
 
 #: 0 (or false/no/off) turns the shared arena and its faulting off.
 ENV = "ONNXTRAIN_PREFAULT"
@@ -72,12 +72,60 @@ _arena: bool | None = None
 _faulted = 0
 #: Sessions that used the shared arena so far (only the first one's run is measured).
 _users = 0
+#: ``expected``: [(the key a first run is also recorded under, the thread filling the arena for it)].
+_expected: list[tuple[bytes, threading.Thread | None]] = []
 
 
-def wanted(cpu: bool, own_options: bool, data_parallel: bool) -> bool:
-    """Whether a session of these settings uses the shared arena (``ONNXTRAIN_PREFAULT`` decides last)."""
+def wanted(providers: Sequence[Any] | None, session_options: Any, data_parallel: bool) -> bool:
+    """Whether a session of these settings uses the shared arena: the CPU
+    provider, onnxtrain's own session options, not data-parallel (nor
+    ``memory="lean"``, which runs the data-parallel cut); ``ONNXTRAIN_PREFAULT`` decides last."""
     switch = env_switch(ENV, "use 1 (fault a first run's memory in ahead) or 0")
-    return cpu and own_options and not data_parallel and switch is not False
+    cpu = device_of(list(providers) if providers else None)[0] == "cpu"
+    return cpu and session_options is None and not data_parallel and switch is not False
+
+
+@contextmanager
+def expected(source: Any, described: str, on: bool) -> Iterator[None]:
+    """While a session of a model to be built from ``source`` (an inference
+    model: a ModelProto or a path; ``described``: the build's options) is
+    made (``build.training_session``): the arena is filled at once for the
+    first run the last such session recorded under them, on the thread the
+    session's ``FirstRun`` then takes over, and its first run is recorded
+    under them too.  The builder's time is the filling's head start."""
+    key = _source_key(source, described) if on else None
+    if key is None or not shared_arena():
+        yield
+        return
+    entry = diskcache.read("firstrun", key) if diskcache.enabled() else None
+    thread = None
+    if entry is not None:
+        diskcache.count("firstrun.expected")
+        thread = threading.Thread(target=_quietly, args=(_fault_arena, int(entry[0].get("anon_bytes", 0))),
+                                  name="onnxtrain-first-run")
+        thread.start()
+    with _lock:
+        _expected[:] = [(key, thread)]
+    try:
+        yield
+    finally:
+        with _lock:
+            _expected.clear()
+
+
+def _source_key(source: Any, described: str) -> bytes | None:
+    """``expected``'s key: a ModelProto's ``shape_key``, or a file's path, size and time."""
+    if isinstance(source, onnx.ModelProto):
+        basis = shape_key(source, LARGE_MODEL_BYTES)
+    elif isinstance(source, (str, os.PathLike)):
+        try:
+            st = os.stat(source)
+        except OSError:
+            return None
+        basis = f"{os.path.abspath(source)}:{st.st_size}:{st.st_mtime_ns}".encode()
+    else:
+        basis = None
+    return None if basis is None else diskcache.make_key("firstrun", basis, described)
 
 
 def load_faulting_ahead(model: ModelLike, on: bool) -> tuple[onnx.ModelProto, Path | None, FirstRun]:
@@ -150,6 +198,8 @@ class FirstRun:
         self.key = key
         #: Bytes the record asked to fault into the arena (None: no record).
         self.recorded: int | None = None
+        #: Where the first run is recorded too (``expected``).
+        self.also: bytes | None = None
         self._thread: threading.Thread | None = None
         self._touching: Touching | None = None
         self._measure = False
@@ -169,6 +219,8 @@ class FirstRun:
         with _lock:
             _users += 1
             first._measure = cached and _users == 1
+            if _expected:  # (a filling begun before the model was built: this one waits for it)
+                first.also, first._thread = _expected.pop()
         if entry is not None:
             first.recorded = int(entry[0].get("anon_bytes", 0))
             first._submit(_fault_arena, first.recorded)
@@ -216,7 +268,9 @@ class FirstRun:
         # them needed more (a cold start's record is low: its first run reuses
         # what lowering freed); the rest of a run's growth is not the arena's.
         if grown > 0 and (not ahead or grown * RECORD_AGAIN > ahead):
-            diskcache.write("firstrun", self.key, {"anon_bytes": ahead + grown}, b"")
+            for key in (self.key, self.also):
+                if key is not None:
+                    diskcache.write("firstrun", key, {"anon_bytes": ahead + grown}, b"")
 
     def _submit(self, job: Callable[..., None], *args: Any) -> None:
         """Run ``job(*args)`` on a thread of its own, after the jobs before it
@@ -226,14 +280,19 @@ class FirstRun:
         def run() -> None:
             if before is not None:
                 before.join()
-            try:
-                job(*args)
-            except Exception:
-                pass
+            _quietly(job, *args)
 
         thread = threading.Thread(target=run, name="onnxtrain-first-run")
         thread.start()
         self._thread = thread
+
+
+def _quietly(job: Callable[..., None], *args: Any) -> None:
+    """``job(*args)``, best effort: a failure only leaves the pages to the run."""
+    try:
+        job(*args)
+    except Exception:
+        pass
 
 
 def _fault_arena(nbytes: int) -> None:

@@ -33,14 +33,16 @@ from onnxtrain.runtime.executor import default_session_options
 BUILDER_TESTS = str(Path(__file__).resolve().parents[1] / "builder")
 
 
+#: The build of ``first_run_case``.
+CASE_OPTIONS = dict(loss="cross_entropy", target="label", optimizer=build.AdamW(lr=0.01))
+
+
 def first_run_case():
     """A model whose first run grows onnxruntime's arena by about 24 MB, and its batch."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1024, 64)).astype(np.float32)
     label = rng.integers(0, 4, 1024)
-    model = build.training_model(mlp(sizes=(64, 2048, 4)), loss="cross_entropy", target="label",
-                                 optimizer=build.AdamW(lr=0.01))
-    return x, label, model
+    return x, label, build.training_model(mlp(sizes=(64, 2048, 4)), **CASE_OPTIONS)
 
 
 SCRIPT = textwrap.dedent("""
@@ -54,9 +56,13 @@ SCRIPT = textwrap.dedent("""
     from onnxtrain import TrainingSession, build
     from onnxtrain.core import diskcache
     from onnxtrain.runtime.firstrun import anon_bytes
-    from test_first_run import first_run_case
+    from test_build import mlp
+    from test_first_run import CASE_OPTIONS, first_run_case
     x, label, model = first_run_case()
-    sess = TrainingSession(model)
+    if sys.argv[1] == "one call":  # the arena filled from before the build on
+        sess = build.training_session(mlp(sizes=(64, 2048, 4)), **CASE_OPTIONS)
+    else:
+        sess = TrainingSession(model)
     feeds = {{"X": x, "label": label}}
     sess._runner.executor(sess._programs.algorithms[0], feeds)  # compiled, and the pages faulted in
     losses, grown = [], None
@@ -111,6 +117,16 @@ def test_later_processes_find_their_first_run_memory_in_place_with_equal_results
     assert state == recording["state"] == runs[0]["state"] == runs[1]["state"]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="measures /proc/self/status")
+def test_one_call_faults_the_first_runs_memory_in_from_before_the_build(tmp_path):
+    recording = _process(tmp_path, "one call")
+    assert recording["stats"].get("firstrun.write") == 2  # (the built model's key, and the source's)
+    runs = [_process(tmp_path, "one call") for _ in range(2)]
+    assert all(r["stats"].get("firstrun.expected") == 1 for r in runs)
+    assert runs[-1]["grown"] < recording["grown"] / 8
+    assert recording["losses"] == runs[0]["losses"] == runs[1]["losses"] == plain_losses_and_state()[0]
+
+
 def test_an_arena_the_application_registered_first_changes_no_result(tmp_path):
     # onnxruntime takes a second registration without a word: the sessions
     # of the application and onnxtrain's then share one arena, and train the same.
@@ -162,9 +178,10 @@ def test_who_uses_the_shared_arena(monkeypatch):
     with pytest.raises(ValueError, match="ONNXTRAIN_PREFAULT='sometimes'"):
         TrainingSession(small_model())
     monkeypatch.setenv(firstrun.ENV, "1")
-    assert firstrun.wanted(True, True, False)
-    assert not firstrun.wanted(True, True, data_parallel=True)  # (and memory="lean")
-    assert not firstrun.wanted(False, True, False)  # another provider
+    assert firstrun.wanted(None, None, False) and firstrun.wanted(["CPUExecutionProvider"], None, False)
+    assert not firstrun.wanted(None, None, data_parallel=True)  # (and memory="lean")
+    assert not firstrun.wanted(["CUDAExecutionProvider"], None, False)  # another provider
+    assert not firstrun.wanted(None, so, False)  # the caller's options
 
 
 def test_the_shape_key_follows_shapes_not_values():
@@ -244,3 +261,27 @@ def test_the_touching_stops_where_the_first_run_begins():
     stopped.stop.set()
     stopped.run()
     assert stopped.left == 1 << 20
+
+
+def test_expected_fills_the_arena_before_the_model_is_built(tmp_path, monkeypatch):
+    monkeypatch.setenv("ONNXTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(diskcache.ENV, "1")
+    monkeypatch.delenv(firstrun.ENV, raising=False)
+    filled = []
+    monkeypatch.setattr(firstrun, "_fault_arena", filled.append)
+    source = mlp(sizes=(64, 2048, 4))
+    with firstrun.expected(source, "options", True):  # no record yet: nothing to fill
+        pass
+    assert filled == []
+    diskcache.write_now("firstrun", firstrun._source_key(source, "options"), {"anon_bytes": 8 << 20}, b"")
+    with firstrun.expected(source, "options", True):
+        # (before anything is built, the filling is under way)
+        (pending,) = firstrun._expected
+        pending[1].join()
+        assert filled == [8 << 20]
+        first = firstrun.FirstRun.begin(first_run_case()[2], True)
+        assert first.also == pending[0] and not firstrun._expected  # taken over: recorded there too
+        first.wait()
+    with firstrun.expected(source, "other options", True):
+        assert firstrun._expected == [(firstrun._source_key(source, "other options"), None)]
+    assert not firstrun._expected and filled == [8 << 20]
