@@ -50,6 +50,7 @@ from .builder import (
     step_decay,
     training_model,
 )
+from .builder.cache import describe_option
 from .io.model import Checked, ModelLike
 from .lora import export_requantized
 from .runtime.firstrun import expected, wanted
@@ -90,9 +91,13 @@ def training_session(model: ModelLike, session: Mapping[str, Any] | None = None,
     """
     kwargs = dict(session or {})
     # The first run's memory is faulted in while the model is built (``runtime.firstrun``),
-    # where the session will use the shared arena (memory="lean" runs the data-parallel cut).
-    on = wanted(kwargs.get("providers"), kwargs.get("session_options"),
-                kwargs.get("comm") is not None or kwargs.get("memory") == "lean")
-    with expected(model, repr(sorted((k, repr(v)) for k, v in options.items())), on):
+    # where the session will use the shared arena (memory="lean" runs the data-parallel cut)
+    # and the options have a description (not a callable: no record would be found again).
+    descriptions = {k: describe_option(v) for k, v in sorted(options.items())}
+    described = "\n".join(f"{k}={d}" for k, d in descriptions.items())
+    on = None not in descriptions.values() and wanted(
+        kwargs.get("providers"), kwargs.get("session_options"),
+        kwargs.get("comm") is not None or kwargs.get("memory") == "lean")
+    with expected(model, described, on):
         # (the builder's model: made from one load() checked, or from an entry of one)
         return TrainingSession(Checked(held_training_model(model, **options)), **kwargs)

@@ -172,3 +172,16 @@ def test_the_session_takes_the_builders_model_without_checking_it_again(monkeypa
     assert np.isfinite(sess.train_step(feeds())["loss"])
     with pytest.raises(AssertionError, match="checked again"):
         TrainingSession(sess.model)  # (any other ModelProto is)
+
+
+def test_options_a_key_cannot_describe_fault_nothing_ahead(monkeypatch):
+    """A callable option (here ``trainable``) has no description that a later
+    process would find again: no first run is looked up or recorded for it."""
+    from onnxtrain.runtime import firstrun
+
+    seen = []
+    real = build.expected
+    monkeypatch.setattr(build, "expected", lambda model, described, on: seen.append(on) or real(model, described, on))
+    build.training_session(mlp(SIZES), **OPTIONS, trainable=lambda name: True)
+    build.training_session(mlp(SIZES), **OPTIONS)
+    assert seen == [False, firstrun.wanted(None, None, False)]
