@@ -238,12 +238,13 @@ class FirstRun:
         faults in the rest as it writes them; two threads faulting beside
         the run's own would only slow it), and the arena's filling, one
         run of onnxruntime, ends."""
+        thread = self._thread
+        if thread is None:  # (every run asks: nothing to do after the first)
+            return
         if self._touching is not None:
             self._touching.stop.set()
-        thread = self._thread
-        if thread is not None:
-            thread.join()
-            self._thread = None
+        thread.join()
+        self._thread = None
 
     def measured(self, training: bool) -> AbstractContextManager[None]:
         """Around a run: the first training run's growth of anonymous memory

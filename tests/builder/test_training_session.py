@@ -17,6 +17,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 from test_build import mlp
+from test_build_cache import private_cache  # noqa: F401  (autouse: a startup cache of the test's own)
 
 from onnxtrain import TrainingSession, build
 from onnxtrain.builder import cache as built_cache
@@ -25,16 +26,6 @@ from onnxtrain.io import mapped, storage
 
 SIZES = (1024, 512, 64)  # W1: 2 MiB, held (storage.HOLD_FROM); W2: 128 KiB, put back; the rest inline
 OPTIONS = dict(loss="cross_entropy", target="label", optimizer=build.AdamW(lr=1e-2, weight_decay=0.01))
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    diskcache.flush()
-    monkeypatch.setenv("ONNXTRAIN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv(diskcache.ENV, "1")
-    diskcache.stats.clear()
-    yield
-    diskcache.flush()
 
 
 def feeds() -> dict[str, np.ndarray]:
