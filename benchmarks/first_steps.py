@@ -49,7 +49,8 @@ LLM_STEPS = 2  # the first and one steady step
 #: Rows, by timer key (labels from startup_phases.PHASES); a key a variant lacks prints empty.
 ROW_KEYS = ["startup_ms", "construction", "onnx.load", "training_model()", "TrainingSession()", "session.load",
             "session.validate", "programs.inference_program", "programs.algorithm_programs", "first_step",
-            "executed.execute", "ort.InferenceSession", "first_run", "second_step"]
+            "executed.execute", "ort.InferenceSession", "first_run", "second_step",
+            "ort.InferenceSession.ahead"]
 
 
 def rows() -> list[tuple[str, str]]:

@@ -47,8 +47,9 @@ PHASES = [
     ("    initialization program", "programs.initialization_program"),
     ("  first train_step", "first_step"),
     ("    executed list (fused-kernel choice, rewrite)", "executed.execute"),
-    ("    onnxruntime session creation", "ort.InferenceSession"),
+    ("    onnxruntime session creation (or the wait for one made ahead)", "ort.InferenceSession"),
     ("    the run itself (binding, kernel library registration)", "first_run"),
+    ("onnxruntime sessions made on other threads (ahead, the arena's filler)", "ort.InferenceSession.ahead"),
     ("onnx shape inference, all calls", "onnx.infer_shapes"),
     ("  calls", "onnx.infer_shapes.count"),
 ]
@@ -60,6 +61,7 @@ def instrument() -> tuple[dict, dict]:
     with timers; returns (milliseconds so far by label, calls by label), filled
     as the process goes.  ``first_steps.py`` uses it too."""
     import functools
+    import threading
     import time
     from collections import defaultdict
 
@@ -111,8 +113,22 @@ def instrument() -> tuple[dict, dict]:
         PS.PASS_LISTS[kind] = tuple(timed_step[f] for f in steps)
     PS.SOURCES = frozenset(timed_step[f] for f in PS.SOURCES)
     PS.READ_ONLY = frozenset(timed_step[f] for f in PS.READ_ONLY)
-    init = onnxruntime.InferenceSession.__init__
-    onnxruntime.InferenceSession.__init__ = timed("ort.InferenceSession", init)
+    # Sessions made on the main thread, and the wait for one made ahead on
+    # another (onnxtrain.runtime.ortcache.ahead), are on the first step's
+    # path; those made on other threads are reported apart.
+    init, threaded = onnxruntime.InferenceSession.__init__, timed("ort.InferenceSession.ahead", lambda f, *a, **k: f(*a, **k))
+    main = timed("ort.InferenceSession", lambda f, *a, **k: f(*a, **k))
+
+    @functools.wraps(init)
+    def session_init_any_thread(*a, **k):
+        return (main if threading.current_thread() is threading.main_thread() else threaded)(init, *a, **k)
+    onnxruntime.InferenceSession.__init__ = session_init_any_thread
+    try:
+        import onnxtrain.runtime.ortcache as OC
+    except ImportError:  # (an older onnxtrain: no sessions made ahead)
+        OC = None
+    if OC is not None and hasattr(OC, "ahead"):
+        wrap(OC, "ahead", "ort.InferenceSession")
     session_init = onnxtrain.session.TrainingSession.__init__
     onnxtrain.session.TrainingSession.__init__ = timed("TrainingSession()", session_init)
     return acc, count

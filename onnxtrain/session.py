@@ -36,13 +36,9 @@ from .lower.programs import ProgramSet
 from .parallel.comm import Communicator, SingleProcess, as_communicator
 from .parallel.data_parallel import BUCKET_BYTES, DataParallel, threads_per_rank
 from .parallel.step import DataParallelStep
-from .runtime.executor import (
-    as_numpy,
-    default_session_options,
-    device_of,
-    state_device,
-)
+from .runtime.executor import as_numpy, device_of, state_device
 from .runtime.firstrun import load_faulting_ahead, wanted
+from .runtime.options import default_session_options
 from .runtime.runner import ProgramRunner, RunOptions, specialize_default
 from .runtime.settings import Settings
 from .runtime.state import StateStore, StateView

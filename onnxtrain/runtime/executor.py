@@ -19,12 +19,13 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ..core.env import env_switch
 from ..core.graph import node_inputs, prune
 from ..errors import ExecutionError, TrainingModelError
 from ..io import mapped, tensors
 from ..kernels import nchwc
 from . import ortcache
+from .options import Recipe, register_library
+from .options import default_session_options as default_session_options  # (public here: docs/architecture.md)
 
 
 def _max_ir_version() -> int:
@@ -102,70 +103,6 @@ def available_providers() -> list[str]:
     return list(ort.get_available_providers())
 
 
-#: "0": idle intra-op threads block instead of spinning, "1": they spin, in
-#: every program (default: chosen per program, ``spins``).
-SPINNING_ENV = "ONNXTRAIN_SPINNING"
-#: The ops after which a program's idle intra-op threads block rather than spin (``spins``).
-BLOCKING_OPS = frozenset({"Conv", "ConvTranspose", "FusedConv", "QLinearConv", "ConvInteger"})
-
-
-def spins(model: onnx.ModelProto) -> bool:
-    """Whether a program's idle intra-op threads should spin (onnxruntime's
-    ``session.intra_op.allow_spinning``): yes, unless it holds a convolution
-    (``BLOCKING_OPS``).
-
-    Measured (docs/performance.md, *Spinning per program*): spinning saves
-    the wake-up of the pool's thread before each of the many small parallel
-    kernels of an MLP, an RNN or a decoder (W1, W4, W7 faster by 15-30%,
-    L1 and W6 level); a convolutional step spends its time in long
-    convolution kernels, beside which a spinning idle thread takes a core
-    from the thread that works (W2, W5 slower by 10-40% with spinning).
-    ``ONNXTRAIN_SPINNING`` overrides the choice for every program.
-
-    >>> from onnx import helper
-    >>> g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"])], "g", [], [])
-    >>> spins(helper.make_model(g)), spins(helper.make_model(helper.make_graph([], "h", [], [])))
-    (False, True)
-    """
-    return not any(n.op_type in BLOCKING_OPS for n in model.graph.node)
-
-
-def default_session_options(threads: int | None = None, spinning: bool | None = None) -> ort.SessionOptions:
-    """Session options used unless the caller passes its own.
-
-    - graph optimizations: ORT_ENABLE_ALL (constant folding, fusions such as
-      Gemm+activation, layout transforms);
-    - intra-op threads: ``threads``, else the ``ONNXTRAIN_THREADS`` environment
-      variable, else onnxruntime's default (one per physical core);
-    - one inter-op thread and sequential execution: a training program is a
-      long chain of dependent kernels, parallel branches rarely pay;
-    - the CPU memory arena and memory pattern planning stay on (the shapes of a
-      training loop repeat, so buffers are reused from step to step);
-    - idle intra-op threads spin as ``spinning`` says (the ``Executor``
-      passes ``spins(model)``: not in convolutional programs; None:
-      onnxruntime's default, they spin), unless ``ONNXTRAIN_SPINNING`` is
-      set (1 or 0), which decides for every program; a machine shared with
-      other busy processes may prefer blocking waits.
-    """
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    env = os.environ.get("ONNXTRAIN_THREADS")
-    n = threads if threads is not None else (int(env) if env else 0)
-    if n:
-        so.intra_op_num_threads = n
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    spin = env_switch(SPINNING_ENV, "use 1 (idle threads spin) or 0 (they block)")
-    if spin is not None:
-        spinning = spin
-    if spinning is not None:
-        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-    # Errors come back as ExecutionError with onnxruntime's message: its own
-    # logger would print them to stderr a second time.
-    so.log_severity_level = 4
-    return so
-
-
 def device_of(providers: Sequence[Any] | None) -> tuple[str, int]:
     """Where state lives for these providers: ('cuda', id) or ('cpu', 0)."""
     for p in providers or ():
@@ -180,20 +117,6 @@ def state_device(providers: Sequence[Any] | None) -> tuple[str, int]:
     (with a warning) and runs on the next, CPU in the end; so does the state."""
     have = set(ort.get_available_providers())
     return device_of([p for p in providers or () if (p if isinstance(p, str) else p[0]) in have])
-
-
-#: Session options that already have a custom-op library, by id (kept alive here).
-_registered: dict[tuple[int, str], ort.SessionOptions] = {}
-_registered_lock = threading.Lock()
-
-
-def _register_library(so: ort.SessionOptions, path: str) -> None:
-    """Register a custom-op library once per SessionOptions object."""
-    with _registered_lock:
-        key = (id(so), path)
-        if _registered.get(key) is not so:
-            so.register_custom_ops_library(path)
-            _registered[key] = so
 
 
 #: Weights and state of at least this many bytes make a session's model large
@@ -301,29 +224,35 @@ class Executor:
             capped.CopyFrom(model)
             capped.ir_version = MAX_IR_VERSION
             model = capped
-        so = session_options or default_session_options(spinning=spins(model))
-        if (large or not mem_pattern) and session_options is None:
-            so.enable_mem_pattern = False
-        if shared_arena and session_options is None:
-            so.add_session_config_entry("session.use_env_allocators", "1")
+        own = session_options is None
+        recipe = Recipe.of(model, not (large or not mem_pattern), shared_arena, custom_ops_library) if own else None
+        so = recipe.options() if recipe is not None else session_options
         providers = list(providers) if providers else ["CPUExecutionProvider"]
         #: OrtValues over mapped weights, handed to onnxruntime without a copy (kept alive here).
         self.shared: dict[str, ort.OrtValue] = {}
         weights = None  # the shared weights, as the cache of optimized forms names them
         cacheable = True
         if tensors.has_mapped(model):
-            model, weights = self._share_mapped(model, so, label, own=session_options is None)
+            model, weights = self._share_mapped(model, so, label, own=own)
             cacheable = weights is not None
         data = model.SerializeToString()
+        #: (the key of this program's optimized form, the recipe of its options):
+        #: what a later process may make ahead (``ortcache.ahead``), or None.
+        self.ahead: tuple[bytes, Recipe] | None = None
         try:
             if custom_ops_library:
-                _register_library(so, custom_ops_library)
+                register_library(so, custom_ops_library)
             # onnxruntime's own optimized form of this model, where the cache has it
             disabled = None if fold_constants else ["ConstantFolding"]
-            own = session_options is None
-            found = ortcache.ort_model(data, so, providers, custom_ops_library, label, weights,
-                                       own) if cacheable and not disabled else None
-            self._sess = None
+            keyed = ortcache.ort_key(data, so, providers, custom_ops_library, label,
+                                     weights) if cacheable and not disabled else None
+            if keyed is not None and recipe is not None and weights is None:
+                self.ahead = (keyed.key, recipe)
+            # made on another thread from the same entry and recipe, where it was (runtime.firstrun)
+            self._sess = ortcache.ahead(*self.ahead) if self.ahead is not None else None
+            found = None
+            if keyed is not None and self._sess is None:
+                found = ortcache.ort_model(keyed, data, so, custom_ops_library, weights, own)
             if found is not None and found[0] is not None:
                 level = so.graph_optimization_level
                 if own:  # our options: its rewrites are done

@@ -40,6 +40,7 @@ import platform
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,9 @@ from ..core import diskcache
 from ..core.env import env_switch
 from ..io.model import ModelLike, load
 from ..io.tensors import memory_limit, stored_bytes
+from . import ortcache
 from .executor import LARGE_MODEL_BYTES, as_numpy, device_of
+from .options import Recipe
 
 #: 0 (or false/no/off) turns the shared arena and its faulting off.
 ENV = "ONNXTRAIN_PREFAULT"
@@ -89,10 +92,11 @@ def wanted(providers: Sequence[Any] | None, session_options: Any, data_parallel:
 def expected(source: Any, described: str, on: bool) -> Iterator[None]:
     """While a session of a model to be built from ``source`` (an inference
     model: a ModelProto or a path; ``described``: the build's options) is
-    made (``build.training_session``): the arena is filled at once for the
-    first run the last such session recorded under them, on the thread the
-    session's ``FirstRun`` then takes over, and its first run is recorded
-    under them too.  The builder's time is the filling's head start."""
+    made (``build.training_session``): the first training program's
+    session is made, and the arena filled, at once for the first run the
+    last such session recorded under them, on the thread the session's
+    ``FirstRun`` then takes over, and its first run is recorded under them
+    too.  The builder's time is the thread's head start."""
     key = _source_key(source, described) if on else None
     if key is None or not shared_arena():
         yield
@@ -101,8 +105,7 @@ def expected(source: Any, described: str, on: bool) -> Iterator[None]:
     thread = None
     if entry is not None:
         diskcache.count("firstrun.expected")
-        thread = threading.Thread(target=_quietly, args=(_fault_arena, int(entry[0].get("anon_bytes", 0))),
-                                  name="onnxtrain-first-run")
+        thread = threading.Thread(target=_run_all, args=(_ahead_jobs(entry[0]),), name="onnxtrain-first-run")
         thread.start()
     with _lock:
         _expected[:] = [(key, thread)]
@@ -203,6 +206,9 @@ class FirstRun:
         self._thread: threading.Thread | None = None
         self._touching: Touching | None = None
         self._measure = False
+        #: The session the record names (``note``), and the one this session noted.
+        self._session: Any = None
+        self._noted: list | None = None
 
     @classmethod
     def begin(cls, model: onnx.ModelProto, on: bool, large_from: int = LARGE_MODEL_BYTES) -> FirstRun:
@@ -223,8 +229,17 @@ class FirstRun:
                 first.also, first._thread = _expected.pop()
         if entry is not None:
             first.recorded = int(entry[0].get("anon_bytes", 0))
-            first._submit(_fault_arena, first.recorded)
+            first._session = entry[0].get("session")
+            first._submit(_run_all, _ahead_jobs(entry[0]))
         return first
+
+    def note(self, ahead: tuple[bytes, Recipe] | None) -> None:
+        """The first training program's session: the entry of its optimized
+        form and its options' recipe (``Executor.ahead``), which its first
+        run records, so that the next session of the model makes it ahead
+        (the first note counts)."""
+        if ahead is not None and not self._noted:
+            self._noted = [ahead[0].hex(), ahead[1].as_list()]
 
     def touch(self, buffers: Sequence[Any]) -> None:
         """Fault in ``buffers`` (CPU OrtValues or arrays nobody reads yet) on
@@ -268,10 +283,13 @@ class FirstRun:
         # With pages faulted in ahead, a run that still grew by an eighth of
         # them needed more (a cold start's record is low: its first run reuses
         # what lowering freed); the rest of a run's growth is not the arena's.
-        if grown > 0 and (not ahead or grown * RECORD_AGAIN > ahead):
+        more = grown > 0 and (not ahead or grown * RECORD_AGAIN > ahead)
+        # (recorded again where the session to make ahead changed, too)
+        if more or (self._noted is not None and self._noted != self._session):
+            record = {"anon_bytes": ahead + grown if more else ahead, "session": self._noted}
             for key in (self.key, self.also):
                 if key is not None:
-                    diskcache.write("firstrun", key, {"anon_bytes": ahead + grown}, b"")
+                    diskcache.write("firstrun", key, record, b"")
 
     def _submit(self, job: Callable[..., None], *args: Any) -> None:
         """Run ``job(*args)`` on a thread of its own, after the jobs before it
@@ -286,6 +304,28 @@ class FirstRun:
         thread = threading.Thread(target=run, name="onnxtrain-first-run")
         thread.start()
         self._thread = thread
+
+
+def _ahead_jobs(record: dict) -> list[Callable[[], None]]:
+    """What a record asks of the thread, in order: the first training
+    program's session made (``ortcache.make_ahead``; it is needed first),
+    then the arena filled."""
+    jobs = [partial(_fault_arena, int(record.get("anon_bytes", 0)))]
+    session = record.get("session")
+    if isinstance(session, list) and len(session) == 2 and isinstance(session[0], str):
+        recipe = Recipe.from_list(session[1])
+        try:
+            key = bytes.fromhex(session[0])
+        except ValueError:
+            recipe = None
+        if recipe is not None:
+            jobs.insert(0, partial(ortcache.make_ahead, key, recipe))
+    return jobs
+
+
+def _run_all(jobs: Sequence[Callable[[], None]]) -> None:
+    for job in jobs:
+        _quietly(job)
 
 
 def _quietly(job: Callable[..., None], *args: Any) -> None:

@@ -35,6 +35,8 @@ import sys
 import tempfile
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,6 +47,7 @@ import onnxruntime as ort
 from ..core import diskcache
 from ..core.protos import all_tensors
 from ..io import mapped
+from .options import Recipe, register_library
 
 #: Module state that changes at run time: not part of any cache key.
 __fingerprint__ = False
@@ -240,26 +243,23 @@ class SharedWeights:
         return model.SerializeToString()
 
 
-def ort_model(data: bytes, so: Any, providers: Any, library: str | None, label: str = "",
-              shared: SharedWeights | None = None, own: bool = False
-              ) -> tuple[bytes | None, Callable[[], None]] | None:
-    """For the serialized model ``data`` of the program ``label`` about to
-    be loaded by onnxruntime with options ``so``: the same model with
-    the graph optimizations of ``so``'s level already applied (made earlier
-    by onnxruntime itself, ``optimized_model_filepath``), and a function
-    that drops it (should onnxruntime refuse it); or None.  Loading it with
-    graph optimizations off makes the session ``so`` would make of
-    ``data``; loading it with ``so`` applies them again, which finds them
-    done.  Only for training algorithms (the first step's program; ``run``
-    and ``evaluate`` compile theirs later, if ever).
+@dataclass(frozen=True)
+class OrtKey:
+    """Where the optimized form of one program is kept (``ort_key``)."""
 
-    On a miss, the optimized model is made later on the writer thread, with
-    options of its own (the user's are never changed).  A program with
-    ``shared`` weights (``SharedWeights``, which ``so`` gives onnxruntime)
-    is made by its own session instead, where ``so`` is the executor's
-    (``own``): then the answer is (None, a function to call once the
-    session is made), and ``so`` has the session save its optimized form."""
-    global _ort_submitted
+    key: bytes
+    level: int
+    deterministic: bool
+
+
+def ort_key(data: bytes, so: Any, providers: Any, library: str | None, label: str = "",
+            shared: SharedWeights | None = None) -> OrtKey | None:
+    """The entry of the optimized form of the serialized model ``data``
+    of the program ``label`` about to be loaded by onnxruntime with options
+    ``so`` (``ort_model``), or None where none is kept: only for training
+    algorithms (the first step's program; ``run`` and ``evaluate`` compile
+    theirs later, if ever), on the CPU provider, with options that leave
+    every graph rewrite on."""
     if not diskcache.enabled() or len(data) > diskcache.MAX_ENTRY_BYTES or not label.endswith(".algorithm"):
         return None
     level = _ort_level(so, providers)
@@ -275,6 +275,28 @@ def ort_model(data: bytes, so: Any, providers: Any, library: str | None, label: 
     deterministic = bool(getattr(so, "use_deterministic_compute", False))
     key = diskcache.make_key("ort", _ort_build(), str(level), str(deterministic), lib,
                              data if shared is None else shared.neutral())
+    return OrtKey(key, level, deterministic)
+
+
+def ort_model(keyed: OrtKey, data: bytes, so: Any, library: str | None, shared: SharedWeights | None = None,
+              own: bool = False) -> tuple[bytes | None, Callable[[], None]] | None:
+    """For the serialized model ``data`` about to be loaded by onnxruntime
+    with options ``so`` (``keyed``: its ``ort_key``): the same model with
+    the graph optimizations of ``so``'s level already applied (made earlier
+    by onnxruntime itself, ``optimized_model_filepath``), and a function
+    that drops it (should onnxruntime refuse it); or None.  Loading it with
+    graph optimizations off makes the session ``so`` would make of
+    ``data``; loading it with ``so`` applies them again, which finds them
+    done.
+
+    On a miss, the optimized model is made later on the writer thread, with
+    options of its own (the user's are never changed).  A program with
+    ``shared`` weights (``SharedWeights``, which ``so`` gives onnxruntime)
+    is made by its own session instead, where ``so`` is the executor's
+    (``own``): then the answer is (None, a function to call once the
+    session is made), and ``so`` has the session save its optimized form."""
+    global _ort_submitted
+    key, level, deterministic = keyed.key, keyed.level, keyed.deterministic
     entry = diskcache.read("ort", key)
     drop = lambda: diskcache.remove(diskcache.entry_path("ort", key))  # noqa: E731
     if entry is not None and entry[0].get("level") == level:
@@ -372,11 +394,59 @@ def _make_ort(key: bytes, data: bytes, level: int, deterministic: bool, library:
 
 
 
+#: Sessions made ahead (``make_ahead``) by (entry key, recipe): those of the last one.
+_ahead: dict[tuple[bytes, Recipe], Future] = {}
+
+
+def make_ahead(key: bytes, recipe: Recipe) -> None:
+    """Make, from the entry ``key`` and with ``recipe``'s options, the
+    session that the executor of that program would make, for ``ahead`` to
+    hand over: on a thread of its own while the program is being built
+    (``runtime.firstrun``).  Nothing where it is made or being made
+    already.  One at a time: a new one drops what an older one made and
+    nobody took."""
+    with _lock:
+        if (key, recipe) in _ahead:
+            return
+        _ahead.clear()
+        made = _ahead[key, recipe] = Future()
+    try:
+        made.set_result(_session_of(key, recipe))
+    except Exception:  # (a bad entry or recipe: the executor makes its own, as ever)
+        made.set_result(None)
+
+
+def _session_of(key: bytes, recipe: Recipe) -> ort.InferenceSession | None:
+    """The session ``Executor`` makes of the entry ``key`` (its rewrites done) with ``recipe``."""
+    entry = diskcache.read("ort", key)
+    so = recipe.options()
+    if entry is None or entry[0].get("level") != _ort_level(so, None):
+        return None
+    if recipe.library:
+        register_library(so, recipe.library)
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(entry[1], sess_options=so, providers=["CPUExecutionProvider"])
+
+
+def ahead(key: bytes, recipe: Recipe) -> ort.InferenceSession | None:
+    """The session ``make_ahead`` made for the entry ``key`` and ``recipe``
+    (waited for if under way, handed over once), or None where none was."""
+    with _lock:
+        made = _ahead.pop((key, recipe), None)
+        if made is None:  # (what was asked for is another program's: not kept for nobody)
+            _ahead.clear()
+            return None
+    sess = made.result()
+    diskcache.count("ort.ahead" if sess is not None else "ort.ahead_failed")
+    return sess
+
+
 def _after_fork_in_child() -> None:
-    """A forked child has made no optimized model yet."""
+    """A forked child has made no optimized model yet, nor any session ahead."""
     global _lock, _ort_submitted
     _lock = threading.Lock()
     _ort_submitted = 0
+    _ahead.clear()
 
 
 if hasattr(os, "register_at_fork"):

@@ -215,9 +215,12 @@ class ProgramRunner:
         mem_pattern = not (opts.recompute or (step and not opts.small))
         shared = self.first_run.on
         try:
-            return Executor(run.model, opts.providers, opts.session_options, program.label, run.library,
-                            large=opts.large, fold_constants=fold, mem_pattern=mem_pattern,
-                            prune_unfetched=prune_unfetched, shared_arena=shared)
+            ex = Executor(run.model, opts.providers, opts.session_options, program.label, run.library,
+                          large=opts.large, fold_constants=fold, mem_pattern=mem_pattern,
+                          prune_unfetched=prune_unfetched, shared_arena=shared)
+            if role == ALGORITHM:  # (the first one is made ahead next time: runtime.firstrun)
+                self.first_run.note(ex.ahead)
+            return ex
         except TrainingModelError as exc:
             if run.library is None or opts.fused_kernels or special is not None:
                 raise

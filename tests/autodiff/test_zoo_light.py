@@ -63,7 +63,8 @@ from onnx.reference.op_run import OpRun
 from onnxtrain.autodiff import expand_gradients
 from onnxtrain.core.graph import PREVIEW_DOMAIN
 from onnxtrain.core.names import NameGen
-from onnxtrain.runtime.executor import Executor, default_session_options
+from onnxtrain.runtime.executor import Executor
+from onnxtrain.runtime.options import default_session_options
 
 #: Minutes of float64 oracles on 2 cores, about our rules and not the
 #: libraries' versions: CI runs them in its newest leg only (.ci/run).

@@ -64,7 +64,7 @@ SCRIPT = textwrap.dedent("""
     else:
         sess = TrainingSession(model)
     feeds = {{"X": x, "label": label}}
-    sess._runner.executor(sess._programs.algorithms[0], feeds)  # compiled, and the pages faulted in
+    ex = sess._runner.executor(sess._programs.algorithms[0], feeds)  # compiled, and the pages faulted in
     losses, grown = [], None
     for step in range(3):
         before = anon_bytes()
@@ -76,13 +76,15 @@ SCRIPT = textwrap.dedent("""
         h.update(np.ascontiguousarray(sess.state[k]).tobytes())
     diskcache.flush()
     print(json.dumps({{"losses": losses, "state": h.hexdigest(), "grown": grown,
-                      "stats": dict(diskcache.stats)}}))
+                      "stats": dict(diskcache.stats), "spinning": ex.spinning}}))
 """)
 
 
-def _process(cache: Path, how: str = "") -> dict:
-    """SCRIPT in a fresh process with the startup cache ``cache``: its losses, state digest, first-run growth, counters."""
-    env = dict(os.environ, ONNXTRAIN_CACHE_DIR=str(cache), ONNXTRAIN_PROGRAM_CACHE="1", ONNXTRAIN_PREFAULT="1")
+def _process(cache: Path, how: str = "", **env: str) -> dict:
+    """SCRIPT in a fresh process with the startup cache ``cache`` (and ``env``): its losses,
+    state digest, first-run growth, counters, and whether its step's idle threads spin."""
+    env = dict(os.environ, ONNXTRAIN_CACHE_DIR=str(cache), ONNXTRAIN_PROGRAM_CACHE="1", ONNXTRAIN_PREFAULT="1",
+               **env)
     code = SCRIPT.format(builder_tests=BUILDER_TESTS, here=str(Path(__file__).parent))
     done = subprocess.run([sys.executable, "-c", code, how], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -125,6 +127,69 @@ def test_one_call_faults_the_first_runs_memory_in_from_before_the_build(tmp_path
     assert all(r["stats"].get("firstrun.expected") == 1 for r in runs)
     assert runs[-1]["grown"] < recording["grown"] / 8
     assert recording["losses"] == runs[0]["losses"] == runs[1]["losses"] == plain_losses_and_state()[0]
+
+
+def test_the_first_steps_session_is_made_ahead_where_the_record_fits(tmp_path, monkeypatch):
+    """The first process records its first training program's session (the
+    entry of its optimized form and its options' recipe); the next ones
+    make it on the first run's thread while the model is built, and train
+    the same bit for bit.  With other options (idle threads that block
+    instead of spinning) what was made ahead is not taken: the executor
+    makes its own, and the record follows the new options."""
+    monkeypatch.delenv("ONNXTRAIN_SPINNING", raising=False)
+    recording = _process(tmp_path, "one call")
+    assert recording["stats"].get("ort.miss") == 1 and "ort.ahead" not in recording["stats"]
+    later = _process(tmp_path, "one call")
+    assert later["stats"].get("ort.ahead") == 1
+    assert "ort.hit" not in later["stats"] and "ort.miss" not in later["stats"]
+    assert later["losses"] == recording["losses"] == plain_losses_and_state()[0]
+    assert later["state"] == recording["state"] and later["spinning"] is recording["spinning"] is True
+    # Bug planted: the session taken by its entry alone; the one made ahead spins.
+    blocking = _process(tmp_path, "one call", ONNXTRAIN_SPINNING="0")
+    assert "ort.ahead" not in blocking["stats"] and blocking["stats"].get("ort.hit") == 1
+    assert blocking["spinning"] is False and blocking["losses"] == recording["losses"]
+    again = _process(tmp_path, ONNXTRAIN_SPINNING="0")  # (TrainingSession: the model's own record)
+    assert again["stats"].get("ort.ahead") == 1 and again["spinning"] is False
+    assert again["losses"] == recording["losses"]
+
+
+@pytest.mark.parametrize("session", [
+    None, "a string", ["zz", [1, None, True, True, None]],  # not hex
+    ["ab", [1, 2, True, True, None]], ["ab", [1, None, True, True]], ["ab", ["1", None, True, True, None]],
+    ["ab", [1, None, 1, True, None]], ["ab", [1, None, True, True, 7]],
+])
+def test_a_damaged_record_makes_nothing_ahead(session):
+    (job,) = firstrun._ahead_jobs({"anon_bytes": 4096, "session": session})
+    assert job.func is firstrun._fault_arena and job.args == (4096,)
+
+
+def test_a_session_made_ahead_is_taken_once_and_only_with_its_recipe(tmp_path, monkeypatch):
+    from onnxtrain.runtime import ortcache
+    from onnxtrain.runtime.options import Recipe
+
+    monkeypatch.setenv("ONNXTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(diskcache.ENV, "1")
+    monkeypatch.setattr(ortcache, "_ort_submitted", 0)  # (a process makes ORT_MAX_MADE optimized forms at most)
+    x, label, model = first_run_case()
+    sess = TrainingSession(model)
+    loss = float(sess.train_step({"X": x, "label": label})["loss"])
+    diskcache.flush()  # (the optimized form, made at the miss)
+    key, recipe = sess._runner.executor(sess._programs.algorithms[0], {"X": x, "label": label}).ahead  # (the step's)
+    made, jobs = [], firstrun._ahead_jobs({"session": [key.hex(), recipe.as_list()]})
+    assert [getattr(j.func, "__name__", "") for j in jobs] == ["make_ahead", "_fault_arena"]
+    real = ortcache._session_of
+    monkeypatch.setattr(ortcache, "_session_of", lambda *a: made.append(a) or real(*a))
+    jobs[0]()
+    jobs[0]()  # (made already: not again)
+    assert made == [(key, recipe)]
+    other = Recipe(**{**vars(recipe), "mem_pattern": not recipe.mem_pattern})
+    assert ortcache.ahead(key, other) is None and not ortcache._ahead  # another recipe: dropped
+    ortcache.make_ahead(key, recipe)
+    diskcache.stats.clear()
+    again = TrainingSession(model)
+    assert float(again.train_step({"X": x, "label": label})["loss"]) == loss
+    assert diskcache.stats.get("ort.ahead") == 1 and not ortcache._ahead
+    assert ortcache.ahead(key, recipe) is None  # handed over once
 
 
 def test_an_arena_the_application_registered_first_changes_no_result(tmp_path):

@@ -16,7 +16,8 @@ from models import linear_regression
 
 from onnxtrain import TrainingSession
 from onnxtrain.runtime import runner
-from onnxtrain.runtime.executor import SMALL_MODEL_BYTES, SPINNING_ENV, default_session_options
+from onnxtrain.runtime.executor import SMALL_MODEL_BYTES
+from onnxtrain.runtime.options import SPINNING_ENV, default_session_options
 
 KEY = "session.intra_op.allow_spinning"
 

@@ -1,4 +1,4 @@
-"""The intra-op wait policy chosen per program (``executor.spins``): a
+"""The intra-op wait policy chosen per program (``options.spins``): a
 program of small kernels spins, a convolutional one blocks, and
 ``ONNXTRAIN_SPINNING`` decides for every program where it is set."""
 
@@ -10,7 +10,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxtrain
-from onnxtrain.runtime.executor import SPINNING_ENV, Executor, default_session_options, spins
+from onnxtrain.runtime.executor import Executor
+from onnxtrain.runtime.options import SPINNING_ENV, default_session_options, spins
 
 PREVIEW = "ai.onnx.preview.training"
 
