@@ -192,7 +192,7 @@ def held_attached(payload: bytes, where: list, data: Mapping[str, Any]) -> onnx.
     except Exception:  # a payload that does not parse, a place or a digest it lacks
         return None
     state = {b.key for ti in out.training_info for b in (*ti.update_binding, *ti.initialization_binding)}
-    return storage.hold(out, state, given) if given else out
+    return storage.hold(out, state, given, in_place=True) if given else out
 
 
 def _self_contained(model: onnx.ModelProto, mapped_weights: bool = False) -> bool:

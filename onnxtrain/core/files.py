@@ -417,3 +417,41 @@ def _exchange(a: Path, b: Path) -> bool:
     if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), os.fspath(b))
+
+
+def _temp_pattern(name: str) -> re.Pattern:
+    """The temporary files of writes of ``name``, and of its data files (``io.storage``'s ``<name>.<hex>.data``)."""
+    data = r"(?:\.[0-9a-f]{8}\.data)?"
+    return re.compile(rf"^\.{re.escape(name)}{data}\.(?:(\d+)\.)?[A-Za-z0-9_]+\.tmp$")
+
+
+def remove_stale_temp_files(folder: str | os.PathLike, name: str) -> list[str]:
+    """Remove temporary files that interrupted writes of ``folder/name`` left.
+
+    A temporary file is stale when the process that wrote it (its pid is in
+    the name) is gone, or when it is older than a day.  Returns the removed
+    names.  Files of live writers are kept, so concurrent exports of other
+    paths in the same folder are never disturbed."""
+    pattern = _temp_pattern(name)
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        m = pattern.match(entry.name)
+        if not m or not entry.is_file(follow_symlinks=False):
+            continue
+        pid = int(m.group(1)) if m.group(1) else None
+        try:
+            old = now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_SECONDS
+        except OSError:
+            continue
+        if old or (pid is not None and not pid_alive(pid)):
+            try:
+                os.unlink(entry.path)
+                removed.append(entry.name)
+            except OSError:
+                pass
+    return removed

@@ -40,7 +40,6 @@ import re
 import secrets
 import stat
 import threading
-import time
 from collections.abc import Callable, Container, Mapping
 from pathlib import Path, PureWindowsPath
 from typing import Any, BinaryIO
@@ -51,16 +50,16 @@ from google.protobuf.message import EncodeError
 from onnx import numpy_helper
 
 from ..core.files import (
-    STALE_TEMP_SECONDS,
     fsync_dir,
-    pid_alive,
     process_folder,
     refuse_special,
+    remove_stale_temp_files,
     replace_with,
     unlink_quietly,
     write_temp,
 )
 from ..core.protos import all_tensors, labelled_tensors
+from ..core.walk import graphs_within
 from ..errors import TrainingModelError
 from . import mapped
 from .tensors import check_dims, copy_fields, data_type_name, element_count, memory_limit, raw_bytes, stored_bytes
@@ -380,43 +379,6 @@ def _serialize(model: onnx.ModelProto, how: str) -> bytes:
         ) from exc
 
 
-def _temp_pattern(name: str) -> re.Pattern:
-    data = r"(?:\.[0-9a-f]{8}\.data)?"
-    return re.compile(rf"^\.{re.escape(name)}{data}\.(?:(\d+)\.)?[A-Za-z0-9_]+\.tmp$")
-
-
-def remove_stale_temp_files(folder: str | os.PathLike, name: str) -> list[str]:
-    """Remove temporary files that interrupted writes of ``folder/name`` left.
-
-    A temporary file is stale when the process that wrote it (its pid is in
-    the name) is gone, or when it is older than a day.  Returns the removed
-    names.  Files of live writers are kept, so concurrent exports of other
-    paths in the same folder are never disturbed."""
-    pattern = _temp_pattern(name)
-    removed = []
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return removed
-    now = time.time()
-    for entry in entries:
-        m = pattern.match(entry.name)
-        if not m or not entry.is_file(follow_symlinks=False):
-            continue
-        pid = int(m.group(1)) if m.group(1) else None
-        try:
-            old = now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMP_SECONDS
-        except OSError:
-            continue
-        if old or (pid is not None and not pid_alive(pid)):
-            try:
-                os.unlink(entry.path)
-                removed.append(entry.name)
-            except OSError:
-                pass
-    return removed
-
-
 def _locations(model: onnx.ModelProto) -> set[str]:
     """External data files a model refers to."""
     out = set()
@@ -642,15 +604,40 @@ def _put_tensor(t: onnx.TensorProto, dst: onnx.TensorProto, sink: _DataSink) -> 
     if not sink.wants(t):
         dst.CopyFrom(t)
         return
-    copy_fields(t, dst, ("raw_data", "float_data", "int32_data", "string_data", "int64_data",
-                          "double_data", "uint64_data", "external_data", "data_location"))
+    copy_fields(t, dst, _DATA_FIELDS)
     if sink.placeholder(t) and not sink.streams(t):
         dst.raw_data = sink.inline(t)
         return
-    location, offset, length = sink.write(t)
-    dst.data_location = onnx.TensorProto.EXTERNAL
+    _point(dst, *sink.write(t))
+
+
+_A = onnx.AttributeProto
+#: A tensor's fields that hold its data, or say where it is.
+_DATA_FIELDS = ("raw_data", "float_data", "int32_data", "string_data", "int64_data",
+                "double_data", "uint64_data", "external_data", "data_location")
+
+
+def _point(t: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    """``t`` (its data fields empty) points at ``length`` bytes of ``location`` from ``offset``."""
+    t.data_location = onnx.TensorProto.EXTERNAL
     for key, value in (("location", location), ("offset", offset), ("length", length)):
-        dst.external_data.add(key=key, value=str(value))
+        t.external_data.add(key=key, value=str(value))
+
+
+def _held_in_place(model: onnx.ModelProto, sink: _HoldSink) -> list[tuple]:
+    """What ``_skeleton_model`` does, without a copy: each tensor of ``model``
+    that ``sink`` wants is written, and returned with where it went (to be
+    pointed there once every write is done: a failed one changes nothing)."""
+    moved: list[tuple] = []
+    for graph, cold in [(model.graph, False)] + [(getattr(ti, f), f == "initialization") for ti in model.training_info
+                                                 for f in ("initialization", "algorithm") if ti.HasField(f)]:
+        sink.cold = cold
+        for g in graphs_within([graph]):  # (the tensors _skeleton_graph puts: sparse ones stay)
+            held = [a for n in g.node for a in n.attribute if a.type in (_A.TENSOR, _A.TENSORS)]
+            tensors = [*g.initializer, *(t for a in held for t in ([a.t] if a.type == _A.TENSOR else a.tensors))]
+            moved += [(t, *sink.write(t)) for t in tensors if sink.wants(t)]
+    sink.cold = False
+    return moved
 
 
 def _tensor_data(t: onnx.TensorProto) -> bytes:
@@ -675,11 +662,13 @@ def _held_dir() -> Path:
         return _held_folder[0]
 
 
-def hold(model: onnx.ModelProto, state: Container[str], given: Mapping[int, tuple] | None = None) -> onnx.ModelProto | None:
+def hold(model: onnx.ModelProto, state: Container[str], given: Mapping[int, tuple] | None = None,
+         in_place: bool = False) -> onnx.ModelProto | None:
     """A copy of ``model`` with no tensor of ``HOLD_FROM`` bytes or more in its
     protobuf, or None when it has none (placeholders stay as they are).
 
     ``given``: by ``id``, (tensor it ``holds`` without raw_data, its bytes or array), held from there.
+    ``in_place``: ``model`` itself is changed and returned, not copied (a model nobody else holds).
     - The frozen tensors (initializers of the main graph and of the
       algorithms that are not in ``state``, and Constant values there),
       which programs read at every run, go to one file in memory
@@ -700,13 +689,18 @@ def hold(model: onnx.ModelProto, state: Container[str], given: Mapping[int, tupl
     for memory in (_spill_dir, _held_dir):
         sink = _HoldSink(state, memory, given or {})
         try:
-            skeleton = _skeleton_model(model, sink)
+            moved = _held_in_place(model, sink) if in_place else None
+            skeleton = model if in_place else _skeleton_model(model, sink)
             sink.close()
         except OSError:  # no room (a small /dev/shm): everything on disk, or nothing
             sink.close(remove=True)
             continue
         if not sink.files:
             return None
+        for t, *where in moved or ():
+            for field in _DATA_FIELDS:
+                t.ClearField(field)
+            _point(t, *where)
         for held in sink.files.values():
             mapped.own(mapped.trust(held.path))
         return skeleton

@@ -22,6 +22,7 @@ from test_build_cache import private_cache  # noqa: F401  (autouse: a startup ca
 from onnxtrain import TrainingSession, build
 from onnxtrain.builder import cache as built_cache
 from onnxtrain.core import diskcache
+from onnxtrain.core.protos import all_tensors
 from onnxtrain.io import mapped, storage
 
 SIZES = (1024, 512, 64)  # W1: 2 MiB, held (storage.HOLD_FROM); W2: 128 KiB, put back; the rest inline
@@ -107,6 +108,44 @@ def test_hold_writes_given_data_once_and_compares_nothing(monkeypatch):
     assert sorted(held) == ["W1", "v", "w"]
     assert mapped.source(held["w"])[1:] == mapped.source(held["v"])[1:]  # the same bytes, at one place
     np.testing.assert_array_equal(mapped.array(held["v"]), np.arange(1 << 18, dtype=np.float32))
+
+
+def test_hold_in_place_is_hold_without_the_copy_even_where_a_write_fails(monkeypatch):
+    """``hold(in_place=True)`` (a cache hit's own model) changes the model
+    itself into what the copy would be.  Where a write fails (a small
+    /dev/shm), what it wrote goes and the model is held on disk as a whole:
+    bug caught, had the tensors moved as they were written, those written
+    before the failure pointed into the removed file."""
+    def with_constant():
+        model = mlp(SIZES)
+        model.graph.node.insert(0, onnx.helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(
+            np.ones(1 << 18, np.float32), "c")))  # (a tensor attribute, held too)
+        return model
+
+    copied = storage.hold(with_constant(), {"W1"})
+    model = with_constant()
+    assert storage.hold(model, {"W1"}, in_place=True) is model
+    def where(m):
+        return [(t.name, t.data_location, mapped.is_mapped(t), t.raw_data) for t in all_tensors(m)]
+    assert where(model) == where(copied)
+    for a, b in zip(all_tensors(model), all_tensors(copied)):
+        if mapped.is_mapped(a):
+            np.testing.assert_array_equal(mapped.array(a), mapped.array(b))
+    put, calls = storage._HeldFile.put, []
+
+    def full_at_the_second(self, t, given=None):
+        calls.append(self.path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return put(self, t, given)
+    monkeypatch.setattr(storage._HeldFile, "put", full_at_the_second)
+    model = with_constant()
+    assert storage.hold(model, set(), in_place=True) is model and len(calls) == 4
+    held = [t for t in all_tensors(model) if mapped.is_mapped(t)]
+    assert len(held) == 2 and {mapped.source(t)[0] for t in held} == {calls[-1]}  # (the second try's file)
+    assert not os.path.exists(calls[0])
+    for t, ref in zip(held, [t for t in all_tensors(with_constant()) if storage.holds(t)]):
+        np.testing.assert_array_equal(mapped.array(t), numpy_helper.to_array(ref))
 
 
 def test_a_damaged_entry_is_rebuilt_on_the_held_path_too():

@@ -27,6 +27,7 @@ from onnx import TensorProto, helper, numpy_helper
 from reliability_models import assert_state_equal, counter_model, snapshot
 
 from onnxtrain import TrainingModelError, TrainingSession
+from onnxtrain.core.files import remove_stale_temp_files
 from onnxtrain.io import loading as otloading
 from onnxtrain.io import storage as otstorage
 from onnxtrain.io import tensors as ottensors
@@ -395,7 +396,7 @@ def test_stale_temp_files_are_removed_and_live_ones_kept(tmp_path):
     write_model(counter_model(), tmp_path / "m.onnx")
     left = set(os.listdir(tmp_path))
     assert left == {"m.onnx", *live}, left
-    assert otstorage.remove_stale_temp_files(tmp_path, "other.onnx") == [live[1]]
+    assert remove_stale_temp_files(tmp_path, "other.onnx") == [live[1]]
 
 
 def test_leftover_temp_files_do_not_break_loading(tmp_path):
