@@ -230,7 +230,10 @@ class FirstRun:
         if entry is not None:
             first.recorded = int(entry[0].get("anon_bytes", 0))
             first._session = entry[0].get("session")
-            first._submit(_run_all, _ahead_jobs(entry[0]))
+            # (a thread begun before the build made the session ahead already, and it
+            # may be taken by now: made again, it would only hold the first run up)
+            jobs = _ahead_jobs(entry[0])
+            first._submit(_run_all, jobs[-1:] if first.also is not None else jobs)
         return first
 
     def note(self, ahead: tuple[bytes, Recipe] | None) -> None:

@@ -192,6 +192,30 @@ def test_a_session_made_ahead_is_taken_once_and_only_with_its_recipe(tmp_path, m
     assert ortcache.ahead(key, recipe) is None  # handed over once
 
 
+def test_a_session_taking_over_the_thread_begun_before_the_build_makes_nothing_again(tmp_path, monkeypatch):
+    """Bug caught: the session's own record asked the thread for the session
+    made ahead a second time; where the executor had taken the first one
+    already (W5: the arena's filling took longer than the build), a second
+    was made, which nobody took and the first run waited for (30-50 ms)."""
+    monkeypatch.setenv("ONNXTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(diskcache.ENV, "1")
+    monkeypatch.delenv(firstrun.ENV, raising=False)
+    asked = []
+    monkeypatch.setattr(firstrun, "_run_all", lambda jobs: asked.append([j.func.__name__ for j in jobs]))
+    source, model = mlp(sizes=(64, 2048, 4)), first_run_case()[2]
+    record = {"anon_bytes": 8 << 20, "session": ["ab", [1, None, True, True, None]]}
+    diskcache.write_now("firstrun", firstrun._source_key(source, "options"), record, b"")
+    diskcache.write_now("firstrun", firstrun.shape_key(model, firstrun.LARGE_MODEL_BYTES), record, b"")
+    with firstrun.expected(source, "options", True):
+        firstrun._expected[0][1].join()
+        first = firstrun.FirstRun.begin(model, True)
+        first.wait()
+    assert asked == [["make_ahead", "_fault_arena"], ["_fault_arena"]]
+    first = firstrun.FirstRun.begin(model, True)  # (no thread begun before: this one makes it)
+    first.wait()
+    assert asked[-1] == ["make_ahead", "_fault_arena"]
+
+
 def test_an_arena_the_application_registered_first_changes_no_result(tmp_path):
     # onnxruntime takes a second registration without a word: the sessions
     # of the application and onnxtrain's then share one arena, and train the same.
