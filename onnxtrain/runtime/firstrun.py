@@ -327,6 +327,7 @@ def _ahead_jobs(record: dict) -> list[Callable[[], None]]:
 
 
 def _run_all(jobs: Sequence[Callable[[], None]]) -> None:
+    """Each of ``jobs`` in order, each best effort (``_quietly``)."""
     for job in jobs:
         _quietly(job)
 

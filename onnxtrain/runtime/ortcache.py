@@ -47,7 +47,7 @@ import onnxruntime as ort
 from ..core import diskcache
 from ..core.protos import all_tensors
 from ..io import mapped
-from .options import Recipe, register_library
+from .options import Recipe
 
 #: Module state that changes at run time: not part of any cache key.
 __fingerprint__ = False
@@ -393,7 +393,6 @@ def _make_ort(key: bytes, data: bytes, level: int, deterministic: bool, library:
     diskcache.write_now("ort", key, {"level": level}, optimized)
 
 
-
 #: Sessions made ahead (``make_ahead``) by (entry key, recipe): those of the last one.
 _ahead: dict[tuple[bytes, Recipe], Future] = {}
 
@@ -410,10 +409,13 @@ def make_ahead(key: bytes, recipe: Recipe) -> None:
             return
         _ahead.clear()
         made = _ahead[key, recipe] = Future()
+    sess = None
     try:
-        made.set_result(_session_of(key, recipe))
+        sess = _session_of(key, recipe)
     except Exception:  # (a bad entry or recipe: the executor makes its own, as ever)
-        made.set_result(None)
+        pass
+    finally:  # (answered whatever happens: ``ahead`` waits for it)
+        made.set_result(sess)
 
 
 def _session_of(key: bytes, recipe: Recipe) -> ort.InferenceSession | None:
@@ -423,7 +425,7 @@ def _session_of(key: bytes, recipe: Recipe) -> ort.InferenceSession | None:
     if entry is None or entry[0].get("level") != _ort_level(so, None):
         return None
     if recipe.library:
-        register_library(so, recipe.library)
+        so.register_custom_ops_library(recipe.library)
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return ort.InferenceSession(entry[1], sess_options=so, providers=["CPUExecutionProvider"])
 
