@@ -116,12 +116,12 @@ def instrument() -> tuple[dict, dict]:
     # Sessions made on the main thread, and the wait for one made ahead on
     # another (onnxtrain.runtime.ortcache.ahead), are on the first step's
     # path; those made on other threads are reported apart.
-    init, threaded = onnxruntime.InferenceSession.__init__, timed("ort.InferenceSession.ahead", lambda f, *a, **k: f(*a, **k))
-    main = timed("ort.InferenceSession", lambda f, *a, **k: f(*a, **k))
+    init = onnxruntime.InferenceSession.__init__
+    main, threaded = timed("ort.InferenceSession", init), timed("ort.InferenceSession.ahead", init)
 
     @functools.wraps(init)
     def session_init_any_thread(*a, **k):
-        return (main if threading.current_thread() is threading.main_thread() else threaded)(init, *a, **k)
+        return (main if threading.current_thread() is threading.main_thread() else threaded)(*a, **k)
     onnxruntime.InferenceSession.__init__ = session_init_any_thread
     try:
         import onnxtrain.runtime.ortcache as OC

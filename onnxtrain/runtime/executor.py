@@ -225,7 +225,7 @@ class Executor:
             capped.ir_version = MAX_IR_VERSION
             model = capped
         own = session_options is None
-        recipe = Recipe.of(model, not (large or not mem_pattern), shared_arena, custom_ops_library) if own else None
+        recipe = Recipe.of(model, mem_pattern and not large, shared_arena, custom_ops_library) if own else None
         so = recipe.options() if recipe is not None else session_options
         providers = list(providers) if providers else ["CPUExecutionProvider"]
         #: OrtValues over mapped weights, handed to onnxruntime without a copy (kept alive here).
