@@ -339,7 +339,7 @@ def worker_onnxtrain(key: str, spec: dict, files: dict, work: Path) -> dict:
         feeds = genai_feeds(genai, ids) if genai else {"input_ids": ids}
         feeds["labels"] = tokens[step, :, 1:].copy()
         t = time.perf_counter()
-        out = sess.train_step(feeds)
+        out = sess.train_step(feeds, fetch=["loss"])  # (as peft's step: not the logits)
         times.append(time.perf_counter() - t)
         losses.append(float(out["loss"]))
     from onnxtrain.summary import state_rows

@@ -17,7 +17,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from .parallel.step import DataParallelStep
 from .runtime.executor import as_numpy, device_of, state_device
 from .runtime.firstrun import load_faulting_ahead, wanted
 from .runtime.options import default_session_options
-from .runtime.runner import ProgramRunner, RunOptions, specialize_default
+from .runtime.runner import ProgramRunner, RunOptions, fetched_names, specialize_default
 from .runtime.settings import Settings
 from .runtime.state import StateStore, StateView
 from .train import loop
@@ -303,7 +303,7 @@ class TrainingSession:
 
     # ------------------------------------------------------------ the steps
     def train_step(
-        self, feeds: Mapping[str, Any], algorithm: int | None = None, fetch: bool = True
+        self, feeds: Mapping[str, Any], algorithm: int | None = None, fetch: bool | Iterable[str] = True
     ) -> dict[str, np.ndarray]:
         """Run one training step and commit its update_binding.
 
@@ -312,7 +312,8 @@ class TrainingSession:
         wrote.  The state changes only if every run succeeds.  Returns every
         combined-graph output that no update_binding consumes (later
         algorithms win on equal names); ``fetch=False`` returns nothing and
-        skips those transfers, for tight loops."""
+        ``fetch=["loss"]`` those named: the step then skips what only the
+        others need (e.g. the inference-mode forward pass of BatchNorm)."""
         algorithms = self._programs.algorithms
         if algorithm is None:
             if not algorithms:
@@ -331,6 +332,7 @@ class TrainingSession:
                 f"train_step: algorithm must be None or an index in "
                 f"[0, {len(algorithms)}), got {algorithm!r}"
             )
+        fetch = fetched_names(programs, fetch)
         if self._parallel is not None:
             indices = range(len(algorithms)) if algorithm is None else (int(algorithm),)
             with self._lock:

@@ -210,11 +210,12 @@ class Executor:
         with default options, no memory pattern (planned from the first run
         and kept besides the arena's blocks): the choice of a model built to
         save activation memory (``recompute=``), measured in docs/large-models.md.
-        ``prune_unfetched``: a run that fetches nothing but state outputs
-        runs a second session of the program pruned to those outputs, when
-        pruning drops nodes (onnxruntime computes every output of a graph,
+        ``prune_unfetched``: a run that fetches some outputs only (or none but
+        state outputs) runs a second session of the program pruned to those,
+        when pruning drops nodes (onnxruntime computes every output of a graph,
         bound or not: a builder's BatchNorm model would run its inference-mode
-        forward pass on every step for the outputs nobody fetched).
+        forward pass on every step for the outputs nobody fetched); it is
+        loaded as this one is, from the cache of optimized forms.
         ``shared_arena``: with default options, onnxruntime allocates from the
         process's shared arena (``runtime.firstrun``).
         With default options, idle threads spin as ``spins(model)`` decides."""
@@ -235,41 +236,16 @@ class Executor:
         if tensors.has_mapped(model):
             model, weights = self._share_mapped(model, so, label, own=own)
             cacheable = weights is not None
-        data = model.SerializeToString()
-        #: (the key of this program's optimized form, the recipe of its options):
-        #: what a later process may make ahead (``ortcache.ahead``), or None.
-        self.ahead: tuple[bytes, Recipe] | None = None
+        #: (the key of each session's optimized form, the recipe of its options),
+        #: in the order made (this program's, then its pruned ones): what a later
+        #: process may make ahead (``ortcache.ahead``).
+        self.ahead: list[tuple[bytes, Recipe]] = []
+        self._recipe = recipe
         try:
             if custom_ops_library:
                 register_library(so, custom_ops_library)
-            # onnxruntime's own optimized form of this model, where the cache has it
-            disabled = None if fold_constants else ["ConstantFolding"]
-            keyed = ortcache.ort_key(data, so, providers, custom_ops_library, label,
-                                     weights) if cacheable and not disabled else None
-            if keyed is not None and recipe is not None and weights is None:
-                self.ahead = (keyed.key, recipe)
-            # made on another thread from the same entry and recipe, where it was (runtime.firstrun)
-            self._sess = ortcache.ahead(*self.ahead) if self.ahead is not None else None
-            found = None
-            if keyed is not None and self._sess is None:
-                found = ortcache.ort_model(keyed, data, so, custom_ops_library, weights, own)
-            if found is not None and found[0] is not None:
-                level = so.graph_optimization_level
-                if own:  # our options: its rewrites are done
-                    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-                try:
-                    self._sess = ort.InferenceSession(found[0], sess_options=so, providers=providers)
-                except Exception:  # not trusted: drop it and load the model itself
-                    found[1]()
-                finally:
-                    so.graph_optimization_level = level
-            if self._sess is None:
-                try:
-                    self._sess = ort.InferenceSession(data, sess_options=so, providers=providers,
-                                                      disabled_optimizers=disabled)
-                finally:
-                    if found is not None and found[0] is None:
-                        found[1]()  # it saved its optimized form: stored later
+            self._sess = self._session(model.SerializeToString(), so, providers, custom_ops_library,
+                                       cacheable, weights, fold_constants)
         except Exception as exc:  # onnxruntime raises its own exception types
             raise TrainingModelError(f"{label}: onnxruntime cannot load it: {exc}") from exc
         self.device = device_of(self._sess.get_providers())
@@ -278,11 +254,48 @@ class Executor:
         # session would write over it)
         self._prunable = None
         if prune_unfetched and not so.optimized_model_filepath:
-            self._prunable = (model, so, providers, custom_ops_library)
+            self._prunable = (model, so, providers, custom_ops_library, fold_constants)
         self._pruned: dict[frozenset, ort.InferenceSession | None] = {}
         self.input_names = [i.name for i in self._sess.get_inputs()]
         self.output_names = [o.name for o in self._sess.get_outputs()]
         self._local = threading.local()
+
+    def _session(self, data: bytes, so: ort.SessionOptions, providers: list, library: str | None,
+                 cacheable: bool, weights: ortcache.SharedWeights | None,
+                 fold_constants: bool) -> ort.InferenceSession:
+        """onnxruntime's session of the serialized program ``data``: the one made
+        ahead on another thread (``runtime.firstrun``), or one of onnxruntime's
+        optimized form where the cache has it (``cacheable``), or of ``data``.
+        Notes in ``ahead`` what a later process may make ahead."""
+        disabled = None if fold_constants else ["ConstantFolding"]
+        keyed = ortcache.ort_key(data, so, providers, library, self.label,
+                                 weights) if cacheable and not disabled else None
+        ahead = (keyed.key, self._recipe) if keyed is not None and self._recipe is not None and weights is None else None
+        if ahead is not None:
+            self.ahead.append(ahead)
+        # made on another thread from the same entry and recipe, where it was (runtime.firstrun)
+        sess = ortcache.ahead(*ahead) if ahead is not None else None
+        found = None
+        if keyed is not None and sess is None:
+            found = ortcache.ort_model(keyed, data, so, library, weights, self._recipe is not None)
+        if found is not None and found[0] is not None:
+            level = so.graph_optimization_level
+            if self._recipe is not None:  # our options: its rewrites are done
+                so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            try:
+                sess = ort.InferenceSession(found[0], sess_options=so, providers=providers)
+            except Exception:  # not trusted: drop it and load the model itself
+                found[1]()
+            finally:
+                so.graph_optimization_level = level
+        if sess is None:
+            try:
+                sess = ort.InferenceSession(data, sess_options=so, providers=providers,
+                                            disabled_optimizers=disabled)
+            finally:
+                if found is not None and found[0] is None:
+                    found[1]()  # it saved its optimized form: stored later
+        return sess
 
     def _share_mapped(self, model: onnx.ModelProto, so: ort.SessionOptions, label: str,
                       own: bool) -> tuple[onnx.ModelProto, ortcache.SharedWeights | None]:
@@ -362,7 +375,7 @@ class Executor:
             return None
         if outputs in self._pruned:
             return self._pruned[outputs]
-        model, so, providers, library = self._prunable
+        model, so, providers, library, fold_constants = self._prunable
         kept = prune(list(model.graph.node), outputs)
         live = {id(n) for n in kept}
         sess = None
@@ -379,8 +392,9 @@ class Executor:
             inits = [t for t in small.graph.initializer if t.name in used]
             del small.graph.initializer[:]
             small.graph.initializer.extend(inits)
-            try:
-                sess = ort.InferenceSession(small.SerializeToString(), sess_options=so, providers=providers)
+            try:  # (through the cache of optimized forms, as this one: not with weights shared)
+                sess = self._session(small.SerializeToString(), so, providers, library, not self.shared,
+                                     None, fold_constants)
             except Exception:  # (the full program still runs)
                 sess = None
         self._pruned[outputs] = sess
@@ -469,12 +483,15 @@ class _Binding:
     _CPU = None
 
     def __init__(self, sess: ort.InferenceSession, state_in, state_out, pruned=None) -> None:
-        #: Executor.pruned_session, for runs that fetch nothing (``unfetched``); weakly,
+        #: Executor.pruned_session, for runs that fetch some outputs only (``fewer``); weakly,
         #: as the executor keeps its bindings: a cycle would leave both, with their
         #: onnxruntime sessions, to the cyclic collector (which may run in a forked
         #: child, where destroying a session hangs).
         self.pruned = weakref.WeakMethod(pruned) if pruned is not None else None
-        self.unfetched: _Binding | None | bool = None if pruned is not None else False
+        #: The outputs not bound as state: a run that fetches fewer runs a pruned session.
+        self.fetchable = len(sess.get_outputs()) - len(state_out) if pruned is not None else 0
+        #: Fetched outputs -> these buffers bound to the session pruned to them (False: none).
+        self.fewer: dict[tuple, _Binding | bool] = {}
         binding = sess.io_binding()
         for name, value in state_in.items():
             binding.bind_ortvalue_input(name, value)
@@ -528,13 +545,12 @@ class _Binding:
     def run(self, feeds, fetch, n_state_out: int, to_numpy: bool) -> dict[str, Any]:
         if self.unbound:
             return self._run_unbound(feeds, fetch, to_numpy)
-        if not fetch and self.unfetched is not False:
-            if self.unfetched is None:  # the same buffers, bound to the pruned session
-                pruned = self.pruned()
-                sess = pruned(frozenset(self.state_out_names)) if pruned is not None else None
-                self.unfetched = False if sess is None else _Binding(sess, *self.state)
-            if self.unfetched:
-                return self.unfetched.run(feeds, fetch, n_state_out, to_numpy)
+        if len(fetch) < self.fetchable:  # (some outputs only: the program pruned to them)
+            fewer = self.fewer.get(fetch if type(fetch) is tuple else tuple(fetch))
+            if fewer is None:
+                fewer = self._fewer(fetch)
+            if fewer:
+                return fewer.run(feeds, fetch, n_state_out, to_numpy)
         # Re-bind fetched outputs: otherwise onnxruntime reuses the previous
         # run's buffer, whose shape is wrong once the batch size changes.
         if self.overridable and (self.overrides or not self.overridable.isdisjoint(feeds)):
@@ -602,6 +618,14 @@ class _Binding:
         if to_numpy:
             return {name: values[n_state_out + i].numpy() for i, name in enumerate(fetch)}
         return {name: values[n_state_out + i] for i, name in enumerate(fetch)}
+
+    def _fewer(self, fetch: Sequence[str]) -> _Binding | bool:
+        """These buffers bound to the session pruned to the state outputs and
+        ``fetch`` (made once; False where pruning drops nothing)."""
+        pruned = self.pruned()
+        sess = pruned(frozenset(self.state_out_names).union(fetch)) if pruned is not None else None
+        fewer = self.fewer[tuple(fetch)] = False if sess is None else _Binding(sess, *self.state)
+        return fewer
 
     def _bind_overrides(self, feeds: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         """Bind the fed overridable inputs as OrtValues; the other feeds, to bind as usual.

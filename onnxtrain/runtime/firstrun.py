@@ -206,9 +206,9 @@ class FirstRun:
         self._thread: threading.Thread | None = None
         self._touching: Touching | None = None
         self._measure = False
-        #: The session the record names (``note``), and the one this session noted.
-        self._session: Any = None
-        self._noted: list | None = None
+        #: The sessions the record names (``note``), and those this session noted.
+        self._sessions: Any = None
+        self._noted: list[tuple[bytes, Recipe]] | None = None
 
     @classmethod
     def begin(cls, model: onnx.ModelProto, on: bool, large_from: int = LARGE_MODEL_BYTES) -> FirstRun:
@@ -229,20 +229,21 @@ class FirstRun:
                 first.also, first._thread = _expected.pop()
         if entry is not None:
             first.recorded = int(entry[0].get("anon_bytes", 0))
-            first._session = entry[0].get("session")
+            first._sessions = entry[0].get("sessions")
             # (a thread begun before the build made the session ahead already, and it
             # may be taken by now: made again, it would only hold the first run up)
             jobs = _ahead_jobs(entry[0])
             first._submit(_run_all, jobs[-1:] if first.also is not None else jobs)
         return first
 
-    def note(self, ahead: tuple[bytes, Recipe] | None) -> None:
-        """The first training program's session: the entry of its optimized
-        form and its options' recipe (``Executor.ahead``), which its first
-        run records, so that the next session of the model makes it ahead
+    def note(self, ahead: list[tuple[bytes, Recipe]]) -> None:
+        """The first training program's sessions: the entry of each one's
+        optimized form and its options' recipe (``Executor.ahead``, a list
+        the executor extends as it makes them), which its first run
+        records, so that the next session of the model makes them ahead
         (the first note counts)."""
-        if ahead is not None and not self._noted:
-            self._noted = [ahead[0].hex(), ahead[1].as_list()]
+        if ahead and self._noted is None:
+            self._noted = ahead
 
     def touch(self, buffers: Sequence[Any]) -> None:
         """Fault in ``buffers`` (CPU OrtValues or arrays nobody reads yet) on
@@ -287,9 +288,10 @@ class FirstRun:
         # them needed more (a cold start's record is low: its first run reuses
         # what lowering freed); the rest of a run's growth is not the arena's.
         more = grown > 0 and (not ahead or grown * RECORD_AGAIN > ahead)
-        # (recorded again where the session to make ahead changed, too)
-        if more or (self._noted is not None and self._noted != self._session):
-            record = {"anon_bytes": ahead + grown if more else ahead, "session": self._noted}
+        # (recorded again where the sessions to make ahead changed, too)
+        noted = None if self._noted is None else [[key.hex(), recipe.as_list()] for key, recipe in self._noted]
+        if more or (noted is not None and noted != self._sessions):
+            record = {"anon_bytes": ahead + grown if more else ahead, "sessions": noted}
             for key in (self.key, self.also):
                 if key is not None:
                     diskcache.write("firstrun", key, record, b"")
@@ -311,19 +313,25 @@ class FirstRun:
 
 def _ahead_jobs(record: dict) -> list[Callable[[], None]]:
     """What a record asks of the thread, in order: the first training
-    program's session made (``ortcache.make_ahead``; it is needed first),
-    then the arena filled."""
+    program's sessions made (``ortcache.make_ahead``; they are needed
+    first), then the arena filled."""
     jobs = [partial(_fault_arena, int(record.get("anon_bytes", 0)))]
-    session = record.get("session")
-    if isinstance(session, list) and len(session) == 2 and isinstance(session[0], str):
-        recipe = Recipe.from_list(session[1])
-        try:
-            key = bytes.fromhex(session[0])
-        except ValueError:
-            recipe = None
-        if recipe is not None:
-            jobs.insert(0, partial(ortcache.make_ahead, key, recipe))
+    sessions = record.get("sessions")
+    made = [s for s in map(_session_of, sessions) if s is not None] if isinstance(sessions, list) else []
+    if made:
+        jobs.insert(0, partial(ortcache.make_ahead, made))
     return jobs
+
+
+def _session_of(recorded: Any) -> tuple[bytes, Recipe] | None:
+    """A record's [entry key in hex, recipe list], read (None: damaged)."""
+    if not (isinstance(recorded, list) and len(recorded) == 2 and isinstance(recorded[0], str)):
+        return None
+    recipe = Recipe.from_list(recorded[1])
+    try:
+        return None if recipe is None else (bytes.fromhex(recorded[0]), recipe)
+    except ValueError:
+        return None
 
 
 def _run_all(jobs: Sequence[Callable[[], None]]) -> None:

@@ -393,29 +393,32 @@ def _make_ort(key: bytes, data: bytes, level: int, deterministic: bool, library:
     diskcache.write_now("ort", key, {"level": level}, optimized)
 
 
-#: Sessions made ahead (``make_ahead``) by (entry key, recipe): those of the last one.
+#: Sessions made ahead (``make_ahead``) by (entry key, recipe): those of the last call.
 _ahead: dict[tuple[bytes, Recipe], Future] = {}
 
 
-def make_ahead(key: bytes, recipe: Recipe) -> None:
-    """Make, from the entry ``key`` and with ``recipe``'s options, the
-    session that the executor of that program would make, for ``ahead`` to
-    hand over: on a thread of its own while the program is being built
-    (``runtime.firstrun``).  Nothing where it is made or being made
-    already.  One at a time: a new one drops what an older one made and
-    nobody took."""
+def make_ahead(sessions: Sequence[tuple[bytes, Recipe]]) -> None:
+    """Make, in order, from each entry key and with its recipe's options,
+    the session that the executor of that program would make, for ``ahead``
+    to hand over: on a thread of its own while the program is being built
+    (``runtime.firstrun``).  Nothing where they are made or being made
+    already.  One call at a time: a new one drops what an older one made
+    and nobody took."""
     with _lock:
-        if (key, recipe) in _ahead:
+        if all(s in _ahead for s in sessions):
             return
         _ahead.clear()
-        made = _ahead[key, recipe] = Future()
-    sess = None
-    try:
-        sess = _session_of(key, recipe)
-    except Exception:  # (a bad entry or recipe: the executor makes its own, as ever)
-        pass
-    finally:  # (answered whatever happens: ``ahead`` waits for it)
-        made.set_result(sess)
+        made = [(s, _ahead.setdefault(s, Future())) for s in sessions]
+    for (key, recipe), future in made:
+        if future.done():  # (listed twice)
+            continue
+        sess = None
+        try:
+            sess = _session_of(key, recipe)
+        except Exception:  # (a bad entry or recipe: the executor makes its own, as ever)
+            pass
+        finally:  # (answered whatever happens: ``ahead`` waits for it)
+            future.set_result(sess)
 
 
 def _session_of(key: bytes, recipe: Recipe) -> ort.InferenceSession | None:
@@ -435,7 +438,7 @@ def ahead(key: bytes, recipe: Recipe) -> ort.InferenceSession | None:
     (waited for if under way, handed over once), or None where none was."""
     with _lock:
         made = _ahead.pop((key, recipe), None)
-        if made is None:  # (what was asked for is another program's: not kept for nobody)
+        if made is None:  # (what was asked for is another program's: none kept for nobody)
             _ahead.clear()
             return None
     sess = made.result()

@@ -27,7 +27,7 @@ program).  ``ONNXTRAIN_SPECIALIZE=0`` turns this off.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -123,6 +123,8 @@ class ProgramRunner:
         self._open_feeds: dict[int, tuple[str, ...]] = {}
         self._special: dict[int, dict[tuple, Executor | None]] = {}
         self._last_shapes: dict[int, tuple] = {}
+        #: (program id, the names a step fetches) -> the outputs of the program among them.
+        self._fetched: dict[tuple[int, frozenset], list[str]] = {}
 
     # ------------------------------------------------------------ compiling
     def executed_model(self, program: Program) -> onnx.ModelProto:
@@ -260,7 +262,7 @@ class ProgramRunner:
         program: Program,
         feeds: dict[str, np.ndarray],
         pending: dict[str, Any],
-        fetch: bool,
+        fetch: bool | frozenset[str],
         field: str,
         extra_in: Mapping[str, Any] | None = None,
         extra_out: Mapping[str, Any] | None = None,
@@ -270,7 +272,8 @@ class ProgramRunner:
 
         ``pending`` holds the new (uncommitted) buffers of variables that
         earlier programs of the same transaction wrote; it is extended with
-        this program's.  Returns the unbound outputs (numpy) if ``fetch``.
+        this program's.  Returns the unbound outputs (numpy): all if ``fetch``
+        is True, none if False, else those named in ``fetch`` (``fetched``).
         ``extra_in``/``extra_out``: more OrtValues to bind, by input and
         output name (the reduced values of a data-parallel step).
         ``inplace``: variables whose current buffer is written over (memory="lean").
@@ -292,7 +295,7 @@ class ProgramRunner:
             self._last_shapes[id(program)] = specialize.shape_key(feeds, self._open_feeds[id(program)])
         try:
             with self.first_run.measured(self.programs.role(program) == ALGORITHM):
-                outputs = executor.run_bound(feeds, state_in, state_out, program.returned if fetch else ())
+                outputs = executor.run_bound(feeds, state_in, state_out, self.fetched(program, fetch))
         except RuntimeError as exc:
             self._diagnose(program, feeds, state_in, field)
             raise exc
@@ -304,6 +307,22 @@ class ProgramRunner:
             check_finite(program, staged)
         pending.update(staged)
         return outputs
+
+    def fetched(self, program: Program, fetch: bool | frozenset[str]) -> Sequence[str]:
+        """The outputs of ``program`` a step returns: every one (``fetch`` True),
+        none (False), or those ``fetch`` names, in the program's order (the
+        same list each time: a binding knows it by identity).  Fetching fewer
+        runs the program pruned to them (``Executor.pruned_session``)."""
+        if fetch is True:
+            return program.returned
+        if not fetch:
+            return ()
+        names = self._fetched.get((id(program), fetch))
+        if names is None:
+            if len(self._fetched) >= 64:  # (a caller asking for ever new names)
+                self._fetched.clear()
+            names = self._fetched[id(program), fetch] = [n for n in program.returned if n in fetch]
+        return names
 
     def _diagnose(
         self, program: Program, feeds: dict[str, np.ndarray], state_in: dict[str, Any], field: str
@@ -346,7 +365,7 @@ class ProgramRunner:
         if cycle is not None:
             self._plans = (program, cycle, executor, shapes)
 
-    def planned_step(self, program: Program, feeds: dict, fetch: bool) -> dict | None:
+    def planned_step(self, program: Program, feeds: dict, fetch: bool | frozenset[str]) -> dict | None:
         """A step through a plan, committed, or None when no plan applies (see
         ``plan_steps``; the caller holds its transaction's lock)."""
         plans = self._plans
@@ -360,7 +379,7 @@ class ProgramRunner:
             return None
         executor = plans[2]
         store.prefault(plan)
-        names = program.returned if fetch else ()
+        names = self.fetched(program, fetch)
         try:
             outputs = executor.run_binding(plan.binding, feeds, names, len(program.bound_values))
         except RuntimeError:
@@ -369,6 +388,23 @@ class ProgramRunner:
         if not store.install(plan):  # pragma: no cover
             return None  # (cannot happen: the store only changes under the caller's lock)
         return outputs
+
+
+def fetched_names(programs: Sequence[Program], fetch: Any) -> bool | frozenset[str]:
+    """``train_step``'s ``fetch``: True or False, or the names of outputs of
+    ``programs`` (one name, or several), as ``ProgramRunner.fetched`` takes them."""
+    if isinstance(fetch, (bool, np.bool_)):
+        return bool(fetch)
+    known = {n for p in programs for n in p.returned}
+    try:
+        names = frozenset((fetch,) if isinstance(fetch, str) else fetch)
+    except TypeError:
+        raise ValueError(f"train_step: fetch is True, False or output names, not {fetch!r}") from None
+    unknown = sorted(str(n) for n in names if not isinstance(n, str) or n not in known)
+    if unknown:
+        raise ValueError(f"train_step: fetch names outputs the step does not return: {unknown}; "
+                         f"it returns {sorted(known)}")
+    return names
 
 
 def check_finite_arrays(label: str, arrays: Mapping[str, np.ndarray], what: str) -> None:

@@ -146,7 +146,8 @@ def fit(
       ``[0, 0, 1]`` for gradient accumulation over 3 batches) or, without it,
       every algorithm in order on each batch.
     - The loss (and the prediction, for training metrics) is fetched on every
-      ``log_every``-th batch only; ``log_every=0`` never fetches it.
+      ``log_every``-th batch only, and nothing else (the step skips what only
+      other outputs need); ``log_every=0`` never fetches it.
     - ``metrics``: names (``"accuracy"``, ``"mse"``, ``"mae"``) or callables
       ``fn(y_true, y_pred) -> float``; None is accuracy for classification.
     - ``progress``: a ``tqdm.auto`` bar per epoch (a widget in notebooks)
@@ -383,7 +384,7 @@ class _Fit:
         if _call(self.hooks["on_batch_begin"], "on_batch_begin", i, {"epoch": epoch, "batch": i}):
             return lr, STOPPED
         algorithm = self.cycle[self.cycle_pos % len(self.cycle)]
-        fetch = bool(self.log_every) and i % self.log_every == 0
+        fetch = bool(self.log_every) and i % self.log_every == 0 and self.fetched(algorithm)
         if self.lr_known:  # the rate this step uses, schedule included
             lr = _current_rate(self.sess)
             if self.schedule is not None:  # one warning when it has ended
@@ -415,6 +416,17 @@ class _Fit:
         if self.hooks["on_batch_end"] and _call(self.hooks["on_batch_end"], "on_batch_end", i, logs):
             return lr, STOPPED
         return lr, ""
+
+    def fetched(self, algorithm: int | None) -> frozenset[str] | bool:
+        """What a logging step fetches: the loss, and the prediction where
+        training metrics read it, of what the step returns (the rest only
+        costs: a BatchNorm model's inference-mode forward pass)."""
+        outputs = getattr(self.sess, "algorithm_outputs", None)
+        if outputs is None:
+            return True
+        returned = {n for i, names in enumerate(outputs) if algorithm is None or i == algorithm for n in names}
+        wanted = {self.spec.loss} | ({self.spec.prediction} if self.metric_fns else set())
+        return frozenset(wanted & returned) or True
 
     def check_batch_targets(self, target: np.ndarray) -> None:
         """The labels of a batch given as a dict (arrays are checked once, up front)."""

@@ -269,8 +269,14 @@ def test_log_every_fetches_some_batches(digits, monkeypatch):
     sess = small_mlp()
     spy = FetchSpy(sess, monkeypatch)
     history = sess.fit((X_train[:256], y_train[:256]), batch_size=32, progress=False, log_every=3)
-    assert spy.fetches == [True, False, False] * 2 + [True, False]
-    assert np.isfinite(history["loss"][0])
+    assert [bool(f) for f in spy.fetches] == [True, False, False] * 2 + [True, False]
+    assert np.isfinite(history["loss"][0]) and np.isfinite(history["accuracy"][0])
+    # by name: the loss and the prediction the accuracy reads (what this model's step returns)
+    (returned,) = sess.algorithm_outputs
+    assert {frozenset(f) for f in spy.fetches if f} == {frozenset(returned)} and len(returned) == 2
+    spy.fetches.clear()
+    sess.fit((X_train[:64], y_train[:64]), batch_size=32, progress=False, metrics=[])
+    assert spy.fetches == [frozenset({"loss"})] * 2
 
 
 def test_progress_bar_shows_epochs_and_loss(digits, capsys):

@@ -59,16 +59,20 @@ SCRIPT = textwrap.dedent("""
     from test_build import mlp
     from test_first_run import CASE_OPTIONS, first_run_case
     x, label, model = first_run_case()
+    feeds = {{"X": x, "label": label}}
+    if sys.argv[1] == "unfetched":  # its pruned program drops the inference-mode forward pass
+        from test_unfetched import _bn_model, _feeds
+        model, feeds = _bn_model(), _feeds(0)
     if sys.argv[1] == "one call":  # the arena filled from before the build on
         sess = build.training_session(mlp(sizes=(64, 2048, 4)), **CASE_OPTIONS)
     else:
         sess = TrainingSession(model)
-    feeds = {{"X": x, "label": label}}
     ex = sess._runner.executor(sess._programs.algorithms[0], feeds)  # compiled, and the pages faulted in
-    losses, grown = [], None
+    losses, grown, fetch = [], None, sys.argv[1] != "unfetched"
     for step in range(3):
         before = anon_bytes()
-        losses.append(float(sess.train_step(feeds)["loss"]))
+        out = sess.train_step(feeds, fetch=fetch)
+        losses.append(float(out["loss"]) if fetch else None)
         if step == 0:
             grown = anon_bytes() - before
     h = hashlib.sha256()
@@ -97,10 +101,25 @@ def plain_losses_and_state() -> tuple[list[float], str]:
     sess = TrainingSession(model, session_options=default_session_options())
     assert not sess._runner.first_run.on
     losses = [float(sess.train_step({"X": x, "label": label})["loss"]) for _ in range(3)]
+    return losses, state_digest(sess)
+
+
+def state_digest(sess) -> str:
     h = hashlib.sha256()
     for k in sorted(sess.state):
         h.update(np.ascontiguousarray(sess.state[k]).tobytes())
-    return losses, h.hexdigest()
+    return h.hexdigest()
+
+
+def recorded_then_made_ahead(cache: Path, how: str, sessions: int) -> tuple[dict, dict]:
+    """Two processes of ``how``: the first records ``sessions`` sessions (their
+    optimized forms missed), the next makes every one ahead and takes it."""
+    recording = _process(cache, how)
+    assert recording["stats"].get("ort.miss") == sessions and "ort.ahead" not in recording["stats"]
+    later = _process(cache, how)
+    assert later["stats"].get("ort.ahead") == sessions
+    assert "ort.hit" not in later["stats"] and "ort.miss" not in later["stats"]
+    return recording, later
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="measures /proc/self/status")
@@ -137,11 +156,7 @@ def test_the_first_steps_session_is_made_ahead_where_the_record_fits(tmp_path, m
     instead of spinning) what was made ahead is not taken: the executor
     makes its own, and the record follows the new options."""
     monkeypatch.delenv("ONNXTRAIN_SPINNING", raising=False)
-    recording = _process(tmp_path, "one call")
-    assert recording["stats"].get("ort.miss") == 1 and "ort.ahead" not in recording["stats"]
-    later = _process(tmp_path, "one call")
-    assert later["stats"].get("ort.ahead") == 1
-    assert "ort.hit" not in later["stats"] and "ort.miss" not in later["stats"]
+    recording, later = recorded_then_made_ahead(tmp_path, "one call", 1)
     assert later["losses"] == recording["losses"] == plain_losses_and_state()[0]
     assert later["state"] == recording["state"] and later["spinning"] is recording["spinning"] is True
     # Bug planted: the session taken by its entry alone; the one made ahead spins.
@@ -153,14 +168,35 @@ def test_the_first_steps_session_is_made_ahead_where_the_record_fits(tmp_path, m
     assert again["losses"] == recording["losses"]
 
 
+def test_a_first_run_that_fetches_nothing_has_its_pruned_session_made_ahead_too(tmp_path, monkeypatch):
+    """A first step with ``fetch=False`` runs a second session, of the
+    program pruned to its state outputs: it is loaded from onnxruntime's
+    optimized form as the full program's is (it was made from the model
+    itself in every process), and recorded, so that the next process makes
+    both ahead.  The state is the same bit for bit as a fetching run's."""
+    monkeypatch.delenv("ONNXTRAIN_SPINNING", raising=False)
+    recording, later = recorded_then_made_ahead(tmp_path, "unfetched", 2)
+    from test_unfetched import _bn_model, _feeds
+
+    plain = TrainingSession(_bn_model(), session_options=default_session_options())
+    for _ in range(3):
+        plain.train_step(_feeds(0))
+    assert later["state"] == recording["state"] == state_digest(plain)
+
+
 @pytest.mark.parametrize("session", [
     None, "a string", ["zz", [1, None, True, True, None]],  # not hex
     ["ab", [1, 2, True, True, None]], ["ab", [1, None, True, True]], ["ab", ["1", None, True, True, None]],
     ["ab", [1, None, 1, True, None]], ["ab", [1, None, True, True, 7]],
 ])
 def test_a_damaged_record_makes_nothing_ahead(session):
-    (job,) = firstrun._ahead_jobs({"anon_bytes": 4096, "session": session})
-    assert job.func is firstrun._fault_arena and job.args == (4096,)
+    for sessions in (session, [session], [session, session]):
+        (job,) = firstrun._ahead_jobs({"anon_bytes": 4096, "sessions": sessions})
+        assert job.func is firstrun._fault_arena and job.args == (4096,)
+    # (a damaged one beside a sound one: the sound one only)
+    sound = ["ab", [1, None, True, True, None]]
+    job = firstrun._ahead_jobs({"sessions": [session, sound]})[0]
+    assert job.func.__name__ == "make_ahead" and len(job.args[0]) == 1
 
 
 def test_a_session_made_ahead_is_taken_once_and_only_with_its_recipe(tmp_path, monkeypatch):
@@ -174,8 +210,8 @@ def test_a_session_made_ahead_is_taken_once_and_only_with_its_recipe(tmp_path, m
     sess = TrainingSession(model)
     loss = float(sess.train_step({"X": x, "label": label})["loss"])
     diskcache.flush()  # (the optimized form, made at the miss)
-    key, recipe = sess._runner.executor(sess._programs.algorithms[0], {"X": x, "label": label}).ahead  # (the step's)
-    made, jobs = [], firstrun._ahead_jobs({"session": [key.hex(), recipe.as_list()]})
+    ((key, recipe),) = sess._runner.executor(sess._programs.algorithms[0], {"X": x, "label": label}).ahead
+    made, jobs = [], firstrun._ahead_jobs({"sessions": [[key.hex(), recipe.as_list()]]})
     assert [getattr(j.func, "__name__", "") for j in jobs] == ["make_ahead", "_fault_arena"]
     real = ortcache._session_of
     monkeypatch.setattr(ortcache, "_session_of", lambda *a: made.append(a) or real(*a))
@@ -184,7 +220,7 @@ def test_a_session_made_ahead_is_taken_once_and_only_with_its_recipe(tmp_path, m
     assert made == [(key, recipe)]
     other = Recipe(**{**vars(recipe), "mem_pattern": not recipe.mem_pattern})
     assert ortcache.ahead(key, other) is None and not ortcache._ahead  # another recipe: dropped
-    ortcache.make_ahead(key, recipe)
+    ortcache.make_ahead([(key, recipe)])
     diskcache.stats.clear()
     again = TrainingSession(model)
     assert float(again.train_step({"X": x, "label": label})["loss"]) == loss
@@ -203,7 +239,7 @@ def test_a_session_taking_over_the_thread_begun_before_the_build_makes_nothing_a
     asked = []
     monkeypatch.setattr(firstrun, "_run_all", lambda jobs: asked.append([j.func.__name__ for j in jobs]))
     source, model = mlp(sizes=(64, 2048, 4)), first_run_case()[2]
-    record = {"anon_bytes": 8 << 20, "session": ["ab", [1, None, True, True, None]]}
+    record = {"anon_bytes": 8 << 20, "sessions": [["ab", [1, None, True, True, None]]]}
     diskcache.write_now("firstrun", firstrun._source_key(source, "options"), record, b"")
     diskcache.write_now("firstrun", firstrun.shape_key(model, firstrun.LARGE_MODEL_BYTES), record, b"")
     with firstrun.expected(source, "options", True):

@@ -138,3 +138,39 @@ def test_sessions_are_freed_without_the_cycle_collector():
         assert executor() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("fetch", [["loss"], "loss", ("loss", "loss")])
+def test_a_step_that_fetches_the_loss_only_skips_the_inference_forward(fetch, monkeypatch):
+    """``fetch`` names outputs: the step returns those, from the program
+    pruned to them and the state outputs (the inference-mode forward pass
+    that only ``logits`` needs goes), with the same values and state, bit
+    for bit, as a step fetching everything, on both paths (the planned
+    steps from the third on)."""
+    made = []
+    original = Executor.pruned_session
+    monkeypatch.setattr(Executor, "pruned_session", lambda self, outputs: made.append(outputs) or original(self, outputs))
+    tm = _bn_model()
+    a, b = TrainingSession(tm), TrainingSession(tm)
+    for step in range(6):
+        full, some = a.train_step(_feeds(step)), b.train_step(_feeds(step), fetch=fetch)
+        assert set(full) == {"loss", "logits"} and set(some) == {"loss"}
+        assert full["loss"].tobytes() == some["loss"].tobytes()
+    for k, v in _state(a).items():
+        assert v.tobytes() == _state(b)[k].tobytes(), k
+    assert made and all("loss" in o and "logits" not in o for o in made)
+    pruned = b._runner.executor(b._programs.algorithms[0]).pruned_session(made[0])
+    assert pruned is not None and {o.name for o in pruned.get_outputs()} == made[0]
+    assert set(b.train_step(_feeds(0))) == {"loss", "logits"}  # (everything again)
+
+
+def test_fetching_an_output_the_step_does_not_return_changes_nothing():
+    sess = TrainingSession(_bn_model())
+    sess.train_step(_feeds(0))
+    before = _state(sess)
+    for fetch in (["loss", "nope"], [3], None, 2.5):
+        with pytest.raises(ValueError, match="fetch"):
+            sess.train_step(_feeds(1), fetch=fetch)
+    after = _state(sess)
+    assert all(before[k].tobytes() == after[k].tobytes() for k in before)
+    assert sess.train_step(_feeds(1), fetch=[]) == {}  # (no name: as fetch=False)
