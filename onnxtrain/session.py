@@ -332,7 +332,7 @@ class TrainingSession:
                 f"train_step: algorithm must be None or an index in "
                 f"[0, {len(algorithms)}), got {algorithm!r}"
             )
-        fetch = fetched_names(programs, fetch)
+        fetch = fetch if fetch is True or fetch is False else fetched_names(programs, fetch)
         if self._parallel is not None:
             indices = range(len(algorithms)) if algorithm is None else (int(algorithm),)
             with self._lock:

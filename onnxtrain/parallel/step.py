@@ -67,7 +67,8 @@ class DataParallelStep:
             return sorted(names)
         return self.dp.comm.allgather_object(sorted(names))[0]
 
-    def step(self, indices: Sequence[int], feeds: Mapping[str, Any], fetch: bool) -> dict[str, np.ndarray]:
+    def step(self, indices: Sequence[int], feeds: Mapping[str, Any],
+             fetch: bool | frozenset[str]) -> dict[str, np.ndarray]:
         """``train_step`` of a data-parallel session (the caller holds its
         lock): each algorithm's halves around the reduction, each phase agreed
         by every rank, then one commit on every rank."""
@@ -87,7 +88,7 @@ class DataParallelStep:
             self.local_rows = local_rows
         return outputs
 
-    def _algorithm_step(self, i: int, feeds: Mapping[str, Any], fetch: bool, pending: dict[str, Any],
+    def _algorithm_step(self, i: int, feeds: Mapping[str, Any], fetch: bool | frozenset[str], pending: dict[str, Any],
                         outputs: dict[str, np.ndarray], local_rows: int, held: ExitStack
                         ) -> tuple[dict[str, Any], int, bool]:
         """Algorithm ``i``'s part of a step: its pending state after, the rows
@@ -127,7 +128,7 @@ class DataParallelStep:
         dp.agree(error, 0, where)
         return pending, rows, split.sums
 
-    def _forward(self, i: int, feeds: Mapping[str, Any], fetch: bool, pending: dict[str, Any],
+    def _forward(self, i: int, feeds: Mapping[str, Any], fetch: bool | frozenset[str], pending: dict[str, Any],
                  outputs: dict[str, np.ndarray]
                  ) -> tuple[BaseException | None, int, dict[str, np.ndarray]]:
         """Algorithm ``i``'s program A (forward and backward) into its gradient

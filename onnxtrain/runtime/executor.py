@@ -270,7 +270,7 @@ class Executor:
         disabled = None if fold_constants else ["ConstantFolding"]
         keyed = ortcache.ort_key(data, so, providers, library, self.label,
                                  weights) if cacheable and not disabled else None
-        ahead = (keyed.key, self._recipe) if keyed is not None and self._recipe is not None and weights is None else None
+        ahead = None if keyed is None or self._recipe is None or weights is not None else (keyed.key, self._recipe)
         if ahead is not None:
             self.ahead.append(ahead)
         # made on another thread from the same entry and recipe, where it was (runtime.firstrun)
@@ -490,8 +490,10 @@ class _Binding:
         self.pruned = weakref.WeakMethod(pruned) if pruned is not None else None
         #: The outputs not bound as state: a run that fetches fewer runs a pruned session.
         self.fetchable = len(sess.get_outputs()) - len(state_out) if pruned is not None else 0
-        #: Fetched outputs -> these buffers bound to the session pruned to them (False: none).
+        #: Fetched outputs -> these buffers bound to the session pruned to them (False: none);
+        #: the last fetch list asked (the runner's, the same object each step) and its answer.
         self.fewer: dict[tuple, _Binding | bool] = {}
+        self.last: tuple[Any, _Binding | bool] = (None, False)
         binding = sess.io_binding()
         for name, value in state_in.items():
             binding.bind_ortvalue_input(name, value)
@@ -546,11 +548,11 @@ class _Binding:
         if self.unbound:
             return self._run_unbound(feeds, fetch, to_numpy)
         if len(fetch) < self.fetchable:  # (some outputs only: the program pruned to them)
-            fewer = self.fewer.get(fetch if type(fetch) is tuple else tuple(fetch))
-            if fewer is None:
-                fewer = self._fewer(fetch)
-            if fewer:
-                return fewer.run(feeds, fetch, n_state_out, to_numpy)
+            last = self.last
+            if last[0] is not fetch:
+                last = self.last = (fetch, self._fewer(fetch))
+            if last[1]:
+                return last[1].run(feeds, fetch, n_state_out, to_numpy)
         # Re-bind fetched outputs: otherwise onnxruntime reuses the previous
         # run's buffer, whose shape is wrong once the batch size changes.
         if self.overridable and (self.overrides or not self.overridable.isdisjoint(feeds)):
@@ -622,9 +624,13 @@ class _Binding:
     def _fewer(self, fetch: Sequence[str]) -> _Binding | bool:
         """These buffers bound to the session pruned to the state outputs and
         ``fetch`` (made once; False where pruning drops nothing)."""
-        pruned = self.pruned()
-        sess = pruned(frozenset(self.state_out_names).union(fetch)) if pruned is not None else None
-        fewer = self.fewer[tuple(fetch)] = False if sess is None else _Binding(sess, *self.state)
+        fewer = self.fewer.get(tuple(fetch))
+        if fewer is None:
+            pruned = self.pruned()
+            sess = pruned(frozenset(self.state_out_names).union(fetch)) if pruned is not None else None
+            fewer = self.fewer[tuple(fetch)] = False if sess is None else _Binding(sess, *self.state)
+            if sess is None and not fetch:  # (nothing pruned for the state alone: nor for more)
+                self.fetchable = 0
         return fewer
 
     def _bind_overrides(self, feeds: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:

@@ -317,13 +317,13 @@ def _ahead_jobs(record: dict) -> list[Callable[[], None]]:
     first), then the arena filled."""
     jobs = [partial(_fault_arena, int(record.get("anon_bytes", 0)))]
     sessions = record.get("sessions")
-    made = [s for s in map(_session_of, sessions) if s is not None] if isinstance(sessions, list) else []
+    made = [s for s in map(_recorded_session, sessions) if s is not None] if isinstance(sessions, list) else []
     if made:
         jobs.insert(0, partial(ortcache.make_ahead, made))
     return jobs
 
 
-def _session_of(recorded: Any) -> tuple[bytes, Recipe] | None:
+def _recorded_session(recorded: Any) -> tuple[bytes, Recipe] | None:
     """A record's [entry key in hex, recipe list], read (None: damaged)."""
     if not (isinstance(recorded, list) and len(recorded) == 2 and isinstance(recorded[0], str)):
         return None

@@ -379,7 +379,7 @@ class ProgramRunner:
             return None
         executor = plans[2]
         store.prefault(plan)
-        names = self.fetched(program, fetch)
+        names = () if fetch is False else self.fetched(program, fetch)  # (the hot path: no call)
         try:
             outputs = executor.run_binding(plan.binding, feeds, names, len(program.bound_values))
         except RuntimeError:
