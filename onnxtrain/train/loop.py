@@ -40,7 +40,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -316,6 +316,8 @@ class _Fit:
     classes: Any
     cycle_pos: int
     step: int = 0
+    #: ``fetched``'s answer by algorithm (the same object each step: checked once).
+    fetch_names: dict[int | None, frozenset[str] | bool] = field(default_factory=dict)
 
     def nothing_to_train(self, why: str, history: History) -> None:
         """Say so (unless silent), and give the History the keys a run would have."""
@@ -421,12 +423,13 @@ class _Fit:
         """What a logging step fetches: the loss, and the prediction where
         training metrics read it, of what the step returns (the rest only
         costs: a BatchNorm model's inference-mode forward pass)."""
-        outputs = getattr(self.sess, "algorithm_outputs", None)
-        if outputs is None:
-            return True
-        returned = {n for i, names in enumerate(outputs) if algorithm is None or i == algorithm for n in names}
-        wanted = {self.spec.loss} | ({self.spec.prediction} if self.metric_fns else set())
-        return frozenset(wanted & returned) or True
+        names = self.fetch_names.get(algorithm)
+        if names is None:
+            outputs = getattr(self.sess, "algorithm_outputs", None)
+            returned = {n for i, o in enumerate(outputs or ()) if algorithm is None or i == algorithm for n in o}
+            wanted = {self.spec.loss} | ({self.spec.prediction} if self.metric_fns else set())
+            names = self.fetch_names[algorithm] = frozenset(wanted & returned) or True
+        return names
 
     def check_batch_targets(self, target: np.ndarray) -> None:
         """The labels of a batch given as a dict (arrays are checked once, up front)."""
