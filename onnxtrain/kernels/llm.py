@@ -22,6 +22,7 @@ and backward, by one kernel each, only in the program onnxruntime runs
 | ``LowRankMatMulAddF32`` | ``lowrank``: c + a b for b [K, N] of few columns (LoRA's up-projection and its Add) | no: the product's order |
 | ``LowRankTransAF32`` | ``lowrank``: Gemm(a, b, transA) for a [M, K] of few columns (LoRA's dB = h^T dY) | no: the product's order |
 | ``CrossEntropyF32`` / ``CrossEntropyGradF32`` | ``xent``: SoftmaxCrossEntropyLoss and its gradient | no: double sums, the library's exp |
+| ``TailMatMulF32`` and two more | ``tails``: the products that read the masked softmax's probabilities or their gradient, its zeros left out | no: the product's order |
 | ``DequantizeNBitsF32`` | ``nbits``: MatMulNBits' weight unpacked for its gradient dA = dY W | yes |
 
 Each match is the exact chain the exporter and the rules write, in either
@@ -45,7 +46,7 @@ from onnx import helper
 
 from ..core.graph import node_inputs
 from ..core.names import NameGen
-from . import attention, lowrank, nbits, xent
+from . import attention, lowrank, nbits, tails, xent
 from .graphmatch import Fusion, Index, apply, kernel_node, same_constant
 from .layers import drop_unread
 
@@ -74,6 +75,7 @@ def rewrite(graph: onnx.GraphProto, opset_imports: Sequence[onnx.OperatorSetIdPr
                + xent.cross_entropies(ix, names, domain)
                + nbits.dequantizations(ix, names, domain) + lowrank.low_rank_sums(ix, domain)
                + lowrank.low_rank_gradients(ix, names, domain))
+    fusions += tails.products(ix, domain, tails.tailed_values(fusions))
     count = apply(graph, fusions)
     if count:
         _drop_dead(graph, domain)

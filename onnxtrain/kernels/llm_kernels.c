@@ -968,6 +968,219 @@ static OrtStatus *xent_grad(const LlmOp *op, Args *a) {
     return NULL;
 }
 
+/* ------------------------------------------------------------ products over zero tails */
+/* A causal or padding mask leaves attention's probabilities p, and their
+ * gradient, exactly zero past each row's last kept key, and the products
+ * that read them (o = p v, dv = p^T do, dq = ds k, dk^T = q^T ds) multiply
+ * those zeros all the same: about half of the work under a causal mask.
+ * These kernels find each row's length to its last nonzero (any value but
+ * +-0: NaN counts) and leave out the products of the zeros past it; the
+ * rest is summed over k in chunks of TAIL_CHUNK by fused multiply-adds,
+ * the chunks' sums then in order, in blocks of TAIL_ROWS x TAIL_COLS sums
+ * kept in registers, then multiplied by alpha
+ * (the Mul that scaled the product) where given.  Only what a zero times a
+ * finite value adds (+-0) is left out: where the other operand holds an
+ * infinity or a NaN facing a skipped zero, the standard product is NaN and
+ * these are not. */
+enum { TAIL_A, TAIL_AT, TAIL_B }; /* the tailed operand: a [m, k]; a stored [k, m] (out = a^T b); b [k, n] */
+#define TAIL_ROWS 6
+#define TAIL_COLS 32
+#define TAIL_CHUNK 32 /* k summed by chunks, their sums then in order: closer to the exact sum */
+
+typedef struct {
+    const float *a, *b, *tailed;
+    float *out;
+    float alpha;
+    int scaled, mode;
+    int64_t m, k, n, batch, tail_rows, tail_len, blocks;
+    int64_t *kept; /* [batch, tail_rows] */
+} TailJob;
+
+/* The length of x[0..d) to its last element that is not +-0. */
+static inline int64_t nonzero_length(const float *x, int64_t d) {
+    int64_t hi = d;
+    while (hi >= 16) {
+        uint32_t bits[16], any = 0;
+        memcpy(bits, x + hi - 16, sizeof(bits));
+        for (int t = 0; t < 16; ++t) any |= bits[t] << 1;
+        if (any) break;
+        hi -= 16;
+    }
+    while (hi > 0) {
+        uint32_t v;
+        memcpy(&v, x + hi - 1, sizeof(v));
+        if (v << 1) break;
+        --hi;
+    }
+    return hi;
+}
+
+static void tail_lengths(void *arg, int64_t b, int64_t e) {
+    const TailJob *j = (const TailJob *)arg;
+    for (int64_t r = b; r < e; ++r) j->kept[r] = nonzero_length(j->tailed + r * j->tail_len, j->tail_len);
+}
+
+/* The k range [*k0, *k1) outside which the block of rows [r0, r0 + rows) and
+ * columns from c0 multiplies only zeros of the tailed operand. */
+static inline void tail_range(const TailJob *j, const int64_t *kept, int64_t r0, int64_t rows, int64_t c0,
+                              int64_t *k0, int64_t *k1) {
+    if (j->mode == TAIL_A) {
+        int64_t hi = 0;
+        for (int64_t q = 0; q < rows; ++q) hi = kept[r0 + q] > hi ? kept[r0 + q] : hi;
+        *k0 = 0, *k1 = hi;
+        return;
+    }
+    const int64_t from = j->mode == TAIL_AT ? r0 : c0; /* row kk reaches the block where kept[kk] > from */
+    int64_t lo = j->k, hi = 0;
+    for (int64_t kk = 0; kk < j->k; ++kk)
+        if (kept[kk] > from) {
+            lo = kk < lo ? kk : lo;
+            hi = kk + 1;
+        }
+    *k0 = lo, *k1 = hi > lo ? hi : lo;
+}
+
+/* out's rows [r0, r0 + rows) x columns [c0, c0 + cols) (cols TAIL_COLS, or
+ * fewer one at a time), a's element (r, kk) at a[r * sr + kk * sk]. */
+static inline __attribute__((always_inline)) void tail_block(const TailJob *j, const float *a, int64_t sr, int64_t sk,
+                                                             const float *b, float *out, int64_t r0, int64_t rows,
+                                                             int64_t c0, int64_t k0, int64_t k1) {
+    float acc[TAIL_ROWS][TAIL_COLS], part[TAIL_ROWS][TAIL_COLS];
+    for (int q = 0; q < TAIL_ROWS; ++q)
+        for (int t = 0; t < TAIL_COLS; ++t) acc[q][t] = 0.0f;
+    for (int64_t kc = k0; kc < k1; kc += TAIL_CHUNK) {
+        const int64_t kend = kc + TAIL_CHUNK < k1 ? kc + TAIL_CHUNK : k1;
+        for (int q = 0; q < TAIL_ROWS; ++q)
+            for (int t = 0; t < TAIL_COLS; ++t) part[q][t] = 0.0f;
+        for (int64_t kk = kc; kk < kend; ++kk) {
+            const float *br = b + kk * j->n + c0;
+            for (int q = 0; q < TAIL_ROWS; ++q) {
+                const float av = q < rows ? a[(r0 + q) * sr + kk * sk] : 0.0f;
+                for (int t = 0; t < TAIL_COLS; ++t) part[q][t] = fmaf(av, br[t], part[q][t]);
+            }
+        }
+        for (int q = 0; q < TAIL_ROWS; ++q)
+            for (int t = 0; t < TAIL_COLS; ++t) acc[q][t] += part[q][t];
+    }
+    for (int q = 0; q < rows; ++q) {
+        float *o = out + (r0 + q) * j->n + c0;
+        if (j->scaled)
+            for (int t = 0; t < TAIL_COLS; ++t) o[t] = acc[q][t] * j->alpha;
+        else
+            for (int t = 0; t < TAIL_COLS; ++t) o[t] = acc[q][t];
+    }
+}
+
+static inline float tail_one(const TailJob *j, const float *a, int64_t sr, int64_t sk, const float *b, int64_t r,
+                             int64_t c, int64_t k0, int64_t k1) {
+    float acc = 0.0f;
+    for (int64_t kc = k0; kc < k1; kc += TAIL_CHUNK) {
+        const int64_t kend = kc + TAIL_CHUNK < k1 ? kc + TAIL_CHUNK : k1;
+        float part = 0.0f;
+        for (int64_t kk = kc; kk < kend; ++kk) part = fmaf(a[r * sr + kk * sk], b[kk * j->n + c], part);
+        acc += part;
+    }
+    return j->scaled ? acc * j->alpha : acc;
+}
+
+/* TAIL_A's and TAIL_AT's items: blocks of TAIL_ROWS rows of one matrix of the batch. */
+FMA_CLONES static void tail_items(void *arg, int64_t b, int64_t e) {
+    const TailJob *j = (const TailJob *)arg;
+    const int64_t sr = j->mode == TAIL_AT ? 1 : j->k, sk = j->mode == TAIL_AT ? j->m : 1;
+    const int64_t cols = j->n - j->n % TAIL_COLS;
+    for (int64_t item = b; item < e; ++item) {
+        const int64_t bi = item / j->blocks, r0 = item % j->blocks * TAIL_ROWS;
+        const int64_t rows = j->m - r0 < TAIL_ROWS ? j->m - r0 : TAIL_ROWS;
+        const float *a = j->a + bi * j->m * j->k, *bm = j->b + bi * j->k * j->n;
+        float *out = j->out + bi * j->m * j->n;
+        const int64_t *kept = j->kept + bi * j->tail_rows;
+        int64_t k0, k1;
+        tail_range(j, kept, r0, rows, 0, &k0, &k1);
+        for (int64_t c0 = 0; c0 < cols; c0 += TAIL_COLS) {
+            if (rows == TAIL_ROWS)
+                tail_block(j, a, sr, sk, bm, out, r0, TAIL_ROWS, c0, k0, k1);
+            else
+                tail_block(j, a, sr, sk, bm, out, r0, rows, c0, k0, k1);
+        }
+        if (cols < j->n) {
+            for (int64_t q = 0; q < rows; ++q)
+                for (int64_t c = cols; c < j->n; ++c)
+                    out[(r0 + q) * j->n + c] = tail_one(j, a, sr, sk, bm, r0 + q, c, k0, k1);
+        }
+    }
+}
+
+/* TAIL_B's items: blocks of TAIL_COLS columns of one matrix (the last may be
+ * narrower), each over all rows: the block's rows of b, which its k range
+ * depends on, stay in cache across the row blocks. */
+FMA_CLONES static void tail_col_items(void *arg, int64_t b, int64_t e) {
+    const TailJob *j = (const TailJob *)arg;
+    const int64_t cblocks = (j->n + TAIL_COLS - 1) / TAIL_COLS;
+    for (int64_t item = b; item < e; ++item) {
+        const int64_t bi = item / cblocks, c0 = item % cblocks * TAIL_COLS;
+        const float *a = j->a + bi * j->m * j->k, *bm = j->b + bi * j->k * j->n;
+        float *out = j->out + bi * j->m * j->n;
+        int64_t k0, k1;
+        tail_range(j, j->kept + bi * j->tail_rows, 0, 0, c0, &k0, &k1);
+        for (int64_t r0 = 0; r0 < j->m; r0 += TAIL_ROWS) {
+            const int64_t rows = j->m - r0 < TAIL_ROWS ? j->m - r0 : TAIL_ROWS;
+            if (c0 + TAIL_COLS > j->n) {
+                for (int64_t q = 0; q < rows; ++q)
+                    for (int64_t c = c0; c < j->n; ++c)
+                        out[(r0 + q) * j->n + c] = tail_one(j, a, j->k, 1, bm, r0 + q, c, k0, k1);
+            } else if (rows == TAIL_ROWS) {
+                tail_block(j, a, j->k, 1, bm, out, r0, TAIL_ROWS, c0, k0, k1);
+            } else {
+                tail_block(j, a, j->k, 1, bm, out, r0, rows, c0, k0, k1);
+            }
+        }
+    }
+}
+
+/* a [.., M, K] (TAIL_AT: [.., K, M]), b [.., K, N], alpha (opt, one value) -> out [.., M, N]. */
+static OrtStatus *tail_product(const LlmOp *op, Args *a, int mode) {
+    const size_t rank = a->rank[0];
+    if (rank < 2 || a->rank[1] != rank || memcmp(a->dims[0], a->dims[1], (rank - 2) * sizeof(int64_t)))
+        return llm_fail(op, "expects a [.., M, K] and b [.., K, N] with one leading shape");
+    TailJob j;
+    memset(&j, 0, sizeof(j));
+    j.mode = mode;
+    j.m = a->dims[0][rank - (mode == TAIL_AT ? 1 : 2)];
+    j.k = a->dims[0][rank - (mode == TAIL_AT ? 2 : 1)];
+    j.n = a->dims[1][rank - 1];
+    if (a->dims[1][rank - 2] != j.k) return llm_fail(op, "a's and b's inner dims differ");
+    if (a->data[2]) {
+        if (a->count[2] != 1) return llm_fail(op, "alpha is one value");
+        j.scaled = 1, j.alpha = *(const float *)a->data[2];
+    }
+    int64_t dims[8];
+    memcpy(dims, a->dims[0], (rank - 2) * sizeof(int64_t));
+    dims[rank - 2] = j.m, dims[rank - 1] = j.n;
+    j.batch = 1;
+    for (size_t i = 0; i + 2 < rank; ++i) j.batch *= dims[i];
+    j.a = a->data[0], j.b = a->data[1];
+    OrtStatus *st = llm_output(op, a, 0, dims, rank, (void **)&j.out);
+    if (st || j.batch * j.m * j.n == 0) return st;
+    j.tailed = mode == TAIL_B ? j.b : j.a;
+    j.tail_rows = mode == TAIL_A ? j.m : j.k;
+    j.tail_len = mode == TAIL_A ? j.k : mode == TAIL_AT ? j.m : j.n;
+    j.kept = (int64_t *)malloc((size_t)(j.batch * j.tail_rows) * sizeof(int64_t) + 1);
+    if (!j.kept) return llm_fail(op, "out of memory");
+    split_work(tail_lengths, &j, j.batch * j.tail_rows, j.batch * j.tail_rows * j.tail_len * 2);
+    const int64_t bytes = j.batch * (j.m * j.k + j.k * j.n + j.m * j.n) * 4;
+    j.blocks = (j.m + TAIL_ROWS - 1) / TAIL_ROWS;
+    if (mode == TAIL_B)
+        split_work(tail_col_items, &j, j.batch * ((j.n + TAIL_COLS - 1) / TAIL_COLS), bytes);
+    else
+        split_work(tail_items, &j, j.batch * j.blocks, bytes);
+    free(j.kept);
+    return NULL;
+}
+
+static OrtStatus *tail_matmul(const LlmOp *op, Args *a) { return tail_product(op, a, TAIL_A); }
+static OrtStatus *tail_matmul_ta(const LlmOp *op, Args *a) { return tail_product(op, a, TAIL_AT); }
+static OrtStatus *tail_matmul_b(const LlmOp *op, Args *a) { return tail_product(op, a, TAIL_B); }
+
 /* ------------------------------------------------------------ n-bit weights */
 typedef struct {
     const uint8_t *b, *zp;
@@ -1080,6 +1293,9 @@ static LlmOp g_llm_ops[] = {
     LLM_OP("MaskedSoftmaxF32", 2, L(F, F), 0, 1, L(F), 0, masked_softmax),
     LLM_OP("CrossEntropyF32", 3, L(F, I, I), 0, 2, L(F, D), 0, xent),
     LLM_OP("CrossEntropyGradF32", 4, L(F, D, I, F), 0, 1, L(F), 0, xent_grad),
+    LLM_OP("TailMatMulF32", 3, L(F, F, F), 0x4u, 1, L(F), 0, tail_matmul),
+    LLM_OP("TailMatMulTransAF32", 3, L(F, F, F), 0x4u, 1, L(F), 0, tail_matmul_ta),
+    LLM_OP("MatMulTailBF32", 3, L(F, F, F), 0x4u, 1, L(F), 0, tail_matmul_b),
     LLM_OP("DequantizeNBitsF32", 5, L(ELEM_UINT8, F, I, ELEM_UINT8, F), 0x18u, 1, L(F), 0, dequantize_nbits),
 };
 

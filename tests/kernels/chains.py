@@ -343,6 +343,60 @@ def low_rank_down(shape=(3, 100, 160), k: int = 16, seed: int = 0, named: bool =
     return Chain(model, feeds, outputs, reference)
 
 
+def attention(shape=(2, 3, 80, 16), mask: str = "causal", seed: int = 0, scale: float = 0.25,
+              keys: int | None = None, split_scale: bool = True) -> Chain:
+    """o = Where(IsNaN(p), 0, p) v, p = Softmax((q s) (k s)^T + mask), s =
+    sqrt(scale), as the dynamo exporter writes scaled dot-product attention
+    (k transposed; ``split_scale=False``: the scale a Mul after the product),
+    q, k and v [B, H, S, D] trained (keys [B, H, keys, D]).  ``mask``:
+    "causal" (0 and -inf, the last row of the first batch fully masked: a
+    zero row), "padding" (random keys of each batch masked) or "none" (zeros)."""
+    rng = np.random.default_rng(seed)
+    b, h, s, d = shape
+    n = keys or s
+    feeds = {x: rng.standard_normal((b, h, s if x == "q" else n, d)).astype(np.float32) for x in ("q", "k", "v")}
+    if mask == "causal":
+        m = np.where(np.arange(n)[None, :] > np.arange(s)[:, None] + (n - s), -np.inf, 0.0)
+        m = np.broadcast_to(m, (b, 1, s, n)).astype(np.float32).copy()
+        m[0, 0, -1] = -np.inf
+    elif mask == "padding":
+        m = np.where(rng.random((b, 1, 1, n)) < 0.4, -np.inf, 0.0).astype(np.float32)
+    else:
+        m = np.zeros((b, 1, 1, n), np.float32)
+    feeds["mask"] = m
+    feeds["t"] = rng.standard_normal((b, h, s, d)).astype(np.float32)
+    if split_scale:
+        nodes = [_const("root", np.sqrt(scale)),
+                 helper.make_node("Mul", ["q", "root"], ["qs"]),
+                 helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+                 helper.make_node("Mul", ["kt", "root"], ["kts"]),
+                 helper.make_node("MatMul", ["qs", "kts"], ["scores"])]
+    else:
+        nodes = [_const("scale", scale),
+                 helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+                 helper.make_node("MatMul", ["q", "kt"], ["qk"]),
+                 helper.make_node("Mul", ["qk", "scale"], ["scores"])]
+    nodes += [_const("zero", 0.0),
+             helper.make_node("Add", ["scores", "mask"], ["sum"]),
+             helper.make_node("Softmax", ["sum"], ["p"], axis=-1),
+             helper.make_node("IsNaN", ["p"], ["nan"]),
+             helper.make_node("Where", ["nan", "zero", "p"], ["pg"]),
+             helper.make_node("MatMul", ["pg", "v"], ["o"])]
+    model, outputs = _program(nodes, feeds, ["o"], ["q", "k", "v"], {"o": "t"})
+
+    def reference(f):
+        q, k, v, t = (f[x].astype(np.float64) for x in ("q", "k", "v", "t"))
+        sc = q @ np.swapaxes(k, -1, -2) * scale + f["mask"].astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            e = np.exp(sc - sc.max(-1, keepdims=True))
+            p = np.nan_to_num(e / e.sum(-1, keepdims=True), nan=0.0)
+        dp = t @ np.swapaxes(v, -1, -2)
+        ds = p * (dp - (dp * p).sum(-1, keepdims=True)) * scale
+        return {"o": p @ v, "grad_q": ds @ k, "grad_k": np.swapaxes(ds, -1, -2) @ q,
+                "grad_v": np.swapaxes(p, -1, -2) @ t}
+    return Chain(model, feeds, outputs, reference)
+
+
 # ------------------------------------------------------------ cross-entropy
 def cross_entropy(n: int = 12, c: int = 300, ignored: int = 3, seed: int = 0, scale: float = 3.0,
                   named: bool = False, offset: float = 0.0) -> Chain:

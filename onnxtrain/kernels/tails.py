@@ -1,0 +1,117 @@
+"""Attention's products over a mask's zeros -> the kernel library.
+
+A causal mask (or padding) leaves the probabilities ``p = Softmax(s + mask)``
+exactly zero past each row's last kept key, and the softmax's gradient
+``ds`` zero there too.  The four products that read them still multiply
+every zero: ``o = p v``, ``dv = p^T do``, ``dq = ds k`` and ``dk^T = q^T ds``
+(each as a MatMul, the transposed ones through a Transpose of the last two
+axes, the scaled ones followed by a Mul by one value).  Under a causal mask
+that is half their work.  The library's products over zero tails find each
+row's length to its last nonzero at run time and leave the zeros past it
+out:
+
+| kernel | replaces | tailed operand |
+|---|---|---|
+| ``TailMatMulF32(a, b[, alpha])`` | ``MatMul(a, b)`` [then ``Mul(., alpha)``] | a's rows |
+| ``TailMatMulTransAF32(a, b[, alpha])`` | ``MatMul(Transpose(a), b)`` [...] | a's rows (as stored) |
+| ``MatMulTailBF32(a, b[, alpha])`` | ``MatMul(a, b)`` [...] | b's rows |
+
+Which operands are tailed is a matter of speed, not of correctness: the
+kernels give the product of any values (in their order of summation: not
+onnxruntime's bits; tests/kernels/ compares them with float64), but for
+what a skipped zero would add against an infinity or a NaN of the other
+operand (the standard product's NaN).  The tailed operands taken are the
+outputs of the masked softmax kernels this rewrite writes (``attention``:
+``MaskedSoftmaxF32``, the guard that reads it, the gradients whose
+probabilities it wrote), with rows of ``attention.MIN_ROW`` or more, of
+static or named dims of one rank in both operands (the kernels check the
+sizes they get), float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import onnx
+
+from .attention import MIN_ROW
+from .graphmatch import Fusion, Index, kernel_node
+
+#: The kernels whose outputs hold a mask's zeros: the masked softmax, and
+#: those that read its probabilities (input 0 of the guard, input 1 of the gradients).
+MASKED = "MaskedSoftmaxF32"
+READERS = {"SoftmaxGuardF32": 0, "SoftmaxGradF32": 1, "SoftmaxGradPlainF32": 1}
+
+
+def tailed_values(planned: Sequence[Fusion]) -> set[str]:
+    """The values of the ``planned`` fusions that hold a mask's zero tails."""
+    added = [n for f in planned for n in f.added]
+    masked = {n.output[0] for n in added if n.op_type == MASKED}
+    return masked | {n.output[0] for n in added if n.op_type in READERS and n.input[READERS[n.op_type]] in masked}
+
+
+def _swaps_last_two(ix: Index, node: onnx.NodeProto, rank: int) -> bool:
+    perm = ix.attr(node, "perm")
+    return perm is not None and list(perm) == [*range(rank - 2), rank - 1, rank - 2]
+
+
+def _scale(ix: Index, product: str, mul: onnx.NodeProto | None = None) -> tuple[list[onnx.NodeProto], str, list[str]]:
+    """(the Mul, its output, [alpha]) where ``product`` is read only by a Mul
+    by one float value (or by ``mul`` among others); else ([], product, [])."""
+    readers = [mul] if mul is not None else ix.readers.get(product, [])
+    if len(readers) != 1 or (mul is None and product in ix.outputs):
+        return [], product, []
+    alpha = ix.other(readers[0], "Mul", product)
+    dims = ix.dims(alpha) if alpha is not None else None
+    if dims is None or len(dims) > 1 or (dims and dims[0] != 1) or not ix.all_float(alpha):
+        return [], product, []
+    return [readers[0]], readers[0].output[0], [alpha]
+
+
+def _fits(ix: Index, a: str, b: str, tailed: str) -> bool:
+    """a and b of one rank >= 2 and one leading shape, float32, the tailed rows long."""
+    ad, bd, td = ix.dims(a), ix.dims(b), ix.dims(tailed)
+    if ad is None or bd is None or td is None or len(ad) != len(bd) or len(ad) < 2 or ad[:-2] != bd[:-2]:
+        return False
+    return (td[-1] >= MIN_ROW if isinstance(td[-1], int) else True) and ix.all_float(a, b)
+
+
+def _scaled(ix: Index, tailed: set[str]) -> set[str]:
+    """``tailed`` and what a Mul by one float value makes of them (the
+    scale's gradient), whose zeros stay zeros."""
+    found = set(tailed)
+    for name in tailed:
+        for mul, _ in ix.partners(name, "Mul"):
+            if _scale(ix, name, mul)[2]:
+                found.add(mul.output[0])
+    return found
+
+
+def products(ix: Index, domain: str, tailed: set[str]) -> list[Fusion]:
+    """The MatMuls that read a ``tailed`` value (or one scaled), as the kernels of the table."""
+    tailed = _scaled(ix, tailed)
+    fusions = []
+    for mm in [n for n in ix.nodes if n.op_type == "MatMul" and n.domain in ("", "ai.onnx")]:
+        a, b = mm.input
+        found = _product(ix, mm, a, b, tailed)
+        if found is None:
+            continue
+        op, inputs, removed = found
+        muls, out, alpha = _scale(ix, mm.output[0])
+        fusions.append(Fusion([*removed, mm, *muls], [kernel_node(op, inputs + alpha, [out], mm.name + "/tail", domain)]))
+    return fusions
+
+
+def _product(ix: Index, mm: onnx.NodeProto, a: str, b: str, tailed: set[str]) -> tuple | None:
+    """(kernel, its inputs, the nodes it replaces besides mm) for one MatMul, else None."""
+    if a in tailed and _fits(ix, a, b, a):
+        return "TailMatMulF32", [a, b], []
+    t = ix.node(a, "Transpose")
+    rank = len(ix.dims(a) or ())
+    if t is not None and t.input[0] in tailed and rank >= 2 and _swaps_last_two(ix, t, rank) \
+            and _fits(ix, t.input[0], b, t.input[0]):
+        only = ix.readers.get(a, []) == [mm] and a not in ix.outputs
+        return "TailMatMulTransAF32", [t.input[0], b], [t] if only else []
+    if b in tailed and _fits(ix, a, b, b):
+        return "MatMulTailBF32", [a, b], []
+    return None

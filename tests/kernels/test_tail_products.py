@@ -1,0 +1,133 @@
+"""The products over a mask's zero tails (kernels/tails.py): attention's four
+products of the probabilities and their gradient, against float64 and
+onnxruntime's MatMul, and the kernels alone on zero tails of every kind."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+from chains import attention, run, session
+from onnx import TensorProto, helper
+
+from onnxtrain.kernels.fuse import KERNEL_DOMAIN
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="the kernel library needs a C compiler")
+
+ULPS = 4 * np.finfo(np.float32).eps
+TAILS = ["MatMulTailBF32", "TailMatMulF32", "TailMatMulF32", "TailMatMulTransAF32"]
+ATTENTION = ["MaskedSoftmaxF32", "SoftmaxGradF32", "SoftmaxGuardF32"]
+
+CHAINS = [
+    ("causal", lambda: attention()),
+    ("padding", lambda: attention(mask="padding", seed=1)),
+    ("no mask", lambda: attention(mask="none", seed=2)),
+    ("causal, more keys than queries", lambda: attention((2, 2, 70, 24), keys=100, seed=3)),
+    ("causal, the scale after the product", lambda: attention(split_scale=False, seed=4)),
+    ("L1's attention, split", lambda: attention((4, 8, 256, 64), seed=5, scale=0.125)),
+]
+
+
+def _kernels(model) -> list[str]:
+    return sorted(n.op_type for n in model.graph.node if n.domain == KERNEL_DOMAIN)
+
+
+@pytest.mark.parametrize("label,make", CHAINS, ids=[c[0] for c in CHAINS])
+def test_attentions_products_are_as_close_to_float64_as_onnxruntimes(label, make):
+    chain = make()
+    fused, _ = chain.fused()
+    tails = [k for k in _kernels(fused) if k not in ATTENTION]
+    assert tails == TAILS, tails
+    standard, ours = run(chain.model, chain), run(fused, chain)
+    ref = chain.reference(chain.feeds)
+    for out in chain.outputs:
+        scale = float(np.abs(ref[out]).max())
+        err_std = float(np.abs(standard[out] - ref[out]).max())
+        err_ours = float(np.abs(ours[out] - ref[out]).max())
+        assert np.isfinite(ours[out]).all(), out
+        assert err_ours <= max(2 * err_std, ULPS * scale), (out, err_ours / scale, err_std / scale)
+
+
+def test_short_rows_keep_onnxruntimes_products():
+    fused, _ = attention((2, 3, 16, 16)).fused()
+    assert not any("Tail" in k for k in _kernels(fused))
+
+
+def _product(op: str, a: np.ndarray, b: np.ndarray, alpha=None) -> np.ndarray:
+    inputs = ["a", "b"] + (["alpha"] if alpha is not None else [])
+    feeds = {"a": a, "b": b}
+    if alpha is not None:
+        feeds["alpha"] = np.atleast_1d(np.asarray(alpha, np.float32))
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node(op, inputs, ["y"], domain=KERNEL_DOMAIN)], "g",
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, v.shape) for k, v in feeds.items()],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(KERNEL_DOMAIN, 1)])
+    model.ir_version = 8
+    return session(model).run(None, feeds)[0]
+
+
+def _tailed(rows: int, length: int, rng) -> np.ndarray:
+    """[3, rows, length] of rows cut to random lengths, with a fully zero row,
+    a tail of -0, a NaN as a row's last element and rows without a tail."""
+    x = rng.standard_normal((3, rows, length)).astype(np.float32)
+    cut = rng.integers(0, length + 1, (3, rows))
+    x[np.arange(length)[None, None, :] >= cut[..., None]] = 0.0
+    x[0, 1] = 0.0
+    x[0, 2, 3:] = -0.0
+    x[1, 0, :] = 1.0
+    x[1, 1, 5:] = 0.0
+    x[1, 1, 4] = np.nan
+    x[2, 3, :-1] = 0.0  # one value, at the end
+    return x
+
+
+CASES = [  # (op, tailed operand, M, K, N): sizes off the kernels' blocks of 6 x 32
+    ("TailMatMulF32", "a", 13, 37, 45),
+    ("TailMatMulF32", "a", 64, 70, 64),
+    ("TailMatMulTransAF32", "a", 13, 37, 45),
+    ("TailMatMulTransAF32", "a", 70, 64, 33),
+    ("MatMulTailBF32", "b", 13, 37, 45),
+    ("MatMulTailBF32", "b", 64, 70, 96),
+]
+
+
+@pytest.mark.parametrize("op,which,m,k,n", CASES)
+@pytest.mark.parametrize("alpha", [None, 0.3])
+def test_the_kernels_give_the_product_of_any_zero_tails(op, which, m, k, n, alpha):
+    rng = np.random.default_rng(m * k + n)
+    if which == "b":
+        a, b = rng.standard_normal((3, m, k)).astype(np.float32), _tailed(k, n, rng)
+    elif op == "TailMatMulTransAF32":
+        a, b = _tailed(k, m, rng), rng.standard_normal((3, k, n)).astype(np.float32)
+    else:
+        a, b = _tailed(m, k, rng), rng.standard_normal((3, k, n)).astype(np.float32)
+    left = np.swapaxes(a, -1, -2) if op == "TailMatMulTransAF32" else a
+    ref = left.astype(np.float64) @ b.astype(np.float64) * (1.0 if alpha is None else np.float32(alpha))
+    ours = _product(op, a, b, alpha)
+    assert ours.shape == ref.shape
+    nan = np.isnan(ref)
+    assert nan.any() and np.array_equal(np.isnan(ours), nan)  # the NaN reaches what it multiplies, no more
+    assert np.abs(ours[~nan] - ref[~nan]).max() <= 8 * ULPS * np.sqrt(k) * np.abs(ref[~nan]).max()
+
+
+def test_an_infinity_facing_a_skipped_zero_is_left_out():
+    """The one difference from the standard product, as documented."""
+    a = np.zeros((1, 6, 64), np.float32)
+    a[0, :, :8] = 1.0
+    b = np.ones((1, 64, 32), np.float32)
+    b[0, 40, :] = np.inf
+    ours = _product("TailMatMulF32", a, b)
+    assert np.array_equal(ours, np.full((1, 6, 32), 8.0, np.float32))
+    assert np.isnan(a[0] @ b[0]).all()
+
+
+def test_the_kernels_report_bad_shapes():
+    with pytest.raises(Exception, match="TailMatMulF32: a's and b's inner dims differ"):
+        _product("TailMatMulF32", np.ones((2, 4, 5), np.float32), np.ones((2, 6, 3), np.float32))
+    with pytest.raises(Exception, match="MatMulTailBF32: expects a .* with one leading shape"):
+        _product("MatMulTailBF32", np.ones((2, 4, 5), np.float32), np.ones((3, 5, 3), np.float32))
+    with pytest.raises(Exception, match="TailMatMulTransAF32: alpha is one value"):
+        _product("TailMatMulTransAF32", np.ones((1, 4, 5), np.float32), np.ones((1, 4, 3), np.float32),
+                 np.ones(2, np.float32))
