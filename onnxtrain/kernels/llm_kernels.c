@@ -61,6 +61,15 @@
  *       d[n, c] = (c == target[n] ? v[n] : 0) - exp(scores[n, c] - lse[n]) * v[n]:
  *       the rule's ScatterElements, ReduceSum, Exp, Mul and Sub over the
  *       log-probabilities, from the scores without storing them.
+ *   TailMatMulF32       a [.., M, K], b [.., K, N], alpha (opt) -> (a b) [* alpha]
+ *   TailMatMulTransAF32 a [.., K, M], b [.., K, N], alpha (opt) -> (a^T b) [* alpha]
+ *   MatMulTailBF32      a [.., M, K], b [.., K, N], alpha (opt) -> (a b) [* alpha]
+ *       products that leave out the zeros past each row's last nonzero of a's
+ *       rows (as stored) or b's: attention's products of a masked softmax's
+ *       probabilities and their gradient (kernels/tails.py), summed over k
+ *       by chunks of fused multiply-adds.  Not onnxruntime's order; an
+ *       infinity or a NaN facing a skipped zero is left out (the standard
+ *       product's NaN).
  *   DequantizeNBitsF32  B (uint8 [N, blocks, blob]), scales [N * blocks], G (int64: K, N,
  *                       bits, block_size), zp (uint8, packed per row; opt), zpf (float; opt)
  *                       -> W [N, K]
