@@ -55,17 +55,21 @@ def _swaps_last_two(ix: Index, node: onnx.NodeProto, rank: int) -> bool:
     return perm is not None and list(perm) == [*range(rank - 2), rank - 1, rank - 2]
 
 
-def _scale(ix: Index, product: str, mul: onnx.NodeProto | None = None) -> tuple[list[onnx.NodeProto], str, list[str]]:
-    """(the Mul, its output, [alpha]) where ``product`` is read only by a Mul
-    by one float value (or by ``mul`` among others); else ([], product, [])."""
-    readers = [mul] if mul is not None else ix.readers.get(product, [])
-    if len(readers) != 1 or (mul is None and product in ix.outputs):
-        return [], product, []
-    alpha = ix.other(readers[0], "Mul", product)
+def _alpha(ix: Index, mul: onnx.NodeProto, value: str) -> str | None:
+    """The other operand of ``mul`` (a Mul reading ``value``) where it is one float value, else None."""
+    alpha = ix.other(mul, "Mul", value)
     dims = ix.dims(alpha) if alpha is not None else None
     if dims is None or len(dims) > 1 or (dims and dims[0] != 1) or not ix.all_float(alpha):
-        return [], product, []
-    return [readers[0]], readers[0].output[0], [alpha]
+        return None
+    return alpha
+
+
+def _scale(ix: Index, product: str) -> tuple[list[onnx.NodeProto], str, list[str]]:
+    """(the Mul, its output, [alpha]) where ``product`` is read only by a Mul
+    by one float value; else ([], product, [])."""
+    readers = ix.readers.get(product, [])
+    alpha = _alpha(ix, readers[0], product) if len(readers) == 1 and product not in ix.outputs else None
+    return ([readers[0]], readers[0].output[0], [alpha]) if alpha is not None else ([], product, [])
 
 
 def _fits(ix: Index, a: str, b: str, tailed: str) -> bool:
@@ -82,7 +86,7 @@ def _scaled(ix: Index, tailed: set[str]) -> set[str]:
     found = set(tailed)
     for name in tailed:
         for mul, _ in ix.partners(name, "Mul"):
-            if _scale(ix, name, mul)[2]:
+            if _alpha(ix, mul, name) is not None:
                 found.add(mul.output[0])
     return found
 
