@@ -40,18 +40,21 @@
  *       each element summed over chunks of 64 rows in order by fused
  *       multiply-adds, the chunks' sums added in order.
  *   SoftmaxGuardF32 y -> isnan(y) ? 0 : y      (IsNaN + Where, bit for bit)
- *   SoftmaxGradF32  dq, y -> dx   (the last axis)
+ *   SoftmaxGradF32  dq, y -> dx, kept (opt)   (the last axis)
  *       q = guard(y), e = isnan(y) ? 0 : dq, t = sum(e * q) over the row
  *       (double, rounded once), dx = q * (e - t): the rule's Where, Where,
  *       Mul, ReduceSum, Sub, Mul but for the row sum.
- *   SoftmaxGradPlainF32  dq, y -> dx   (the last axis; one shape)
+ *   SoftmaxGradPlainF32  dq, y -> dx, kept (opt)   (the last axis; one shape)
  *       t = sum(dq * y) over the row (double, rounded once), dx = y * (dq - t):
  *       the unguarded rule's Mul, ReduceSum, Sub, Mul but for the row sum.
- *   MaskedSoftmaxF32 a, b (broadcast together, as Add's) -> y
+ *   MaskedSoftmaxF32 a, b (broadcast together, as Add's) -> y, kept (opt)
  *       y = Softmax(a + b) over the last axis: the Add's float sums, the
  *       row's max, e^(v - max) (the library's exp, as the cross-entropy's),
  *       their sum in double, y = e * (1 / sum); the Add and the Softmax
  *       without writing a + b.  A row with a NaN or all -inf is NaN.
+ *       kept (int64, y's dims but the last, and so the gradients'): each
+ *       row's length past which its values are all +-0 (a bound: not always
+ *       the last nonzero), for the products below.
  *   CrossEntropyF32     scores [N, C], target (int64 [N]), ignore (int64 [1])
  *                       -> loss [], lse (double [N])
  *       lse = log sum exp over each row; loss = mean over the rows whose
@@ -61,11 +64,13 @@
  *       d[n, c] = (c == target[n] ? v[n] : 0) - exp(scores[n, c] - lse[n]) * v[n]:
  *       the rule's ScatterElements, ReduceSum, Exp, Mul and Sub over the
  *       log-probabilities, from the scores without storing them.
- *   TailMatMulF32       a [.., M, K], b [.., K, N], alpha (opt) -> (a b) [* alpha]
- *   TailMatMulTransAF32 a [.., K, M], b [.., K, N], alpha (opt) -> (a^T b) [* alpha]
- *   MatMulTailBF32      a [.., M, K], b [.., K, N], alpha (opt) -> (a b) [* alpha]
+ *   TailMatMulF32       a [.., M, K], b [.., K, N], alpha (opt), kept (opt) -> (a b) [* alpha]
+ *   TailMatMulTransAF32 a [.., K, M], b [.., K, N], alpha (opt), kept (opt) -> (a^T b) [* alpha]
+ *   MatMulTailBF32      a [.., M, K], b [.., K, N], alpha (opt), kept (opt) -> (a b) [* alpha]
  *       products that leave out the zeros past each row's last nonzero of a's
- *       rows (as stored) or b's: attention's products of a masked softmax's
+ *       rows (as stored) or b's (found by a scan, or kept's bound of each:
+ *       int64, one per row of the tailed operand, from the kernel that wrote
+ *       it): attention's products of a masked softmax's
  *       probabilities and their gradient (kernels/tails.py), summed over k
  *       by chunks of fused multiply-adds.  Not onnxruntime's order; an
  *       infinity or a NaN facing a skipped zero is left out (the standard
@@ -497,7 +502,27 @@ typedef struct {
     float *out;
     int64_t d;
     int plain; /* 1: no guard (y has no NaN to zero: SoftmaxGradPlainF32) */
+    int64_t *kept; /* (opt) each row of out: its length to its last value that is not +-0 */
 } SoftmaxJob;
+
+/* The length of x[0..d) to its last element that is not +-0 (a NaN counts). */
+static inline int64_t nonzero_length(const float *x, int64_t d) {
+    int64_t hi = d;
+    while (hi >= 16) {
+        uint32_t bits[16], any = 0;
+        memcpy(bits, x + hi - 16, sizeof(bits));
+        for (int t = 0; t < 16; ++t) any |= bits[t] << 1;
+        if (any) break;
+        hi -= 16;
+    }
+    while (hi > 0) {
+        uint32_t v;
+        memcpy(&v, x + hi - 1, sizeof(v));
+        if (v << 1) break;
+        --hi;
+    }
+    return hi;
+}
 
 /* onnxruntime's Where(c, 0, v): v as it is (-0 stays -0) where c is false, +0
  * where it is true (its selections of the first operand are added to zeros,
@@ -520,6 +545,7 @@ CLONES static void softmax_grad_rows(void *arg, int64_t b, int64_t e) {
             SUM8(sum, d, i, (double)(dq[i] * y[i]));
             const float t = (float)sum;
             for (int64_t i = 0; i < d; ++i) dx[i] = y[i] * (dq[i] - t);
+            if (j->kept) j->kept[row] = nonzero_length(dx, d); /* (the row just written: in cache) */
             continue;
         }
         SUM8(sum, d, i, (double)(where_zero(y[i] != y[i], dq[i]) * where_zero(y[i] != y[i], y[i])));
@@ -528,11 +554,12 @@ CLONES static void softmax_grad_rows(void *arg, int64_t b, int64_t e) {
             const int c = y[i] != y[i];
             dx[i] = where_zero(c, y[i]) * (where_zero(c, dq[i]) - t);
         }
+        if (j->kept) j->kept[row] = nonzero_length(dx, d);
     }
 }
 
 static OrtStatus *softmax_guard(const LlmOp *op, Args *a) {
-    SoftmaxJob j = {a->data[0], NULL, NULL, 0, 0};
+    SoftmaxJob j = {a->data[0], NULL, NULL, 0, 0, NULL};
     OrtStatus *st = llm_output(op, a, 0, a->dims[0], a->rank[0], (void **)&j.out);
     if (st) return st;
     split_work(guard_part, &j, (int64_t)a->count[0], (int64_t)a->count[0] * 8);
@@ -543,9 +570,10 @@ static OrtStatus *softmax_guard(const LlmOp *op, Args *a) {
 static OrtStatus *softmax_grad_run(const LlmOp *op, Args *a, int plain) {
     const size_t rank = a->rank[1];
     if (rank < 1 || a->count[0] != a->count[1]) return llm_fail(op, "dq and y must have one size");
-    SoftmaxJob j = {a->data[1], a->data[0], NULL, a->dims[1][rank - 1], plain};
+    SoftmaxJob j = {a->data[1], a->data[0], NULL, a->dims[1][rank - 1], plain, NULL};
     if (j.d <= 0) return llm_fail(op, "y must have a non-empty last axis");
     OrtStatus *st = llm_output(op, a, 0, a->dims[1], rank, (void **)&j.out);
+    if (!st) st = llm_output(op, a, 1, a->dims[1], rank - 1, (void **)&j.kept);
     if (st) return st;
     split_work(softmax_grad_rows, &j, (int64_t)a->count[1] / j.d, (int64_t)a->count[1] * 12);
     return NULL;
@@ -833,6 +861,7 @@ typedef struct {
     float *y;
     int64_t d, rank;
     int64_t dims[8], stride[2][8]; /* y's dims; each input's strides, 0 where it broadcasts */
+    int64_t *kept;                 /* (opt) each row: its length past which it is all +0 */
 } MaskedJob;
 
 /* Each row: v = a + b (the Add's float sums, broadcast), its max (eight
@@ -861,6 +890,7 @@ CLONES static void masked_softmax_rows(void *arg, int64_t b, int64_t e) {
         for (int64_t i = hi; i < d; ++i) y[i] = 0.0f;
         const int64_t end = inv != inv ? d : hi;
         for (int64_t i = 0; i < end; ++i) y[i] = y[i] * inv;
+        if (j->kept) j->kept[row] = end;
     }
 }
 
@@ -885,6 +915,7 @@ static OrtStatus *masked_softmax(const LlmOp *op, Args *a) {
         return llm_fail(op, "the inputs do not broadcast together");
     j.d = j.dims[rank - 1];
     OrtStatus *st = llm_output(op, a, 0, j.dims, rank, (void **)&j.y);
+    if (!st) st = llm_output(op, a, 1, j.dims, rank - 1, (void **)&j.kept);
     int64_t count = 1;
     for (size_t k = 0; k < rank; ++k) count *= j.dims[k];
     if (st || count == 0) return st;
@@ -1004,25 +1035,6 @@ typedef struct {
     int64_t m, k, n, batch, tail_rows, tail_len, blocks;
     int64_t *kept; /* [batch, tail_rows] */
 } TailJob;
-
-/* The length of x[0..d) to its last element that is not +-0. */
-static inline int64_t nonzero_length(const float *x, int64_t d) {
-    int64_t hi = d;
-    while (hi >= 16) {
-        uint32_t bits[16], any = 0;
-        memcpy(bits, x + hi - 16, sizeof(bits));
-        for (int t = 0; t < 16; ++t) any |= bits[t] << 1;
-        if (any) break;
-        hi -= 16;
-    }
-    while (hi > 0) {
-        uint32_t v;
-        memcpy(&v, x + hi - 1, sizeof(v));
-        if (v << 1) break;
-        --hi;
-    }
-    return hi;
-}
 
 static void tail_lengths(void *arg, int64_t b, int64_t e) {
     const TailJob *j = (const TailJob *)arg;
@@ -1173,16 +1185,26 @@ static OrtStatus *tail_product(const LlmOp *op, Args *a, int mode) {
     j.tailed = mode == TAIL_B ? j.b : j.a;
     j.tail_rows = mode == TAIL_A ? j.m : j.k;
     j.tail_len = mode == TAIL_A ? j.k : mode == TAIL_AT ? j.m : j.n;
-    j.kept = (int64_t *)malloc((size_t)(j.batch * j.tail_rows) * sizeof(int64_t) + 1);
-    if (!j.kept) return llm_fail(op, "out of memory");
-    split_work(tail_lengths, &j, j.batch * j.tail_rows, j.batch * j.tail_rows * j.tail_len * 2);
+    int64_t *scanned = NULL;
+    if (a->data[3]) { /* the rows' bounds from the kernel that wrote the tailed operand */
+        if ((int64_t)a->count[3] != j.batch * j.tail_rows) return llm_fail(op, "kept has one value per tailed row");
+        const int64_t *kept = (const int64_t *)a->data[3];
+        for (int64_t r = 0; r < j.batch * j.tail_rows; ++r)
+            if (kept[r] < 0 || kept[r] > j.tail_len) return llm_fail(op, "a kept length is out of range");
+        j.kept = (int64_t *)kept;
+    } else {
+        scanned = (int64_t *)malloc((size_t)(j.batch * j.tail_rows) * sizeof(int64_t) + 1);
+        if (!scanned) return llm_fail(op, "out of memory");
+        j.kept = scanned;
+        split_work(tail_lengths, &j, j.batch * j.tail_rows, j.batch * j.tail_rows * j.tail_len * 2);
+    }
     const int64_t bytes = j.batch * (j.m * j.k + j.k * j.n + j.m * j.n) * 4;
     j.blocks = (j.m + TAIL_ROWS - 1) / TAIL_ROWS;
     if (mode == TAIL_B)
         split_work(tail_col_items, &j, j.batch * ((j.n + TAIL_COLS - 1) / TAIL_COLS), bytes);
     else
         split_work(tail_items, &j, j.batch * j.blocks, bytes);
-    free(j.kept);
+    free(scanned);
     return NULL;
 }
 
@@ -1297,14 +1319,14 @@ static LlmOp g_llm_ops[] = {
     LLM_OP("LowRankMatMulAddF32", 3, L(F, F, F), 0, 1, L(F), 0, lowrank_add),
     LLM_OP("LowRankTransAF32", 2, L(F, F), 0, 1, L(F), 0, lowrank_t),
     LLM_OP("SoftmaxGuardF32", 1, L(F), 0, 1, L(F), 0, softmax_guard),
-    LLM_OP("SoftmaxGradF32", 2, L(F, F), 0, 1, L(F), 0, softmax_grad),
-    LLM_OP("SoftmaxGradPlainF32", 2, L(F, F), 0, 1, L(F), 0, softmax_grad_plain),
-    LLM_OP("MaskedSoftmaxF32", 2, L(F, F), 0, 1, L(F), 0, masked_softmax),
+    LLM_OP("SoftmaxGradF32", 2, L(F, F), 0, 2, L(F, I), 0x2u, softmax_grad),
+    LLM_OP("SoftmaxGradPlainF32", 2, L(F, F), 0, 2, L(F, I), 0x2u, softmax_grad_plain),
+    LLM_OP("MaskedSoftmaxF32", 2, L(F, F), 0, 2, L(F, I), 0x2u, masked_softmax),
     LLM_OP("CrossEntropyF32", 3, L(F, I, I), 0, 2, L(F, D), 0, xent),
     LLM_OP("CrossEntropyGradF32", 4, L(F, D, I, F), 0, 1, L(F), 0, xent_grad),
-    LLM_OP("TailMatMulF32", 3, L(F, F, F), 0x4u, 1, L(F), 0, tail_matmul),
-    LLM_OP("TailMatMulTransAF32", 3, L(F, F, F), 0x4u, 1, L(F), 0, tail_matmul_ta),
-    LLM_OP("MatMulTailBF32", 3, L(F, F, F), 0x4u, 1, L(F), 0, tail_matmul_b),
+    LLM_OP("TailMatMulF32", 4, L(F, F, F, I), 0xCu, 1, L(F), 0, tail_matmul),
+    LLM_OP("TailMatMulTransAF32", 4, L(F, F, F, I), 0xCu, 1, L(F), 0, tail_matmul_ta),
+    LLM_OP("MatMulTailBF32", 4, L(F, F, F, I), 0xCu, 1, L(F), 0, tail_matmul_b),
     LLM_OP("DequantizeNBitsF32", 5, L(ELEM_UINT8, F, I, ELEM_UINT8, F), 0x18u, 1, L(F), 0, dequantize_nbits),
 };
 

@@ -12,9 +12,16 @@ out:
 
 | kernel | replaces | tailed operand |
 |---|---|---|
-| ``TailMatMulF32(a, b[, alpha])`` | ``MatMul(a, b)`` [then ``Mul(., alpha)``] | a's rows |
-| ``TailMatMulTransAF32(a, b[, alpha])`` | ``MatMul(Transpose(a), b)`` [...] | a's rows (as stored) |
-| ``MatMulTailBF32(a, b[, alpha])`` | ``MatMul(a, b)`` [...] | b's rows |
+| ``TailMatMulF32(a, b[, alpha][, kept])`` | ``MatMul(a, b)`` [then ``Mul(., alpha)``] | a's rows |
+| ``TailMatMulTransAF32(a, b[, alpha][, kept])`` | ``MatMul(Transpose(a), b)`` [...] | a's rows (as stored) |
+| ``MatMulTailBF32(a, b[, alpha][, kept])`` | ``MatMul(a, b)`` [...] | b's rows |
+
+Each row's length comes from the kernel that wrote the tailed operand where
+it can say (``kept``, its optional second output: the masked softmax knows
+where it wrote its zeros, the gradients look at each row just written; the
+guard keeps its input's zeros, so its input's lengths bound its rows), and
+from a scan of the operand otherwise (a scaled one: a Mul by an infinity
+would make NaN of the zeros).
 
 Which operands are tailed is a matter of speed, not of correctness: the
 kernels give the product of any values (in their order of summation: not
@@ -31,9 +38,11 @@ sizes they get), float32.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import onnx
 
+from ..core.names import NameGen
 from .attention import MIN_ROW
 from .graphmatch import Fusion, Index, kernel_node
 
@@ -41,13 +50,36 @@ from .graphmatch import Fusion, Index, kernel_node
 #: those that read its probabilities (input 0 of the guard, input 1 of the gradients).
 MASKED = "MaskedSoftmaxF32"
 READERS = {"SoftmaxGuardF32": 0, "SoftmaxGradF32": 1, "SoftmaxGradPlainF32": 1}
+#: The readers that pass their input's zeros on as they are (its lengths bound theirs).
+KEEPERS = {"SoftmaxGuardF32"}
 
 
-def tailed_values(planned: Sequence[Fusion]) -> set[str]:
-    """The values of the ``planned`` fusions that hold a mask's zero tails."""
-    added = [n for f in planned for n in f.added]
-    masked = {n.output[0] for n in added if n.op_type == MASKED}
-    return masked | {n.output[0] for n in added if n.op_type in READERS and n.input[READERS[n.op_type]] in masked}
+@dataclass
+class Writer:
+    """The kernel node that writes a tailed value's rows' lengths (``kept``,
+    its output 1), and the fusion that adds it."""
+
+    fusion: Fusion
+    node: onnx.NodeProto
+
+    def kept(self, names: NameGen) -> str:
+        """The name of the lengths, asked of the node (an optional output: written where read)."""
+        if len(self.node.output) < 2:
+            self.node.output.append(names.fresh(self.node.output[0] + "_kept"))
+            self.fusion.optional.add(self.node.output[1])
+        return self.node.output[1]
+
+
+def tailed_values(planned: Sequence[Fusion]) -> dict[str, Writer]:
+    """The values of the ``planned`` fusions that hold a mask's zero tails,
+    each with the kernel that can write its rows' lengths."""
+    added = [(f, n) for f in planned for n in f.added]
+    tailed = {n.output[0]: Writer(f, n) for f, n in added if n.op_type == MASKED}
+    for f, n in added:
+        if n.op_type in READERS and n.input[READERS[n.op_type]] in tailed:
+            source = n.input[READERS[n.op_type]]
+            tailed[n.output[0]] = tailed[source] if n.op_type in KEEPERS else Writer(f, n)
+    return tailed
 
 
 def _swaps_last_two(ix: Index, node: onnx.NodeProto, rank: int) -> bool:
@@ -80,42 +112,46 @@ def _fits(ix: Index, a: str, b: str, tailed: str) -> bool:
     return (td[-1] >= MIN_ROW if isinstance(td[-1], int) else True) and ix.all_float(a, b)
 
 
-def _scaled(ix: Index, tailed: set[str]) -> set[str]:
+def _scaled(ix: Index, tailed: dict[str, Writer]) -> dict[str, Writer | None]:
     """``tailed`` and what a Mul by one float value makes of them (the
-    scale's gradient), whose zeros stay zeros."""
-    found = set(tailed)
+    scale's gradient), whose zeros stay zeros (but for an infinite scale:
+    those have no writer of their lengths, and are scanned)."""
+    found: dict[str, Writer | None] = dict(tailed)
     for name in tailed:
         for mul, _ in ix.partners(name, "Mul"):
             if _alpha(ix, mul, name) is not None:
-                found.add(mul.output[0])
+                found.setdefault(mul.output[0], None)
     return found
 
 
-def products(ix: Index, domain: str, tailed: set[str]) -> list[Fusion]:
+def products(ix: Index, domain: str, tailed: dict[str, Writer], names: NameGen) -> list[Fusion]:
     """The MatMuls that read a ``tailed`` value (or one scaled), as the kernels of the table."""
-    tailed = _scaled(ix, tailed)
+    scaled = _scaled(ix, tailed)
     fusions = []
     for mm in [n for n in ix.nodes if n.op_type == "MatMul" and n.domain in ("", "ai.onnx")]:
         a, b = mm.input
-        found = _product(ix, mm, a, b, tailed)
+        found = _product(ix, mm, a, b, scaled)
         if found is None:
             continue
-        op, inputs, removed = found
+        op, inputs, removed, operand = found
         muls, out, alpha = _scale(ix, mm.output[0])
-        fusions.append(Fusion([*removed, mm, *muls], [kernel_node(op, inputs + alpha, [out], mm.name + "/tail", domain)]))
+        writer = scaled[operand]
+        kept = [alpha[0] if alpha else "", writer.kept(names)] if writer is not None else alpha
+        fusions.append(Fusion([*removed, mm, *muls], [kernel_node(op, inputs + kept, [out], mm.name + "/tail", domain)]))
     return fusions
 
 
-def _product(ix: Index, mm: onnx.NodeProto, a: str, b: str, tailed: set[str]) -> tuple | None:
-    """(kernel, its inputs, the nodes it replaces besides mm) for one MatMul, else None."""
+def _product(ix: Index, mm: onnx.NodeProto, a: str, b: str, tailed: dict) -> tuple | None:
+    """(kernel, its inputs, the nodes it replaces besides mm, the tailed
+    operand) for one MatMul, else None."""
     if a in tailed and _fits(ix, a, b, a):
-        return "TailMatMulF32", [a, b], []
+        return "TailMatMulF32", [a, b], [], a
     t = ix.node(a, "Transpose")
     rank = len(ix.dims(a) or ())
     if t is not None and t.input[0] in tailed and rank >= 2 and _swaps_last_two(ix, t, rank) \
             and _fits(ix, t.input[0], b, t.input[0]):
         only = ix.readers.get(a, []) == [mm] and a not in ix.outputs
-        return "TailMatMulTransAF32", [t.input[0], b], [t] if only else []
+        return "TailMatMulTransAF32", [t.input[0], b], [t] if only else [], t.input[0]
     if b in tailed and _fits(ix, a, b, b):
-        return "MatMulTailBF32", [a, b], []
+        return "MatMulTailBF32", [a, b], [], b
     return None

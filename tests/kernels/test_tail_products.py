@@ -54,18 +54,35 @@ def test_short_rows_keep_onnxruntimes_products():
     assert not any("Tail" in k for k in _kernels(fused))
 
 
-def _product(op: str, a: np.ndarray, b: np.ndarray, alpha=None) -> np.ndarray:
-    inputs = ["a", "b"] + (["alpha"] if alpha is not None else [])
+def _run_op(op: str, feeds: dict, inputs: list[str], outputs: int = 1) -> list[np.ndarray]:
+    """One library node of ``inputs`` (names of ``feeds``, "" for an absent one) alone."""
+    names = ["out", "out_kept"][:outputs]
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node(op, inputs, names, domain=KERNEL_DOMAIN)], "g",
+        [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+         for k, v in feeds.items()],
+        [helper.make_tensor_value_info(n, t, None) for n, t in zip(names, [TensorProto.FLOAT, TensorProto.INT64])]),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(KERNEL_DOMAIN, 1)])
+    model.ir_version = 8
+    return session(model).run(None, feeds)
+
+
+def _product(op: str, a: np.ndarray, b: np.ndarray, alpha=None, kept=None) -> np.ndarray:
     feeds = {"a": a, "b": b}
     if alpha is not None:
         feeds["alpha"] = np.atleast_1d(np.asarray(alpha, np.float32))
-    model = helper.make_model(helper.make_graph(
-        [helper.make_node(op, inputs, ["y"], domain=KERNEL_DOMAIN)], "g",
-        [helper.make_tensor_value_info(k, TensorProto.FLOAT, v.shape) for k, v in feeds.items()],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]),
-        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(KERNEL_DOMAIN, 1)])
-    model.ir_version = 8
-    return session(model).run(None, feeds)[0]
+    if kept is not None:
+        feeds["kept"] = np.asarray(kept, np.int64)
+    inputs = ["a", "b", "alpha" if alpha is not None else "", "kept" if kept is not None else ""]
+    while not inputs[-1]:
+        inputs.pop()
+    return _run_op(op, feeds, inputs)[0]
+
+
+def _lengths(x: np.ndarray) -> np.ndarray:
+    """Each row's length to its last value that is not +-0 (a NaN counts)."""
+    nonzero = x != 0
+    return np.where(nonzero.any(-1), x.shape[-1] - np.argmax(nonzero[..., ::-1], axis=-1), 0).astype(np.int64)
 
 
 def _tailed(rows: int, length: int, rng) -> np.ndarray:
@@ -131,3 +148,81 @@ def test_the_kernels_report_bad_shapes():
     with pytest.raises(Exception, match="TailMatMulTransAF32: alpha is one value"):
         _product("TailMatMulTransAF32", np.ones((1, 4, 5), np.float32), np.ones((1, 4, 3), np.float32),
                  np.ones(2, np.float32))
+
+
+@pytest.mark.parametrize("op,which,m,k,n", CASES)
+def test_the_kernels_given_the_rows_lengths_give_the_bits_of_their_scan(op, which, m, k, n):
+    """kept (from the kernel that wrote the tailed operand) in place of the
+    scan: a bound at or past each row's last nonzero gives the same bits."""
+    rng = np.random.default_rng(m + k * n)
+    if which == "b":
+        a, b = rng.standard_normal((3, m, k)).astype(np.float32), _tailed(k, n, rng)
+        tailed = b
+    elif op == "TailMatMulTransAF32":
+        a, b = _tailed(k, m, rng), rng.standard_normal((3, k, n)).astype(np.float32)
+        tailed = a
+    else:
+        a, b = _tailed(m, k, rng), rng.standard_normal((3, k, n)).astype(np.float32)
+        tailed = a
+    scanned = _product(op, a, b, 0.3)
+    exact = _lengths(tailed)
+    loose = np.minimum(exact + rng.integers(0, 3, exact.shape), tailed.shape[-1])
+    for kept in (exact, loose):
+        assert np.array_equal(_product(op, a, b, 0.3, kept), scanned, equal_nan=True)
+    # the bounds are taken as given (whole blocks of products go by them): rows of length 0 add nothing
+    assert not _product(op, a, b, 0.3, np.zeros_like(exact)).any()
+
+
+def test_the_kernels_check_the_rows_lengths():
+    a, b = np.ones((2, 4, 5), np.float32), np.ones((2, 5, 3), np.float32)
+    with pytest.raises(Exception, match="TailMatMulF32: kept has one value per tailed row"):
+        _product("TailMatMulF32", a, b, kept=np.full(4, 5))
+    with pytest.raises(Exception, match="MatMulTailBF32: a kept length is out of range"):
+        _product("MatMulTailBF32", a, b, kept=np.full(10, 4) - np.eye(10, dtype=np.int64)[3] * 5)
+    with pytest.raises(Exception, match="TailMatMulTransAF32: a kept length is out of range"):
+        _product("TailMatMulTransAF32", np.ones((2, 5, 4), np.float32), b, kept=np.full(10, 5))
+
+
+def test_the_masked_softmax_says_where_each_row_is_zero():
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 3, 40, 40)).astype(np.float32)
+    mask = np.triu(np.full((40, 40), -np.inf, np.float32), 1)[None, None]
+    x[0, 1, 5] = np.nan  # a NaN row: NaN throughout
+    x[1, 2, 7, 30] = -200.0  # e^(-200 - max) = 0 inside the kept part: the bound stays past it
+    y, kept = _run_op("MaskedSoftmaxF32", {"x": x, "m": mask}, ["x", "m"], outputs=2)
+    assert kept.shape == (2, 3, 40) and kept.dtype == np.int64
+    expected = np.broadcast_to(np.arange(1, 41), kept.shape).copy()
+    expected[0, 1, 5] = 40
+    assert np.array_equal(kept, expected)
+    assert (y[np.arange(40) >= kept[..., None]] == 0).all()
+    alone = _run_op("MaskedSoftmaxF32", {"x": x, "m": mask}, ["x", "m"])[0]
+    assert np.array_equal(alone, y, equal_nan=True)
+    _, scalar = _run_op("MaskedSoftmaxF32", {"x": x[0, 0, 3], "m": mask[0, 0, 3]}, ["x", "m"], outputs=2)
+    assert scalar.shape == () and int(scalar) == 4
+
+
+@pytest.mark.parametrize("op", ["SoftmaxGradF32", "SoftmaxGradPlainF32"])
+def test_the_softmax_gradients_say_where_each_row_is_zero(op):
+    rng = np.random.default_rng(8)
+    y = _tailed(20, 50, rng)
+    y[2, 4, :] = 0.0  # a row of zeros
+    dq = rng.standard_normal(y.shape).astype(np.float32)
+    dq[1, 3, 45] = np.inf  # past the row's last nonzero: 0 * inf, NaN in the gradient
+    dx, kept = _run_op(op, {"dq": dq, "y": y}, ["dq", "y"], outputs=2)
+    assert kept.shape == (3, 20) and np.array_equal(kept, _lengths(dx))
+    assert kept[1, 3] == 50 and kept[2, 4] == 0
+    assert np.array_equal(_run_op(op, {"dq": dq, "y": y}, ["dq", "y"])[0], dx, equal_nan=True)
+
+
+def test_the_products_read_the_lengths_their_operands_kernels_wrote():
+    fused, _ = attention((4, 8, 256, 64), seed=5, scale=0.125).fused()
+    nodes = [n for n in fused.graph.node if n.domain == KERNEL_DOMAIN]
+    writers = {n.output[1]: n.op_type for n in nodes if len(n.output) > 1 and n.output[1]}
+    read = {n.op_type: [] for n in nodes}
+    for n in nodes:
+        if "Tail" in n.op_type:
+            assert len(n.input) == 4 and n.input[3] in writers, n
+            read[n.op_type].append(writers[n.input[3]])
+    assert sorted(writers.values()) == ["MaskedSoftmaxF32", "SoftmaxGradF32"]
+    assert sorted(read["TailMatMulF32"]) == ["MaskedSoftmaxF32", "SoftmaxGradF32"]
+    assert read["TailMatMulTransAF32"] == ["MaskedSoftmaxF32"] and read["MatMulTailBF32"] == ["SoftmaxGradF32"]
