@@ -1023,7 +1023,7 @@ static OrtStatus *xent_grad(const LlmOp *op, Args *a) {
  * infinity or a NaN facing a skipped zero, the standard product is NaN and
  * these are not. */
 enum { TAIL_A, TAIL_AT, TAIL_B }; /* the tailed operand: a [m, k]; a stored [k, m] (out = a^T b); b [k, n] */
-#define TAIL_ROWS 6
+#define TAIL_ROWS 8
 #define TAIL_COLS 32
 #define TAIL_CHUNK 32 /* k summed by chunks, their sums then in order: closer to the exact sum */
 
@@ -1061,35 +1061,48 @@ static inline void tail_range(const TailJob *j, const int64_t *kept, int64_t r0,
     *k0 = lo, *k1 = hi > lo ? hi : lo;
 }
 
-/* out's rows [r0, r0 + rows) x columns [c0, c0 + cols) (cols TAIL_COLS, or
- * fewer one at a time), a's element (r, kk) at a[r * sr + kk * sk]. */
+/* out's rows [r0, r0 + rows) x columns [c0, c0 + TAIL_COLS), a's element (r,
+ * kk) at a[r * sr + kk * sk].  Each chunk's sums stay in registers (TAIL_ROWS
+ * x TAIL_COLS: 16 of AVX-512's 32 vector registers), then go into the
+ * block of out, which holds the sum of the chunks before (in cache: the
+ * block is small) and is scaled at the end.  A chunk starts from its first
+ * product plus +0, and the first chunk is added to +0, as a sum from +0 would
+ * be (a lone -0 product sums to +0). */
 static inline __attribute__((always_inline)) void tail_block(const TailJob *j, const float *a, int64_t sr, int64_t sk,
                                                              const float *b, float *out, int64_t r0, int64_t rows,
                                                              int64_t c0, int64_t k0, int64_t k1) {
-    float acc[TAIL_ROWS][TAIL_COLS], part[TAIL_ROWS][TAIL_COLS];
-    for (int q = 0; q < TAIL_ROWS; ++q)
-        for (int t = 0; t < TAIL_COLS; ++t) acc[q][t] = 0.0f;
+    float part[TAIL_ROWS][TAIL_COLS];
+    float *o = out + r0 * j->n + c0;
+    const int64_t n = j->n;
+    if (k1 <= k0)
+        for (int q = 0; q < rows; ++q)
+            for (int t = 0; t < TAIL_COLS; ++t) o[q * n + t] = 0.0f;
     for (int64_t kc = k0; kc < k1; kc += TAIL_CHUNK) {
         const int64_t kend = kc + TAIL_CHUNK < k1 ? kc + TAIL_CHUNK : k1;
-        for (int q = 0; q < TAIL_ROWS; ++q)
-            for (int t = 0; t < TAIL_COLS; ++t) part[q][t] = 0.0f;
-        for (int64_t kk = kc; kk < kend; ++kk) {
-            const float *br = b + kk * j->n + c0;
+        {
+            const float *br = b + kc * n + c0;
+            for (int q = 0; q < TAIL_ROWS; ++q) {
+                const float av = q < rows ? a[(r0 + q) * sr + kc * sk] : 0.0f;
+                for (int t = 0; t < TAIL_COLS; ++t) part[q][t] = fmaf(av, br[t], 0.0f);
+            }
+        }
+        for (int64_t kk = kc + 1; kk < kend; ++kk) {
+            const float *br = b + kk * n + c0;
             for (int q = 0; q < TAIL_ROWS; ++q) {
                 const float av = q < rows ? a[(r0 + q) * sr + kk * sk] : 0.0f;
                 for (int t = 0; t < TAIL_COLS; ++t) part[q][t] = fmaf(av, br[t], part[q][t]);
             }
         }
-        for (int q = 0; q < TAIL_ROWS; ++q)
-            for (int t = 0; t < TAIL_COLS; ++t) acc[q][t] += part[q][t];
-    }
-    for (int q = 0; q < rows; ++q) {
-        float *o = out + (r0 + q) * j->n + c0;
-        if (j->scaled)
-            for (int t = 0; t < TAIL_COLS; ++t) o[t] = acc[q][t] * j->alpha;
+        if (kc == k0)
+            for (int q = 0; q < rows; ++q)
+                for (int t = 0; t < TAIL_COLS; ++t) o[q * n + t] = 0.0f + part[q][t];
         else
-            for (int t = 0; t < TAIL_COLS; ++t) o[t] = acc[q][t];
+            for (int q = 0; q < rows; ++q)
+                for (int t = 0; t < TAIL_COLS; ++t) o[q * n + t] += part[q][t];
     }
+    if (j->scaled)
+        for (int q = 0; q < rows; ++q)
+            for (int t = 0; t < TAIL_COLS; ++t) o[q * n + t] *= j->alpha;
 }
 
 static inline float tail_one(const TailJob *j, const float *a, int64_t sr, int64_t sk, const float *b, int64_t r,

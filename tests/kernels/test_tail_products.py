@@ -100,7 +100,7 @@ def _tailed(rows: int, length: int, rng) -> np.ndarray:
     return x
 
 
-CASES = [  # (op, tailed operand, M, K, N): sizes off the kernels' blocks of 6 x 32
+CASES = [  # (op, tailed operand, M, K, N): sizes off (and on) the kernels' blocks of 8 x 32
     ("TailMatMulF32", "a", 13, 37, 45),
     ("TailMatMulF32", "a", 64, 70, 64),
     ("TailMatMulTransAF32", "a", 13, 37, 45),
