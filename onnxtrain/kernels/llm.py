@@ -75,6 +75,7 @@ def rewrite(graph: onnx.GraphProto, opset_imports: Sequence[onnx.OperatorSetIdPr
                + xent.cross_entropies(ix, names, domain)
                + nbits.dequantizations(ix, names, domain) + lowrank.low_rank_sums(ix, domain)
                + lowrank.low_rank_gradients(ix, names, domain))
+    tails.scores_products(ix, fusions)
     fusions += tails.products(ix, domain, tails.tailed_values(fusions), names)
     count = apply(graph, fusions)
     if count:

@@ -55,6 +55,10 @@
  *       kept (int64, y's dims but the last, and so the gradients'): each
  *       row's length past which its values are all +-0 (a bound: not always
  *       the last nonzero), for the products below.
+ *   MatMulMaskedSoftmaxF32 a [.., M, K], b [.., K, N], mask (broadcast) -> y, kept (opt)
+ *       MaskedSoftmaxF32(a b, mask) without writing a b, whose sums (the tail
+ *       products') leave out each row's columns past its mask's last value
+ *       that is not -inf (where a finite score gives y = 0).
  *   CrossEntropyF32     scores [N, C], target (int64 [N]), ignore (int64 [1])
  *                       -> loss [], lse (double [N])
  *       lse = log sum exp over each row; loss = mean over the rows whose
@@ -864,6 +868,32 @@ typedef struct {
     int64_t *kept;                 /* (opt) each row: its length past which it is all +0 */
 } MaskedJob;
 
+/* y = the softmax of the row of sums y (mx their largest) whose values past
+ * y[len] are -inf (not read), in place; the length past which it is all +0
+ * (kept).  A row's masked tail (a causal
+ * mask's keys after the query) is e^(v - max) = 0 by exp_of's own test, so it
+ * is written as 0 without the exp; the sum is unchanged (its terms there are
+ * +0).  A NaN row scales it too. */
+static inline int64_t softmax_of_first(float *y, float mx, int64_t len, int64_t d) {
+    const int64_t hi = kept_length(y, mx, len);
+    const float inv = (float)(1.0 / exp_sum(y, mx, y, hi));
+    for (int64_t i = hi; i < d; ++i) y[i] = 0.0f;
+    const int64_t end = inv != inv ? d : hi;
+    for (int64_t i = 0; i < end; ++i) y[i] = y[i] * inv;
+    return end;
+}
+
+/* The same of a whole row of sums. */
+static inline int64_t softmax_of_sums(float *y, float mx, int64_t d) { return softmax_of_first(y, mx, d, d); }
+
+/* The row's v = x + m (x contiguous, m by stride sm, 0: one value) into y
+ * (may be x), and the largest v, as the masked softmax takes them. */
+static inline float sum_row(const float *x, const float *m, int64_t sm, float *y, int64_t d) {
+    if (sm == 1) return add_max(x, m, y, d);
+    for (int64_t i = 0; i < d; ++i) y[i] = x[i] + m[i * sm];
+    return row_max(y, d);
+}
+
 /* Each row: v = a + b (the Add's float sums, broadcast), its max (eight
  * running maxima), e^(v - max), the sum in double, y = e * (1 / sum): the Add
  * and the Softmax over the last axis without writing a + b.  A row with a
@@ -882,14 +912,7 @@ CLONES static void masked_softmax_rows(void *arg, int64_t b, int64_t e) {
             for (int64_t i = 0; i < d; ++i) y[i] = x[i * sa] + m[i * sb];
             mx = row_max(y, d);
         }
-        /* A row's masked tail (a causal mask's keys after the query) is e^(v - max)
-         * = 0 by exp_of's own test, so it is written as 0 without the exp; the
-         * sum is unchanged (its terms there are +0).  A NaN row scales it too. */
-        const int64_t hi = kept_length(y, mx, d);
-        const float inv = (float)(1.0 / exp_sum(y, mx, y, hi));
-        for (int64_t i = hi; i < d; ++i) y[i] = 0.0f;
-        const int64_t end = inv != inv ? d : hi;
-        for (int64_t i = 0; i < end; ++i) y[i] = y[i] * inv;
+        const int64_t end = softmax_of_sums(y, mx, d);
         if (j->kept) j->kept[row] = end;
     }
 }
@@ -1225,6 +1248,99 @@ static OrtStatus *tail_matmul(const LlmOp *op, Args *a) { return tail_product(op
 static OrtStatus *tail_matmul_ta(const LlmOp *op, Args *a) { return tail_product(op, a, TAIL_AT); }
 static OrtStatus *tail_matmul_b(const LlmOp *op, Args *a) { return tail_product(op, a, TAIL_B); }
 
+/* ------------------------------------------------------------ the scores' product in the masked softmax */
+/* y = Softmax(a b + mask) over the last axis, without writing a b: each block
+ * of TAIL_ROWS rows of the scores is summed (as the tail products sum) into
+ * the rows of y, then each row takes the mask and the softmax as
+ * MaskedSoftmaxF32's rows do.  A row's columns past its mask's last value that
+ * is not -inf are not multiplied: a finite score there gives -inf, e^-inf =
+ * 0, and they take +0 in its place.  (A NaN or +inf score facing the mask's
+ * -inf makes the standard row NaN; here it is left out, as the tail
+ * products leave out what faces a skipped zero.) */
+typedef struct {
+    TailJob t; /* the product: t.a [.., M, K], t.b [.., K, N], t.out = y */
+    const float *mask;
+    int64_t rank, dims[8], stride[8]; /* y's dims; the mask's strides into them */
+    int64_t *kept;
+} ScoresJob;
+
+/* The length of the mask's row (stride sm; 0: one value) to its last value that is not -inf. */
+static inline int64_t unmasked_length(const float *m, int64_t sm, int64_t d) {
+    int64_t hi = d;
+    if (sm == 1)
+        while (hi >= 16) { /* sixteen at a time from the end */
+            int all = 1;
+            for (int t = 0; t < 16; ++t) all &= m[hi - 16 + t] == -INFINITY;
+            if (!all) break;
+            hi -= 16;
+        }
+    while (hi > 0 && m[(hi - 1) * sm] == -INFINITY) --hi;
+    return hi;
+}
+
+FMA_CLONES static void scores_items(void *arg, int64_t b, int64_t e) {
+    const ScoresJob *j = (const ScoresJob *)arg;
+    const TailJob *t = &j->t;
+    const int64_t d = t->n, sm = j->stride[j->rank - 1];
+    for (int64_t item = b; item < e; ++item) {
+        const int64_t bi = item / t->blocks, r0 = item % t->blocks * TAIL_ROWS;
+        const int64_t rows = t->m - r0 < TAIL_ROWS ? t->m - r0 : TAIL_ROWS;
+        const float *a = t->a + bi * t->m * t->k, *bm = t->b + bi * t->k * t->n, *mrow[TAIL_ROWS];
+        float *out = t->out + bi * t->m * d;
+        int64_t len[TAIL_ROWS], cols = 0;
+        for (int64_t q = 0; q < rows; ++q) {
+            mrow[q] = j->mask + row_offset(bi * t->m + r0 + q, j->dims, j->rank - 1, j->stride);
+            len[q] = unmasked_length(mrow[q], sm, d);
+            cols = len[q] > cols ? len[q] : cols;
+        }
+        int64_t c0 = 0;
+        for (; c0 + TAIL_COLS <= d && c0 < cols; c0 += TAIL_COLS) {
+            if (rows == TAIL_ROWS)
+                tail_block(t, a, t->k, 1, bm, out, r0, TAIL_ROWS, c0, 0, t->k);
+            else
+                tail_block(t, a, t->k, 1, bm, out, r0, rows, c0, 0, t->k);
+        }
+        for (int64_t q = 0; q < rows; ++q) {
+            float *y = out + (r0 + q) * d;
+            for (int64_t c = c0; c < len[q]; ++c) y[c] = tail_one(t, a, t->k, 1, bm, r0 + q, c, 0, t->k);
+            /* (past len, sums of -inf: they change no max, and are written as +0;
+             * a row all -inf is NaN, as MaskedSoftmaxF32's) */
+            if (!len[q])
+                for (int64_t c = 0; c < d; ++c) y[c] = -INFINITY;
+            const float mx = len[q] ? sum_row(y, mrow[q], sm, y, len[q]) : -INFINITY;
+            const int64_t end = softmax_of_first(y, mx, len[q] ? len[q] : d, d);
+            if (j->kept) j->kept[bi * t->m + r0 + q] = end;
+        }
+    }
+}
+
+/* a [.., M, K], b [.., K, N] (one leading shape), mask (broadcast into [.., M, N]) -> y, kept (opt). */
+static OrtStatus *matmul_masked_softmax(const LlmOp *op, Args *a) {
+    const size_t rank = a->rank[0];
+    if (rank < 2 || rank > 8 || a->rank[1] != rank || memcmp(a->dims[0], a->dims[1], (rank - 2) * sizeof(int64_t)))
+        return llm_fail(op, "expects a [.., M, K] and b [.., K, N] with one leading shape");
+    ScoresJob j;
+    memset(&j, 0, sizeof(j));
+    j.t.m = a->dims[0][rank - 2], j.t.k = a->dims[0][rank - 1], j.t.n = a->dims[1][rank - 1];
+    if (a->dims[1][rank - 2] != j.t.k) return llm_fail(op, "a's and b's inner dims differ");
+    memcpy(j.dims, a->dims[0], (rank - 1) * sizeof(int64_t));
+    j.dims[rank - 1] = j.t.n;
+    j.rank = (int64_t)rank;
+    if (!broadcast_into(j.dims, rank, a->dims[2], a->rank[2], j.stride))
+        return llm_fail(op, "the mask does not broadcast into the scores");
+    if (j.t.n == 0) return llm_fail(op, "the scores' rows are empty");
+    j.t.batch = 1;
+    for (size_t i = 0; i + 2 < rank; ++i) j.t.batch *= j.dims[i];
+    j.t.a = a->data[0], j.t.b = a->data[1], j.mask = a->data[2];
+    OrtStatus *st = llm_output(op, a, 0, j.dims, rank, (void **)&j.t.out);
+    if (!st) st = llm_output(op, a, 1, j.dims, rank - 1, (void **)&j.kept);
+    if (st || j.t.batch * j.t.m == 0) return st;
+    j.t.blocks = (j.t.m + TAIL_ROWS - 1) / TAIL_ROWS;
+    split_work(scores_items, &j, j.t.batch * j.t.blocks,
+               j.t.batch * (j.t.m * j.t.k + j.t.k * j.t.n + 2 * j.t.m * j.t.n) * 4);
+    return NULL;
+}
+
 /* ------------------------------------------------------------ n-bit weights */
 typedef struct {
     const uint8_t *b, *zp;
@@ -1335,6 +1451,7 @@ static LlmOp g_llm_ops[] = {
     LLM_OP("SoftmaxGradF32", 2, L(F, F), 0, 2, L(F, I), 0x2u, softmax_grad),
     LLM_OP("SoftmaxGradPlainF32", 2, L(F, F), 0, 2, L(F, I), 0x2u, softmax_grad_plain),
     LLM_OP("MaskedSoftmaxF32", 2, L(F, F), 0, 2, L(F, I), 0x2u, masked_softmax),
+    LLM_OP("MatMulMaskedSoftmaxF32", 3, L(F, F, F), 0, 2, L(F, I), 0x2u, matmul_masked_softmax),
     LLM_OP("CrossEntropyF32", 3, L(F, I, I), 0, 2, L(F, D), 0, xent),
     LLM_OP("CrossEntropyGradF32", 4, L(F, D, I, F), 0, 1, L(F), 0, xent_grad),
     LLM_OP("TailMatMulF32", 4, L(F, F, F, I), 0xCu, 1, L(F), 0, tail_matmul),

@@ -46,9 +46,10 @@ from ..core.names import NameGen
 from .attention import MIN_ROW
 from .graphmatch import Fusion, Index, kernel_node
 
-#: The kernels whose outputs hold a mask's zeros: the masked softmax, and
-#: those that read its probabilities (input 0 of the guard, input 1 of the gradients).
-MASKED = "MaskedSoftmaxF32"
+#: The kernels whose outputs hold a mask's zeros: the masked softmax (of
+#: scores, or of the product that makes them), and those that read its
+#: probabilities (input 0 of the guard, input 1 of the gradients).
+MASKED = {"MaskedSoftmaxF32", "MatMulMaskedSoftmaxF32"}
 READERS = {"SoftmaxGuardF32": 0, "SoftmaxGradF32": 1, "SoftmaxGradPlainF32": 1}
 #: The readers that pass their input's zeros on as they are (its lengths bound theirs).
 KEEPERS = {"SoftmaxGuardF32"}
@@ -74,12 +75,41 @@ def tailed_values(planned: Sequence[Fusion]) -> dict[str, Writer]:
     """The values of the ``planned`` fusions that hold a mask's zero tails,
     each with the kernel that can write its rows' lengths."""
     added = [(f, n) for f in planned for n in f.added]
-    tailed = {n.output[0]: Writer(f, n) for f, n in added if n.op_type == MASKED}
+    tailed = {n.output[0]: Writer(f, n) for f, n in added if n.op_type in MASKED}
     for f, n in added:
         if n.op_type in READERS and n.input[READERS[n.op_type]] in tailed:
             source = n.input[READERS[n.op_type]]
             tailed[n.output[0]] = tailed[source] if n.op_type in KEEPERS else Writer(f, n)
     return tailed
+
+
+def scores_products(ix: Index, planned: Sequence[Fusion]) -> None:
+    """The ``planned`` masked softmaxes of a MatMul's scores (read by nothing
+    else, as large as the sum: the mask is what broadcasts) take the product
+    in (``MatMulMaskedSoftmaxF32(a, b, mask)``: the scores of a row's masked
+    keys are never multiplied), in place."""
+    for f in planned:
+        for node in [n for n in f.added if n.op_type == "MaskedSoftmaxF32"]:
+            found = _scores(ix, f, node)
+            if found is not None:
+                mm, mask = found
+                node.op_type = "MatMulMaskedSoftmaxF32"
+                node.input[:] = [*mm.input, mask]
+                f.removed.insert(0, mm)
+
+
+def _scores(ix: Index, f: Fusion, node: onnx.NodeProto) -> tuple[onnx.NodeProto, str] | None:
+    """(the MatMul, the mask) where one operand of the masked softmax ``node`` is such scores."""
+    add = next((n for n in f.removed if n.op_type == "Add"), None)
+    total = ix.dims(add.output[0]) if add is not None else None
+    for scores, mask in (node.input, reversed(node.input)):
+        mm = ix.node(scores, "MatMul")
+        if mm is None or mm.domain not in ("", "ai.onnx") or scores in ix.outputs:
+            continue
+        if ix.readers.get(scores, []) != [add] or ix.dims(scores) != total or not _fits(ix, *mm.input, scores):
+            continue
+        return mm, mask
+    return None
 
 
 def _swaps_last_two(ix: Index, node: onnx.NodeProto, rank: int) -> bool:

@@ -17,15 +17,17 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="the kernel l
 
 ULPS = 4 * np.finfo(np.float32).eps
 TAILS = ["MatMulTailBF32", "TailMatMulF32", "TailMatMulF32", "TailMatMulTransAF32"]
-ATTENTION = ["MaskedSoftmaxF32", "SoftmaxGradF32", "SoftmaxGuardF32"]
+SOFTMAXES = ["MaskedSoftmaxF32", "MatMulMaskedSoftmaxF32"]
+ATTENTION = [*SOFTMAXES, "SoftmaxGradF32", "SoftmaxGuardF32"]
+SCORES = "MatMulMaskedSoftmaxF32"  # the scores' MatMul taken into the masked softmax
 
-CHAINS = [
-    ("causal", lambda: attention()),
-    ("padding", lambda: attention(mask="padding", seed=1)),
-    ("no mask", lambda: attention(mask="none", seed=2)),
-    ("causal, more keys than queries", lambda: attention((2, 2, 70, 24), keys=100, seed=3)),
-    ("causal, the scale after the product", lambda: attention(split_scale=False, seed=4)),
-    ("L1's attention, split", lambda: attention((4, 8, 256, 64), seed=5, scale=0.125)),
+CHAINS = [  # (label, chain, its masked softmax kernel)
+    ("causal", lambda: attention(), SCORES),
+    ("padding", lambda: attention(mask="padding", seed=1), SCORES),
+    ("no mask", lambda: attention(mask="none", seed=2), SCORES),
+    ("causal, more keys than queries", lambda: attention((2, 2, 70, 24), keys=100, seed=3), SCORES),
+    ("causal, the scale after the product", lambda: attention(split_scale=False, seed=4), "MaskedSoftmaxF32"),
+    ("L1's attention, split", lambda: attention((4, 8, 256, 64), seed=5, scale=0.125), SCORES),
 ]
 
 
@@ -33,12 +35,13 @@ def _kernels(model) -> list[str]:
     return sorted(n.op_type for n in model.graph.node if n.domain == KERNEL_DOMAIN)
 
 
-@pytest.mark.parametrize("label,make", CHAINS, ids=[c[0] for c in CHAINS])
-def test_attentions_products_are_as_close_to_float64_as_onnxruntimes(label, make):
+@pytest.mark.parametrize("label,make,softmax", CHAINS, ids=[c[0] for c in CHAINS])
+def test_attentions_products_are_as_close_to_float64_as_onnxruntimes(label, make, softmax):
     chain = make()
     fused, _ = chain.fused()
     tails = [k for k in _kernels(fused) if k not in ATTENTION]
     assert tails == TAILS, tails
+    assert [k for k in _kernels(fused) if k in SOFTMAXES] == [softmax]
     standard, ours = run(chain.model, chain), run(fused, chain)
     ref = chain.reference(chain.feeds)
     for out in chain.outputs:
@@ -223,6 +226,63 @@ def test_the_products_read_the_lengths_their_operands_kernels_wrote():
         if "Tail" in n.op_type:
             assert len(n.input) == 4 and n.input[3] in writers, n
             read[n.op_type].append(writers[n.input[3]])
-    assert sorted(writers.values()) == ["MaskedSoftmaxF32", "SoftmaxGradF32"]
-    assert sorted(read["TailMatMulF32"]) == ["MaskedSoftmaxF32", "SoftmaxGradF32"]
-    assert read["TailMatMulTransAF32"] == ["MaskedSoftmaxF32"] and read["MatMulTailBF32"] == ["SoftmaxGradF32"]
+    assert sorted(writers.values()) == [SCORES, "SoftmaxGradF32"]
+    assert sorted(read["TailMatMulF32"]) == [SCORES, "SoftmaxGradF32"]
+    assert read["TailMatMulTransAF32"] == [SCORES] and read["MatMulTailBF32"] == ["SoftmaxGradF32"]
+
+
+def _masks(m: int, n: int, rng) -> dict[str, np.ndarray]:
+    causal = np.triu(np.full((m, n), -np.inf, np.float32), n - m + 1)
+    holes = np.where(rng.random((m, n)) < 0.3, -np.inf, 0.0).astype(np.float32)
+    holes[:, -1] = 0.0  # a kept last key under masked ones
+    holes[2, :] = -np.inf  # a fully masked row: NaN, as the standard softmax's
+    return {"causal": causal[None], "holes": holes[None], "none": np.zeros((1, 1, n), np.float32),
+            "lowest": np.where(causal == 0, 0, np.finfo(np.float32).min).astype(np.float32)[None],
+            "one per row": np.where(np.arange(m) % 3 == 0, -np.inf, 0.5).astype(np.float32)[None, :, None]}
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "holes", "none", "lowest", "one per row"])
+@pytest.mark.parametrize("m,k,n", [(13, 24, 45), (64, 64, 64), (40, 7, 100)])
+def test_the_scores_product_in_the_masked_softmax(mask_kind, m, k, n):
+    """MatMulMaskedSoftmaxF32(a, b, mask) is MaskedSoftmaxF32 of the tail
+    products' sums of a b, bit for bit, and as close to float64 as the standard chain."""
+    rng = np.random.default_rng(m + k + n)
+    a = rng.standard_normal((3, 2, m, k)).astype(np.float32)
+    b = rng.standard_normal((3, 2, k, n)).astype(np.float32)
+    mask = _masks(m, n, rng)[mask_kind]
+    feeds = {"a": a, "b": b, "mask": mask}
+    y, kept = _run_op("MatMulMaskedSoftmaxF32", feeds, ["a", "b", "mask"], outputs=2)
+    scores = _product("TailMatMulF32", a, b, kept=np.full((3, 2, m), k))
+    y2, kept2 = _run_op("MaskedSoftmaxF32", {"s": scores, "mask": mask}, ["s", "mask"], outputs=2)
+    assert np.array_equal(y, y2, equal_nan=True) and np.array_equal(kept, kept2)
+    assert np.array_equal(_run_op("MatMulMaskedSoftmaxF32", feeds, ["a", "b", "mask"])[0], y, equal_nan=True)
+    s64 = a.astype(np.float64) @ b.astype(np.float64) + mask
+    with np.errstate(invalid="ignore"):
+        ref = np.exp(s64 - s64.max(-1, keepdims=True))
+        ref /= ref.sum(-1, keepdims=True)
+    nan = np.isnan(ref)
+    assert np.array_equal(np.isnan(y), nan) and (mask_kind in ("holes", "one per row")) == nan.any()
+    assert np.abs(y[~nan] - ref[~nan]).max() <= 16 * ULPS
+
+
+def test_a_nan_score_facing_the_masks_minus_infinity_is_left_out():
+    """The one difference from the standard chain, as the tail products' (documented)."""
+    a = np.ones((1, 40, 8), np.float32)
+    b = np.ones((1, 8, 40), np.float32)
+    b[0, 3, 39] = np.nan  # the last key's score: masked for every query but the last
+    mask = np.triu(np.full((40, 40), -np.inf, np.float32), 1)[None]
+    y = _run_op("MatMulMaskedSoftmaxF32", {"a": a, "b": b, "mask": mask}, ["a", "b", "mask"])[0]
+    assert np.isnan(y[0, -1]).all() and np.array_equal(y[0, :-1], np.tril(1 / np.arange(1, 40)[:, None]
+                                                                             * np.ones((39, 40)), 0).astype(np.float32))
+    with np.errstate(invalid="ignore"):
+        assert np.isnan(a[0] @ b[0] + mask[0]).any(-1).all()  # the standard chain's rows are all NaN
+
+
+def test_the_scores_product_reports_bad_shapes():
+    ones = np.ones
+    with pytest.raises(Exception, match="MatMulMaskedSoftmaxF32: a's and b's inner dims differ"):
+        _run_op("MatMulMaskedSoftmaxF32", {"a": ones((2, 4, 5), np.float32), "b": ones((2, 6, 3), np.float32),
+                                           "m": ones((4, 3), np.float32)}, ["a", "b", "m"])
+    with pytest.raises(Exception, match="MatMulMaskedSoftmaxF32: the mask does not broadcast into the scores"):
+        _run_op("MatMulMaskedSoftmaxF32", {"a": ones((2, 4, 5), np.float32), "b": ones((2, 5, 3), np.float32),
+                                           "m": ones((4, 2), np.float32)}, ["a", "b", "m"])
