@@ -23,6 +23,7 @@ and backward, by one kernel each, only in the program onnxruntime runs
 | ``LowRankTransAF32`` | ``lowrank``: Gemm(a, b, transA) for a [M, K] of few columns (LoRA's dB = h^T dY) | no: the product's order |
 | ``CrossEntropyF32`` / ``CrossEntropyGradF32`` | ``xent``: SoftmaxCrossEntropyLoss and its gradient | no: double sums, the library's exp |
 | ``TailMatMulF32`` and two more | ``tails``: the products that read the masked softmax's probabilities or their gradient, its zeros left out | no: the product's order |
+| ``MatMulMaskedSoftmaxF32`` | ``tails``: the scores' MatMul and the masked softmax, the masked keys never multiplied | no: the product's order |
 | ``DequantizeNBitsF32`` | ``nbits``: MatMulNBits' weight unpacked for its gradient dA = dY W | yes |
 
 Each match is the exact chain the exporter and the rules write, in either
